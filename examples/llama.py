@@ -1,0 +1,289 @@
+"""A Llama-style decoder LM as a plain LightningModule, and a learnable synthetic dataset.
+
+Nothing here knows about fsdp_strategies: this is the "existing Lightning project" that the
+strategies and callbacks must scale without changes.
+
+Model: token embedding -> N x TransformerBlock (RMSNorm, causal SDPA attention with rotary
+embeddings and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> LM head. Blocks live in
+``self.model.layers`` (an ``nn.ModuleList``). The network is built in ``configure_model`` so a
+sharding strategy can construct it on the meta device; every module has ``reset_parameters``.
+
+Data: sequences from a fixed random second-order Markov chain over ``vocab_size`` tokens
+(each (previous, current) pair has ``branching`` likely successors). It needs no download,
+is generated identically on every rank from a seed, and its loss falls from ln(vocab) towards
+the chain's entropy rate, which the DataModule reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables as non-persistent buffers, rebuilt by ``reset_parameters`` after meta init."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.cos.device.type == "meta":
+            return
+        with torch.no_grad():
+            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.cos.device) / self.head_dim))
+            angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32, device=self.cos.device), inv)
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (batch, heads, seq, head_dim)
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_seq_len: int) -> None:
+        super().__init__()
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"dim={dim} must divide by n_heads={n_heads}, and n_heads by n_kv_heads={n_kv_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q), self.rope(k)
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = Attention(dim, n_heads, n_kv_heads, max_seq_len)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = SwiGLU(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(
+        self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(dim, n_heads, n_kv_heads, mlp_hidden, max_seq_len) for _ in range(n_layers)
+        )
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.n_layers = n_layers
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class LlamaLM(pl.LightningModule):
+    """Next-token prediction with AdamW and linear warm-up + cosine decay, sized from YAML.
+
+    Sizes: ~3M parameters with the defaults (CPU); ``dim=2048, n_layers=16, n_heads=16,
+    mlp_hidden=5632, vocab_size=32000`` is ~1.1B (GPU).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        dim: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 8,
+        n_kv_heads: int | None = None,
+        mlp_hidden: int | None = None,
+        max_seq_len: int = 128,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Llama | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        h = self.hparams
+        mlp_hidden = h.mlp_hidden or int(8 * h.dim / 3 / 64 + 0.999) * 64
+        self.model = Llama(h.vocab_size, h.dim, h.n_layers, h.n_heads, h.n_kv_heads or h.n_heads, mlp_hidden, h.max_seq_len)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        if any(p.device.type == "meta" for p in self.parameters()):
+            return  # the strategy materialises and calls reset_parameters shard by shard
+        std = self.hparams.init_std
+        for name, p in self.model.named_parameters():
+            if p.dim() == 2:
+                scale = 1 / math.sqrt(2 * self.model.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
+                nn.init.normal_(p, std=std * scale)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        h = self.hparams
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=h.lr,
+            betas=(0.9, 0.95),
+            foreach=True,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = min(h.warmup_steps, total)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return h.min_lr_ratio + (1 - h.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class MarkovSequences(Dataset):
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.size(0)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+
+def markov_chain(vocab_size: int, branching: int, concentration: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Successor tokens (V, V, branching) and their probabilities for each (previous, current) pair."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab_size, (vocab_size, vocab_size, branching), generator=g)
+    probs = torch.distributions.Dirichlet(torch.full((branching,), concentration)).sample((vocab_size, vocab_size))
+    return successors, probs
+
+
+def sample_sequences(successors: torch.Tensor, probs: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    vocab = successors.size(0)
+    out = torch.empty(n, length, dtype=torch.long)
+    out[:, :2] = torch.randint(0, vocab, (n, 2), generator=g)
+    for t in range(2, length):
+        prev, cur = out[:, t - 2], out[:, t - 1]
+        choice = torch.multinomial(probs[prev, cur], 1, generator=g).squeeze(1)
+        out[:, t] = successors[prev, cur, choice]
+    return out
+
+
+class MarkovDataModule(pl.LightningDataModule):
+    """Learnable token sequences, generated at run time from ``seed`` (identical on every rank)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        seq_len: int = 128,
+        num_train: int = 8192,
+        num_val: int = 256,
+        batch_size: int = 16,
+        branching: int = 4,
+        concentration: float = 0.5,
+        seed: int = 0,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_data: torch.Tensor | None = None
+        self.val_data: torch.Tensor | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_data is not None:
+            return
+        h = self.hparams
+        successors, probs = markov_chain(h.vocab_size, h.branching, h.concentration, h.seed)
+        data = sample_sequences(successors, probs, h.num_train + h.num_val, h.seq_len + 1, h.seed + 1)
+        self.train_data, self.val_data = data[: h.num_train], data[h.num_train :]
+        # entropy rate of the chain (nats/token, uniform over pairs): the loss floor
+        self.entropy_floor = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            MarkovSequences(self.train_data), batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle,
+            num_workers=self.hparams.num_workers, drop_last=True,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(MarkovSequences(self.val_data), batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)

@@ -1,0 +1,28 @@
+"""Train the example Llama LM with LightningCLI.
+
+    python examples/train_llama.py fit --config configs/fsdp2.yaml
+    python examples/train_llama.py fit --config configs/hsdp.yaml --trainer.max_steps 50
+
+``import fsdp_strategies`` registers the strategy names (fsdp2, hsdp, ...) and makes the
+callbacks importable by ``class_path``; the model and data modules are plain Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fsdp_strategies  # noqa: E402, F401  (registers strategy names)
+from llama import LlamaLM, MarkovDataModule  # noqa: E402
+
+
+def main(args: list[str] | None = None) -> LightningCLI:
+    return LightningCLI(LlamaLM, MarkovDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""fsdp_strategies: large-scale training strategies and callbacks for an unmodified Lightning Trainer.
+
+``import fsdp_strategies`` registers every strategy name with Lightning's ``StrategyRegistry``
+(see :data:`STRATEGY_NAMES`); built-in names are never shadowed.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from fsdp_strategies._checkpoint import export_consolidated
+from fsdp_strategies.strategies import FSDP2Strategy, HSDPStrategy
+
+__version__ = "0.1.0"
+
+_REGISTERED = {
+    "fsdp2": (FSDP2Strategy, "FSDP2 (fully_shard) per transformer block, on a 1-D mesh"),
+    "hsdp": (HSDPStrategy, "FSDP2 on a 2-D (replicate, shard) DeviceMesh"),
+}
+STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTERED)
+
+
+def _register(name: str, cls: type, description: str) -> None:
+    existing = StrategyRegistry.get(name) if name in StrategyRegistry else None
+    if existing is not None and existing.get("strategy") is not cls:
+        raise RuntimeError(f"Strategy name {name!r} is already registered by {existing.get('strategy')}; not shadowing it.")
+    StrategyRegistry.register(name, cls, description=description, override=True)
+
+
+for _name, (_cls, _description) in _REGISTERED.items():
+    _register(_name, _cls, _description)
+
+__all__ = ["STRATEGY_NAMES", "FSDP2Strategy", "HSDPStrategy", "export_consolidated"]

@@ -1,0 +1,72 @@
+"""Device-mesh degrees: validated before any process group exists, built after.
+
+Named dims: ``("shard",)`` for FSDP and ``("replicate", "shard")`` for HSDP. Ranks are laid
+out row-major, so ``global_rank == replicate_index * shard_degree + shard_index`` and the
+data-parallel rank of every rank equals its global rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["HSDPDegrees", "build_mesh", "resolve_hsdp_degrees", "validate_degree_option"]
+
+
+@dataclass(frozen=True)
+class HSDPDegrees:
+    replicate: int
+    shard: int
+
+
+def validate_degree_option(name: str, value: int | str | None) -> None:
+    """Reject anything but a positive int, ``"auto"`` or ``None`` (at ``__init__`` time)."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid. Fix: give a positive integer, or 'auto'.")
+
+
+def resolve_hsdp_degrees(
+    world_size: int,
+    devices_per_node: int,
+    replicate_degree: int | str | None = "auto",
+    shard_degree: int | str | None = "auto",
+) -> HSDPDegrees:
+    """Fill in ``"auto"`` degrees (shard within a node, replicate across nodes) and check the product.
+
+    The error names both options, their values, the world size and a working choice.
+    """
+    auto_r = replicate_degree in (None, "auto")
+    auto_s = shard_degree in (None, "auto")
+    if auto_r and auto_s:
+        shard = devices_per_node
+        replicate = world_size // shard if shard and world_size % shard == 0 else 0
+    elif auto_r:
+        shard = int(shard_degree)  # type: ignore[arg-type]
+        replicate = world_size // shard if world_size % shard == 0 else 0
+    elif auto_s:
+        replicate = int(replicate_degree)  # type: ignore[arg-type]
+        shard = world_size // replicate if world_size % replicate == 0 else 0
+    else:
+        replicate, shard = int(replicate_degree), int(shard_degree)  # type: ignore[arg-type]
+    if replicate < 1 or shard < 1 or replicate * shard != world_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"replicate_degree={replicate_degree!r} x shard_degree={shard_degree!r} does not match the "
+            f"world size {world_size} (nodes x devices). Fix: choose shard_degree from {divisors} and "
+            f"replicate_degree = {world_size} // shard_degree, or leave both 'auto' "
+            f"(shard within a node of {devices_per_node} devices, replicate across nodes)."
+        )
+    return HSDPDegrees(replicate=replicate, shard=shard)
+
+
+def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: int) -> DeviceMesh:
+    """A 1-D ``("shard",)`` mesh when ``degrees`` is None, else the 2-D HSDP mesh."""
+    if degrees is None:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device.type, (degrees.replicate, degrees.shard), mesh_dim_names=("replicate", "shard")
+    )

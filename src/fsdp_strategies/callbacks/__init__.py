@@ -1,0 +1,3 @@
+"""Callbacks for an unmodified Lightning project."""
+
+__all__: list[str] = []

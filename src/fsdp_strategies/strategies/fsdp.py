@@ -1,0 +1,345 @@
+"""``fsdp2``: FSDP2 (``torch.distributed.fsdp.fully_shard``) applied to an unmodified LightningModule.
+
+Subclasses Lightning's ``ModelParallelStrategy`` (so the Trainer's connectors treat it as
+distributed: launcher, distributed sampler, ``sync_dist``) and overrides only what differs:
+the mesh, the wrapping, precision, gradient-sync skipping and atomic checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from typing_extensions import override
+
+from fsdp_strategies._blocks import class_names, find_transformer_blocks
+from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
+from fsdp_strategies._mesh import HSDPDegrees, build_mesh
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FSDP2Strategy"]
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _dtype_option(name: str, value: str | None) -> torch.dtype | None:
+    if value is None:
+        return None
+    if value not in _DTYPES:
+        raise ValueError(f"{name}={value!r} is not a dtype this strategy knows. Fix: use one of {sorted(_DTYPES)}.")
+    return _DTYPES[value]
+
+
+class _ShardedMixedPrecision(Precision):
+    """``bf16-mixed`` under FSDP2: the MixedPrecisionPolicy casts, so no autocast on top (no double casting)."""
+
+    def __init__(self, precision: str) -> None:
+        super().__init__()
+        self.precision = precision  # type: ignore[assignment]
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
+
+    Args:
+        block_class_names: class names of the transformer blocks (e.g. ``["TransformerBlock"]``).
+            Empty: the heuristic of :func:`fsdp_strategies._blocks.find_transformer_blocks`.
+        reshard_after_forward: free gathered parameters after forward (``True``, ZeRO-3), keep them
+            (``False``, ZeRO-2), or reshard to a smaller group of this many ranks (``int``).
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
+        forward_prefetch: how many following blocks to all-gather ahead in forward (0 = FSDP2 default).
+        backward_prefetch: how many preceding blocks to all-gather ahead in backward (1 = FSDP2 default).
+        compile_blocks: ``torch.compile`` each block (in place) before sharding it.
+        meta_init: build modules created in ``configure_model`` on the meta device and materialise
+            them shard by shard after wrapping (``to_empty`` + ``reset_parameters``).
+        param_dtype / reduce_dtype / output_dtype: explicit ``MixedPrecisionPolicy`` fields; they
+            override what the Trainer's ``precision`` implies.
+        save_distributed_checkpoint: sharded DCP folder (default) or one full file written by rank 0.
+        process_group_backend: ``nccl``/``gloo``; default from the device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        block_class_names: list[str] | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        compile_blocks: bool = False,
+        meta_init: bool = True,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        output_dtype: str | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if isinstance(block_class_names, str):
+            block_class_names = [block_class_names]
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward!r} is invalid. Fix: True, False, or a positive "
+                "number of ranks that divides the shard degree."
+            )
+        for name, value in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} is invalid. Fix: a block count >= 0.")
+        self.block_class_names = list(block_class_names or [])
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        self.compile_blocks = compile_blocks
+        self.meta_init = meta_init
+        self._explicit_dtypes = {
+            "param_dtype": _dtype_option("param_dtype", param_dtype),
+            "reduce_dtype": _dtype_option("reduce_dtype", reduce_dtype),
+            "output_dtype": _dtype_option("output_dtype", output_dtype),
+        }
+        self._mp_policy = MixedPrecisionPolicy()
+        self._blocks: list[nn.Module] = []
+
+    # ------------------------------------------------------------------ validation (no process group yet)
+    def _mesh_degrees(self) -> HSDPDegrees | None:
+        """None: a 1-D shard mesh over the world. Subclasses return 2-D degrees."""
+        return None
+
+    def _precision_flag(self) -> str:
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
+
+    def _validate_precision(self) -> None:
+        flag = self._precision_flag()
+        if flag not in SUPPORTED_PRECISION and not isinstance(self.precision_plugin, _ShardedMixedPrecision):
+            raise ValueError(
+                f"precision={flag!r} is not supported by the {self.strategy_name} strategy. Fix: use one of "
+                f"{SUPPORTED_PRECISION} ('bf16-mixed' = bf16 compute, fp32 master weights and fp32 reduce)."
+            )
+        implied: dict[str, torch.dtype | None] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None}
+        if flag == "bf16-mixed":
+            implied = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": None}
+            self.precision_plugin = _ShardedMixedPrecision(flag)
+        for key, value in self._explicit_dtypes.items():
+            if value is not None:
+                implied[key] = value
+        self._mp_policy = MixedPrecisionPolicy(**implied)  # type: ignore[arg-type]
+
+    def _validate_block_classes(self, model: nn.Module) -> None:
+        """Fail early on a typo in ``block_class_names`` unless the blocks appear in ``configure_model``."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if not self.block_class_names or (
+            isinstance(model, nn.Module) and is_overridden("configure_model", model)  # type: ignore[arg-type]
+        ):
+            return
+        find_transformer_blocks(model, self.block_class_names)
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:  # type: ignore[override]
+        self._validate_block_classes(model)
+        super().connect(model)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called once the Trainer has set devices, nodes and precision, before any process starts:
+        # the place to reject bad options early.
+        self._validate_precision()
+        self._mesh_degrees()
+        super()._configure_launcher()
+
+    # ------------------------------------------------------------------ process group and mesh
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._device_mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` uses (1-D here, 2-D for HSDP)."""
+        return self.device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank; the mesh is laid out row-major over global ranks.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ meta-device construction
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        if self.meta_init:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    # ------------------------------------------------------------------ wrapping
+    def _fully_shard_kwargs(self) -> dict[str, Any]:
+        offload: OffloadPolicy = (
+            CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+        )
+        return {"mesh": self.shard_mesh, "mp_policy": self._mp_policy, "offload_policy": offload}
+
+    def _shard_block(self, block: nn.Module) -> None:
+        fully_shard(block, reshard_after_forward=self.reshard_after_forward, **self._fully_shard_kwargs())
+
+    def _shard_root(self, module: nn.Module) -> None:
+        fully_shard(module, **self._fully_shard_kwargs())
+
+    def shard_module(self, module: nn.Module) -> nn.Module:
+        """Apply (per-block compile ->) ``fully_shard`` per block -> ``fully_shard`` on the root. Idempotent."""
+        if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
+            raise TypeError(
+                f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
+                "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
+            )
+        blocks = find_transformer_blocks(module, self.block_class_names)
+        if not blocks:
+            rank_zero_warn(
+                f"{self.strategy_name}: no transformer blocks found (no nn.ModuleList of repeated modules, and "
+                "block_class_names is empty). The whole model is one FSDP unit: memory is sharded at rest but "
+                "fully gathered in forward. Fix: set block_class_names."
+            )
+        for block in blocks:
+            if self.compile_blocks and not getattr(block, "_compiled_call_impl", None):
+                block.compile()
+            if not isinstance(block, FSDPModule):
+                self._shard_block(block)
+        if not isinstance(module, FSDPModule):
+            self._shard_root(module)
+        self._set_prefetch(blocks)
+        self._blocks = blocks
+        rank_zero_info(
+            f"{self.strategy_name}: sharded {len(blocks)} blocks ({', '.join(class_names(blocks)) or '-'}) + root "
+            f"over mesh {dict(zip(self.shard_mesh.mesh_dim_names or (), self.shard_mesh.shape, strict=False))}, "
+            f"mp_policy(param={self._mp_policy.param_dtype}, reduce={self._mp_policy.reduce_dtype})"
+        )
+        return module
+
+    def _set_prefetch(self, blocks: Sequence[nn.Module]) -> None:
+        fsdp_blocks = [b for b in blocks if isinstance(b, FSDPModule)]
+        for i, block in enumerate(fsdp_blocks):
+            if self.forward_prefetch > 0 and i + 1 < len(fsdp_blocks):
+                block.set_modules_to_forward_prefetch(fsdp_blocks[i + 1 : i + 1 + self.forward_prefetch])
+            if self.backward_prefetch > 1 and i > 0:
+                block.set_modules_to_backward_prefetch(fsdp_blocks[max(0, i - self.backward_prefetch) : i][::-1])
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not isinstance(self.model, FSDPModule):
+            if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
+                self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast before sharding
+            if not _has_meta_device_parameters_or_buffers(self.model):
+                self.model.to(self.root_device)
+            self.shard_module(self.model)
+            _materialize_distributed_module(self.model, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ steps: run through the root's hooks
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Lightning calls training_step, not forward; FSDP2's root hooks live on forward. Route the
+        # call through ``module.__call__`` so the root all-gather / reshard hooks fire.
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduce-scatter / all-reduce on non-final micro-batches."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield None
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        else:
+            yield None
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        if self._save_distributed_checkpoint:
+            tensors = {"state_dict": checkpoint.pop("state_dict")}
+            tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero, barrier=self.barrier)
+        else:
+            if self.is_global_zero:
+                atomic_save_full(checkpoint, path)
+            self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="FSDP2 (fully_shard) per transformer block, from fsdp_strategies"
+        )
+

@@ -1,0 +1,57 @@
+"""Shared test helpers: run real multi-process jobs (gloo on CPU) and read back their results.
+
+Every distributed test runs its ranks as separate OS processes, either through Lightning's own
+launcher (the script re-executes itself per rank) or ``torchrun``; nothing is simulated in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+WORKERS = Path(__file__).resolve().parent / "workers"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(EXAMPLES)])})
+    env.update(extra or {})
+    return env
+
+
+def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` (e.g. a script that starts Lightning's launcher) and fail with its output."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=_env(env), cwd=str(cwd or ROOT))
+    if check and proc.returncode != 0:
+        pytest.fail(f"`python {' '.join(args)}` exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+                    f"--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: float = 300,
+                 env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Start ``nproc`` ranks of ``script`` with torchrun on a free port."""
+    port = free_port()
+    return run_python(["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+                       f"--master_port={port}", "--master_addr=127.0.0.1", str(script), *args],
+                      timeout=timeout, env=env, check=check)
