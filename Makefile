@@ -20,7 +20,8 @@ train: install
 	$(PY) examples/train_llama.py fit --config $(CONFIG)
 
 test: install
-	$(PY) -m pytest tests -q
+	$(VENV)/bin/ruff check src examples tests benchmarks
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check src examples tests benchmarks

@@ -8,8 +8,8 @@ embeddings and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> LM head. 
 ``self.model.layers`` (an ``nn.ModuleList``). The network is built in ``configure_model`` so a
 sharding strategy can construct it on the meta device; every module has ``reset_parameters``.
 
-Data: sequences from a fixed random second-order Markov chain over ``vocab_size`` tokens
-(each (previous, current) pair has ``branching`` likely successors). It needs no download,
+Data: sequences from a fixed random Markov chain over ``vocab_size`` tokens (each context of
+the last ``order`` tokens has ``branching`` possible successors; ``order=2`` needs attention). It needs no download,
 is generated identically on every rank from a seed, and its loss falls from ln(vocab) towards
 the chain's entropy rate, which the DataModule reports.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -228,23 +229,32 @@ class MarkovSequences(Dataset):
         return self.data[index]
 
 
-def markov_chain(vocab_size: int, branching: int, concentration: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Successor tokens (V, V, branching) and their probabilities for each (previous, current) pair."""
+def markov_chain(
+    vocab_size: int, branching: int, concentration: float, seed: int, order: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Successor tokens and their probabilities for each context of the last ``order`` tokens.
+
+    Shapes: ``(V,) * order + (branching,)``.
+    """
     g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab_size, (vocab_size, vocab_size, branching), generator=g)
-    probs = torch.distributions.Dirichlet(torch.full((branching,), concentration)).sample((vocab_size, vocab_size))
+    shape = (vocab_size,) * order + (branching,)
+    successors = torch.randint(0, vocab_size, shape, generator=g)
+    # Dirichlet(concentration) via normalised Gamma draws from numpy's seeded generator: the data
+    # must not depend on (or disturb) the global RNG that seeds the model's initialisation.
+    gamma = np.random.default_rng(seed).gamma(concentration, size=shape)
+    probs = torch.from_numpy(gamma / gamma.sum(-1, keepdims=True)).float()
     return successors, probs
 
 
 def sample_sequences(successors: torch.Tensor, probs: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    vocab = successors.size(0)
+    vocab, order = successors.size(0), successors.dim() - 1
     out = torch.empty(n, length, dtype=torch.long)
-    out[:, :2] = torch.randint(0, vocab, (n, 2), generator=g)
-    for t in range(2, length):
-        prev, cur = out[:, t - 2], out[:, t - 1]
-        choice = torch.multinomial(probs[prev, cur], 1, generator=g).squeeze(1)
-        out[:, t] = successors[prev, cur, choice]
+    out[:, :order] = torch.randint(0, vocab, (n, order), generator=g)
+    for t in range(order, length):
+        context = tuple(out[:, t - order + i] for i in range(order))
+        choice = torch.multinomial(probs[context], 1, generator=g).squeeze(1)
+        out[:, t] = successors[context][torch.arange(n), choice]
     return out
 
 
@@ -260,6 +270,7 @@ class MarkovDataModule(pl.LightningDataModule):
         batch_size: int = 16,
         branching: int = 4,
         concentration: float = 0.5,
+        order: int = 1,
         seed: int = 0,
         num_workers: int = 0,
         shuffle: bool = True,
@@ -273,10 +284,10 @@ class MarkovDataModule(pl.LightningDataModule):
         if self.train_data is not None:
             return
         h = self.hparams
-        successors, probs = markov_chain(h.vocab_size, h.branching, h.concentration, h.seed)
+        successors, probs = markov_chain(h.vocab_size, h.branching, h.concentration, h.seed, h.order)
         data = sample_sequences(successors, probs, h.num_train + h.num_val, h.seq_len + 1, h.seed + 1)
         self.train_data, self.val_data = data[: h.num_train], data[h.num_train :]
-        # entropy rate of the chain (nats/token, uniform over pairs): the loss floor
+        # entropy rate of the chain (nats/token, averaged over contexts): the loss floor
         self.entropy_floor = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean())
 
     def train_dataloader(self) -> DataLoader:

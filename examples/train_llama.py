@@ -16,8 +16,8 @@ from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fsdp_strategies  # noqa: E402, F401  (registers strategy names)
-from llama import LlamaLM, MarkovDataModule  # noqa: E402
+import fsdp_strategies  # noqa: F401  (registers strategy names)
+from llama import LlamaLM, MarkovDataModule
 
 
 def main(args: list[str] | None = None) -> LightningCLI:

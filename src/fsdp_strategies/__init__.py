@@ -9,13 +9,17 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategies._checkpoint import export_consolidated
-from fsdp_strategies.strategies import FSDP2Strategy, HSDPStrategy
+from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
+from fsdp_strategies.callbacks.throughput import MFUMonitor
+from fsdp_strategies.strategies import DDPHooksStrategy, FSDP2Strategy, FTHSDPStrategy, HSDPStrategy
 
 __version__ = "0.1.0"
 
 _REGISTERED = {
     "fsdp2": (FSDP2Strategy, "FSDP2 (fully_shard) per transformer block, on a 1-D mesh"),
     "hsdp": (HSDPStrategy, "FSDP2 on a 2-D (replicate, shard) DeviceMesh"),
+    "ft_hsdp": (FTHSDPStrategy, "fault-tolerant HSDP: FSDP2 in a replica group, torchft across groups"),
+    "ddp_hooks": (DDPHooksStrategy, "DDP with comm hooks (compression, PowerSGD, post-local / hierarchical SGD)"),
 }
 STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTERED)
 
@@ -30,4 +34,4 @@ def _register(name: str, cls: type, description: str) -> None:
 for _name, (_cls, _description) in _REGISTERED.items():
     _register(_name, _cls, _description)
 
-__all__ = ["STRATEGY_NAMES", "FSDP2Strategy", "HSDPStrategy", "export_consolidated"]
+__all__ = ["STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy", "FTHSDPStrategy", "HSDPStrategy", "MFUMonitor", "export_consolidated"]

@@ -18,11 +18,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
-    for t in tensors:
+    for t in tensors:  # dedupe on the (long-lived) tensor itself: to_local() returns fresh views
         local = _local(t)
-        if id(local) in seen or local.device.type == "meta":
+        if id(t) in seen or local.device.type == "meta":
             continue
-        seen.add(id(local))
+        seen.add(id(t))
         total += local.numel() * local.element_size()
     return total
 

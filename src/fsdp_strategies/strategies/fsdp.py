@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_distributed_module
+from lightning.fabric.utilities.init import (
+    _has_meta_device_parameters_or_buffers,
+    _materialize_distributed_module,
+)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
@@ -23,7 +26,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from typing_extensions import override
 
 from fsdp_strategies._blocks import class_names, find_transformer_blocks
@@ -69,6 +78,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         forward_prefetch: how many following blocks to all-gather ahead in forward (0 = FSDP2 default).
         backward_prefetch: how many preceding blocks to all-gather ahead in backward (1 = FSDP2 default).
         compile_blocks: ``torch.compile`` each block (in place) before sharding it.
+        compile_options: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
         meta_init: build modules created in ``configure_model`` on the meta device and materialise
             them shard by shard after wrapping (``to_empty`` + ``reset_parameters``).
         param_dtype / reduce_dtype / output_dtype: explicit ``MixedPrecisionPolicy`` fields; they
@@ -88,6 +98,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         forward_prefetch: int = 0,
         backward_prefetch: int = 1,
         compile_blocks: bool = False,
+        compile_options: dict[str, Any] | None = None,
         meta_init: bool = True,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
@@ -117,6 +128,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.compile_blocks = compile_blocks
+        self.compile_options = dict(compile_options or {})
         self.meta_init = meta_init
         self._explicit_dtypes = {
             "param_dtype": _dtype_option("param_dtype", param_dtype),
@@ -231,7 +243,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         for block in blocks:
             if self.compile_blocks and not getattr(block, "_compiled_call_impl", None):
-                block.compile()
+                block.compile(**self.compile_options)
             if not isinstance(block, FSDPModule):
                 self._shard_block(block)
         if not isinstance(module, FSDPModule):

@@ -8,6 +8,7 @@ groups; gradients are reduce-scattered within and all-reduced across. Everything
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
@@ -39,6 +40,7 @@ class HSDPStrategy(FSDP2Strategy):
         forward_prefetch: int = 0,
         backward_prefetch: int = 1,
         compile_blocks: bool = False,
+        compile_options: dict[str, Any] | None = None,
         meta_init: bool = True,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
@@ -56,6 +58,7 @@ class HSDPStrategy(FSDP2Strategy):
             forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch,
             compile_blocks=compile_blocks,
+            compile_options=compile_options,
             meta_init=meta_init,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,

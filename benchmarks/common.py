@@ -1,0 +1,644 @@
+"""Shared machinery of the benchmark suites: launching workers, interleaving, statistics, results.
+
+A suite is a module ``benchmarks/suites/<name>.py`` with ``run(quick: bool, out_dir: Path, **opts) -> dict``
+(``benchmarks/run.py`` finds it by name). Suites import this module as ``common`` after putting
+``benchmarks/`` on ``sys.path`` (the runner does it; a standalone suite does it itself)::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import common
+
+What it gives a suite:
+- :func:`run_worker`: one real multi-process job (``torchrun``) of a worker script, returning the
+  JSON the worker's rank 0 wrote; a failure raises :class:`WorkerError` with the job's output tail.
+- :func:`interleave`: contenders run A B C A B C ... (``reps`` rounds) so a slow phase of a shared
+  machine hits every contender alike; warm-up steps are excluded inside the workers.
+- :func:`summarise` / :func:`paired_ratio`: medians and ratios (the median over rounds of the
+  per-round ratio, which cancels drift between rounds, plus the plain ratio of medians).
+- :func:`write_result`: ``<out_dir>/<suite>-<device>.json`` with :func:`header` (device name, versions
+  of torch / lightning / torchft, command line, time) and every raw sample.
+- :func:`plot_timing`: the PNG of a timing suite; :func:`progress`: the tqdm progress bar.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = ROOT / "benchmarks"
+RESULTS_DIR = BENCH_DIR / "results"
+WORKERS_DIR = BENCH_DIR / "workers"
+
+CPU_NOTE = ("CPU figures come from a small shared machine (2 cores, several other jobs running, gloo, "
+            "OMP_NUM_THREADS=1 per rank, ranks may outnumber cores): absolute times are noisy; "
+            "compare the interleaved ratios, not the times.")
+
+# Example model sizes (LlamaLM keyword arguments) and the sequence length / global batch they run with.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"model": {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4}, "seq_len": 32, "global_batch": 8},
+    "small": {"model": {"vocab_size": 128, "dim": 128, "n_layers": 2, "n_heads": 4}, "seq_len": 64, "global_batch": 16},
+    "medium": {"model": {"vocab_size": 128, "dim": 256, "n_layers": 4, "n_heads": 8}, "seq_len": 64, "global_batch": 16},
+    "large": {"model": {"vocab_size": 256, "dim": 384, "n_layers": 6, "n_heads": 8}, "seq_len": 64, "global_batch": 16},
+    # GPU sizes (pass --sizes gpu-350m gpu-1b on a GPU machine; bf16-mixed recommended there)
+    "gpu-350m": {"model": {"vocab_size": 2048, "dim": 1024, "n_layers": 24, "n_heads": 16}, "seq_len": 1024,
+                 "global_batch": 16},
+    "gpu-1b": {"model": {"vocab_size": 2048, "dim": 2048, "n_layers": 16, "n_heads": 16, "mlp_hidden": 5632},
+               "seq_len": 1024, "global_batch": 16},
+}
+
+
+# ---------------------------------------------------------------------------------------------- device
+def is_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_count() -> int:
+    """Ranks one node can run: GPUs when there are some, else unlimited CPU processes (gloo)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1 << 30
+
+
+def device_name() -> str:
+    """Human-readable device, e.g. ``NVIDIA H100 80GB HBM3 x8`` or the CPU model and core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def device_slug() -> str:
+    """File-name tag of the device: ``cpu``, or the GPU name lower-cased (``nvidia-h100-80gb-hbm3``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    return "cpu"
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "lightning", "torchft", "fsdp_strategies"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    return out
+
+
+def header(suite: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The first keys of every result file: what ran, where, with which versions, and how to rerun it."""
+    return {
+        "suite": suite,
+        "device": device_slug(),
+        "device_name": device_name(),
+        "versions": versions(),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "host_cpu_count": os.cpu_count(),
+        "note": CPU_NOTE if not is_gpu() else "GPU figures; each contender runs in its own job.",
+        "config": config,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- workers
+class WorkerError(RuntimeError):
+    """A worker job failed; the message carries the command and the tail of its output."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def run_worker(script: str | Path, nproc: int, args: Sequence[str], *, timeout: float = 900,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``torchrun --nproc_per_node NPROC WORKERS_DIR/script ARGS --out FILE`` and return FILE's JSON."""
+    script = Path(script)
+    if not script.is_absolute():
+        script = WORKERS_DIR / script
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(env), cwd=ROOT)
+        except subprocess.TimeoutExpired as exc:
+            raise WorkerError(f"timed out after {timeout}s: {shlex.join(cmd)}") from exc
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            raise WorkerError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{tail}")
+        return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------------- scheduling
+def progress(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr (``disable`` when not wanted is the caller's choice)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="job", dynamic_ncols=True, file=sys.stderr)
+
+
+def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int], Any],
+               bar: Any | None = None) -> dict[str, list[Any]]:
+    """Run ``run_one(contender, rep)`` as A B C, A B C, ... for ``reps`` rounds; results per contender.
+
+    ``run_one`` may raise; the exception object is stored in place of that round's result so one
+    failing contender does not stop the others.
+    """
+    results: dict[str, list[Any]] = {c: [] for c in contenders}
+    for rep in range(reps):
+        for name in contenders:
+            if bar is not None:
+                bar.set_postfix_str(f"{name} rep {rep + 1}/{reps}")
+            try:
+                results[name].append(run_one(name, rep))
+            except Exception as exc:  # recorded in the result file, shown in the summary
+                results[name].append(exc)
+            if bar is not None:
+                bar.update(1)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def median(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(vals) if vals else None
+
+
+def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> dict[str, Any]:
+    """Ratio num/den of per-round medians: the median of per-round ratios and the ratio of medians."""
+    per_round = [a / b for a, b in zip(num, den) if a is not None and b]
+    mn, md = median(x for x in num if x is not None), median(x for x in den if x is not None)
+    return {
+        "value": median(per_round),
+        "per_round": per_round,
+        "ratio_of_medians": (mn / md) if mn is not None and md else None,
+    }
+
+
+@dataclass
+class RatioSpec:
+    """``num / den`` with a target the ratio should not exceed (``None``: reported only)."""
+
+    num: str
+    den: str
+    target: float | None = None
+    meaning: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.num}/{self.den}"
+
+
+# ---------------------------------------------------------------------------------------------- timing suites
+@dataclass
+class Contender:
+    """One way of training the example: a worker script and its ``--contender`` name."""
+
+    name: str
+    script: str
+    role: str  # "ours", "lightning" or "torch"
+    description: str
+    skip_reason: Callable[[int], str | None] = field(default=lambda ranks: None)
+    replicate: Callable[[int], int] = field(default=lambda ranks: 1)
+
+
+def size_config(size: str) -> dict[str, Any]:
+    if size not in SIZES:
+        raise ValueError(f"--sizes: unknown size {size!r}. Fix: choose from {sorted(SIZES)}.")
+    return SIZES[size]
+
+
+def worker_args(contender: Contender, size: str, ranks: int, steps: int, warmup: int, precision: str,
+                seed: int = 0) -> list[str]:
+    cfg = size_config(size)
+    return ["--contender", contender.name, "--model", json.dumps(cfg["model"]), "--seq-len", str(cfg["seq_len"]),
+            "--global-batch", str(cfg["global_batch"]), "--steps", str(steps), "--warmup", str(warmup),
+            "--replicate", str(contender.replicate(ranks)), "--precision", precision, "--seed", str(seed)]
+
+
+def summarise(runs: list[Any]) -> dict[str, Any]:
+    """Per-contender record of one case: every raw sample, per-round medians, overall median, errors."""
+    samples = [r["step_times_s"] if isinstance(r, dict) else None for r in runs]
+    rep_medians = [median(s) if s else None for s in samples]
+    ok = [r for r in runs if isinstance(r, dict)]
+    return {
+        "samples_s": samples,
+        "warmup_samples_s": [r["warmup_times_s"] if isinstance(r, dict) else None for r in runs],
+        "rep_medians_s": rep_medians,
+        "median_s": median(x for s in samples if s for x in s),
+        "loss_first": [r["loss_first"] for r in ok],
+        "loss_last": [r["loss_last"] for r in ok],
+        "memory_per_rank": [p["memory"] for p in ok[0]["per_rank"]] if ok else None,
+        "per_rank_times_s": [[p["times_s"] for p in r["per_rank"]] for r in ok],
+        "strategy_class": ok[0].get("strategy_class") if ok else None,
+        "errors": [str(r) for r in runs if isinstance(r, BaseException)],
+    }
+
+
+def suite_config(contenders: Sequence[Contender], sizes: Sequence[str], ranks: Sequence[int], reps: int, steps: int,
+                 warmup: int, precision: str, quick: bool) -> dict[str, Any]:
+    return {"sizes": {s: size_config(s) for s in sizes}, "ranks": list(ranks), "reps": reps, "steps": steps,
+            "warmup": warmup, "precision": precision, "quick": quick,
+            "contenders": {c.name: {"role": c.role, "description": c.description, "worker": c.script}
+                           for c in contenders},
+            "step_time": "wall time between consecutive optimizer-step ends, slowest rank, warm-up excluded"}
+
+
+def collect_cases(suite: str, contenders: Sequence[Contender], *, sizes: Sequence[str], ranks: Sequence[int],
+                  reps: int, steps: int, warmup: int, precision: str, timeout: float = 900,
+                  show_progress: bool = True) -> list[dict[str, Any]]:
+    """Run every (size, ranks) case, its contenders interleaved; one record per case (no ratios yet)."""
+    plan = []
+    for size in sizes:
+        size_config(size)
+        for n in ranks:
+            if n < 1:
+                raise ValueError(f"--ranks: {n} is not a process count. Fix: positive integers, e.g. 1 2 4.")
+            active, skipped = [], {}
+            for c in contenders:
+                reason = c.skip_reason(n) or (f"needs {n} devices, {device_count()} available"
+                                              if n > device_count() else None)
+                if reason:
+                    skipped[c.name] = reason
+                else:
+                    active.append(c)
+            plan.append((size, n, active, skipped))
+    bar = progress(sum(len(a) * reps for _, _, a, _ in plan), suite) if show_progress else None
+    cases = []
+    try:
+        for size, n, active, skipped in plan:
+            by_name = {c.name: c for c in active}
+
+            def run_one(name: str, rep: int, size: str = size, n: int = n, by_name: dict = by_name) -> dict:
+                c = by_name[name]
+                return run_worker(c.script, n, worker_args(c, size, n, steps, warmup, precision, seed=rep),
+                                  timeout=timeout)
+
+            runs = interleave([c.name for c in active], reps, run_one, bar)
+            per: dict[str, Any] = {name: summarise(r) for name, r in runs.items()}
+            for name, reason in skipped.items():
+                per[name] = {"skipped": reason}
+            case: dict[str, Any] = {"size": size, "ranks": n, "params": None, "contenders": per, "ratios": {}}
+            ok = [x for r in runs.values() for x in r if isinstance(x, dict)]
+            if ok:
+                case["params"] = ok[0]["params"]
+            cases.append(case)
+    finally:
+        if bar is not None:
+            bar.close()
+    return cases
+
+
+def run_timing_suite(
+    suite: str,
+    contenders: Sequence[Contender],
+    ratios: Sequence[RatioSpec],
+    *,
+    sizes: Sequence[str],
+    ranks: Sequence[int],
+    reps: int,
+    steps: int,
+    warmup: int,
+    precision: str,
+    out_dir: Path,
+    quick: bool,
+    timeout: float = 900,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Step-time suite: cases from :func:`collect_cases`, the ratios, the JSON and the PNG."""
+    config = suite_config(contenders, sizes, ranks, reps, steps, warmup, precision, quick)
+    config["ratios"] = {r.name: {"target": r.target, "meaning": r.meaning} for r in ratios}
+    result = header(suite, config)
+    cases = collect_cases(suite, contenders, sizes=sizes, ranks=ranks, reps=reps, steps=steps, warmup=warmup,
+                          precision=precision, timeout=timeout, show_progress=show_progress)
+    for case in cases:
+        per = case["contenders"]
+        for spec in ratios:
+            a, b = per.get(spec.num, {}), per.get(spec.den, {})
+            if "rep_medians_s" not in a or "rep_medians_s" not in b:
+                continue
+            ratio = paired_ratio(a["rep_medians_s"], b["rep_medians_s"])
+            ratio["target"] = spec.target
+            ratio["met"] = None if spec.target is None or ratio["value"] is None else ratio["value"] <= spec.target
+            case["ratios"][spec.name] = ratio
+    result["cases"] = cases
+    result["summary"] = [
+        {"size": c["size"], "ranks": c["ranks"], "ratio": name, "value": r["value"], "target": r["target"],
+         "met": r["met"]}
+        for c in cases for name, r in c["ratios"].items()
+    ]
+    path = write_result(suite, result, out_dir)
+    result["json_path"] = str(path)
+    result["png_path"] = str(plot_timing(result, path.with_suffix(".png")))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- output
+def result_path(suite: str, out_dir: Path) -> Path:
+    return Path(out_dir) / f"{suite}-{device_slug()}.json"
+
+
+def write_result(suite: str, result: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``<out_dir>/<suite>-<device>.json`` atomically and return its path."""
+    path = result_path(suite, out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timing(result: dict[str, Any], path: Path) -> Path:
+    """Per size: median step time per contender vs ranks (round medians as dots), and the ratios."""
+    plt = _pyplot()
+    sizes = list(dict.fromkeys(c["size"] for c in result["cases"]))
+    names = list(result["config"]["contenders"])
+    fig, axes = plt.subplots(2, max(1, len(sizes)), figsize=(5.5 * max(1, len(sizes)), 7.5), squeeze=False)
+    for col, size in enumerate(sizes):
+        cases = [c for c in result["cases"] if c["size"] == size]
+        ranks = [c["ranks"] for c in cases]
+        ax = axes[0][col]
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            xs, ys = [], []
+            for j, case in enumerate(cases):
+                rec = case["contenders"].get(name, {})
+                if rec.get("median_s") is None:
+                    continue
+                x = j + (i - (len(names) - 1) / 2) * width
+                xs.append(x)
+                ys.append(rec["median_s"] * 1e3)
+                dots = [m * 1e3 for m in rec["rep_medians_s"] if m is not None]
+                ax.scatter([x] * len(dots), dots, s=8, color="black", zorder=3)
+            if xs:
+                ax.bar(xs, ys, width=width, label=name)
+        ax.set_xticks(range(len(cases)), [f"{r} rank{'s' if r > 1 else ''}" for r in ranks])
+        params = next((c["params"] for c in cases if c.get("params")), None)
+        ax.set_title(f"{result['suite']} / {size}" + (f" ({params / 1e6:.2f}M params)" if params else ""))
+        ax.set_ylabel("median step time (ms)")
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        ratio_names = list(dict.fromkeys(n for c in cases for n in c["ratios"]))
+        for name in ratio_names:
+            pts = [(c["ranks"], c["ratios"][name]["value"]) for c in cases
+                   if name in c["ratios"] and c["ratios"][name]["value"] is not None]
+            if pts:
+                line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)[0]
+                target = result["config"]["ratios"].get(name, {}).get("target")
+                if target is not None:
+                    ax.axhline(target, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(sorted(set(ranks)))
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("step-time ratio (dotted: target)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['suite']} on {result['device_name']} "
+                 f"(torch {result['versions'].get('torch')}, lightning {result['versions'].get('lightning')})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """Plain-text table of a suite's ratios (or its own ``summary`` rows) for the console."""
+    rows = result.get("summary") or []
+    lines = [f"{result.get('suite', '?')} ({result.get('device_name', '')}):"]
+    if not rows:
+        lines.append("  no ratios")
+    for row in rows:
+        if not isinstance(row, dict):
+            lines.append(f"  {row}")
+            continue
+        value = row.get("value")
+        shown = f"{value:.3f}" if isinstance(value, (int, float)) else str(value)
+        target = row.get("target")
+        verdict = "" if row.get("met") is None else ("  ok" if row["met"] else "  MISSED")
+        keys = " ".join(f"{k}={row[k]}" for k in ("size", "ranks") if k in row)
+        lines.append(f"  {keys:<22} {row.get('ratio', ''):<42} {shown:>7}"
+                     + (f"  (target <= {target:.3f})" if isinstance(target, (int, float)) else "") + verdict)
+    for case in result.get("cases") or []:
+        if not isinstance(case, dict):
+            continue
+        for name, rec in (case.get("contenders") or {}).items():
+            where = f"size={case.get('size')} ranks={case.get('ranks')} {name}"
+            if isinstance(rec, dict) and rec.get("skipped"):
+                lines.append(f"  skipped {where}: {rec['skipped']}")
+            for err in (rec.get("errors") or []) if isinstance(rec, dict) else []:
+                lines.append(f"  ERROR {where}: {err.splitlines()[0] if err else err}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_common_options(parser: Any) -> None:
+    """The options ``run.py`` and every standalone suite accept (``None``: the suite's default)."""
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1-2 ranks (smoke test)")
+    parser.add_argument("--sizes", nargs="+", default=None, help=f"model sizes from {sorted(SIZES)}")
+    parser.add_argument("--ranks", nargs="+", type=int, default=None, help="process counts, e.g. 1 2 4")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds per contender")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per job")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per job (excluded)")
+    parser.add_argument("--precision", default=None, choices=("32-true", "bf16-mixed"))
+    parser.add_argument("--contenders", nargs="+", default=None,
+                        help="run only these contenders (each suite keeps the ones it has)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+
+
+def suite_options(ns: Any) -> dict[str, Any]:
+    return {k: getattr(ns, k) for k in ("sizes", "ranks", "reps", "steps", "warmup", "precision", "contenders")
+            if getattr(ns, k, None) is not None}
+
+
+def suite_main(run: Callable[..., dict[str, Any]], description: str) -> None:
+    """``python benchmarks/suites/<name>.py [--quick] ...``: run one suite without the runner."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    add_common_options(parser)
+    ns = parser.parse_args()
+    result = run(quick=ns.quick, out_dir=ns.out_dir, **suite_options(ns))
+    print(format_summary(result))
+    print(f"wrote {result.get('json_path')} and {result.get('png_path')}")
+
+
+def select(suite: str, names: Sequence[str], wanted: Sequence[str] | None) -> list[Contender]:
+    """The suite's contenders, restricted to ``wanted`` (``--contenders``) when given."""
+    chosen = [n for n in names if wanted is None or n in wanted]
+    if not chosen:
+        raise ValueError(f"--contenders {' '.join(wanted or [])}: none of them is in the {suite} suite. "
+                         f"Fix: choose from {list(names)}.")
+    return [contender(n) for n in chosen]
+
+
+def pick(value: Any, quick: bool, quick_default: Any, default: Any) -> Any:
+    """An explicit option wins; otherwise the quick or the full default."""
+    if value is not None:
+        return value
+    return quick_default if quick else default
+
+
+# ---------------------------------------------------------------------------------------------- contenders
+def _ddp_hooks_missing(ranks: int) -> str | None:
+    try:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import fsdp_strategies  # noqa: F401  (registers the package's strategy names)
+    except Exception as exc:
+        return f"fsdp_strategies does not import: {exc}"
+    if "ddp_hooks" not in StrategyRegistry:
+        return ("this package's DDP strategy ('ddp_hooks', src/fsdp_strategies/strategies/ddp.py) is not "
+                "registered yet; rerun the suite once it is")
+    return None
+
+
+def _lightning_fsdp_needs_gpu(ranks: int) -> str | None:
+    if is_gpu():
+        return None
+    return ("Lightning's FSDPStrategy (FSDP1) refuses CPU: 'The strategy `fsdp` requires a GPU accelerator'; "
+            "it is compared on GPUs only")
+
+
+def _hsdp_replicate(ranks: int) -> int:
+    """Two replica groups when the rank count allows it (2 x ranks/2), else one."""
+    return 2 if ranks >= 4 and ranks % 2 == 0 else 1
+
+
+def _hsdp_needs_4(ranks: int) -> str | None:
+    return None if _hsdp_replicate(ranks) > 1 else f"a 2-D mesh needs >= 4 ranks (2 x ranks/2); got {ranks}"
+
+
+def contender(name: str) -> Contender:
+    """The catalogue of contenders every suite draws from (see benchmarks/README.md)."""
+    catalogue = {
+        "fsdp2": Contender("fsdp2", "lightning_fit.py", "ours",
+                           "Trainer(strategy=FSDP2Strategy(block_class_names=['TransformerBlock']))"),
+        "hsdp": Contender("hsdp", "lightning_fit.py", "ours",
+                          "Trainer(strategy=HSDPStrategy(replicate_degree=2, shard_degree=ranks/2))",
+                          skip_reason=_hsdp_needs_4, replicate=_hsdp_replicate),
+        "ddp_hooks": Contender("ddp_hooks", "lightning_fit.py", "ours", "Trainer(strategy='ddp_hooks') (default hook)",
+                               skip_reason=_ddp_hooks_missing),
+        "lightning_ddp": Contender("lightning_ddp", "lightning_fit.py", "lightning", "Trainer(strategy='ddp')"),
+        "lightning_fsdp": Contender("lightning_fsdp", "lightning_fit.py", "lightning",
+                                    "Trainer(strategy=FSDPStrategy(auto_wrap_policy={TransformerBlock})) (FSDP1)",
+                                    skip_reason=_lightning_fsdp_needs_gpu),
+        "lightning_model_parallel": Contender(
+            "lightning_model_parallel", "lightning_fit.py", "lightning",
+            "Trainer(strategy=ModelParallelStrategy()) + fully_shard written by hand in configure_model"),
+        "torch_ddp": Contender("torch_ddp", "torch_loop.py", "torch", "plain torch loop, DistributedDataParallel"),
+        "torch_fsdp2": Contender("torch_fsdp2", "torch_loop.py", "torch",
+                                 "plain torch loop, fully_shard per block + root, 1-D mesh"),
+        "torch_hsdp": Contender("torch_hsdp", "torch_loop.py", "torch",
+                                "plain torch loop, fully_shard on the same 2-D (replicate, shard) mesh",
+                                skip_reason=_hsdp_needs_4, replicate=_hsdp_replicate),
+    }
+    return catalogue[name]
+
+
+# ---------------------------------------------------------------------------------------------- report
+def markdown_report(paths: Sequence[Path]) -> str:
+    """Markdown tables of result files (timing and memory suites), for the README's performance section."""
+    out: list[str] = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        cases = result.get("cases")
+        if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
+            continue
+        cfg = result.get("config", {})
+        v = result.get("versions", {})
+        out.append(f"### {result['suite']} -- {result['device_name']}")
+        out.append("")
+        out.append(f"`{result.get('command', '')}` -- torch {v.get('torch')}, lightning {v.get('lightning')}, "
+                   f"{cfg.get('reps')} interleaved rounds x {cfg.get('steps')} steps (+{cfg.get('warmup')} warm-up), "
+                   f"{cfg.get('precision')}, {result.get('created_utc')}")
+        out.append("")
+        names = [n for n in cfg.get("contenders", {}) if any("skipped" not in c["contenders"].get(n, {"skipped": 1})
+                                                            for c in cases)]
+        ratio_names = list(dict.fromkeys(r for c in cases for r in c.get("ratios", {})))
+        memory = result["suite"] == "memory"
+        unit = "worst-rank MiB" if memory else "median ms"
+        head = ["size (params)", "ranks", *[f"{n} ({unit})" for n in names], *ratio_names]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for c in cases:
+            row = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else c["size"], str(c["ranks"])]
+            for n in names:
+                rec = c["contenders"].get(n, {})
+                if memory:
+                    val = (c.get("worst_rank_bytes", {}).get(n) or {}).get("total_bytes")
+                    row.append(f"{val / 2**20:.2f}" if val else "-")
+                else:
+                    row.append(f"{rec['median_s'] * 1e3:.1f}" if rec.get("median_s") else "-")
+            for r in ratio_names:
+                ratio = c.get("ratios", {}).get(r)
+                if not ratio or ratio.get("value") is None:
+                    row.append("-")
+                    continue
+                mark = "" if ratio.get("met") is None else (" ok" if ratio["met"] else " **missed**")
+                tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
+                row.append(f"{ratio['value']:.3f}{tgt}{mark}")
+            out.append("| " + " | ".join(row) + " |")
+        skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
+                          if "skipped" in rec and "2-D mesh" not in rec["skipped"]})
+        if skipped:
+            out.append("")
+            out.extend(f"Skipped {s}" for s in skipped)
+        out.append("")
+        out.append(f"![{result['suite']}]({Path(path).with_suffix('.png').name})")
+        out.append("")
+    return "\n".join(out)

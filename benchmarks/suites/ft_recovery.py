@@ -1,0 +1,315 @@
+"""ft_recovery suite: what a fault costs with ``ft_hsdp`` versus plain ``hsdp`` restarting from a checkpoint.
+
+Three runs of the example model, side by side, each for the same number of committed steps:
+
+* ``ft_nofault``  -- fsdp-strategies-ft, G replica groups x R ranks, no faults (the goodput reference);
+* ``ft_faults``   -- the same with a whole replica group SIGKILLed every K seconds and restarted
+  (it heals from a live peer while the others keep going);
+* ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing every C steps;
+  every K seconds the whole job is SIGKILLed and restarted from its last checkpoint.
+
+Reported: survivors' stall per fault (the gap between a survivor's committed steps around a kill,
+minus its median step time), goodput = committed steps per second relative to ``ft_nofault``, and a
+recovery timeline PNG (committed step and participating groups over wall time, fault marks).
+
+    python benchmarks/suites/ft_recovery.py --quick          # ~3 min on 2 CPU cores
+    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 30 s between faults
+    python benchmarks/run.py ft_recovery
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+
+ROOT = common.ROOT
+THIS = Path(__file__).resolve()
+STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
+
+
+# ---------------------------------------------------------------------------------------------- worker mode
+def _worker_main(argv: list[str]) -> None:
+    """``python ft_recovery.py --worker CKPT_DIR|- [LightningCLI args]``: the example + a step timeline.
+
+    With a checkpoint folder (the hsdp contender) it saves every ``FT_RECOVERY_CKPT_EVERY`` steps and
+    resumes from the newest complete checkpoint there.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import fsdp_strategies  # noqa: F401
+    from llama import LlamaLM, MarkovDataModule
+
+    ckpt_dir, args = argv[0], argv[1:]
+
+    class StepLog(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+            path = os.environ.get(STEP_LOG_ENV)
+            if path and trainer.global_rank == 0:
+                with open(path, "a") as fh:
+                    fh.write(json.dumps({"t": time.time(), "step": trainer.global_step, "committed": True}) + "\n")
+
+    callbacks: list[pl.Callback] = [StepLog()]
+    if ckpt_dir != "-":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False,
+                                         every_n_train_steps=int(os.environ.get("FT_RECOVERY_CKPT_EVERY", "20")),
+                                         save_top_k=1, monitor="step", mode="max"))
+        done = sorted((p for p in Path(ckpt_dir).glob("step*.ckpt") if (p / ".metadata").exists() or p.is_file()),
+                      key=lambda p: int(p.name[4:-5]))
+        if done:
+            args = [*args, "--ckpt_path", str(done[-1])]
+    LightningCLI(LlamaLM, MarkovDataModule, args=args, trainer_defaults={"callbacks": callbacks},
+                 save_config_callback=None)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def _model_args(size: str, steps: int, groups: int, ranks: int) -> list[str]:
+    cfg = common.SIZES[size]
+    batch = max(1, cfg["global_batch"] // (groups * ranks))
+    args = ["--trainer.max_steps", str(steps), "--trainer.logger", "false", "--trainer.limit_val_batches", "0",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--data.seq_len", str(cfg["seq_len"]), "--model.max_seq_len", str(cfg["seq_len"]),
+            "--data.batch_size", str(batch), "--data.num_train", str(batch * groups * ranks * 64), "--data.num_val", "8"]
+    for key, value in cfg["model"].items():
+        args += [f"--model.{key}", str(value)]
+    if "vocab_size" in cfg["model"]:
+        args += ["--data.vocab_size", str(cfg["model"]["vocab_size"])]
+    return args
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
+            heartbeat_ms: int, timeout: float) -> dict[str, Any]:
+    from fsdp_strategies.ft_launch import run as ft_run
+
+    events = work / "events"
+    command = [str(THIS), "--worker", "-", "--config", str(ROOT / "configs" / "ft_hsdp.yaml"),
+               "--trainer.devices", str(ranks), "--trainer.enable_checkpointing", "false",
+               "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.init_sync", "false",
+               *_model_args(size, steps, groups, ranks)]
+    result = ft_run(command, groups=groups, ranks_per_group=ranks, min_replicas=1 if kill_every else groups,
+                    heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=min(heartbeat_ms, 1000),
+                    kill_every=kill_every, max_restarts=1000, events_dir=events, timeout=timeout,
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
+    timelines = {g: _read(events / f"group{g}.jsonl") for g in range(groups)}
+    return {"returncode": result.returncode, "kills": result.kills, "restarts": result.restarts,
+            "wall_s": result.wall_s, "timelines": timelines}
+
+
+def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
+                      ckpt_every: int, timeout: float) -> dict[str, Any]:
+    from fsdp_strategies.ft_launch import kill_tree
+
+    ckpt, log = work / "ckpt", work / "steps.jsonl"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    world = groups * ranks
+    env = common.worker_env({STEP_LOG_ENV: str(log), "FT_RECOVERY_CKPT_EVERY": str(ckpt_every), "OMP_NUM_THREADS": "1",
+                             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
+    kills: list[dict[str, Any]] = []
+    restarts: list[dict[str, Any]] = []
+    t0 = time.time()
+    next_kill = t0 + kill_every if kill_every else float("inf")
+    incarnation = 0
+    with (work / "hsdp.log").open("ab") as out:
+        while True:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
+                   "--master_addr=127.0.0.1", f"--master_port={common.free_port()}", str(THIS), "--worker", str(ckpt),
+                   "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices", str(world),
+                   "--trainer.strategy.init_args.replicate_degree", str(groups),
+                   "--trainer.strategy.init_args.shard_degree", str(ranks), *_model_args(size, steps, groups, ranks)]
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=str(ROOT))
+            if incarnation:
+                restarts.append({"t": time.time(), "restart": incarnation})
+            while proc.poll() is None:
+                now = time.time()
+                if now - t0 > timeout:
+                    kill_tree(proc.pid)
+                    proc.wait()
+                    return {"returncode": 124, "kills": kills, "restarts": restarts, "wall_s": now - t0,
+                            "timelines": {0: _read(log)}}
+                if now >= next_kill:
+                    kill_tree(proc.pid)
+                    proc.wait()
+                    done = [r["step"] for r in _read(log)]
+                    kills.append({"t": now, "group": "all", "step": max(done, default=0)})
+                    next_kill = now + kill_every  # type: ignore[operator]
+                    break
+                time.sleep(0.05)
+            if proc.returncode == 0:
+                break
+            incarnation += 1
+    return {"returncode": 0, "kills": kills, "restarts": restarts, "wall_s": time.time() - t0,
+            "timelines": {0: _read(log)}}
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def _committed(timeline: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    return [(r["t"], r["step"]) for r in timeline if r.get("committed")]
+
+
+def _goodput(run: dict[str, Any]) -> dict[str, Any]:
+    """Committed steps per second over the whole run: from the first committed step anywhere to the last."""
+    points = [p for tl in run["timelines"].values() for p in _committed(tl)]
+    if len(points) < 2:
+        return {"steps": 0, "seconds": None, "steps_per_s": None}
+    t_first, t_last = min(t for t, _ in points), max(t for t, _ in points)
+    first_step = min(s for _, s in points)
+    last_step = max(s for _, s in points)
+    span = t_last - t_first
+    return {"steps": last_step - first_step, "seconds": span,
+            "steps_per_s": (last_step - first_step) / span if span > 0 else None}
+
+
+def _stalls(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per fault and per surviving group: extra time between its committed steps around the kill."""
+    out = []
+    for kill in run["kills"]:
+        for gid, timeline in run["timelines"].items():
+            if str(gid) == str(kill.get("group")):
+                continue
+            points = _committed(timeline)
+            times = [t for t, _ in points]
+            before = [t for t in times if t <= kill["t"]]
+            after = [t for t in times if t > kill["t"]]
+            if not before or not after:
+                continue
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            typical = statistics.median(gaps) if gaps else 0.0
+            out.append({"fault_t": kill["t"], "survivor": gid, "stall_s": max(0.0, after[0] - before[-1] - typical)})
+    return out
+
+
+def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
+    plt = common._pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    colors = {"ft_nofault": "tab:gray", "ft_faults": "tab:blue", "hsdp_restart": "tab:red"}
+    t0s = {name: min((r["t"] for tl in run["timelines"].values() for r in tl if "t" in r), default=0.0)
+           for name, run in runs.items()}
+    for name, run in runs.items():
+        t0 = t0s[name]
+        for gid, timeline in run["timelines"].items():
+            pts = _committed(timeline)
+            if not pts:
+                continue
+            label = f"{name}" + (f" group {gid}" if name.startswith("ft") else "")
+            axes[0].plot([t - t0 for t, _ in pts], [s for _, s in pts], ".", ms=2, color=colors.get(name),
+                         alpha=0.5 + 0.5 * (int(gid) == 0 if str(gid).isdigit() else 1), label=label)
+        for kill in run["kills"]:
+            axes[0].axvline(kill["t"] - t0, color=colors.get(name), ls="--", lw=0.8, alpha=0.6)
+        if name == "ft_faults":
+            rows = sorted((r["t"] - t0, r.get("participants", 0), r["group"]) for tl in run["timelines"].values()
+                          for r in tl if r.get("committed"))
+            for gid in run["timelines"]:
+                xs = [t for t, _, g in rows if g == int(gid)]
+                ys = [p for _, p, g in rows if g == int(gid)]
+                axes[1].step(xs, ys, where="post", label=f"participants seen by group {gid}")
+            for kill in run["kills"]:
+                axes[1].axvline(kill["t"] - t0, color="k", ls="--", lw=0.8)
+    axes[0].set_ylabel("committed step")
+    axes[0].legend(fontsize=7, markerscale=4)
+    axes[0].set_title("Recovery timeline (dashed: SIGKILL of a replica group / of the whole hsdp job)")
+    axes[1].set_ylabel("participating groups")
+    axes[1].set_xlabel("wall time since the first step [s]")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
+        steps: int | None = None, kill_every: float | None = None, heartbeat_ms: int | None = None,
+        ckpt_every: int | None = None, contenders: list[str] | None = None, **_: Any) -> dict[str, Any]:
+    size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
+    rpg = common.pick(ranks, quick, [1], [2])[0]
+    groups = 2
+    steps = common.pick(steps, quick, 300, 800)
+    kill_every = common.pick(kill_every, quick, 15.0, 30.0)
+    heartbeat_ms = common.pick(heartbeat_ms, quick, 1000, 1000)
+    ckpt_every = common.pick(ckpt_every, quick, 50, 100)
+    timeout = 900.0 if quick else 3600.0
+    names = [n for n in ("ft_nofault", "ft_faults", "hsdp_restart") if not contenders or n in contenders]
+    work = Path(out_dir) / "ft_recovery-work"
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        wdir = work / name
+        if wdir.exists():
+            import shutil
+
+            shutil.rmtree(wdir)
+        wdir.mkdir(parents=True)
+        print(f"ft_recovery: running {name} ...", file=sys.stderr, flush=True)
+        if name == "hsdp_restart":
+            runs[name] = _run_hsdp_restart(wdir, size, steps, groups, rpg, kill_every, ckpt_every, timeout)
+        else:
+            runs[name] = _run_ft(wdir, size, steps, groups, rpg, kill_every if name == "ft_faults" else None,
+                                 heartbeat_ms, timeout)
+    figures: dict[str, Any] = {}
+    for name, r in runs.items():
+        figures[name] = {"goodput": _goodput(r), "faults": len(r["kills"]), "restarts": len(r["restarts"]),
+                         "returncode": r["returncode"]}
+    stalls = _stalls(runs["ft_faults"]) if "ft_faults" in runs else []
+    ref = figures.get("ft_nofault", {}).get("goodput", {}).get("steps_per_s")
+    summary: list[dict[str, Any]] = []
+    for name in ("ft_faults", "hsdp_restart"):
+        sps = figures.get(name, {}).get("goodput", {}).get("steps_per_s")
+        if ref and sps:
+            value = sps / ref
+            figures[name]["goodput_vs_nofault"] = value
+            summary.append({"ratio": f"{name} goodput / ft_nofault", "value": value,
+                            "met": value >= 0.95 if name == "ft_faults" else None})
+    if stalls:
+        worst = max(s["stall_s"] for s in stalls)
+        figures["ft_faults"]["stall_s"] = {"median": statistics.median(s["stall_s"] for s in stalls), "max": worst,
+                                           "per_fault": stalls}
+        summary.append({"ratio": "ft_faults survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0})
+    config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps, "kill_every_s": kill_every,
+              "heartbeat_timeout_ms": heartbeat_ms, "hsdp_ckpt_every": ckpt_every, "quick": quick}
+    result = {**common.header("ft_recovery", config), "figures": figures, "summary": summary,
+              "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()}}
+    png = _plot(runs, Path(out_dir) / f"ft_recovery-{common.device_slug()}.png")
+    result["png_path"] = str(png)
+    json_path = common.write_result("ft_recovery", result, Path(out_dir))
+    result["json_path"] = str(json_path)
+    return result
+
+
+def _main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    common.add_common_options(parser)
+    parser.add_argument("--kill-every", type=float, default=None, help="seconds between faults")
+    parser.add_argument("--heartbeat-ms", type=int, default=None, help="lighthouse heartbeat timeout")
+    parser.add_argument("--ckpt-every", type=int, default=None, help="hsdp_restart: steps between checkpoints")
+    ns = parser.parse_args()
+    result = run(quick=ns.quick, out_dir=ns.out_dir, kill_every=ns.kill_every, heartbeat_ms=ns.heartbeat_ms,
+                 ckpt_every=ns.ckpt_every, **common.suite_options(ns))
+    print(common.format_summary(result))
+    print(f"wrote {result['json_path']} and {result['png_path']}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker_main(sys.argv[2:])
+    else:
+        _main()

@@ -1,0 +1,585 @@
+"""Straggler detection and mitigation for any Lightning strategy (this package's and Lightning's own).
+
+Why a rank's *self time*: in a synchronous strategy every rank's step takes as long as the slowest
+one, because the fast ranks wait inside the gradient collective. Wall-clock step times are therefore
+equal and cannot name the straggler. Each step is split at Lightning hooks into
+
+* ``data``: from the end of the previous step to ``on_train_batch_start`` (loading, host work;
+  never contains a collective, so it is the rank's own time),
+* ``compute`` (forward + backward): ``on_train_batch_start`` to ``on_before_optimizer_step``,
+* ``optimizer``: ``on_before_optimizer_step`` to ``on_train_batch_end``,
+
+and a rank's self time is ``data`` plus the *busy* time of ``compute`` and ``optimizer``: process
+CPU time on CPU devices (time blocked in a collective is not CPU time), CUDA-event time on GPUs
+(recorded every step without synchronising; resolved once per window). On GPUs that event time
+includes waits the compute stream has on the communication stream, so under synchronous DDP/FSDP a
+slow GPU is visible in the relative scores only as far as its compute stream is slower.
+
+Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers. Scores:
+*relative* (a rank's median self time vs the median of the other ranks) and *individual* (vs its own
+best window), smoothed with an EWMA; a rank is a persistent straggler after ``patience`` consecutive
+slow windows (raw and smoothed relative score above ``threshold``) and stops being one after
+``patience`` normal windows. Single steps far above the other ranks are counted as transient stalls.
+All ranks compute the same decisions from the same gathered data, so actions happen in lock-step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["StragglerDetector", "StragglerInjection", "StragglerScorer"]
+
+ACTIONS = ("warn", "hierarchical_sgd", "evict", "stop")
+_HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
+
+
+@dataclass
+class StragglerInjection:
+    """Delays chosen ranks, for tests and benchmarks (configured from YAML).
+
+    Attributes:
+        ranks: ranks to delay; ``None`` = every rank independently (random stalls on random ranks).
+        delay_s: length of one delay in seconds.
+        probability: chance that a given step of a chosen rank is delayed (1.0 = persistent, every
+            step; e.g. 0.02 = rare transient stalls).
+        start_step / end_step: global steps ``[start_step, end_step)`` in which delays happen
+            (``end_step`` None = until the end).
+        kind: ``sleep`` (a host stall before the step: time the rank is away) or ``spin`` (a busy loop
+            inside forward+backward: a slow device that burns compute).
+        seed: random stream per rank is seeded with ``seed + rank``.
+    """
+
+    ranks: list[int] | None = None
+    delay_s: float = 0.0
+    probability: float = 1.0
+    start_step: int = 0
+    end_step: int | None = None
+    kind: Literal["sleep", "spin"] = "sleep"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0:
+            raise ValueError(f"inject.delay_s={self.delay_s!r} is negative. Fix: seconds >= 0.")
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
+                             "or 0.02 (rare stalls).")
+        if self.kind not in ("sleep", "spin"):
+            raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: 'sleep' or 'spin'.")
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise ValueError(f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}.")
+
+
+@dataclass
+class _RankTrack:
+    ewma: float = 1.0
+    best: float = math.inf
+    slow_streak: int = 0
+    normal_streak: int = 0
+    persistent: bool = False
+    first_flagged_step: int | None = None
+    stalls: int = 0
+    slow_windows: int = 0
+    relative: float = 1.0
+    individual: float = 1.0
+
+
+@dataclass
+class StragglerScorer:
+    """Turns one window of gathered per-rank numbers into scores and decisions (pure; testable alone)."""
+
+    world_size: int
+    threshold: float = 1.5
+    patience: int = 2
+    ewma_alpha: float = 0.5
+    stall_factor: float = 3.0
+    min_excess_s: float = 0.01
+    tracks: list[_RankTrack] = field(default_factory=list)
+    windows: int = 0
+    lost_s: float = 0.0
+    wait_s: float = 0.0
+    lost_ewma: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.tracks:
+            self.tracks = [_RankTrack() for _ in range(self.world_size)]
+
+    @staticmethod
+    def _others_median(values: np.ndarray) -> np.ndarray:
+        """For each rank, the median over the *other* ranks (with 2 ranks: the other one)."""
+        n = values.shape[0]
+        if n == 1:
+            return values.copy()
+        out = np.empty_like(values)
+        for r in range(n):
+            out[r] = np.nanmedian(np.delete(values, r, axis=0), axis=0)
+        return out
+
+    def update(self, header: np.ndarray, self_steps: np.ndarray, step: int) -> dict[str, Any]:
+        """``header``: (ranks, 7) window sums; ``self_steps``: (ranks, window) per-step self time (NaN = unmeasured)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns of unmeasured slots
+            return self._update(header, self_steps, step)
+
+    def _update(self, header: np.ndarray, self_steps: np.ndarray, step: int) -> dict[str, Any]:
+        self.windows += 1
+        n = header[:, 0]
+        if (n <= 0).any() or np.isnan(self_steps).all():
+            return {"measured": False}
+        mean_step = header[:, 4] / n
+        mean_self = header[:, 5] / n
+        med_self = np.nanmedian(self_steps, axis=1)
+        ref = self._others_median(med_self)
+        relative = med_self / np.maximum(ref, 1e-9)
+        # transient stalls: single steps far above what the other ranks needed for the same step
+        ref_steps = self._others_median(self_steps)
+        excess = self_steps - ref_steps
+        stalls = (self_steps > self.stall_factor * ref_steps) & (excess > self.min_excess_s)
+        # estimated job time lost to stragglers: per step, what the slowest rank needed beyond the others,
+        # counted only when that is a clear slowdown (threshold x and min_excess_s), not jitter
+        valid = ~np.isnan(self_steps).any(axis=0)
+        lost = 0.0
+        if valid.any():
+            cols, refs = self_steps[:, valid], ref_steps[:, valid]
+            slowest, j = np.argmax(cols, axis=0), np.arange(cols.shape[1])
+            top, ref_top = cols[slowest, j], refs[slowest, j]
+            clear = (top > self.threshold * ref_top) & (top - ref_top > self.min_excess_s)
+            lost = float(np.sum(np.where(clear, top - ref_top, 0.0)))
+        wait = float(np.mean(header[:, 6]))
+        base = float(np.median(mean_step) * np.median(n))
+        lost_frac = lost / max(base, 1e-9)
+        self.lost_s += lost
+        self.wait_s += wait
+        self.lost_ewma = self.ewma_alpha * lost_frac + (1 - self.ewma_alpha) * (self.lost_ewma if self.windows > 1 else lost_frac)
+        newly, cleared = [], []
+        for r, track in enumerate(self.tracks):
+            track.relative = float(relative[r])
+            track.best = min(track.best, float(med_self[r]))
+            track.individual = float(med_self[r] / max(track.best, 1e-9))
+            track.ewma = self.ewma_alpha * track.relative + (1 - self.ewma_alpha) * track.ewma
+            track.stalls += int(stalls[r].sum())
+            slow = (track.relative > self.threshold and track.ewma > self.threshold
+                    and med_self[r] - ref[r] > self.min_excess_s)
+            if slow:
+                track.slow_windows += 1
+                track.slow_streak += 1
+                track.normal_streak = 0
+                if not track.persistent and track.slow_streak >= self.patience:
+                    track.persistent = True
+                    track.first_flagged_step = step
+                    newly.append(r)
+            else:
+                track.slow_streak = 0
+                track.normal_streak += 1
+                if track.persistent and track.normal_streak >= self.patience:
+                    track.persistent = False
+                    cleared.append(r)
+        return {
+            "measured": True, "step": step, "relative": relative.tolist(), "individual": [t.individual for t in self.tracks],
+            "ewma": [t.ewma for t in self.tracks], "mean_step": mean_step.tolist(), "mean_self": mean_self.tolist(),
+            "step_min": float(mean_step.min()), "step_median": float(np.median(mean_step)), "step_max": float(mean_step.max()),
+            "data": (header[:, 1] / n).tolist(), "compute": (header[:, 2] / n).tolist(),
+            "optimizer": (header[:, 3] / n).tolist(), "stalls": stalls.sum(axis=1).tolist(), "lost_s": lost,
+            "lost_frac": lost_frac, "wait_s": wait, "newly_persistent": newly, "cleared": cleared,
+            "persistent": [r for r, t in enumerate(self.tracks) if t.persistent],
+        }
+
+
+class StragglerDetector(Callback):
+    """Detects slow ranks from per-step timings and optionally mitigates them.
+
+    Args:
+        window: steps per measurement window; one small ``all_gather`` per window.
+        skip_first: steps ignored at the start (warm-up, allocator, compilation).
+        threshold: relative score (self time / the other ranks' median) above which a window is slow.
+        patience: consecutive slow windows before a rank is a persistent straggler, and normal
+            windows before it is cleared again (hysteresis).
+        ewma_alpha: weight of the newest window in the smoothed scores.
+        stall_factor: a single step counts as a transient stall when it takes this many times the
+            other ranks' time for that step.
+        min_excess_s: a window is slow, and a step a stall, only if the rank also needs at least this
+            many seconds more than the others (ignores jitter of fast steps).
+        top_k: worst ranks logged and reported.
+        action: ``warn`` (default), ``hierarchical_sgd`` (with the ``ddp_hooks`` strategy and
+            ``comm_hook: post_local_sgd | hierarchical_sgd``: train synchronously, switch to local
+            averaging once the estimated straggler loss exceeds ``switch_threshold`` for ``patience``
+            windows, switch back after ``patience`` windows below half of it), ``evict`` (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``:
+            the straggling rank asks to leave the quorum), ``stop`` (save a checkpoint, write the
+            straggling hosts to ``hosts_file`` and exit with ``stop_exit_code``).
+        switch_threshold: fraction of the step time lost to stragglers that triggers the switch.
+        report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``).
+        hosts_file: file with straggling host names for ``stop`` (default next to the report).
+        stop_exit_code: exit status of the ``stop`` action.
+        inject: delay chosen ranks (tests, benchmarks), see :class:`StragglerInjection`.
+        detect: ``False`` = injection only (no timing, no collective): a benchmark's stall model.
+    """
+
+    def __init__(
+        self,
+        window: int = 20,
+        skip_first: int = 2,
+        threshold: float = 1.5,
+        patience: int = 2,
+        ewma_alpha: float = 0.5,
+        stall_factor: float = 3.0,
+        min_excess_s: float = 0.01,
+        top_k: int = 3,
+        action: Literal["warn", "hierarchical_sgd", "evict", "stop"] = "warn",
+        switch_threshold: float = 0.1,
+        report_path: str | None = None,
+        hosts_file: str | None = None,
+        stop_exit_code: int = 3,
+        inject: StragglerInjection | None = None,
+        detect: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0), ("patience", patience, 1),
+                                 ("top_k", top_k, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+        if threshold <= 1.0:
+            raise ValueError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
+        if not 0.0 < ewma_alpha <= 1.0:
+            raise ValueError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
+        if action not in ACTIONS:
+            raise ValueError(f"action={action!r} is unknown. Fix: one of {list(ACTIONS)}.")
+        if switch_threshold <= 0:
+            raise ValueError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
+        if isinstance(inject, dict):
+            inject = StragglerInjection(**inject)
+        self.window, self.skip_first, self.top_k = window, skip_first, top_k
+        self.action, self.switch_threshold = action, switch_threshold
+        self.report_path, self.hosts_file, self.stop_exit_code = report_path, hosts_file, stop_exit_code
+        self.inject = inject
+        self.detect = detect
+        if not detect and action != "warn":
+            raise ValueError(f"action={action!r} needs detection, but detect=False. Fix: detect: true, or action: warn.")
+        self._scorer_kwargs = {"threshold": threshold, "patience": patience, "ewma_alpha": ewma_alpha,
+                               "stall_factor": stall_factor, "min_excess_s": min_excess_s}
+        self.scorer: StragglerScorer | None = None
+        self.hosts: list[str] = []
+        self.history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.switched = False
+        self._switch_streak = 0
+        self._rng: random.Random | None = None
+        self._reset_window()
+        self._t_prev_end: float | None = None
+        self._skip_next = True
+        self._batches = 0
+        self._gather_s = 0.0
+        self._hook_s = 0.0
+        self._train_s = 0.0
+        self._t_train_start: float | None = None
+        self._cuda = False
+
+    # ------------------------------------------------------------------ setup
+    def _reset_window(self) -> None:
+        self._sums = np.zeros(_HEADER, dtype=np.float64)
+        self._self_steps = np.full(getattr(self, "window", 2), np.nan, dtype=np.float64)
+        self._events: list[tuple[int, float, Any, Any, Any, Any, float]] = []
+        self._slot = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if self.action == "hierarchical_sgd":
+            from fsdp_strategies.strategies.ddp import LOCAL_SGD_HOOKS, DDPHooksStrategy
+
+            if not isinstance(strategy, DDPHooksStrategy) or strategy.comm_hook not in LOCAL_SGD_HOOKS:
+                raise ValueError(
+                    f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
+                    f"hierarchical_sgd, but the strategy is {type(strategy).__name__}"
+                    f"{' with comm_hook=' + repr(strategy.comm_hook) if isinstance(strategy, DDPHooksStrategy) else ''}. "
+                    "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
+                    "hierarchical_sgd}}, or another action.")
+        if self.action == "evict" and not callable(getattr(strategy, "leave_quorum", None)):
+            raise ValueError(
+                f"action='evict' needs a fault-tolerant strategy with leave_quorum(reason) (e.g. ft_hsdp), but the "
+                f"strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or action: warn / stop.")
+        world = trainer.world_size
+        self.scorer = StragglerScorer(world_size=world, **self._scorer_kwargs)
+        host = socket.gethostname()
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            hosts: list[Any] = [None] * world
+            dist.all_gather_object(hosts, host)
+            self.hosts = [str(h) for h in hosts]
+        else:
+            self.hosts = [host]
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        if self.inject is not None:
+            self._rng = random.Random(self.inject.seed + trainer.global_rank)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.action == "hierarchical_sgd" and not self.switched:
+            trainer.strategy.set_local_sgd(False, average=False)  # type: ignore[attr-defined]
+        self._t_prev_end = None
+        self._t_train_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ timing
+    def _injected(self, trainer: pl.Trainer, kind: str) -> None:
+        inj = self.inject
+        if inj is None or inj.kind != kind or inj.delay_s <= 0 or self._rng is None:
+            return
+        step = trainer.global_step
+        chosen = inj.ranks is None or trainer.global_rank in inj.ranks
+        draw = self._rng.random()  # drawn every step so the stream does not depend on the schedule
+        if not chosen or step < inj.start_step or (inj.end_step is not None and step >= inj.end_step):
+            return
+        if draw >= inj.probability:
+            return
+        if kind == "sleep":
+            time.sleep(inj.delay_s)
+        else:  # burn delay_s of CPU time (not wall time): the rank does more work, however busy the host is
+            end = time.process_time() + inj.delay_s
+            while time.process_time() < end:
+                pass
+
+    def _busy_clock(self) -> float:
+        return time.process_time()
+
+    def _cuda_event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._injected(trainer, "sleep")
+        if not self.detect:
+            self._injected(trainer, "spin")
+            return
+        now = time.perf_counter()
+        self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
+        self._t_start, self._c_start = now, self._busy_clock()
+        self._ev_start = self._cuda_event() if self._cuda else None
+        self._t_opt: float | None = None
+        self._hook_s += time.perf_counter() - now
+        self._injected(trainer, "spin")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.detect and getattr(self, "_t_opt", None) is None and hasattr(self, "_t_start"):
+            self._t_opt, self._c_opt = time.perf_counter(), self._busy_clock()
+            self._ev_opt = self._cuda_event() if self._cuda else None
+            self._hook_s += time.perf_counter() - self._t_opt
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.detect or not hasattr(self, "_t_start"):
+            return
+        t_end, c_end = time.perf_counter(), self._busy_clock()
+        ev_end = self._cuda_event() if self._cuda else None
+        t_opt = self._t_opt if self._t_opt is not None else t_end
+        c_opt = self._c_opt if self._t_opt is not None else c_end
+        compute, optim = t_opt - self._t_start, t_end - t_opt
+        measured = not (self._skip_next or self._batches < self.skip_first or math.isnan(self._data))
+        if measured and self._slot < self.window:
+            if self._cuda:
+                self._events.append((self._slot, self._data, self._ev_start, self._ev_opt if self._t_opt else ev_end,
+                                     ev_end, None, compute + optim))
+            else:
+                busy = (c_opt - self._c_start) + (c_end - c_opt)
+                self._record(self._slot, self._data, compute, optim, busy)
+            self._slot += 1
+        self._skip_next = False
+        self._batches += 1
+        t0 = time.perf_counter()
+        self._hook_s += t0 - t_end
+        if self._batches % self.window == 0:
+            self._end_window(trainer, pl_module)
+            self._gather_s += time.perf_counter() - t0
+        self._t_prev_end = time.perf_counter()  # the gather's own wait is not part of the next step
+
+    def _record(self, slot: int, data: float, compute: float, optim: float, busy: float) -> None:
+        step = data + compute + optim
+        own = data + min(busy, compute + optim)
+        self._sums += np.array([1.0, data, compute, optim, step, own, max(0.0, step - own)])
+        self._self_steps[slot] = own
+
+    def _resolve_cuda(self) -> None:
+        if not self._events:
+            return
+        self._events[-1][4].synchronize()
+        for slot, data, ev_s, ev_o, ev_e, _, wall in self._events:
+            compute_gpu = ev_s.elapsed_time(ev_o) / 1e3
+            opt_gpu = ev_o.elapsed_time(ev_e) / 1e3
+            # wall parts are not known separately here; attribute the wall time by the GPU split
+            frac = compute_gpu / max(compute_gpu + opt_gpu, 1e-9)
+            self._record(slot, data, wall * frac, wall * (1 - frac), compute_gpu + opt_gpu)
+        self._events = []
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._skip_next = True
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._skip_next = True
+
+    # ------------------------------------------------------------------ the window
+    def _gather(self, trainer: pl.Trainer, local: np.ndarray) -> np.ndarray:
+        world = trainer.world_size
+        if world == 1 or not (dist.is_available() and dist.is_initialized()):
+            return local[None, :]
+        device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.from_numpy(local).to(device)
+        out = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine)
+        return torch.stack(out).cpu().numpy()
+
+    def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._cuda:
+            self._resolve_cuda()
+        local = np.concatenate([self._sums, self._self_steps])
+        gathered = self._gather(trainer, local)
+        self._reset_window()
+        assert self.scorer is not None
+        result = self.scorer.update(gathered[:, :_HEADER], gathered[:, _HEADER:], trainer.global_step)
+        if not result["measured"]:
+            return
+        result["worst"] = self._worst(result)
+        self.history.append(result)
+        self._log(pl_module, result)
+        self._act(trainer, result)
+
+    def _worst(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        order = sorted(range(len(result["relative"])), key=lambda r: -result["ewma"][r])[: self.top_k]
+        return [{"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?", "relative": result["relative"][r],
+                 "ewma": result["ewma"][r], "individual": result["individual"][r]} for r in order]
+
+    def _log(self, pl_module: pl.LightningModule, result: dict[str, Any]) -> None:
+        metrics = {"straggler/step_time_min": result["step_min"], "straggler/step_time_median": result["step_median"],
+                   "straggler/step_time_max": result["step_max"], "straggler/lost_frac": result["lost_frac"],
+                   "straggler/lost_s_total": self.scorer.lost_s if self.scorer else 0.0,
+                   "straggler/wait_s_total": self.scorer.wait_s if self.scorer else 0.0,
+                   "straggler/persistent_count": float(len(result["persistent"]))}
+        for i, worst in enumerate(result["worst"]):
+            metrics[f"straggler/worst{i + 1}_rank"] = float(worst["rank"])
+            metrics[f"straggler/worst{i + 1}_score"] = float(worst["ewma"])
+        try:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+        except Exception as exc:  # e.g. no logger attached / logging disabled in this hook
+            rank_zero_warn(f"StragglerDetector could not log metrics: {exc}")
+
+    # ------------------------------------------------------------------ mitigation
+    def _act(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+        step = result["step"]
+        for r in result["newly_persistent"]:
+            event = {"step": step, "event": "persistent", "rank": r, "host": self.hosts[r],
+                     "relative": result["relative"][r]}
+            self.events.append(event)
+            rank_zero_warn(f"StragglerDetector: rank {r} on {self.hosts[r]} is a persistent straggler at step {step} "
+                           f"(relative score {result['relative'][r]:.2f}, smoothed {result['ewma'][r]:.2f}).")
+        for r in result["cleared"]:
+            self.events.append({"step": step, "event": "cleared", "rank": r, "host": self.hosts[r]})
+            rank_zero_info(f"StragglerDetector: rank {r} on {self.hosts[r]} is no longer straggling (step {step}).")
+        if self.action == "hierarchical_sgd":
+            self._maybe_switch(trainer, step)
+        elif self.action == "evict":
+            for r in result["newly_persistent"]:
+                if r == trainer.global_rank:
+                    trainer.strategy.leave_quorum(  # type: ignore[attr-defined]
+                        f"persistent straggler: rank {r} on {self.hosts[r]}, relative score {result['relative'][r]:.2f}")
+        elif self.action == "stop" and result["persistent"]:
+            self._stop(trainer, result)
+
+    def _maybe_switch(self, trainer: pl.Trainer, step: int) -> None:
+        assert self.scorer is not None
+        strategy = trainer.strategy
+        patience = self._scorer_kwargs["patience"]
+        lost = self.history[-1]["lost_frac"]  # this window; the patience streak is the smoothing
+        want = lost > self.switch_threshold if not self.switched else lost > self.switch_threshold / 2
+        self._switch_streak = self._switch_streak + 1 if want != self.switched else 0
+        if self._switch_streak >= patience:
+            self.switched = want
+            self._switch_streak = 0
+            strategy.set_local_sgd(want)  # type: ignore[attr-defined]
+            self.events.append({"step": step, "event": "local_sgd_on" if want else "local_sgd_off", "lost_frac": lost})
+            rank_zero_info(f"StragglerDetector: {'local (hierarchical) averaging on' if want else 'back to synchronous DDP'}"
+                           f" at step {step}: straggler loss {lost:.1%} of the step time.")
+
+    def _stop(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+        hosts = sorted({self.hosts[r] for r in result["persistent"]})
+        report = self._report_path(trainer)
+        hosts_file = Path(self.hosts_file) if self.hosts_file else report.with_name("straggling_hosts.txt")
+        ckpt = report.with_name("straggler_stop.ckpt")
+        self.events.append({"step": result["step"], "event": "stop", "hosts": hosts, "checkpoint": str(ckpt)})
+        trainer.save_checkpoint(str(ckpt))
+        if trainer.is_global_zero:
+            hosts_file.parent.mkdir(parents=True, exist_ok=True)
+            hosts_file.write_text("".join(f"{h}\n" for h in hosts))
+            self._write_report(trainer)
+        trainer.strategy.barrier("straggler_stop")
+        rank_zero_warn(f"StragglerDetector: stopping at step {result['step']}: straggling hosts {hosts} written to "
+                       f"{hosts_file}, checkpoint {ckpt}.")
+        raise SystemExit(self.stop_exit_code)
+
+    # ------------------------------------------------------------------ report and state
+    def _report_path(self, trainer: pl.Trainer) -> Path:
+        if self.report_path:
+            return Path(self.report_path)
+        base = trainer.log_dir or trainer.default_root_dir
+        return Path(base) / "straggler_report.json"
+
+    def report(self) -> dict[str, Any]:
+        """Everything measured in this run (written as JSON by rank 0 at the end)."""
+        scorer = self.scorer
+        return {
+            "hosts": self.hosts, "window": self.window, "action": self.action,
+            "settings": {**self._scorer_kwargs, "switch_threshold": self.switch_threshold},
+            "inject": asdict(self.inject) if self.inject else None,
+            "windows": self.history, "events": self.events,
+            "persistent": [r for r, t in enumerate(scorer.tracks) if t.persistent] if scorer else [],
+            "first_flagged_step": [t.first_flagged_step for t in scorer.tracks] if scorer else [],
+            "stalls": [t.stalls for t in scorer.tracks] if scorer else [],
+            "slow_windows": [t.slow_windows for t in scorer.tracks] if scorer else [],
+            "lost_s": scorer.lost_s if scorer else 0.0, "wait_s": scorer.wait_s if scorer else 0.0,
+            "detector_gather_s": self._gather_s, "detector_hook_s": self._hook_s, "train_s": self._train_s,
+            "detector_overhead_frac": (self._gather_s + self._hook_s) / self._train_s if self._train_s else None,
+            "local_sgd_switched_on": self.switched,
+        }
+
+    def _write_report(self, trainer: pl.Trainer) -> None:
+        path = self._report_path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.report(), indent=1, default=float))
+        os.replace(tmp, path)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t_train_start is not None:
+            self._train_s = time.perf_counter() - self._t_train_start
+        if self.detect and trainer.is_global_zero and self.scorer is not None:
+            self._write_report(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"switched": self.switched}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.switched = bool(state_dict.get("switched", False))

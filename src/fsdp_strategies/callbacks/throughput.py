@@ -1,0 +1,518 @@
+"""Achieved TFLOPS, MFU, HFU, tokens/s and samples/s per device, with min/median/max over ranks.
+
+Definitions used here (the PaLM paper's): *model FLOPs* are the matmul/attention FLOPs the
+model needs for one forward and backward pass; *hardware FLOPs* are what the device actually
+executes, i.e. model FLOPs plus recomputation (activation checkpointing, and the attention
+scores that fused/flash attention kernels recompute in backward). MFU = model FLOP/s / peak,
+HFU = hardware FLOP/s / peak, per device.
+
+FLOPs per batch come from one of (the log says which):
+
+* ``count`` (default, no user code): ``torch.utils.flop_counter.FlopCounterMode`` around the
+  first training batch's forward + backward on the real data, on every rank. Recomputation by
+  :class:`~fsdp_strategies.callbacks.ActivationCheckpointing` is booked as hardware-only FLOPs.
+  SDPA kernels without a formula in PyTorch (the CPU flash kernel) get one registered here.
+  Kernels hidden from the dispatcher (``torch.compile``'d regions, custom CUDA ops) are not seen:
+  use ``flops_per_batch`` or ``analytic`` there.
+* ``analytic``: ``6 * N * tokens + 12 * L * H * S * tokens`` (N = non-embedding parameters,
+  L = blocks, H = attention width, S = sequence length), the usual transformer estimate.
+* ``flops_per_batch``: an int, or a callable ``f(batch) -> int`` given by import path in YAML.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+from typing_extensions import override
+
+from fsdp_strategies._blocks import find_transformer_blocks
+from fsdp_strategies._peak_flops import DTYPES, lookup_peak_flops, peak_flops_from_env
+from fsdp_strategies.callbacks.activation_checkpointing import is_recomputing
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["MFUMonitor", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------- FLOP formulas
+
+
+def _register_missing_sdpa_formulas() -> None:
+    """PyTorch has no FLOP formula for these SDPA kernels; give them the generic SDPA one."""
+    forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]
+    for name in forward:
+        packet = getattr(aten, name, None)
+        if packet is not None and packet not in flop_counter.flop_registry:
+
+            @register_flop_formula(packet)
+            def _sdpa(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
+                      **kwargs: Any) -> int:
+                return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+        backward = getattr(aten, name + "_backward", None)
+        if backward is not None and backward not in flop_counter.flop_registry:
+
+            @register_flop_formula(backward)
+            def _sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                               out_shape: Any = None, **kwargs: Any) -> int:
+                return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_missing_sdpa_formulas()
+
+_ATTENTION_FORWARD = tuple(
+    p for p in (getattr(aten, n, None) for n in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    )) if p is not None
+)
+_ATTENTION_BACKWARD = tuple(
+    p for p in (getattr(aten, n, None) for n in (
+        "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_fused_attention_overrideable_backward", "_flash_attention_backward",
+        "_efficient_attention_backward",
+    )) if p is not None
+)
+
+
+def _is_causal_getter(packet: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
+    schema = packet.default._schema
+    names = [a.name for a in schema.arguments]
+    if "is_causal" not in names:
+        return None
+    index = names.index("is_causal")
+    default = schema.arguments[index].default_value
+
+    def get(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if "is_causal" in kwargs:
+            return bool(kwargs["is_causal"])
+        return bool(args[index]) if len(args) > index else bool(default)
+
+    return get
+
+
+def _causal_mapping() -> dict[Any, Any]:
+    """SDPA formulas that count half the attention FLOPs when ``is_causal`` (the masked half is skipped)."""
+    mapping: dict[Any, Any] = {}
+    for packet in (*_ATTENTION_FORWARD, *_ATTENTION_BACKWARD):
+        formula = flop_counter.flop_registry.get(packet)
+        get_causal = _is_causal_getter(packet)
+        if formula is None or get_causal is None:
+            continue
+
+        def discounted(*args: Any, _f: Any = formula, _c: Any = get_causal, out_val: Any = None, **kwargs: Any) -> int:
+            flops = _f(*args, out_val=out_val, **kwargs)
+            return flops // 2 if _c(args, kwargs) else flops
+
+        discounted._get_raw = True  # type: ignore[attr-defined]  (FlopCounterMode: pass tensors, not shapes)
+        mapping[packet] = discounted
+    return mapping
+
+
+def _score_recompute_fraction(args: tuple[Any, ...]) -> float:
+    """Share of an SDPA backward formula that recomputes ``q @ k^T``: d_q / (3 d_q + 2 d_v)."""
+    d_q, d_v = args[1].shape[-1], args[3].shape[-1]
+    return d_q / (3 * d_q + 2 * d_v)
+
+
+class _StepFlopCounter(FlopCounterMode):
+    """FlopCounterMode that also books the recomputed share of the FLOPs (hardware-only FLOPs)."""
+
+    def __init__(self, causal_discount: bool) -> None:
+        super().__init__(display=False, custom_mapping=_causal_mapping() if causal_discount else None)
+        self.recomputed = 0.0
+
+    @override
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        before = self.flop_counts["Global"].get(func_packet, 0)
+        result = super()._count_flops(func_packet, out, args, kwargs)
+        delta = self.flop_counts["Global"].get(func_packet, 0) - before
+        if delta:
+            if is_recomputing():
+                self.recomputed += delta
+            elif func_packet in _ATTENTION_BACKWARD:
+                self.recomputed += delta * _score_recompute_fraction(args)
+        return result
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one forward + backward: ``model`` (for MFU) and ``hardware`` (executed, for HFU)."""
+
+    model: int
+    hardware: int
+
+
+def count_step_flops(step: Callable[[], Any], *, causal_discount: bool = False) -> StepFlops:
+    """Run ``step`` (forward + backward) under FlopCounterMode; works on meta tensors too."""
+    counter = _StepFlopCounter(causal_discount)
+    with counter:
+        step()
+    total = counter.get_total_flops()
+    return StepFlops(model=round(total - counter.recomputed), hardware=int(total))
+
+
+def analytic_transformer_flops(
+    non_embedding_params: int, n_layers: int, hidden_size: int, seq_len: int, tokens: int, *, causal_discount: bool = False
+) -> int:
+    """``(6 N + 12 L H S) * tokens``: dense matmuls 2 (fwd) + 4 (bwd) FLOPs per parameter and token, plus attention."""
+    attention = 12 * n_layers * hidden_size * seq_len
+    if causal_discount:
+        attention //= 2
+    return (6 * non_embedding_params + attention) * tokens
+
+
+# ---------------------------------------------------------------------------------------------- callback
+
+_STATS = ("min", "median", "max")
+_RATES = ("tflops_per_device", "mfu", "hfu", "tokens_per_sec_per_device", "samples_per_sec_per_device")
+
+
+@dataclass
+class _Window:
+    steps: int = 0
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
+    start: float = 0.0
+    paused: float = 0.0
+
+    def add(self, samples: int, tokens: int, flops: StepFlops, scale: float) -> None:
+        self.batches += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.model_flops += flops.model * scale
+        self.hardware_flops += flops.hardware * scale
+
+    def rates(self, now: float, peak: float | None) -> list[float]:
+        elapsed = max(now - self.start - self.paused, 1e-12)
+        nan = float("nan")
+        return [
+            self.model_flops / elapsed / 1e12,
+            self.model_flops / elapsed / peak if peak else nan,
+            self.hardware_flops / elapsed / peak if peak else nan,
+            self.tokens / elapsed,
+            self.samples / elapsed,
+        ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        try:
+            torch.accelerator.synchronize(device)
+        except (RuntimeError, ValueError):
+            pass
+
+
+class MFUMonitor(Callback):
+    """Log achieved TFLOPS, MFU, HFU, tokens/s and samples/s per device, min/median/max over ranks.
+
+    Logged through ``LightningModule.log`` (so every logger and ``trainer.callback_metrics`` see
+    them) every ``window`` optimizer steps, as ``{prefix}/<metric>/<stat>`` for the last window and
+    ``{prefix}_cum/<metric>/<stat>`` since the end of warm-up; ``{prefix}/tokens_per_sec`` and
+    ``{prefix}/samples_per_sec`` are the sums over ranks. Rates are per device and each rank's own,
+    all-gathered (not rank 0 times the world size). Validation time and the first
+    ``warmup_steps`` optimizer steps (compilation, allocator warm-up, FLOP counting) are excluded.
+    With gradient accumulation a step is all its micro-batches.
+
+    Args:
+        window: optimizer steps per logged window.
+        warmup_steps: optimizer steps excluded at the start (>= 1: the first one counts FLOPs).
+        flops_per_batch: FLOPs of one batch's forward + backward on one device (int), or a callable
+            ``f(batch) -> int``; skips counting. Used for MFU and HFU alike.
+        flops_source: ``count`` (FlopCounterMode on the first batch) or ``analytic``.
+        causal_discount: count half the attention FLOPs of causal SDPA calls / of the analytic term.
+        peak_flops: dense peak FLOP/s of one device; default: ``FSDP_STRATEGIES_PEAK_FLOPS`` or the
+            table in :mod:`fsdp_strategies._peak_flops`. Needed on CPUs; without it MFU/HFU are not logged.
+        peak_dtype: column of the peak table (bf16/fp16/tf32/fp8/fp32); default from the Trainer's precision.
+        tokens_per_sample: tokens one sample contributes; default: the size of the first integer tensor
+            of the batch divided by the batch size (token ids).
+        seq_len / hidden_size: for ``analytic``: sequence length (default ``tokens_per_sample``) and
+            attention width (default: the largest ``nn.Embedding``'s dimension).
+        block_class_names: for ``analytic``: block classes to count layers (default: heuristic).
+        prog_bar: show window TFLOPS and MFU (medians) in the progress bar.
+        prefix: metric name prefix.
+    """
+
+    def __init__(
+        self,
+        window: int = 10,
+        warmup_steps: int = 2,
+        flops_per_batch: int | Callable[[Any], int] | None = None,
+        flops_source: Literal["count", "analytic"] = "count",
+        causal_discount: bool = False,
+        peak_flops: float | None = None,
+        peak_dtype: Literal["bf16", "fp16", "tf32", "fp8", "fp32"] | None = None,
+        tokens_per_sample: int | None = None,
+        seq_len: int | None = None,
+        hidden_size: int | None = None,
+        block_class_names: list[str] | None = None,
+        prog_bar: bool = True,
+        prefix: str = "perf",
+    ) -> None:
+        super().__init__()
+        for name, value, low in (("window", window, 1), ("warmup_steps", warmup_steps, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+        for name, value in (("tokens_per_sample", tokens_per_sample), ("seq_len", seq_len), ("hidden_size", hidden_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid. Fix: a positive integer, or leave it unset.")
+        if flops_source not in ("count", "analytic"):
+            raise ValueError(f"flops_source={flops_source!r} is invalid. Fix: 'count' or 'analytic'.")
+        if flops_per_batch is not None and not callable(flops_per_batch) and (
+            isinstance(flops_per_batch, bool) or not isinstance(flops_per_batch, int) or flops_per_batch <= 0
+        ):
+            raise ValueError(
+                f"flops_per_batch={flops_per_batch!r} is invalid. Fix: a positive int, a callable f(batch) -> int, "
+                "or unset to count FLOPs automatically."
+            )
+        if peak_flops is not None and not peak_flops > 0:
+            raise ValueError(f"peak_flops={peak_flops!r} is invalid. Fix: the dense peak FLOP/s of one device, e.g. 989e12.")
+        if peak_dtype is not None and peak_dtype not in DTYPES:
+            raise ValueError(f"peak_dtype={peak_dtype!r} is invalid. Fix: one of {DTYPES} or unset.")
+        peak_flops_from_env()  # a bad environment value fails now, not mid-run
+        self.window = window
+        self.warmup_steps = warmup_steps
+        self.flops_per_batch = flops_per_batch
+        self.flops_source = flops_source
+        self.causal_discount = causal_discount
+        self.peak_flops = peak_flops
+        self.peak_dtype = peak_dtype
+        self.tokens_per_sample = tokens_per_sample
+        self.seq_len = seq_len
+        self.hidden_size = hidden_size
+        self.block_class_names = list(block_class_names or [])
+        self.prog_bar = prog_bar
+        self.prefix = prefix
+        # results, readable after (or during) training
+        self.peak: float | None = None
+        self.source: str | None = None
+        self.flops: StepFlops | None = None  # per batch on this rank
+        self.local_values: list[float] = []  # this rank's window + cumulative rates, in log order
+        self.gathered: torch.Tensor | None = None  # (world, values) as all-gathered
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counter: _StepFlopCounter | None = None
+        self._counted_samples = 0
+        self._measuring = False
+        self._last_step = 0
+        self._steps_seen = 0
+        self._window = _Window()
+        self._total = _Window()
+        self._pause_start: float | None = None
+
+    # ------------------------------------------------------------------ peak
+    def _precision_dtype(self, trainer: pl.Trainer) -> str | None:
+        flag = str(trainer.precision)
+        if "bf16" in flag:
+            return "bf16"
+        if flag.startswith("16"):
+            return "fp16"
+        if "transformer-engine" in flag:
+            return "fp8"
+        if flag.startswith("32"):
+            tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+            return "tf32" if tf32 else "fp32"
+        return None
+
+    def _resolve_peak(self, trainer: pl.Trainer) -> float | None:
+        if self.peak_flops is not None:
+            return float(self.peak_flops)
+        env = peak_flops_from_env()
+        if env is not None:
+            return env
+        device = trainer.strategy.root_device
+        if device.type == "cpu":
+            rank_zero_warn(
+                "MFUMonitor: no peak FLOP/s for a CPU, so MFU/HFU are not logged (TFLOPS and tokens/s are). "
+                "Fix: set peak_flops (or FSDP_STRATEGIES_PEAK_FLOPS) to your CPU's peak FLOP/s per process."
+            )
+            return None
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        dtype = self.peak_dtype or self._precision_dtype(trainer)
+        peak = lookup_peak_flops(name, dtype) if dtype else None
+        if peak is None:
+            rank_zero_warn(
+                f"MFUMonitor: no dense {dtype} peak known for device {name!r}, so MFU/HFU are not logged. "
+                "Fix: set peak_flops (or FSDP_STRATEGIES_PEAK_FLOPS) to its dense peak FLOP/s."
+            )
+        return peak
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.peak = self._resolve_peak(trainer)
+            self._reset()
+
+    # ------------------------------------------------------------------ batch bookkeeping
+    def _samples_tokens(self, batch: Any) -> tuple[int, int]:
+        leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        samples = int(leaves[0].shape[0]) if leaves else 0
+        if self.tokens_per_sample is not None:
+            return samples, samples * self.tokens_per_sample
+        ids = next((t for t in leaves if not t.is_floating_point() and not t.is_complex()), None)
+        return samples, int(ids.numel()) if ids is not None else 0
+
+    def _analytic(self, pl_module: pl.LightningModule, samples: int, tokens: int) -> StepFlops:
+        embeddings = {id(p) for m in pl_module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        n = sum(p.numel() for p in pl_module.parameters() if id(p) not in embeddings)
+        names = self.block_class_names
+        names = [*names, *(f"FSDP{c}" for c in names)] or None  # FSDP2 renames wrapped classes to FSDP<Name>
+        layers = len(find_transformer_blocks(pl_module, names, option="block_class_names"))
+        hidden = self.hidden_size or max(
+            (m.embedding_dim for m in pl_module.modules() if isinstance(m, nn.Embedding)), default=0
+        )
+        seq = self.seq_len or (tokens // samples if samples else 0)
+        if not (layers and hidden and seq):
+            raise ValueError(
+                f"MFUMonitor(flops_source='analytic') could not infer layers={layers}, hidden_size={hidden}, "
+                f"seq_len={seq} from the model/batch. Fix: set block_class_names, hidden_size and seq_len."
+            )
+        flops = analytic_transformer_flops(n, layers, hidden, seq, samples * seq, causal_discount=self.causal_discount)
+        return StepFlops(flops, flops)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a resumed run warms up again, counted from here
+        self._steps_seen = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.flops is None and self.flops_per_batch is None and self.flops_source == "count" and self._counter is None:
+            compiled = [type(m).__name__ for m in (trainer.model, *pl_module.modules())
+                        if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")]
+            if compiled:
+                rank_zero_warn(
+                    f"MFUMonitor: the model has torch.compile'd modules ({sorted(set(compiled))}) whose kernels "
+                    "FlopCounterMode cannot see; using flops_source='analytic'. Fix: set flops_per_batch to be exact."
+                )
+                return  # no counter: the first batch's end takes the analytic path
+            self._counter = _StepFlopCounter(self.causal_discount)
+            self._counter.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        samples, tokens = self._samples_tokens(batch)
+        if self.flops is None:
+            self._first_batch_flops(pl_module, batch, samples, tokens)
+        assert self.flops is not None
+        scale = samples / self._counted_samples if self._counted_samples else 1.0
+        if self._measuring:
+            self._window.add(samples, tokens, self.flops, scale)
+            self._total.add(samples, tokens, self.flops, scale)
+        if trainer.global_step == self._last_step:
+            return  # a micro-batch of gradient accumulation: the optimizer step is not over yet
+        self._last_step = trainer.global_step
+        self._steps_seen += 1
+        if not self._measuring:
+            if self._steps_seen >= self.warmup_steps:
+                device = trainer.strategy.root_device
+                _sync(device)
+                now = time.perf_counter()
+                self._window, self._total = _Window(start=now), _Window(start=now)
+                self._measuring = True
+            return
+        self._window.steps += 1
+        self._total.steps += 1
+        if self._window.steps >= self.window:
+            self._emit(trainer, pl_module)
+
+    def _first_batch_flops(self, pl_module: pl.LightningModule, batch: Any, samples: int, tokens: int) -> None:
+        self._counted_samples = samples
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            total = self._counter.get_total_flops()
+            self.flops = StepFlops(round(total - self._counter.recomputed), int(total))
+            self._counter = None
+            self.source = "FlopCounterMode on the first batch" + (" (causal discount)" if self.causal_discount else "")
+            if total == 0:
+                rank_zero_warn(
+                    "MFUMonitor: FlopCounterMode saw no FLOPs (compiled or custom kernels?). "
+                    "Fix: set flops_per_batch or flops_source='analytic'."
+                )
+        elif self.flops_per_batch is not None:
+            value = self.flops_per_batch(batch) if callable(self.flops_per_batch) else self.flops_per_batch
+            self.flops = StepFlops(int(value), int(value))
+            self.source = "flops_per_batch (user)"
+        else:
+            self.flops = self._analytic(pl_module, samples, tokens)
+            self.source = "analytic 6*N*T + 12*L*H*S*T" + (" (causal discount)" if self.causal_discount else "")
+        rank_zero_info(
+            f"MFUMonitor: {self.flops.model / 1e9:.4g} GFLOP model / {self.flops.hardware / 1e9:.4g} GFLOP hardware "
+            f"per batch of {samples} samples per device (source: {self.source}); peak "
+            f"{'unknown' if self.peak is None else f'{self.peak / 1e12:.4g} TFLOP/s'} per device"
+        )
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._counter is not None:  # do not leave the dispatch mode installed
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+
+    # ------------------------------------------------------------------ pausing for validation
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._measuring and self._pause_start is None:
+            _sync(trainer.strategy.root_device)
+            self._pause_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pause_start is not None:
+            _sync(trainer.strategy.root_device)
+            paused = time.perf_counter() - self._pause_start
+            self._window.paused += paused
+            self._total.paused += paused
+            self._pause_start = None
+
+    # ------------------------------------------------------------------ logging
+    def _emit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        _sync(device)
+        now = time.perf_counter()
+        self.local_values = self._window.rates(now, self.peak) + self._total.rates(now, self.peak)
+        local = torch.tensor(self.local_values, dtype=torch.float64, device=device)
+        gathered = trainer.strategy.all_gather(local)
+        self.gathered = gathered.reshape(-1, local.numel()).cpu()
+        steps, batches = self._window.steps, self._window.batches
+        metrics: dict[str, float] = {}
+        for offset, prefix in ((0, self.prefix), (len(_RATES), f"{self.prefix}_cum")):
+            for i, rate in enumerate(_RATES):
+                column = [float(v) for v in self.gathered[:, offset + i]]
+                if rate in ("mfu", "hfu") and self.peak is None:
+                    continue
+                stats = (min(column), statistics.median(column), max(column))
+                metrics.update({f"{prefix}/{rate}/{s}": v for s, v in zip(_STATS, stats)})
+                if rate.startswith(("tokens", "samples")):
+                    metrics[f"{prefix}/{rate.split('_per_sec')[0]}_per_sec"] = sum(column)
+        assert self.flops is not None
+        metrics[f"{self.prefix}/model_flops_per_step"] = self._window.model_flops / steps
+        metrics[f"{self.prefix}/hardware_flops_per_step"] = self._window.hardware_flops / steps
+        metrics[f"{self.prefix}/batches_per_step"] = batches / steps
+        for name, value in metrics.items():
+            show = self.prog_bar and name in (f"{self.prefix}/tflops_per_device/median", f"{self.prefix}/mfu/median")
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=show, sync_dist=False, rank_zero_only=False)
+        now = time.perf_counter()  # logging is not part of the next window
+        self._window = _Window(start=now)

@@ -1,0 +1,421 @@
+"""``ddp_hooks``: Lightning's DDP with torch's communication hooks, post-local SGD and hierarchical SGD.
+
+Lightning's ``DDPStrategy`` registers comm hooks only on CUDA and supports only
+``PeriodicModelAverager``. This subclass registers the hook itself right after the DDP wrap (CPU/gloo
+and CUDA/NCCL alike), wraps the user's optimizer in torch's ``PostLocalSGDOptimizer`` (so
+``configure_optimizers`` stays unmodified), builds the averaging subgroups explicitly, saves the
+hook and averager state in Lightning checkpoints, and averages parameters before validation and
+before a checkpoint is written so both see one consistent model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    post_localSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+from torch.distributed.algorithms.model_averaging.utils import average_parameters as _average_parameters
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["COMM_HOOKS", "DDPHooksStrategy"]
+
+COMM_HOOKS = ("allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd")
+LOCAL_SGD_HOOKS = ("post_local_sgd", "hierarchical_sgd")
+CHECKPOINT_KEY = "ddp_hooks_state"
+_NEVER = 2**62  # "start local SGD at this iteration": effectively synchronous DDP
+
+
+class _ClosurePostLocalSGDOptimizer(PostLocalSGDOptimizer):
+    """torch's ``PostLocalSGDOptimizer`` that accepts the closure Lightning's precision plugins always pass."""
+
+    @override
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        super().step()
+        return loss
+
+
+def _bf16_compress_gloo(process_group, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``bf16_compress_hook`` under another name: DDP's name check only admits it with NCCL.
+
+    Unannotated on purpose: DDP checks the annotations of a hook, and this module's postponed
+    (string) annotations would not match ``dist.GradBucket``.
+    """
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = rng.get_state()
+    return {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _set_rng_state(rng: np.random.RandomState, state: Mapping[str, Any]) -> None:
+    rng.set_state((state["name"], state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                   state["cached_gaussian"]))
+
+
+class DDPHooksStrategy(DDPStrategy):
+    """DDP with a communication hook chosen by name, working on CPU/gloo and CUDA/NCCL.
+
+    Args:
+        comm_hook: ``allreduce`` (DDP's built-in), ``bf16_compress`` / ``fp16_compress`` (gradients
+            all-reduced in 16 bit), ``powersgd`` (low-rank compression with error feedback),
+            ``post_local_sgd`` (global gradient all-reduce during warm-up, then local steps with
+            parameters averaged every ``local_sgd_period`` steps) or ``hierarchical_sgd`` (the same
+            with averaging at several levels, ``hierarchy_levels``).
+        powersgd_rank: PowerSGD matrix approximation rank.
+        powersgd_start_iter: plain all-reduce for this many iterations first (>= 2: error feedback and
+            warm start need it).
+        powersgd_min_compression_rate: compress a tensor only when it saves at least this factor.
+        powersgd_use_error_feedback / powersgd_warm_start: PowerSGD's error feedback and warm start.
+        local_sgd_period: parameter averaging period of ``post_local_sgd`` (and the first level of the
+            default hierarchy).
+        local_sgd_warmup: steps of fully synchronous DDP before local SGD starts.
+        hierarchy_levels: ``{period: group_size}`` for ``hierarchical_sgd``, e.g. ``{2: 2, 8: 4}``:
+            groups of 2 consecutive ranks average every 2 steps, all 4 ranks every 8. Periods and group
+            sizes increase, each size divides the next, the last is the world size. Default: groups of
+            one node every ``local_sgd_period`` steps and the world every ``4 * local_sgd_period``.
+        local_group_size: after warm-up, gradients are still all-reduced every step within groups of
+            this many consecutive ranks (torch's post-local SGD); ``1`` = no gradient communication
+            between averagings (what hides stragglers). Default: the devices of one node.
+        local_sgd_enabled: start with local SGD on (``True``), or synchronous until
+            :meth:`set_local_sgd` turns it on (the straggler callback's ``hierarchical_sgd`` action).
+        bucket_cap_mb / static_graph / gradient_as_bucket_view / find_unused_parameters: passed to
+            ``DistributedDataParallel``.
+        process_group_backend / timeout / start_method: as in Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "ddp_hooks"
+
+    def __init__(
+        self,
+        comm_hook: Literal["allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd",
+                           "hierarchical_sgd"] = "allreduce",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 10,
+        powersgd_min_compression_rate: float = 2.0,
+        powersgd_use_error_feedback: bool = True,
+        powersgd_warm_start: bool = True,
+        local_sgd_period: int = 4,
+        local_sgd_warmup: int = 10,
+        hierarchy_levels: dict[int, int] | None = None,
+        local_group_size: int | None = None,
+        local_sgd_enabled: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook={comm_hook!r} is not a known hook. Fix: use one of {list(COMM_HOOKS)}.")
+        for name, value, low in (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2),
+                                 ("local_sgd_period", local_sgd_period, 1), ("local_sgd_warmup", local_sgd_warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+        if local_group_size is not None and (isinstance(local_group_size, bool) or not isinstance(local_group_size, int)
+                                             or local_group_size < 1):
+            raise ValueError(f"local_group_size={local_group_size!r} is invalid. Fix: a positive rank count, or null.")
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid. Fix: a positive size in MB, or null.")
+        levels = self._check_levels(hierarchy_levels) if hierarchy_levels else None
+        if levels is not None and comm_hook != "hierarchical_sgd":
+            raise ValueError(f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
+                             "or remove hierarchy_levels.")
+        ddp_kwargs: dict[str, Any] = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view,
+                                      "find_unused_parameters": find_unused_parameters}
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                         **ddp_kwargs)
+        self.comm_hook = comm_hook
+        self.powersgd_rank = powersgd_rank
+        self.powersgd_start_iter = powersgd_start_iter
+        self.powersgd_min_compression_rate = powersgd_min_compression_rate
+        self.powersgd_use_error_feedback = powersgd_use_error_feedback
+        self.powersgd_warm_start = powersgd_warm_start
+        self.local_sgd_period = local_sgd_period
+        self.local_sgd_warmup = local_sgd_warmup
+        self.hierarchy_levels = levels
+        self.local_group_size = local_group_size
+        self._local_sgd_enabled = local_sgd_enabled
+        self._hook_state: Any = None
+        self._averager: ModelAverager | None = None
+        self._subgroups: list[Any] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # never re-register Lightning's ``ddp*`` names with this class
+        strategy_registry.register(cls.strategy_name, cls, description="DDP with comm hooks", override=True)
+
+    # ------------------------------------------------------------------ validation (no process group yet)
+    @staticmethod
+    def _check_levels(levels: Mapping[Any, Any]) -> OrderedDict[int, int]:
+        try:
+            items = sorted((int(p), int(s)) for p, s in dict(levels).items())
+        except (TypeError, ValueError):
+            raise ValueError(f"hierarchy_levels={levels!r} is invalid. Fix: a mapping {{period: group_size}} of "
+                             "positive integers, e.g. {2: 2, 8: 4}.") from None
+        for i, (period, size) in enumerate(items):
+            if period < 1 or size < 1:
+                raise ValueError(f"hierarchy_levels={levels!r}: period {period} / group size {size} must be positive.")
+            if i and size <= items[i - 1][1]:
+                raise ValueError(f"hierarchy_levels={levels!r}: group sizes must grow with the period (a longer period "
+                                 f"averages a larger group). Fix: e.g. {{2: 2, 8: 4}}.")
+            if i and size % items[i - 1][1]:
+                raise ValueError(f"hierarchy_levels={levels!r}: group size {items[i - 1][1]} does not divide {size}. "
+                                 "Fix: each level's group must be a union of the groups below it.")
+        return OrderedDict(items)
+
+    def _resolve_layout(self) -> None:
+        """Default and validate group sizes against the world size, before the process group exists."""
+        world = self.num_nodes * self.num_processes
+        per_node = max(1, self.num_processes)
+        if self.comm_hook not in LOCAL_SGD_HOOKS:
+            return
+        if self.local_group_size is None:
+            self.local_group_size = per_node
+        if world % self.local_group_size:
+            raise ValueError(f"local_group_size={self.local_group_size} does not divide the world size {world}. "
+                             f"Fix: a divisor of {world} (1 = no gradient all-reduce between averagings).")
+        if self.comm_hook == "hierarchical_sgd":
+            if self.hierarchy_levels is None:
+                levels = {self.local_sgd_period: per_node, 4 * self.local_sgd_period: world}
+                if per_node == world:
+                    levels = {self.local_sgd_period: world}
+                self.hierarchy_levels = self._check_levels(levels)
+            sizes = list(self.hierarchy_levels.values())
+            if sizes[-1] != world:
+                raise ValueError(f"hierarchy_levels={dict(self.hierarchy_levels)}: the last (longest-period) group "
+                                 f"size must be the world size {world}. Fix: e.g. {{2: {min(2, world)}, 8: {world}}}.")
+            bad = [s for s in sizes if world % s]
+            if bad:
+                raise ValueError(f"hierarchy_levels={dict(self.hierarchy_levels)}: group sizes {bad} do not divide "
+                                 f"the world size {world}.")
+
+    @override
+    def setup_environment(self) -> None:
+        self._resolve_layout()
+        super().setup_environment()
+
+    # ------------------------------------------------------------------ hooks
+    def _contiguous_subgroup(self, size: int) -> Any:
+        """The subgroup of ``size`` consecutive ranks holding this rank; created identically on every rank."""
+        world = dist.get_world_size()
+        if size == world:
+            return dist.group.WORLD
+        ranks = [list(range(start, start + size)) for start in range(0, world, size)]
+        mine, groups = dist.new_subgroups_by_enumeration(ranks)
+        self._subgroups.extend(groups)
+        return mine
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        hook = self.comm_hook
+        if hook == "allreduce":
+            return
+        if hook == "bf16_compress":
+            # DDP refuses torch's bf16 hook by name unless NCCL >= 2.10; gloo all-reduces bf16 fine
+            fn = default_hooks.bf16_compress_hook if self.root_device.type == "cuda" else _bf16_compress_gloo
+            model.register_comm_hook(None, fn)
+        elif hook == "fp16_compress":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook == "powersgd":
+            self._hook_state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_start_iter, min_compression_rate=self.powersgd_min_compression_rate,
+                use_error_feedback=self.powersgd_use_error_feedback, warm_start=self.powersgd_warm_start,
+                random_seed=0)
+            model.register_comm_hook(self._hook_state, powerSGD_hook.powerSGD_hook)
+        else:
+            assert self.local_group_size is not None
+            subgroup = self._contiguous_subgroup(self.local_group_size) if self.local_group_size > 1 else None
+            self._hook_state = PostLocalSGDState(
+                process_group=None, subgroup=subgroup, start_localSGD_iter=self.local_sgd_warmup,
+                post_local_gradient_allreduce=self.local_group_size > 1)
+            model.register_comm_hook(self._hook_state, post_localSGD_hook)
+        rank_zero_info(f"{self.strategy_name}: registered the {hook!r} communication hook on {self.root_device.type}.")
+
+    def _build_averager(self) -> ModelAverager:
+        if self.comm_hook == "post_local_sgd":
+            return PeriodicModelAverager(period=self.local_sgd_period, warmup_steps=self.local_sgd_warmup)
+        assert self.hierarchy_levels is not None
+        return HierarchicalModelAverager(OrderedDict(self.hierarchy_levels), warmup_steps=self.local_sgd_warmup)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or self.comm_hook not in LOCAL_SGD_HOOKS:
+            return
+        if self._averager is None:
+            self._averager = self._build_averager()
+        wrapped = []
+        for optimizer in self.optimizers:
+            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if not isinstance(inner, PostLocalSGDOptimizer):
+                inner = _ClosurePostLocalSGDOptimizer(inner, self._averager)
+            wrapped.append(inner)
+        self.optimizers = wrapped
+        self.set_local_sgd(self._local_sgd_enabled, average=False)
+
+    # ------------------------------------------------------------------ local SGD switching
+    @property
+    def local_sgd_enabled(self) -> bool:
+        """Whether ranks currently take local steps between parameter averagings."""
+        return self._local_sgd_enabled
+
+    def set_local_sgd(self, enabled: bool, average: bool = True) -> None:
+        """Switch between local SGD (hierarchical / post-local averaging) and synchronous DDP.
+
+        Must be called on every rank at the same step. Turning local SGD off averages the parameters
+        first, so synchronous training resumes from one model. The schedules (``PostLocalSGDState.iter``,
+        the averager's step) keep counting in both modes.
+        """
+        if self.comm_hook not in LOCAL_SGD_HOOKS:
+            raise RuntimeError(f"set_local_sgd needs comm_hook post_local_sgd or hierarchical_sgd, not "
+                               f"{self.comm_hook!r}. Fix: strategy init_args comm_hook: hierarchical_sgd.")
+        self._local_sgd_enabled = bool(enabled)
+        state, averager = self._hook_state, self._averager
+        if state is None or averager is None:
+            return  # applied in setup
+        if not enabled and average:
+            self.average_parameters()
+        if enabled:
+            state.start_localSGD_iter = max(self.local_sgd_warmup, state.iter)
+            averager.warmup_steps = max(self.local_sgd_warmup, averager.step)
+        else:
+            state.start_localSGD_iter = _NEVER
+            averager.warmup_steps = _NEVER
+
+    def average_parameters(self) -> None:
+        """Average parameters over all ranks now (torch's averaging utility), outside the schedule."""
+        if self.comm_hook not in LOCAL_SGD_HOOKS or not isinstance(self.model, DistributedDataParallel):
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if params:
+            _average_parameters(iter(params), dist.group.WORLD)  # all of them, not only those with a grad
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self.average_parameters()
+
+    @override
+    def on_train_end(self) -> None:
+        self.average_parameters()
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ checkpoint state
+    def comm_state_dict(self) -> dict[str, Any]:
+        """This rank's hook + averager state as tensors and primitives (loadable with ``weights_only``)."""
+        out: dict[str, Any] = {"comm_hook": self.comm_hook}
+        state = self._hook_state
+        if isinstance(state, powerSGD_hook.PowerSGDState):
+            out["powersgd"] = {
+                "iter": state.iter,
+                "error_dict": {int(k): v.detach().cpu().clone() for k, v in state.error_dict.items()},
+                "p_memory_dict": {int(k): v.detach().cpu().clone() for k, v in state.p_memory_dict.items()},
+                "q_memory_dict": {int(k): v.detach().cpu().clone() for k, v in state.q_memory_dict.items()},
+                "rng": _rng_state(state.rng),
+                "total_numel_before_compression": state.total_numel_before_compression,
+                "total_numel_after_compression": state.total_numel_after_compression,
+            }
+        elif isinstance(state, PostLocalSGDState):
+            out["post_local_sgd"] = {"iter": state.iter, "start_localSGD_iter": state.start_localSGD_iter}
+        if self._averager is not None:
+            out["averager"] = {"step": self._averager.step,
+                               "warmup_steps": getattr(self._averager, "warmup_steps", 0)}
+            out["local_sgd_enabled"] = self._local_sgd_enabled
+        return out
+
+    def load_comm_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore :meth:`comm_state_dict` so a resumed run compresses and averages on the same schedule."""
+        if saved.get("comm_hook") != self.comm_hook:
+            rank_zero_info(f"{self.strategy_name}: checkpoint has comm_hook={saved.get('comm_hook')!r}, this run uses "
+                           f"{self.comm_hook!r}; hook state not restored.")
+            return
+        state = self._hook_state
+        device = self.root_device
+        if isinstance(state, powerSGD_hook.PowerSGDState) and "powersgd" in saved:
+            ps = saved["powersgd"]
+            state.iter = int(ps["iter"])
+            state.error_dict = {int(k): v.to(device) for k, v in ps["error_dict"].items()}
+            state.p_memory_dict = {int(k): v.to(device) for k, v in ps["p_memory_dict"].items()}
+            state.q_memory_dict = {int(k): v.to(device) for k, v in ps["q_memory_dict"].items()}
+            _set_rng_state(state.rng, ps["rng"])
+            state.total_numel_before_compression = ps["total_numel_before_compression"]
+            state.total_numel_after_compression = ps["total_numel_after_compression"]
+        elif isinstance(state, PostLocalSGDState) and "post_local_sgd" in saved:
+            state.iter = int(saved["post_local_sgd"]["iter"])
+            state.start_localSGD_iter = int(saved["post_local_sgd"]["start_localSGD_iter"])
+        if self._averager is not None and "averager" in saved:
+            self._averager.step = int(saved["averager"]["step"])
+            if hasattr(self._averager, "warmup_steps"):
+                self._averager.warmup_steps = int(saved["averager"]["warmup_steps"])
+            self._local_sgd_enabled = bool(saved.get("local_sgd_enabled", self._local_sgd_enabled))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # called on every rank while a checkpoint is assembled: one consistent model goes in
+        self.average_parameters()
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
+        mine = self.comm_state_dict()
+        if dist.is_available() and dist.is_initialized() and self.comm_hook in ("powersgd", *LOCAL_SGD_HOOKS):
+            gathered: list[Any] = [None] * dist.get_world_size() if self.is_global_zero else []
+            dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
+            per_rank = gathered
+        else:
+            per_rank = [mine]
+        if self.is_global_zero:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: {"per_rank": per_rank}}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if not saved:
+            return
+        per_rank = saved["per_rank"]
+        if len(per_rank) != self.world_size:
+            rank_zero_info(f"{self.strategy_name}: checkpoint from {len(per_rank)} ranks, resuming on "
+                           f"{self.world_size}: rank 0's hook state is used everywhere.")
+        self.load_comm_state_dict(per_rank[self.global_rank] if len(per_rank) == self.world_size else per_rank[0])

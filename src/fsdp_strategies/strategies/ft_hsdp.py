@@ -1,0 +1,606 @@
+"""``ft_hsdp``: fault-tolerant HSDP on torchft -- replica groups are the unit of failure.
+
+Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards
+the model with FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter
+output is averaged by torchft's fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook``
+through ``torchft.process_group.ManagedProcessGroup``), whose membership is re-decided every
+step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others keep going
+(after the lighthouse's heartbeat timeout); the restarted group heals from a live peer through
+the manager's checkpoint transport instead of reloading a global checkpoint.
+
+Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
+
+* ``on_train_batch_start``: snapshot references to this rank's shards (the state a healing
+  peer may fetch) and ``Manager.start_quorum()`` (asynchronous).
+* the optimizer closure (forward + backward): the all-reduce hook waits for the quorum and
+  reduces across groups; errors are recorded by the manager, not raised.
+* ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes);
+  the optimizer steps only on commit. A discarded step leaves parameters, optimizer state and
+  LR schedulers untouched on every member and training goes on. Lightning's progress counters
+  are set to the manager's committed step, so ``Trainer.global_step`` is the quorum's step on
+  every group (it jumps forward on a group that just healed) and ``max_steps`` stops all groups
+  at the same committed step.
+
+Data: the sampler shards over ``num_replica_groups x ranks`` (the layout of
+``torchft.data.DistributedSampler``). While a group is down nobody reads its shard, so those
+samples are skipped for that stretch of the epoch; a healed group restarts its own shard at the
+beginning of the current epoch (its data position is not transferred).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from fsdp_strategies.strategies.fsdp import FSDP2Strategy
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["LEAVE_EXIT_CODE", "FTHSDPStrategy", "LighthouseUnreachableError"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+NUM_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
+#: exit status of a replica group that left the quorum on purpose (``leave_quorum``); the
+#: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
+LEAVE_EXIT_CODE = 75
+TRANSPORTS = ("pg", "http")
+
+_HOW_TO_START = (
+    "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
+    "TORCHFT_LIGHTHOUSE=http://<host>:29510), or launch the job through `fsdp-strategies-ft`, which "
+    "starts a lighthouse and the replica groups for you."
+)
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """The torchft lighthouse is not listening where the strategy was told to find it."""
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={value!r} is not an integer. Fix: set it to a number.") from None
+
+
+def _lighthouse_host_port(address: str) -> tuple[str, int]:
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(
+            f"lighthouse_addr={address!r} is not an address. Fix: give 'http://<host>:<port>' "
+            f"(e.g. http://localhost:29510) or set {LIGHTHOUSE_ENV}. {_HOW_TO_START}"
+        )
+    return parsed.hostname, parsed.port
+
+
+def _local(value: Any) -> Any:
+    """This rank's shard of a DTensor; other values unchanged (the heal transfer sends plain tensors)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class FTHSDPStrategy(FSDP2Strategy):
+    """FSDP2 inside a replica group, torchft's fault-tolerant all-reduce across replica groups.
+
+    Args:
+        lighthouse_addr: ``http://host:port`` of the torchft lighthouse; default ``$TORCHFT_LIGHTHOUSE``.
+        replica_group_id: this group's id in ``[0, num_replica_groups)``; default ``$REPLICA_GROUP_ID``.
+            It names the manager (``ft_hsdp_<id>``, torchft appends a uuid) and picks the data shard.
+        num_replica_groups: the most groups that will ever train at once (data is sharded over
+            them); default ``$NUM_REPLICA_GROUPS``.
+        min_replica_size: fewest groups that must take part for a step to commit.
+        shard_degree: ranks per replica group (``"auto"`` = nodes x devices of this job); a number
+            is checked against that.
+        checkpoint_transport: how a healing group fetches the live state: ``"pg"`` (send/recv over
+            the cross-group process group) or ``"http"`` (torchft's HTTP server).
+        timeout_s: collectives, ``should_commit`` and checkpoint transfer.
+        quorum_timeout_s: longest wait for a quorum.
+        connect_timeout_s: connecting to the lighthouse and to peers' managers.
+        init_sync: at step 0 every group copies the weights of one group. With torchft 0.2.0 the copying
+            groups contribute zero gradients to that first step while the average still divides by every
+            group, so set ``False`` when all groups are seeded identically (``seed_everything``): no
+            transfer, and the first step equals ``hsdp``'s.
+        max_retries: raise after this many consecutive discarded steps (``None`` = never).
+        hostname: the address other groups use to reach this group's manager (default: this host).
+        events_file: JSON-lines file written by each group's rank 0, one line per step (default
+            ``$FSDP_STRATEGIES_FT_EVENTS``; ``{replica_group_id}`` is substituted).
+        **fsdp2 options**: see :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`.
+    """
+
+    strategy_name = "ft_hsdp"
+
+    def __init__(
+        self,
+        lighthouse_addr: str | None = None,
+        replica_group_id: int | None = None,
+        num_replica_groups: int | None = None,
+        min_replica_size: int = 1,
+        shard_degree: int | str = "auto",
+        checkpoint_transport: str = "pg",
+        timeout_s: float = 60.0,
+        quorum_timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        hostname: str | None = None,
+        events_file: str | None = None,
+        block_class_names: list[str] | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        compile_blocks: bool = False,
+        meta_init: bool = True,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        output_dtype: str | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            block_class_names=block_class_names,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+            compile_blocks=compile_blocks,
+            meta_init=meta_init,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            output_dtype=output_dtype,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV) or None
+        if lighthouse_addr is None:
+            raise ValueError(
+                f"ft_hsdp needs a torchft lighthouse: lighthouse_addr is not set and {LIGHTHOUSE_ENV} is empty. "
+                f"Fix: set strategy.init_args.lighthouse_addr or {LIGHTHOUSE_ENV}=http://<host>:<port>. {_HOW_TO_START}"
+            )
+        _lighthouse_host_port(lighthouse_addr)
+        if replica_group_id is None:
+            replica_group_id = _env_int(REPLICA_GROUP_ENV)
+        if num_replica_groups is None:
+            num_replica_groups = _env_int(NUM_GROUPS_ENV)
+        if replica_group_id is None:
+            raise ValueError(
+                f"ft_hsdp: replica_group_id is missing. Fix: set strategy.init_args.replica_group_id or "
+                f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for each replica group (fsdp-strategies-ft sets it)."
+            )
+        if num_replica_groups is None or isinstance(num_replica_groups, bool) or num_replica_groups < 1:
+            raise ValueError(
+                f"ft_hsdp: num_replica_groups={num_replica_groups!r} is invalid. Fix: set "
+                f"strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica groups (>= 1)."
+            )
+        if isinstance(replica_group_id, bool) or not 0 <= replica_group_id < num_replica_groups:
+            raise ValueError(
+                f"ft_hsdp: replica_group_id={replica_group_id!r} is out of range for num_replica_groups="
+                f"{num_replica_groups}. Fix: use an id in [0, {num_replica_groups - 1}]."
+            )
+        if isinstance(min_replica_size, bool) or not 1 <= min_replica_size <= num_replica_groups:
+            raise ValueError(
+                f"ft_hsdp: min_replica_size={min_replica_size!r} is invalid. Fix: 1 <= min_replica_size <= "
+                f"num_replica_groups ({num_replica_groups})."
+            )
+        if shard_degree != "auto" and (isinstance(shard_degree, bool) or not isinstance(shard_degree, int) or shard_degree < 1):
+            raise ValueError(f"shard_degree={shard_degree!r} is invalid. Fix: a positive integer or 'auto'.")
+        if checkpoint_transport not in TRANSPORTS:
+            raise ValueError(f"checkpoint_transport={checkpoint_transport!r} is unknown. Fix: one of {TRANSPORTS}.")
+        for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
+                            ("connect_timeout_s", connect_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"{name}={value!r} is invalid. Fix: a positive number of seconds.")
+        self.lighthouse_addr = lighthouse_addr
+        self.replica_group_id = int(replica_group_id)
+        self.num_replica_groups = int(num_replica_groups)
+        self.min_replica_size = min_replica_size
+        self.shard_degree = shard_degree
+        self.checkpoint_transport = checkpoint_transport
+        self.timeout_s = timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.init_sync = init_sync
+        self.max_retries = max_retries
+        self.hostname = hostname
+        events_file = events_file or os.environ.get(EVENTS_ENV) or None
+        self.events_file = events_file.replace("{replica_group_id}", str(self.replica_group_id)) if events_file else None
+
+        self._manager: Any = None
+        self._managed_pg: Any = None
+        self._heal_state: dict[str, Any] | None = None
+        self._quorum_started = False
+        self._pending_scheduler_restore: list[Any] | None = None
+        self._step_t0 = 0.0
+        self._quorum_wait_s = 0.0
+        self._waited_quorum = False
+        self._healed = False
+        self._after_discard = False
+        #: cumulative counters of this process (also logged as ``ft/*``)
+        self.ft_stats: dict[str, float] = {"committed": 0, "discarded": 0, "heals": 0, "recovery_s": 0.0,
+                                           "quorum_s": 0.0}
+        self.last_step_committed: bool | None = None
+
+    # ------------------------------------------------------------------ validation (no process group yet)
+    @override
+    def _configure_launcher(self) -> None:
+        group_size = self.num_nodes * self.num_processes
+        if self.shard_degree != "auto" and self.shard_degree != group_size:
+            raise ValueError(
+                f"ft_hsdp: shard_degree={self.shard_degree} does not match the replica group's size {group_size} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}). Each replica group shards over all of "
+                f"its ranks. Fix: set shard_degree to {group_size} or 'auto', or run each group with "
+                f"{self.shard_degree} devices."
+            )
+        self._check_lighthouse()
+        super()._configure_launcher()
+
+    def _check_lighthouse(self) -> None:
+        host, port = _lighthouse_host_port(self.lighthouse_addr)
+        try:
+            with socket.create_connection((host, port), timeout=self.connect_timeout_s):
+                pass
+        except OSError as err:
+            raise LighthouseUnreachableError(
+                f"ft_hsdp: no torchft lighthouse answers at {self.lighthouse_addr} (from lighthouse_addr / "
+                f"{LIGHTHOUSE_ENV}; {type(err).__name__}: {err}). {_HOW_TO_START}"
+            ) from None
+
+    # ------------------------------------------------------------------ process groups and the manager
+    @property
+    def manager(self) -> Any:
+        """The ``torchft.Manager`` of this replica group (``None`` before ``setup_environment``)."""
+        return self._manager
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # in-group process group + this group's 1-D mesh
+        self._manager = self._create_manager()
+        from torchft.process_group import ManagedProcessGroup
+
+        self._managed_pg = ManagedProcessGroup(self._manager)
+        rank_zero_info(
+            f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} ({self.world_size} ranks), "
+            f"lighthouse {self.lighthouse_addr}, min_replica_size={self.min_replica_size}, "
+            f"transport={self.checkpoint_transport}"
+        )
+
+    def _create_manager(self) -> Any:
+        from torchft.checkpointing import HTTPTransport
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        timeout = timedelta(seconds=self.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if self.root_device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        if self.checkpoint_transport == "pg":
+            transport: Any = PGTransport(pg, timeout=timeout, device=self.root_device)
+        else:
+            transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        kwargs: dict[str, Any] = {}
+        if self.hostname:
+            kwargs["hostname"] = self.hostname
+        return Manager(
+            pg=pg,
+            load_state_dict=self._load_heal_state,
+            state_dict=self._heal_state_dict,
+            min_replica_size=self.min_replica_size,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=self.connect_timeout_s),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=self.lighthouse_addr,
+            replica_id=f"ft_hsdp_{self.replica_group_id}",
+            checkpoint_transport=transport,
+            init_sync=self.init_sync,
+            max_retries=self.max_retries,
+            **kwargs,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # torchft.data.DistributedSampler's layout: shard = group_rank + group_size * replica_group_id.
+        return {"num_replicas": self.world_size * self.num_replica_groups,
+                "rank": self.global_rank + self.world_size * self.replica_group_id}
+
+    # ------------------------------------------------------------------ wrapping: cross-group all-reduce hook
+    @override
+    def shard_module(self, module: nn.Module) -> nn.Module:
+        module = super().shard_module(module)
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_all_reduce_hook(self._all_reduce_hook)
+        return module
+
+    def _all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        self._cross_group_all_reduce(reduce_output)
+
+    def _cross_group_all_reduce(self, reduce_output: torch.Tensor) -> None:
+        """Average one FSDP unit's reduce-scatter output over the replica groups of this quorum."""
+        if not self._waited_quorum:
+            t0 = time.perf_counter()
+            self._manager.wait_quorum()
+            self._quorum_wait_s += time.perf_counter() - t0
+            self._waited_quorum = True
+        # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
+        self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
+
+    # ------------------------------------------------------------------ heal state (what a recovering group fetches)
+    def _capture_heal_state(self) -> dict[str, Any]:
+        """References (no copies) to this rank's shards; taken on the main thread while every unit is resharded."""
+        assert self.model is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return {
+            "model": {k: _local(v) for k, v in self.model.state_dict().items()},
+            "optimizers": [
+                {"state": {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()},
+                 "param_groups": sd["param_groups"]}
+                for sd in (opt.state_dict() for opt in self.optimizers)
+            ],
+            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        }
+
+    def _heal_state_dict(self) -> dict[str, Any]:
+        # called by torchft on its quorum thread when a peer must heal from us
+        assert self._heal_state is not None, "ft_hsdp: heal state requested before the first step"
+        return self._heal_state
+
+    @torch.no_grad()
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        """Apply a live peer's state (called by ``should_commit`` on the main thread)."""
+        assert self.model is not None and self.lightning_module is not None
+        t0 = time.perf_counter()
+        own = self.model.state_dict()
+        missing = set(own) ^ set(state["model"])
+        if missing:
+            raise RuntimeError(f"ft_hsdp: healed state does not match this model (keys differ: {sorted(missing)[:5]})")
+        for key, value in own.items():
+            _local(value).copy_(state["model"][key])
+        for opt, received in zip(self.optimizers, state["optimizers"]):
+            self._load_optimizer_shards(opt, received)
+        trainer = self.lightning_module.trainer
+        for cfg, sched_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+            cfg.scheduler.load_state_dict(sched_state)
+        self._healed = True
+        self.ft_stats["heals"] += 1
+        rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed from a live peer "
+                       f"in {time.perf_counter() - t0:.3f}s (apply)")
+
+    @staticmethod
+    def _load_optimizer_shards(opt: Optimizer, received: dict[str, Any]) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for idx, pstate in received["state"].items():
+            param = params[int(idx)]
+            entry = {}
+            for key, value in pstate.items():
+                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                        and value.shape == param.to_local().shape:
+                    value = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                               run_check=False, shape=param.shape, stride=param.stride())
+                entry[key] = value
+            state[int(idx)] = entry
+        opt.load_state_dict({"state": state, "param_groups": received["param_groups"]})
+
+    # ------------------------------------------------------------------ the step protocol
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            raise TypeError("ft_hsdp supports automatic optimization only (the optimizer step must follow "
+                            "should_commit). Fix: remove `self.automatic_optimization = False`.")
+        if self._manager is not None:
+            # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
+            step = self.lightning_module.trainer.global_step
+            self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._manager is None:
+            return
+        if self._pending_scheduler_restore is not None:
+            self._restore_schedulers(self._pending_scheduler_restore)
+            self._pending_scheduler_restore = None
+        if not self._quorum_started:
+            self._step_t0 = time.perf_counter()
+            self._heal_state = self._capture_heal_state()
+            self._quorum_wait_s = 0.0
+            self._waited_quorum = False
+            self._healed = False
+            self._manager.start_quorum()
+            self._quorum_started = True
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
+            self.on_train_batch_start(None, -1)
+        loss = closure()  # forward + backward; the all-reduce hook reduces across groups
+        t0 = time.perf_counter()
+        if not self._waited_quorum:
+            self._manager.wait_quorum()
+            self._quorum_wait_s += time.perf_counter() - t0
+            self._waited_quorum = True
+        t1 = time.perf_counter()
+        committed = bool(self._manager.should_commit())  # applies a healed state first
+        commit_s = time.perf_counter() - t1
+        self._quorum_started = False
+        self._sync_lightning_progress()
+        if committed:
+            out = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        else:
+            self._pending_scheduler_restore = self._snapshot_schedulers()
+            out = loss
+        self._after_step(committed, commit_s)
+        return out
+
+    def _sync_lightning_progress(self) -> None:
+        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step.
+
+        Lightning increments ``completed`` right after ``optimizer_step`` returns, so set it one below.
+        """
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        target = int(self._manager.current_step())
+        epoch_loop = trainer.fit_loop.epoch_loop
+        progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        delta = target - (progress.total.completed + 1)
+        if delta:
+            progress.total.completed += delta
+            progress.current.completed += delta
+        progress.total.ready = progress.total.completed + 1
+        progress.current.ready = progress.current.completed + 1
+        epoch_loop._batches_that_stepped = target - 1  # logging step: incremented after the batch
+
+    def _snapshot_schedulers(self) -> list[Any]:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return [
+            [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+            [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers],
+        ]
+
+    def _restore_schedulers(self, snapshot: list[Any]) -> None:
+        """Undo the LR-scheduler step Lightning took after a discarded optimizer step."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        for cfg, state in zip(trainer.lr_scheduler_configs, snapshot[0]):
+            cfg.scheduler.load_state_dict(state)
+        for opt, groups in zip(self.optimizers, snapshot[1]):
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
+
+    def _after_step(self, committed: bool, commit_s: float) -> None:
+        step_s = time.perf_counter() - self._step_t0
+        stats = self.ft_stats
+        stats["committed" if committed else "discarded"] += 1
+        stats["quorum_s"] += self._quorum_wait_s
+        in_recovery = (not committed) or self._healed or self._after_discard
+        if in_recovery:
+            stats["recovery_s"] += step_s
+        self._after_discard = not committed
+        self.last_step_committed = committed
+        participants = int(self._manager.num_participants())
+        quorum_id = int(getattr(self._manager, "_quorum_id", -1))
+        metrics = {
+            "ft/participants": float(participants),
+            "ft/quorum_id": float(quorum_id),
+            "ft/committed": float(committed),
+            "ft/committed_steps": float(stats["committed"]),
+            "ft/discarded_steps": float(stats["discarded"]),
+            "ft/heal": float(self._healed),
+            "ft/heals": float(stats["heals"]),
+            "ft/quorum_s": float(self._quorum_wait_s),
+            "ft/commit_s": float(commit_s),
+            "ft/recovery_s": float(stats["recovery_s"]),
+        }
+        module = self.lightning_module
+        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+            try:
+                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+            except Exception as err:  # never let logging break a committed step
+                rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+        if self.events_file and self.global_rank == 0:
+            record = {"t": time.time(), "group": self.replica_group_id, "step": int(self._manager.current_step()),
+                      "committed": committed, "participants": participants, "quorum_id": quorum_id,
+                      "healed": self._healed, "step_s": step_s, "quorum_s": self._quorum_wait_s,
+                      "commit_s": commit_s, "pid": os.getpid()}
+            path = Path(self.events_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ leaving and shutting down
+    def leave_quorum(self, reason: str) -> None:
+        """Make this replica group leave the job now (e.g. evicted as a straggler); the launcher restarts it.
+
+        Every rank of the group exits with :data:`LEAVE_EXIT_CODE` without waiting on peers, so the other
+        groups go on after the lighthouse's heartbeat timeout and the restarted group heals from them.
+        Call it on every rank of the group (a rank that stays would block in the group's collectives
+        until torchrun tears the group down, which also ends in a restart).
+        """
+        msg = f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum: {reason}"
+        print(msg, file=sys.stderr, flush=True)
+        if self.events_file and self.global_rank == 0:
+            with Path(self.events_file).open("a") as fh:
+                fh.write(json.dumps({"t": time.time(), "group": self.replica_group_id, "left": reason}) + "\n")
+        if self._manager is not None:
+            try:
+                self._manager.shutdown(wait=False)
+            except Exception:
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(LEAVE_EXIT_CODE)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+    # ------------------------------------------------------------------ checkpoints: one group writes
+    def _is_checkpoint_writer(self) -> bool:
+        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it."""
+        if self._manager is None or getattr(self._manager, "_quorum_future", None) is None:
+            return self.replica_group_id == 0
+        return self._manager.participating_rank() == 0
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._is_checkpoint_writer():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self._is_checkpoint_writer():
+            super().remove_checkpoint(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls,
+                                   description="fault-tolerant HSDP: FSDP2 in a replica group, torchft across groups")
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality checks."""
+    h = hashlib.sha1()
+    for key in sorted(tensors):
+        t = _local(tensors[key]).detach().contiguous().cpu().reshape(-1)
+        h.update(key.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

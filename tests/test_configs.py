@@ -1,0 +1,43 @@
+"""Every YAML in configs/ runs through the example's LightningCLI for a few steps (real processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_python
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+# Configs that need more than one Lightning job (a lighthouse + replica groups) run in their own tests.
+COVERED_ELSEWHERE = {"ft_hsdp.yaml": "test_ft_hsdp.py"}
+
+
+def test_configs_exist() -> None:
+    assert {"fsdp2.yaml", "fsdp2_class_path.yaml", "hsdp.yaml"} <= {c.name for c in CONFIGS}
+
+
+@pytest.mark.parametrize("name", sorted(COVERED_ELSEWHERE))
+def test_config_is_covered_by_its_own_test(name: str) -> None:
+    if not (ROOT / "configs" / name).exists():
+        pytest.skip(f"{name} is not part of this checkout")
+    assert name in (ROOT / "tests" / COVERED_ELSEWHERE[name]).read_text()
+
+
+# GPU-sized configs keep every trainer/strategy option but run on 2 CPU ranks with a tiny model.
+SHRINK_GPU = ["--trainer.devices", "2", "--model.vocab_size", "128", "--model.dim", "64", "--model.n_layers", "2",
+              "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.mlp_hidden", "128", "--model.max_seq_len", "32",
+              "--data.vocab_size", "128", "--data.seq_len", "32", "--data.num_train", "256", "--data.num_val", "16"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.name not in COVERED_ELSEWHERE], ids=lambda c: c.stem)
+def test_config_trains_a_few_steps(config: Path, tmp_path: Path) -> None:
+    shrink = SHRINK_GPU if "_gpu" in config.name else []
+    proc = run_python(
+        ["examples/train_llama.py", "fit", "--config", str(config), "--trainer.max_steps", "3",
+         "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
+         "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false", *shrink],
+        timeout=400,
+    )
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in proc.stdout + proc.stderr

@@ -1,0 +1,143 @@
+"""``ddp_hooks``: comm hooks, post-local / hierarchical SGD and their checkpoint state, with real processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import WORKERS, run_python
+from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy
+
+WORKER = str(WORKERS / "ddp_train.py")
+TINY_CLI = ("--trainer.logger false --trainer.enable_checkpointing false --trainer.enable_progress_bar false "
+            "--trainer.val_check_interval 4 --trainer.limit_val_batches 1 --model.dim 64 --model.max_seq_len 32 "
+            "--model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 --data.num_train 256 --data.num_val 16")
+
+
+def _run(tmp_path: Path, devices: int, runs: list[str], steps: int, cli_extra: str = "", timeout: float = 400) -> dict:
+    out = tmp_path / "out.pt"
+    run_python([WORKER, "--out", str(out), "--devices", str(devices), "--steps", str(steps), "--runs", ",".join(runs),
+                "--cli-extra", cli_extra], timeout=timeout)
+    return torch.load(out, weights_only=False)
+
+
+def _tail_loss(run: dict[str, Any], n: int = 3) -> float:
+    rows = run["rows"][-n:]
+    return sum(sum(r["loss"]) / len(r["loss"]) for r in rows) / len(rows)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+# ---------------------------------------------------------------------- no processes
+def test_registered_without_shadowing_lightning() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    assert "ddp_hooks" in STRATEGY_NAMES
+    assert StrategyRegistry["ddp_hooks"]["strategy"] is DDPHooksStrategy
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"comm_hook": "topk"}, "comm_hook='topk'"),
+    ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, "powersgd_start_iter=1"),
+    ({"comm_hook": "hierarchical_sgd", "hierarchy_levels": {2: 4, 8: 2}}, "group sizes must grow"),
+    ({"comm_hook": "hierarchical_sgd", "hierarchy_levels": {2: 3, 8: 4}}, "does not divide"),
+    ({"comm_hook": "post_local_sgd", "hierarchy_levels": {2: 2, 8: 4}}, "comm_hook: hierarchical_sgd"),
+    ({"comm_hook": "post_local_sgd", "local_group_size": 0}, "local_group_size=0"),
+])
+def test_bad_options_fail_early(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=r"Fix|must|does not") as info:
+        DDPHooksStrategy(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_layout_validated_before_the_process_group() -> None:
+    strategy = DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2, 8: 4})
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.num_nodes = 3  # world 6: the last level (4) is not the world size
+    with pytest.raises(ValueError, match="must be the world size 6"):
+        strategy._resolve_layout()
+    default = DDPHooksStrategy(comm_hook="hierarchical_sgd", local_sgd_period=3)
+    default.parallel_devices = [torch.device("cpu")] * 2
+    default.num_nodes = 2
+    default._resolve_layout()  # nodes x local ranks: one node every 3 steps, the world every 12
+    assert dict(default.hierarchy_levels) == {3: 2, 12: 4}
+    assert default.local_group_size == 2
+
+
+# ---------------------------------------------------------------------- 2 ranks
+@pytest.mark.multiprocess
+def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
+    steps = 10
+    runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "resume:powersgd",
+            "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
+            "cli:configs/ddp_hooks_compress.yaml"]
+    extra = (f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
+             "--trainer.strategy.init_args.powersgd_start_iter 2")
+    res = _run(tmp_path, 2, runs, steps, extra)
+    ref = res["ddp"]
+    assert ref["global_step"] == steps
+    # the default hook is DDP's own all-reduce: identical to Lightning's ddp
+    assert _max_diff(res["allreduce"]["params"], ref["params"]) == 0.0
+    # 16-bit compressed gradients: close to, but not exactly, full precision; fp16 (10-bit mantissa) closer than bf16
+    bf16 = _max_diff(res["bf16_compress"]["params"], ref["params"])
+    fp16 = _max_diff(res["fp16_compress"]["params"], ref["params"])
+    assert 0.0 < fp16 < bf16 < 0.05, (fp16, bf16)
+    assert abs(_tail_loss(res["bf16_compress"]) - _tail_loss(ref)) < 0.01
+    start = sum(ref["rows"][0]["loss"]) / 2
+    for name in ("ddp", "powersgd", "post_local_sgd"):  # 10 steps take the loss from ~4.2 to ~2.0-2.5
+        assert _tail_loss(res[name]) < start - 1.0, f"{name} did not train: {res[name]['rows']}"
+    assert abs(_tail_loss(res["post_local_sgd"]) - _tail_loss(ref)) < 0.15
+    assert _tail_loss(res["powersgd"]) < _tail_loss(ref) + 0.7  # rank-2 compression learns more slowly
+    # synchronous hooks keep every rank identical; post-local SGD diverges between averagings
+    for name in ("allreduce", "bf16_compress", "fp16_compress", "powersgd"):
+        assert all(r["in_sync"] for r in res[name]["rows"]), name
+    sync = [r["in_sync"] for r in res["post_local_sgd"]["rows"]]
+    # warm-up 3 global steps; then PeriodicModelAverager (period 2) averages at averager steps 3, 5, 7, ...
+    assert sync == [True, True, True, True, False, True, False, True, False, True]
+    # PowerSGD state restored per rank (error feedback differs between ranks) from the checkpoint
+    ckpt = torch.load(res["continuous:powersgd"]["ckpt"], weights_only=True)
+    saved = ckpt["ddp_hooks_state"]["per_rank"]
+    restored = res["resume:powersgd"]["start_states"]
+    assert len(saved) == 2 and saved[0]["powersgd"]["iter"] == 6
+    for rank in range(2):
+        assert restored[rank]["iter"] == saved[rank]["powersgd"]["iter"]
+        expect = {k: v.double().abs().sum().item() for k, v in saved[rank]["powersgd"]["error_dict"].items()}
+        assert expect and restored[rank]["error"] == pytest.approx(expect, rel=1e-12)
+    assert saved[0]["powersgd"]["error_dict"][0].ne(saved[1]["powersgd"]["error_dict"][0]).any()
+    # YAML configs through LightningCLI
+    for name in ("cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
+                 "cli:configs/ddp_hooks_compress.yaml"):
+        assert res[name]["global_step"] == 4
+    assert res["cli:configs/ddp_hooks_powersgd.yaml"]["rows"][-1]["hook_iter"] == 4
+    # warm-up 2, period 4: averaged at averager step 2 (the 3rd step), not at the 4th
+    assert [r["in_sync"] for r in res["cli:configs/ddp_hooks_post_local_sgd.yaml"]["rows"]] == [True, True, True, False]
+
+
+# ---------------------------------------------------------------------- 4 ranks
+@pytest.mark.multiprocess
+def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
+    extra = f"{TINY_CLI} --trainer.max_steps 6 --trainer.strategy.init_args.local_sgd_warmup 2"
+    res = _run(tmp_path, 4, ["resume:hierarchical_sgd", "cli:configs/ddp_hooks_hierarchical_sgd.yaml"], 12, extra,
+               timeout=500)
+    cont, resumed = res["continuous:hierarchical_sgd"]["rows"], res["resume:hierarchical_sgd"]["rows"]
+    keys = ("step", "in_sync", "pairs_in_sync", "averager_step", "hook_iter")
+    # levels {2: 2, 4: 4}, warm-up 3: pairs average when the averager step is even, all 4 ranks when divisible by 4
+    expected_sync = [True] * 3 + [False, True, False, False, False, True, False, False, False]
+    expected_pairs = [True] * 3 + [False, True, False, True, False, True, False, True, False]
+    assert [r["in_sync"] for r in cont] == expected_sync
+    assert [r["pairs_in_sync"] for r in cont] == expected_pairs
+    # the resumed run (from the step-6 checkpoint) continues exactly where the continuous run was
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert [tuple(r[k] for k in keys) for r in resumed] == [tuple(r[k] for k in keys) for r in cont[6:]]
+    start = res["resume:hierarchical_sgd"]["start_states"]
+    assert all(s == {"averager_step": 6, "hook_iter": 3} for s in start), start
+    # configs/ddp_hooks_hierarchical_sgd.yaml ({2: 2, 8: 4}) through LightningCLI: warm-up 2, then pairs only
+    cli = res["cli:configs/ddp_hooks_hierarchical_sgd.yaml"]["rows"]
+    assert [r["in_sync"] for r in cli] == [True, True, False, False, False, False]
+    assert [r["pairs_in_sync"] for r in cli] == [True, True, True, False, True, False]

@@ -1,0 +1,200 @@
+"""ft_hsdp (torchft) with real processes on CPU: 2 replica groups x 2 ranks, started by fsdp-strategies-ft.
+
+The fault run SIGKILLs groups (once inside the cross-group all-reduce, once from the launcher); the
+no-fault run is compared with ``hsdp`` and with a resumed job.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import WORKERS, free_port, run_python
+from fsdp_strategies import FTHSDPStrategy
+from fsdp_strategies.ft_launch import _parse_kill_at
+from fsdp_strategies.strategies.ft_hsdp import LEAVE_EXIT_CODE, LighthouseUnreachableError
+
+WORKER = str(WORKERS / "ft_train.py")
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+        "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
+        "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
+        "--data.num_train", "32", "--data.num_val", "8"]
+FT = ["--config", "configs/ft_hsdp.yaml", *TINY, "--trainer.strategy.init_args.timeout_s", "10",
+      "--trainer.strategy.init_args.connect_timeout_s", "5"]
+
+
+def _launch(tmp: Path, name: str, args: list[str], launcher: list[str], env: dict[str, str], timeout: float = 400) -> Path:
+    events = tmp / f"{name}-events"
+    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
+                "1000", "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", str(timeout - 20),
+                *launcher, "--", WORKER, "fit", *args], env={"FT_TEST_OUT": str(tmp / name), **env}, timeout=timeout)
+    return events
+
+
+def _records(out: Path, group: int, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _dump(out: Path, tag: str) -> dict:
+    return torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.multiprocess
+def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
+    # Group 1 SIGKILLs itself (torchrun + both ranks) just before its 2nd cross-group all-reduce of step 3;
+    # restarted, it heals; then the launcher SIGKILLs group 0 (at step >= 30, once group 1 is live again),
+    # which heals in turn. Survivors sleep 1 s per step while alone so that restarts overlap training.
+    max_steps = 140
+    events = _launch(
+        tmp_path, "fault", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        ["--min-replicas", "1", "--kill-at-steps", "0@30", "--max-restarts", "2"],
+        {"FT_TEST_KILL": "1:3:2", "FT_TEST_SLEEP_ALONE": "1.0"},
+    )
+    out = tmp_path / "fault"
+    launcher = _jsonl(events / "launcher.jsonl")
+    exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
+    assert exits[:2] == [(1, -9), (0, -9)] and sorted(exits[2:]) == [(0, 0), (1, 0)], exits
+    assert [e["why"] for e in launcher if e["event"] == "kill"] == ["at step 30"]
+    assert sorted(e["group"] for e in launcher if e["event"] == "start") == [0, 0, 1, 1]
+
+    for rank in (0, 1):
+        g0 = _records(out, 0, rank)
+        g1 = _records(out, 1, rank)
+        # The kill inside the all-reduce: the survivor's step 3 is discarded (params + optimizer state
+        # untouched, step counter unchanged), and the dead group never committed it either.
+        first0 = [r for r in g0 if r["incarnation"] == 0]
+        at3 = [r for r in first0 if r["step_before"] == 3]
+        assert at3[0]["committed"] is False and at3[0]["before"] == at3[0]["after"] and at3[0]["step_after"] == 3
+        assert at3[1]["committed"] is True and at3[1]["step_after"] == 4
+        assert max(r["step_after"] for r in g1 if r["incarnation"] == 0) == 3
+        # Every committed step changed the state and advanced global_step by exactly one (or jumped on a heal).
+        for r in g0 + g1:
+            if r["committed"] and r["step_before"] > 0:
+                assert r["step_after"] == r["step_before"] + 1 and r["before"] != r["after"]
+            assert r["step_after"] == r["manager_step"]
+        # The survivor kept committing alone while the other group was down.
+        alone = [r for r in first0 if r["committed"] and r["participants"] == 1]
+        assert len(alone) >= 3, "group 0 did not commit steps while group 1 was down"
+        # Healed incarnations start at step 0 and jump to their peers' committed step on their first step.
+        for records, incarnations in ((g1, (1, 2)), (g0, (1,))):
+            for inc in incarnations:
+                first = next(r for r in records if r["incarnation"] == inc)
+                assert first["step_before"] == 0 and first["committed"] and first["step_after"] > 3, first
+
+        # Afterwards both groups hold bit-identical parameter and optimizer-state shards and step counters.
+        a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
+        assert a["incarnation"] == 1 and b["incarnation"] == 1
+        assert a["global_step"] == b["global_step"] == a["manager_step"] == b["manager_step"] == max_steps
+        assert a["shards"].keys() == b["shards"].keys() and any(k.startswith("opt0.") for k in a["shards"])
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+        assert all(float(v) == max_steps for k, v in a["shards"].items() if k.endswith(".step"))
+        assert a["ft_stats"]["heals"] >= 1 and b["ft_stats"]["heals"] >= 1
+
+
+@pytest.mark.multiprocess
+def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
+    # 2 groups x 2 ranks x batch 2 = global batch 8 = hsdp on 4 ranks with the same data layout.
+    # 32 samples: an epoch is 4 steps; a checkpoint every 4 steps (written by one group only).
+    steps, ckpt = 8, tmp_path / "ckpt"
+    no_fault = ["--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
+    launcher = ["--min-replicas", "2", "--max-restarts", "0"]
+    _launch(tmp_path, "ft", [*FT, *no_fault], launcher, {"FT_TEST_CKPT": str(ckpt)})
+    run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, "--trainer.max_steps", str(steps),
+                "--trainer.enable_checkpointing", "false"], env={"FT_TEST_OUT": str(tmp_path / "hsdp")}, timeout=300)
+
+    ft0, ft1, ref = _dump(tmp_path / "ft", "group0_rank0"), _dump(tmp_path / "ft", "group1_rank0"), \
+        _dump(tmp_path / "hsdp", "grouphsdp_rank0")
+    assert ft0["global_step"] == ft1["global_step"] == ref["global_step"] == steps
+    for key, value in ref["full"].items():
+        assert torch.equal(ft0["full"][key], ft1["full"][key]), key
+        torch.testing.assert_close(ft0["full"][key], value, rtol=1e-5, atol=1e-6, msg=f"ft_hsdp != hsdp for {key}")
+    losses_ft = [r["loss"] for r in _records(tmp_path / "ft", 0, 0)]
+    losses_ref = [r["loss"] for r in _records(tmp_path / "hsdp", "hsdp", 0)]  # type: ignore[arg-type]
+    assert losses_ft == pytest.approx(losses_ref, rel=1e-5)
+    # Per-step torchft figures reach the LightningModule's logged metrics.
+    assert ft0["ft_metrics"]["ft/participants"] == 2 and ft0["ft_metrics"]["ft/committed_steps"] == steps
+    assert ft0["ft_metrics"]["ft/discarded_steps"] == 0
+
+    # The whole job restarted from the step-4 checkpoint continues exactly.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step4.ckpt", "step8.ckpt"]
+    _launch(tmp_path, "resumed", [*FT, *no_fault, "--ckpt_path", str(ckpt / "step4.ckpt")], launcher, {})
+    for group in (0, 1):
+        for rank in (0, 1):
+            straight, resumed = _dump(tmp_path / "ft", f"group{group}_rank{rank}"), \
+                _dump(tmp_path / "resumed", f"group{group}_rank{rank}")
+            assert resumed["global_step"] == resumed["manager_step"] == steps
+            assert _records(tmp_path / "resumed", group, rank)[0]["step_before"] == 4
+            assert [r["loss"] for r in _records(tmp_path / "resumed", group, rank)] == \
+                [r["loss"] for r in _records(tmp_path / "ft", group, rank)][4:]
+            for key in straight["shards"]:
+                assert torch.equal(straight["shards"][key], resumed["shards"][key]), (group, rank, key)
+
+
+# ---------------------------------------------------------------------------- clear errors (no processes)
+def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"lighthouse_addr is not set.*torchft_lighthouse"):
+        FTHSDPStrategy(replica_group_id=0, num_replica_groups=1)
+    with pytest.raises(ValueError, match=r"replica_group_id is missing.*REPLICA_GROUP_ID"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", num_replica_groups=2)
+    with pytest.raises(ValueError, match=r"replica_group_id=2 is out of range.*\[0, 1\]"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=2, num_replica_groups=2)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "-1")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    with pytest.raises(ValueError, match="replica_group_id=-1 is out of range"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1")
+    with pytest.raises(ValueError, match="min_replica_size=3"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, min_replica_size=3)
+    with pytest.raises(ValueError, match="checkpoint_transport='nccl'"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, checkpoint_transport="nccl")
+
+    # Degrees must match the group's size; the lighthouse must answer -- both before any process starts.
+    port = free_port()
+    strategy = FTHSDPStrategy(lighthouse_addr=f"http://127.0.0.1:{port}", replica_group_id=0, shard_degree=4)
+    with pytest.raises(ValueError, match="shard_degree=4 does not match the replica group's size 2"):
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    strategy = FTHSDPStrategy(lighthouse_addr=f"http://127.0.0.1:{port}", replica_group_id=1)
+    with pytest.raises(LighthouseUnreachableError, match=rf"127.0.0.1:{port}.*torchft_lighthouse --min_replicas"):
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    # ... and with a listening lighthouse the Trainer builds, also from the registry name + environment.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+        trainer = pl.Trainer(strategy="ft_hsdp", accelerator="cpu", devices=2, logger=False)
+        assert isinstance(trainer.strategy, FTHSDPStrategy)
+        assert (trainer.strategy.replica_group_id, trainer.strategy.num_replica_groups) == (1, 2)
+
+
+def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
+    # The straggler callback's `evict`: the rank records why, shuts torchft down and exits with
+    # LEAVE_EXIT_CODE (the launcher restarts any non-zero exit; the heal path is the one tested above).
+    events = tmp_path / "events-{replica_group_id}.jsonl"
+    code = ("from fsdp_strategies import FTHSDPStrategy\n"
+            f"s = FTHSDPStrategy(lighthouse_addr='http://127.0.0.1:1', replica_group_id=1, num_replica_groups=2, "
+            f"events_file={str(events)!r})\n"
+            "s.leave_quorum('slow rank 3')\n"
+            "raise SystemExit('leave_quorum returned')\n")
+    proc = run_python(["-c", code], check=False, timeout=120)
+    assert proc.returncode == LEAVE_EXIT_CODE, proc.stderr[-2000:]
+    assert "leaves the quorum: slow rank 3" in proc.stderr
+    assert _jsonl(tmp_path / "events-1.jsonl")[-1]["left"] == "slow rank 3"
+
+
+def test_launcher_kill_plan_parsing() -> None:
+    assert _parse_kill_at("1@8, 0@20", 2) == [(1, 8), (0, 20)]
+    assert _parse_kill_at("12,5", 2) == [(None, 5), (None, 12)]
+    with pytest.raises(SystemExit, match="group 2 is out of range"):
+        _parse_kill_at("2@5", 2)

@@ -1,0 +1,104 @@
+"""Registration and early, clear errors (no process group is created in these tests)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+import fsdp_strategies
+from fsdp_strategies import FSDP2Strategy, HSDPStrategy
+from fsdp_strategies._blocks import BlockNotFoundError, find_transformer_blocks
+from fsdp_strategies._mesh import resolve_hsdp_degrees
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BUILT_IN = {"ddp", "ddp_spawn", "fsdp", "deepspeed", "single_device", "xla"}
+
+
+def test_names_registered_without_shadowing_and_documented() -> None:
+    readme = README.read_text()
+    for name in fsdp_strategies.STRATEGY_NAMES:
+        assert name in StrategyRegistry, name
+        assert StrategyRegistry[name]["strategy"].__module__.startswith("fsdp_strategies"), name
+        assert name not in BUILT_IN
+        assert re.search(rf"`{re.escape(name)}`", readme), f"README does not list strategy `{name}`"
+    # Lightning's own names still resolve to Lightning's classes.
+    assert StrategyRegistry["fsdp"]["strategy"].__module__.startswith("lightning")
+    assert StrategyRegistry["ddp"]["strategy"].__module__.startswith("lightning")
+
+
+def test_trainer_accepts_registry_names() -> None:
+    trainer = pl.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, FSDP2Strategy)
+    trainer = pl.Trainer(strategy="hsdp", accelerator="cpu", devices=4, logger=False)
+    assert isinstance(trainer.strategy, HSDPStrategy)
+    assert trainer._accelerator_connector.is_distributed
+
+
+def test_degrees_not_matching_world_size_fail_before_any_process_group() -> None:
+    with pytest.raises(ValueError, match=r"replicate_degree=3 x shard_degree=2 does not match the world size 4"):
+        pl.Trainer(strategy=HSDPStrategy(replicate_degree=3, shard_degree=2), accelerator="cpu", devices=4, logger=False)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"shard_degree=0 is invalid"):
+        HSDPStrategy(shard_degree=0)
+    with pytest.raises(ValueError, match="shard_degree=3"):
+        pl.Trainer(strategy=HSDPStrategy(shard_degree=3), accelerator="cpu", devices=4, logger=False)
+
+
+def test_auto_degrees_shard_within_node_replicate_across_nodes() -> None:
+    assert resolve_hsdp_degrees(16, 8) == resolve_hsdp_degrees(16, 8, "auto", 8)
+    d = resolve_hsdp_degrees(16, 8)
+    assert (d.replicate, d.shard) == (2, 8)
+    d = resolve_hsdp_degrees(4, 4, 2, "auto")
+    assert (d.replicate, d.shard) == (2, 2)
+
+
+def test_unsupported_precision_is_rejected_early() -> None:
+    with pytest.raises(ValueError, match=r"precision='64-true' is not supported by the fsdp2 strategy.*bf16-mixed"):
+        pl.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, precision="64-true", logger=False)
+    assert not torch.distributed.is_initialized()
+
+
+def test_bad_options_name_option_value_and_fix() -> None:
+    with pytest.raises(ValueError, match=r"reshard_after_forward=0 is invalid"):
+        FSDP2Strategy(reshard_after_forward=0)
+    with pytest.raises(ValueError, match=r"forward_prefetch=-1 is invalid"):
+        FSDP2Strategy(forward_prefetch=-1)
+    with pytest.raises(ValueError, match=r"param_dtype='bf17'.*Fix"):
+        FSDP2Strategy(param_dtype="bf17")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Plain(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block(), Block()])
+        self.head = nn.Linear(4, 1)
+
+
+def test_unknown_block_class_fails_at_fit_before_process_group() -> None:
+    trainer = pl.Trainer(strategy=FSDP2Strategy(block_class_names=["TransformerBlock"]), accelerator="cpu",
+                         devices=2, logger=False)
+    with pytest.raises(BlockNotFoundError, match=r"block_class_names=\['TransformerBlock'\] matches no submodule.*'Block'"):
+        trainer.fit(Plain())
+    assert not torch.distributed.is_initialized()
+
+
+def test_block_heuristic_and_class_names() -> None:
+    model = Plain()
+    assert find_transformer_blocks(model) == list(model.layers)
+    assert find_transformer_blocks(model, ["Block"]) == list(model.layers)
+    assert find_transformer_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []  # no repeated class

@@ -1,0 +1,146 @@
+"""Worker: several Lightning fits in a row, in the same real processes (Lightning's launcher, gloo).
+
+    python tests/workers/ddp_train.py --out OUT.pt --devices 2 --runs ddp,allreduce,bf16_compress,...
+
+Each run trains the example Llama (tiny) for ``--steps`` and records, per step: every rank's loss,
+whether all ranks hold bit-identical parameters, the hook/averager counters; plus rank 0's final
+parameters. ``--runs`` may also hold ``cli:CONFIG`` entries: that YAML goes through LightningCLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+from fsdp_strategies import DDPHooksStrategy  # noqa: E402
+from llama import LlamaLM, MarkovDataModule  # noqa: E402
+
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 512, "num_val": 32, "shuffle": False}
+
+
+class Recorder(pl.Callback):
+    """Per step: loss of every rank, parameter agreement across ranks, schedule counters."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # what each rank holds after setup / checkpoint restore, before the first step
+        strategy = trainer.strategy
+        summary: dict[str, Any] = {}
+        if isinstance(strategy, DDPHooksStrategy):
+            state = strategy.comm_state_dict()
+            ps = state.get("powersgd")
+            if ps is not None:
+                summary = {"iter": ps["iter"], "error": {k: v.double().abs().sum().item() for k, v in ps["error_dict"].items()}}
+            if "averager" in state:
+                summary.update(averager_step=state["averager"]["step"], hook_iter=state["post_local_sgd"]["iter"])
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, summary)
+        self.start_states = gathered
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"].detach().double() if isinstance(outputs, dict) else torch.tensor(float("nan"))
+        flat = torch.cat([p.detach().double().flatten() for p in pl_module.parameters()])
+        mine = torch.stack([loss.reshape(()), flat.sum(), (flat * flat).sum()])
+        world = trainer.world_size
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        g = torch.stack(gathered)
+        strategy = trainer.strategy
+        row: dict[str, Any] = {"step": trainer.global_step, "loss": g[:, 0].tolist(),
+                               "in_sync": bool((g[:, 1:] == g[0, 1:]).all())}
+        if world == 4:  # pairs (0,1) and (2,3): the first hierarchy level
+            row["pairs_in_sync"] = bool((g[0, 1:] == g[1, 1:]).all() and (g[2, 1:] == g[3, 1:]).all())
+        if isinstance(strategy, DDPHooksStrategy):
+            state = strategy.comm_state_dict()
+            row["averager_step"] = state.get("averager", {}).get("step")
+            row["hook_iter"] = (state.get("post_local_sgd") or state.get("powersgd") or {}).get("iter")
+            row["local_sgd"] = strategy.local_sgd_enabled
+        self.rows.append(row)
+
+
+def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=2, val_check_interval=5, callbacks=callbacks, default_root_dir=str(root),
+                      gradient_clip_val=1.0)
+
+
+def _strategy(name: str) -> Any:
+    if name == "ddp":
+        return "ddp"  # Lightning's own, the reference
+    if name == "post_local_sgd":
+        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1)
+    if name == "hierarchical_sgd":
+        return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2, 4: 4}, local_sgd_warmup=3,
+                                local_group_size=1)
+    if name == "powersgd":
+        return DDPHooksStrategy(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=3,
+                                powersgd_min_compression_rate=1.0)
+    return DDPHooksStrategy(comm_hook=name)
+
+
+def _cli(config: str, extra: list[str]) -> LightningCLI:
+    return LightningCLI(LlamaLM, MarkovDataModule, run=False, save_config_callback=None,
+                        args=["--config", config, *extra])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--runs", required=True)
+    parser.add_argument("--cli-extra", default="", help="space-separated LightningCLI overrides for cli: runs")
+    args = parser.parse_args()
+    out_dir = Path(args.out).parent
+    results: dict[str, Any] = {}
+    for run in args.runs.split(","):
+        pl.seed_everything(1234, workers=True)
+        rec = Recorder()
+        if run.startswith("cli:"):
+            config = run[4:]
+            cli = _cli(config, args.cli_extra.split())
+            cli.trainer.callbacks.append(rec)
+            cli.trainer.fit(cli.model, cli.datamodule)
+            trainer = cli.trainer
+        elif run.startswith("resume:"):
+            # continuous run with a checkpoint at step 6, then a second run resumed from it
+            name = run[7:]
+            root = out_dir / f"ckpt_{name}"
+            ckpt_cb = ModelCheckpoint(dirpath=str(root), every_n_train_steps=6, save_top_k=-1, filename="{step}")
+            trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec, ckpt_cb])
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
+            results[f"continuous:{name}"] = {"rows": rec.rows, "ckpt": str(root / "step=6.ckpt")}
+            pl.seed_everything(1234, workers=True)
+            rec = Recorder()
+            trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec])
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
+        else:
+            trainer = _trainer(_strategy(run), args.steps, args.devices, out_dir / run, [rec])
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
+        params = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
+        results[run] = {"rows": rec.rows, "params": params, "global_step": trainer.global_step,
+                        "start_states": rec.start_states}
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and dist.get_rank() == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

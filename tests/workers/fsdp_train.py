@@ -1,0 +1,230 @@
+"""Worker for the fsdp2/hsdp tests: trains the example for a few steps and dumps what the test checks.
+
+Started as ``python fsdp_train.py --devices N ...``; Lightning's launcher re-executes it once per
+rank (real processes, gloo). Rank 0 writes ``--out`` (torch.save) with the full parameters, the
+full optimizer state, the step counters and each rank's measured bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import fsdp_strategies
+from fsdp_strategies import _memory
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from llama import LlamaLM, MarkovDataModule
+
+MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+
+
+def data_module(batch_size: int, num_train: int) -> MarkovDataModule:
+    return MarkovDataModule(vocab_size=64, seq_len=32, batch_size=batch_size, num_train=num_train, num_val=16, shuffle=False)
+
+
+class ProbedLM(LlamaLM):
+    """The example, plus a record of whether configure_model built on the meta device."""
+
+    built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if ProbedLM.built_on_meta is None:
+            ProbedLM.built_on_meta = all(p.is_meta for p in self.parameters())
+
+
+class EagerLM(ProbedLM):
+    """A user who builds the network in ``__init__`` and never writes ``configure_model``."""
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        LlamaLM.configure_model(self)
+
+    def configure_model(self) -> None:
+        pass
+
+
+class ProbePrecision(pl.Callback):
+    """Records the dtype a block computes in, the master-weight dtype, and whether autocast is on."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if batch_idx:
+            return
+        linear = pl_module.model.layers[0].attention.wq
+
+        def hook(module, args, output):  # type: ignore[no-untyped-def]
+            self.seen["compute_weight"] = str(module.weight.dtype)  # unsharded param during forward
+            self.seen["activation"] = str(output.dtype)
+            self.seen["autocast"] = str(torch.is_autocast_enabled("cpu"))
+
+        self.handle = linear.register_forward_hook(hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if batch_idx == 0:
+            self.handle.remove()
+            self.seen["master_weight"] = str(pl_module.model.layers[0].attention.wq.weight.dtype)
+            self.seen["loss"] = str(outputs["loss"].dtype)
+            state = pl_module.model.layers[0]._get_fsdp_state() if hasattr(pl_module.model.layers[0], "_get_fsdp_state") else None
+            if state is not None:
+                self.seen["fsdp_param_dtype"] = str(state._mp_policy.param_dtype)
+                self.seen["fsdp_reduce_dtype"] = str(state._mp_policy.reduce_dtype)
+
+
+class CountReduces(pl.Callback):
+    """Counts FSDP2 gradient reductions per optimizer step (accumulation must skip them)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+        self.calls = 0
+        original = pg.foreach_reduce
+
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        pg.foreach_reduce = counting
+
+
+class CrashOnSave(pl.Callback):
+    """Kill the process in the middle of the N-th checkpoint write (after the shards, before commit)."""
+
+    def __init__(self, nth: int) -> None:
+        import fsdp_strategies._checkpoint as ckpt
+
+        self.count = 0
+        real_save = ckpt.dcp.save
+
+        def crashing_save(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.count += 1
+            result = real_save(*args, **kwargs)
+            if self.count >= nth:
+                os._exit(17)
+            return result
+
+        ckpt.dcp.save = crashing_save
+
+
+class RecordBatches(pl.Callback):
+    """(global_step, epoch, checksum of this rank's batch) for every micro-batch: resume must not replay data."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:  # type: ignore[no-untyped-def]
+        self.seen.append((trainer.global_step, trainer.current_epoch, int(batch.sum())))
+
+
+class RecordLosses(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.values.append(float(outputs["loss"]))
+
+
+class StopAt(pl.Callback):
+    """Stop after ``step`` optimizer steps while ``max_steps`` (and so the LR schedule) stays the full run's."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="fsdp2")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--replicate", type=int, default=0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--num-train", type=int, default=256)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--meta-init", type=int, default=0)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--eager-build", type=int, default=0)
+    p.add_argument("--option", action="append", default=[], help="extra strategy option NAME=PYTHON_LITERAL")
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default="")
+    p.add_argument("--stop-at", type=int, default=0)
+    p.add_argument("--crash-on-save", type=int, default=0)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    pl.seed_everything(1234, verbose=False)
+    import ast
+
+    options = {"block_class_names": ["TransformerBlock"], "meta_init": bool(a.meta_init)}
+    options.update({k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.option)})
+    if a.strategy == "fsdp2":
+        strategy = fsdp_strategies.FSDP2Strategy(**options)
+    elif a.strategy == "hsdp":
+        strategy = fsdp_strategies.HSDPStrategy(replicate_degree=a.replicate, shard_degree=a.devices // a.replicate, **options)
+    else:
+        strategy = a.strategy
+    batches, probe, losses = RecordBatches(), ProbePrecision(), RecordLosses()
+    callbacks: list[pl.Callback] = [batches, probe, losses]
+    counter = CountReduces() if a.strategy in ("fsdp2", "hsdp") else None
+    if counter:
+        callbacks.append(counter)
+    if a.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=a.ckpt_dir, every_n_train_steps=a.ckpt_every, save_top_k=1,
+                                         save_last=True, filename="{step}"))
+    if a.stop_at:
+        callbacks.append(StopAt(a.stop_at))
+    if a.crash_on_save:
+        callbacks.append(CrashOnSave(a.crash_on_save))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, precision=a.precision,
+        accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip or None, callbacks=callbacks,
+        enable_progress_bar=False, logger=False, enable_checkpointing=bool(a.ckpt_dir), limit_val_batches=0,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = (EagerLM if a.eager_build else ProbedLM)(**MODEL)
+    trainer.fit(model, datamodule=data_module(a.batch, a.num_train), ckpt_path=a.resume or None)
+
+    optimizer = trainer.optimizers[0]
+    params = {n: full(p) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_state = {names[id(p)]: {k: full(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+    record = {
+        "params": params, "opt_state": opt_state, "global_step": trainer.global_step,
+        "param_bytes": _memory.param_bytes(model), "opt_bytes": _memory.optimizer_state_bytes(optimizer),
+        "reduce_calls": counter.calls if counter else None, "built_on_meta": ProbedLM.built_on_meta,
+        "local_is_meta": any(getattr(p, "to_local", lambda p=p: p)().is_meta for p in model.parameters()),
+        "batches": batches.seen, "precision_probe": probe.seen, "losses": losses.values, "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers],
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+    }
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered: list[dict | None] = [None] * world
+    small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "built_on_meta", "local_is_meta")}
+    if world > 1:
+        dist.all_gather_object(gathered, small)
+    else:
+        gathered = [small]
+    if trainer.is_global_zero:
+        record["ranks"] = gathered
+        torch.save(record, a.out)
+
+
+if __name__ == "__main__":
+    main()

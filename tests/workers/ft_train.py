@@ -1,0 +1,141 @@
+"""Worker for the ft_hsdp tests: the example's LightningCLI plus a probe callback.
+
+Started per replica group by ``fsdp-strategies-ft`` (torchrun) -- or directly for the hsdp
+reference run. The probe (configured through environment variables) records, per rank and
+per step, a digest of this rank's parameter and optimizer-state shards before and after the
+step together with the commit decision, can SIGKILL its whole group in the middle of the
+cross-group all-reduce, and dumps the final shards, full parameters and step counters.
+
+    FT_TEST_OUT        folder for records and dumps (required)
+    FT_TEST_KILL       "GROUP:STEP:CALL": in its first incarnation, group GROUP kills itself (torchrun and
+                       every rank) just before its CALL-th cross-group all-reduce of committed step STEP
+    FT_TEST_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
+    FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
+    FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
+    FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+import fsdp_strategies  # noqa: F401
+from fsdp_strategies.ft_launch import kill_tree
+from fsdp_strategies.strategies.ft_hsdp import FTHSDPStrategy, state_digest
+from llama import LlamaLM, MarkovDataModule
+
+
+def _shards(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in pl_module.state_dict().items()}
+    for i, opt in enumerate(trainer.optimizers):
+        for idx, state in opt.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"opt{i}.{idx}.{key}"] = value
+    return out
+
+
+class FTProbe(pl.Callback):
+    def __init__(self) -> None:
+        self.out = Path(os.environ["FT_TEST_OUT"])
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.kill = os.environ.get("FT_TEST_KILL")
+        self.sleep = float(os.environ.get("FT_TEST_SLEEP", "0"))
+        self.sleep_alone = float(os.environ.get("FT_TEST_SLEEP_ALONE", "0"))
+        self.groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+        self.incarnation = int(os.environ.get("FT_RESTART_COUNT", "0"))
+        self.group = os.environ.get("REPLICA_GROUP_ID", "hsdp")
+        self._before = ""
+        self._step_before = 0
+
+    def _tag(self, trainer: pl.Trainer) -> str:
+        return f"group{self.group}_rank{trainer.global_rank}"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if not (self.kill and isinstance(strategy, FTHSDPStrategy) and self.incarnation == 0):
+            return
+        group, step, call = (int(x) for x in self.kill.split(":"))
+        if group != strategy.replica_group_id:
+            return
+        original = strategy._cross_group_all_reduce
+        calls = {"n": 0}
+
+        def killing_all_reduce(reduce_output: torch.Tensor) -> None:
+            if strategy.manager.current_step() == step:
+                calls["n"] += 1
+                if calls["n"] == call:
+                    print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of step {step}", flush=True)
+                    kill_tree(os.getppid())  # torchrun agent + every rank of this group
+                    time.sleep(60)
+            original(reduce_output)
+
+        strategy._cross_group_all_reduce = killing_all_reduce  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._before = state_digest(_shards(trainer, pl_module))
+        self._step_before = trainer.global_step
+        self._batch = int(batch.sum()) if isinstance(batch, torch.Tensor) else None
+        self._epoch = trainer.current_epoch
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        record = {
+            "incarnation": self.incarnation, "step_before": self._step_before, "step_after": trainer.global_step,
+            "before": self._before, "after": state_digest(_shards(trainer, pl_module)),
+            "loss": float(outputs["loss"]) if isinstance(outputs, dict) else None,
+            "batch_sum": self._batch, "epoch": self._epoch, "batch_idx": batch_idx,
+        }
+        if isinstance(strategy, FTHSDPStrategy):
+            record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),
+                          participants=int(strategy.manager.num_participants()))
+        with (self.out / f"{self._tag(trainer)}.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        leave = os.environ.get("FT_TEST_LEAVE")
+        if leave and isinstance(strategy, FTHSDPStrategy):
+            group, incarnation, step = (int(x) for x in leave.split(":"))
+            if (group, incarnation) == (strategy.replica_group_id, self.incarnation) and trainer.global_step >= step:
+                strategy.leave_quorum(f"test eviction at step {trainer.global_step}")
+        if self.sleep:
+            time.sleep(self.sleep)
+        if self.sleep_alone and record.get("participants", self.groups) < self.groups:
+            time.sleep(self.sleep_alone)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                  for k, v in _shards(trainer, pl_module).items()}
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()}
+        strategy = trainer.strategy
+        dump = {"shards": shards, "full": full, "global_step": trainer.global_step,
+                "incarnation": self.incarnation,
+                "manager_step": int(strategy.manager.current_step()) if isinstance(strategy, FTHSDPStrategy) else None,
+                "ft_stats": dict(strategy.ft_stats) if isinstance(strategy, FTHSDPStrategy) else None,
+                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")}}
+        torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
+
+
+def main() -> None:
+    callbacks: list[pl.Callback] = [FTProbe()]
+    if os.environ.get("FT_TEST_CKPT"):
+        callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
+                                         every_n_train_steps=int(os.environ.get("FT_TEST_CKPT_EVERY", "4")),
+                                         save_on_train_epoch_end=False, auto_insert_metric_name=False))
+    LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks},
+                 save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

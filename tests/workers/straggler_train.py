@@ -1,0 +1,80 @@
+"""Worker: StragglerDetector runs in real processes (Lightning's launcher, gloo), several fits in a row.
+
+    python tests/workers/straggler_train.py --out DIR --devices 2 --runs clean,transient,persistent,stop
+
+Each run writes ``DIR/<run>.json`` (the detector's report, rank 0); ``cli:CONFIG`` runs the YAML through
+LightningCLI (extra overrides in ``--cli-extra``). The ``stop`` run ends the script with the detector's
+exit code, so it goes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
+
+import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection  # noqa: E402
+from llama import LlamaLM, MarkovDataModule  # noqa: E402
+
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 1024, "num_val": 16}
+DETECT = {"window": 6, "patience": 2, "skip_first": 2, "min_excess_s": 0.03}  # above CPU scheduling jitter
+
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Lightning's own ddp: no injection, a 2-step burst on rank 1, a persistent 0.1 s delay on rank 1
+    "clean": ("ddp", {}),
+    "transient": ("ddp", {"inject": StragglerInjection(ranks=[1], delay_s=0.2, start_step=8, end_step=10)}),
+    "persistent": ("ddp", {"inject": StragglerInjection(ranks=[1], delay_s=0.1)}),
+    # a slow device (busy loop inside forward+backward) under this package's fsdp2, then stop
+    "stop": ("fsdp2", {"inject": StragglerInjection(ranks=[1], delay_s=0.08, kind="spin"), "action": "stop"}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--runs", required=True)
+    parser.add_argument("--cli-extra", default="")
+    args = parser.parse_args()
+    out = Path(args.out)
+    for run in args.runs.split(","):
+        pl.seed_everything(1234)
+        if run.startswith("cli:"):
+            cli = LightningCLI(LlamaLM, MarkovDataModule, run=False, save_config_callback=None,
+                               args=["--config", run[4:], *args.cli_extra.split()])
+            trainer = cli.trainer
+            detector = next(c for c in trainer.callbacks if isinstance(c, StragglerDetector))
+            name = Path(run[4:]).stem
+            detector.report_path = str(out / f"{name}.json")
+            trainer.fit(cli.model, cli.datamodule)
+        else:
+            name = run
+            strategy, options = RUNS[run]
+            detector = StragglerDetector(**DETECT, **options, report_path=str(out / f"{run}.json"),
+                                         hosts_file=str(out / f"{run}_hosts.txt"))
+            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, limit_val_batches=0, callbacks=[detector],
+                                 default_root_dir=str(out / run))
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
+        extra = {"global_step": trainer.global_step}
+        strategy_obj = trainer.strategy
+        if hasattr(strategy_obj, "local_sgd_enabled"):
+            extra["local_sgd_enabled_at_end"] = strategy_obj.local_sgd_enabled
+        if dist.get_rank() == 0:
+            (out / f"{name}.extra.json").write_text(json.dumps(extra))
+
+
+if __name__ == "__main__":
+    main()
