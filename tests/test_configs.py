@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, run_python
 
@@ -41,3 +42,7 @@ def test_config_trains_a_few_steps(config: Path, tmp_path: Path) -> None:
         timeout=400,
     )
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in proc.stdout + proc.stderr
+    trainer_cfg = yaml.safe_load(config.read_text()).get("trainer", {})
+    if trainer_cfg.get("enable_checkpointing", True) and "callbacks" not in trainer_cfg:
+        # Lightning's default ModelCheckpoint wrote through the strategy's save_checkpoint.
+        assert list(tmp_path.rglob("*.ckpt")), f"{config.name}: no checkpoint was written"

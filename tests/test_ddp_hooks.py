@@ -135,6 +135,10 @@ def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     # the resumed run (from the step-6 checkpoint) continues exactly where the continuous run was
     assert [r["step"] for r in resumed] == list(range(7, 13))
     assert [tuple(r[k] for k in keys) for r in resumed] == [tuple(r[k] for k in keys) for r in cont[6:]]
+    # parameters are averaged before validation (steps 5, 10) and while a checkpoint is written (6, 12)
+    assert res["continuous:hierarchical_sgd"]["val_in_sync"] == [(5, True), (10, True)]
+    assert res["continuous:hierarchical_sgd"]["save_in_sync"] == [(6, True), (12, True)]
+    assert not cont[9]["in_sync"] and not cont[5]["in_sync"] and not cont[11]["in_sync"]  # they were not before
     start = res["resume:hierarchical_sgd"]["start_states"]
     assert all(s == {"averager_step": 6, "hook_iter": 3} for s in start), start
     # configs/ddp_hooks_hierarchical_sgd.yaml ({2: 2, 8: 4}) through LightningCLI: warm-up 2, then pairs only

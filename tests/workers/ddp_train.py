@@ -36,6 +36,24 @@ class Recorder(pl.Callback):
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.val_in_sync: list[tuple[int, bool]] = []  # (step, all ranks identical when validation starts)
+        self.save_in_sync: list[tuple[int, bool]] = []  # (step, ... while a checkpoint is assembled)
+
+    @staticmethod
+    def _params_in_sync(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        flat = torch.cat([p.detach().double().flatten() for p in pl_module.parameters()])
+        mine = torch.stack([flat.sum(), (flat * flat).sum()])
+        gathered = [torch.empty_like(mine) for _ in range(trainer.world_size)]
+        dist.all_gather(gathered, mine)
+        return all(bool((g == gathered[0]).all()) for g in gathered)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.state.fn == "fit" and batch_idx == 0:
+            self.val_in_sync.append((trainer.global_step, self._params_in_sync(trainer, pl_module)))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.save_in_sync.append((trainer.global_step, self._params_in_sync(trainer, pl_module)))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # what each rank holds after setup / checkpoint restore, before the first step
@@ -127,7 +145,8 @@ def main() -> None:
             ckpt_cb = ModelCheckpoint(dirpath=str(root), every_n_train_steps=6, save_top_k=-1, filename="{step}")
             trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec, ckpt_cb])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
-            results[f"continuous:{name}"] = {"rows": rec.rows, "ckpt": str(root / "step=6.ckpt")}
+            results[f"continuous:{name}"] = {"rows": rec.rows, "ckpt": str(root / "step=6.ckpt"),
+                                             "val_in_sync": rec.val_in_sync, "save_in_sync": rec.save_in_sync}
             pl.seed_everything(1234, workers=True)
             rec = Recorder()
             trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec])
@@ -137,7 +156,7 @@ def main() -> None:
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
         params = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
         results[run] = {"rows": rec.rows, "params": params, "global_step": trainer.global_step,
-                        "start_states": rec.start_states}
+                        "start_states": rec.start_states, "val_in_sync": rec.val_in_sync}
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and dist.get_rank() == 0:
         torch.save(results, args.out)
 

@@ -65,17 +65,6 @@ class SkipDDP(DDPStrategy):
         self.skipped = skip_consumed_batches(self.lightning_module.trainer)
 
 
-class SkipFSDP2(FSDP2Strategy):
-    """The package's FSDP2 strategy (DCP checkpoints) with the call (a no-op second call once it is wired in)."""
-
-    skipped: int | None = None
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self.skipped = skip_consumed_batches(self.lightning_module.trainer)
-
-
 class CountingSequences(MarkovSequences):
     """Counts the samples actually loaded, in DataLoader worker processes too (shared counter)."""
 
@@ -249,7 +238,7 @@ def main() -> None:
     parser.add_argument("--strategies", default="ddp,fsdp2")
     args = parser.parse_args()
     factories: dict[str, Callable[[], Strategy]] = {
-        "ddp": lambda: SkipDDP(), "fsdp2": lambda: SkipFSDP2(block_class_names=["TransformerBlock"]),
+        "ddp": lambda: SkipDDP(), "fsdp2": lambda: FSDP2Strategy(block_class_names=["TransformerBlock"]),  # calls it itself
     }
     results: dict[str, Any] = {}
     for name in args.strategies.split(","):

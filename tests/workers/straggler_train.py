@@ -61,7 +61,9 @@ def main() -> None:
         else:
             name = run
             strategy, options = RUNS[run]
-            detector = StragglerDetector(**DETECT, **options, report_path=str(out / f"{run}.json"),
+            # "clean" writes its report to the default place, <log_dir>/straggler_report.json
+            report = None if run == "clean" else str(out / f"{run}.json")
+            detector = StragglerDetector(**DETECT, **options, report_path=report,
                                          hosts_file=str(out / f"{run}_hosts.txt"))
             trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,

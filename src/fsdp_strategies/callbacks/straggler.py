@@ -290,6 +290,7 @@ class StragglerDetector(Callback):
         self._train_s = 0.0
         self._t_train_start: float | None = None
         self._cuda = False
+        self._report_file: Path | None = None
 
     # ------------------------------------------------------------------ setup
     def _reset_window(self) -> None:
@@ -327,6 +328,8 @@ class StragglerDetector(Callback):
         else:
             self.hosts = [host]
         self._cuda = trainer.strategy.root_device.type == "cuda"
+        # resolved here, on every rank: ``trainer.log_dir`` is a collective (a broadcast)
+        self._report_file = self._report_path(trainer) if self.detect else None
         if self.inject is not None:
             self._rng = random.Random(self.inject.seed + trainer.global_rank)
 
@@ -523,7 +526,7 @@ class StragglerDetector(Callback):
 
     def _stop(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
         hosts = sorted({self.hosts[r] for r in result["persistent"]})
-        report = self._report_path(trainer)
+        report = self._report_file or Path("straggler_report.json")
         hosts_file = Path(self.hosts_file) if self.hosts_file else report.with_name("straggling_hosts.txt")
         ckpt = report.with_name("straggler_stop.ckpt")
         self.events.append({"step": result["step"], "event": "stop", "hosts": hosts, "checkpoint": str(ckpt)})
@@ -563,7 +566,7 @@ class StragglerDetector(Callback):
         }
 
     def _write_report(self, trainer: pl.Trainer) -> None:
-        path = self._report_path(trainer)
+        path = self._report_file or Path("straggler_report.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.report(), indent=1, default=float))

@@ -38,6 +38,7 @@ from typing_extensions import override
 from fsdp_strategies._blocks import class_names, find_transformer_blocks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
 from fsdp_strategies._mesh import HSDPDegrees, build_mesh
+from fsdp_strategies._resume import skip_consumed_batches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -284,6 +285,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None
+        # A mid-epoch resume continues with the next unseen batch instead of replaying the epoch.
+        skip_consumed_batches(self.lightning_module.trainer)
+
     # ------------------------------------------------------------------ steps: run through the root's hooks
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # Lightning calls training_step, not forward; FSDP2's root hooks live on forward. Route the
@@ -343,11 +351,6 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
         return super().load_checkpoint(path, weights_only=weights_only)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
