@@ -38,6 +38,13 @@ def test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping(t
     # FSDP unit (2 blocks + root) per optimizer step, not per micro-batch.
     for rank in run["ranks"]:
         assert rank["reduce_calls"] == steps * 3
+    # Parameter all-gathers per micro-batch: each block in forward and again in backward, the root
+    # once (kept through backward). The example's step calls self(...): after the first step the
+    # strategy stops routing it through the root's __call__, so the root is not gathered twice --
+    # only that first detection step pays one extra root gather.
+    micro_batches = steps * 2
+    for rank in run["ranks"]:
+        assert rank["gather_calls"] == micro_batches * (2 * 2 + 1) + 1
     # Sharding is measured: each rank holds half the parameter and optimizer-state bytes.
     full_bytes = _full_numel(run["params"]) * 4
     for rank in run["ranks"]:
@@ -53,6 +60,8 @@ def test_hsdp_2x2_matches_single_process(tmp_path: Path) -> None:
     ref = reference_run(global_batch=16, steps=steps, num_train=256, clip=1.0)
     diff = max_abs_diff(run["params"], ref)
     assert diff < 2e-5, f"hsdp parameters differ from the single-process run by {diff}"
+    # This step calls self.model(...) only, so it keeps being routed through the root: 5 gathers a step.
+    assert all(rank["gather_calls"] == steps * 5 for rank in run["ranks"])
     # 2 replicas x 2 shards: each rank holds 1/2 (its shard group's half), not 1/4.
     full_bytes = _full_numel(run["params"]) * 4
     assert len(run["ranks"]) == 4

@@ -78,12 +78,12 @@ def test_actions_check_the_strategy_at_setup() -> None:
         StragglerDetector(action="hierarchical_sgd").setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 
-def test_evict_asks_the_straggling_rank_to_leave_the_quorum() -> None:
+def test_evict_asks_the_straggling_rank_to_leave_the_quorum(tmp_path: Path) -> None:
     calls: dict[int, list[str]] = {0: [], 1: []}
     for rank in (0, 1):
         strategy = SimpleNamespace(root_device=SimpleNamespace(type="cpu"),
                                    leave_quorum=lambda reason, rank=rank: calls[rank].append(reason))
-        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_rank=rank)
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_rank=rank, log_dir=str(tmp_path))
         det = StragglerDetector(action="evict", window=4)
         det.setup(trainer, None, "fit")  # type: ignore[arg-type]
         det.hosts = ["a", "b"]

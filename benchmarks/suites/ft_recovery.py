@@ -6,7 +6,8 @@ Three runs of the example model, side by side, each for the same number of commi
 * ``ft_faults``   -- the same with a whole replica group SIGKILLed every K seconds and restarted
   (it heals from a live peer while the others keep going);
 * ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing every C steps;
-  K seconds after each (re)start the whole job is SIGKILLed and restarted from its last checkpoint.
+  K seconds after each (re)start has taken its first step, the whole job is SIGKILLed and restarted
+  from its last checkpoint.
 
 Reported: survivors' stall per fault (the gap between a survivor's committed steps around a kill,
 minus its median step time), goodput = committed steps per second relative to ``ft_nofault``, and a
@@ -100,16 +101,17 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
     from fsdp_strategies.ft_launch import run as ft_run
 
     events = work / "events"
-    command = [str(THIS), "--worker", "-", "--config", str(ROOT / "configs" / "ft_hsdp.yaml"),
+    command = [str(THIS), "--worker", "-", "fit", "--config", str(ROOT / "configs" / "ft_hsdp.yaml"),
                "--trainer.devices", str(ranks), "--trainer.enable_checkpointing", "false",
                "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.init_sync", "false",
                *_model_args(size, steps, groups, ranks)]
     result = ft_run(command, groups=groups, ranks_per_group=ranks, min_replicas=1 if kill_every else groups,
                     heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=min(heartbeat_ms, 1000),
-                    kill_every=kill_every, max_restarts=1000, events_dir=events, timeout=timeout,
+                    kill_every=kill_every, max_restarts=50 if kill_every else 0, events_dir=events, timeout=timeout,
                     env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
     timelines = {g: _read(events / f"group{g}.jsonl") for g in range(groups)}
-    return {"returncode": result.returncode, "kills": result.kills, "restarts": result.restarts,
+    faults = [k for k in result.kills if str(k.get("why", "")).startswith(("every", "at step"))]
+    return {"returncode": result.returncode, "kills": faults, "restarts": result.restarts,
             "wall_s": result.wall_s, "timelines": timelines}
 
 
@@ -130,15 +132,17 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
         while True:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
                    "--master_addr=127.0.0.1", f"--master_port={common.free_port()}", str(THIS), "--worker", str(ckpt),
-                   "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices", str(world),
+                   "fit", "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices", str(world),
                    "--trainer.strategy.init_args.replicate_degree", str(groups),
                    "--trainer.strategy.init_args.shard_degree", str(ranks), *_model_args(size, steps, groups, ranks)]
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(ROOT))
             if incarnation:
                 restarts.append({"t": time.time(), "restart": incarnation})
-            # each incarnation lives K seconds (wall-clock faults would never let a slow restart progress)
-            next_kill = time.time() + kill_every if kill_every else float("inf")
+            # K seconds of training after each (re)start's first step (a wall-clock fault shorter than
+            # the restart would never let the job progress)
+            next_kill = float("inf")
+            first_seen = len(_read(log))
             while proc.poll() is None:
                 now = time.time()
                 if now - t0 > timeout:
@@ -146,6 +150,8 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
                     proc.wait()
                     return {"returncode": 124, "kills": kills, "restarts": restarts, "wall_s": now - t0,
                             "timelines": {0: _read(log)}}
+                if kill_every and next_kill == float("inf") and len(_read(log)) > first_seen:
+                    next_kill = now + kill_every
                 if now >= next_kill:
                     kill_tree(proc.pid)
                     proc.wait()
@@ -242,8 +248,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
     rpg = common.pick(ranks, quick, [1], [2])[0]
     groups = 2
-    steps = common.pick(steps, quick, 400, 1500)
-    kill_every = common.pick(kill_every, quick, 20.0, 45.0)
+    steps = common.pick(steps, quick, 800, 3000)
+    kill_every = common.pick(kill_every, quick, 12.0, 45.0)
     heartbeat_ms = common.pick(heartbeat_ms, quick, 1000, 1000)
     ckpt_every = common.pick(ckpt_every, quick, 20, 50)
     timeout = 900.0 if quick else 3600.0

@@ -138,6 +138,15 @@ def _last_step(events: Path, min_time: float) -> int:
     return step
 
 
+def _finished(events: Path) -> bool:
+    """Whether the group wrote its end-of-training record (before its slow teardown and exit)."""
+    try:
+        with events.open() as fh:
+            return any('"finished"' in line for line in fh)
+    except OSError:
+        return False
+
+
 def run(
     command: list[str],
     *,
@@ -177,6 +186,8 @@ def run(
     logs = Path(log_dir) if log_dir else events
     logs.mkdir(parents=True, exist_ok=True)
     launcher_log = events / "launcher.jsonl"
+    for stale in [launcher_log, *events.glob("group*.jsonl")]:  # a previous job's records would confuse this one
+        stale.unlink(missing_ok=True)
     rng = random.Random(seed)
 
     lighthouse = LighthouseServer(
@@ -232,6 +243,10 @@ def run(
         if g.proc is None or g.proc.poll() is not None:
             return
         kill_tree(g.proc.pid)
+        try:
+            g.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
         g.kills += 1
         rec = {"event": "kill", "group": g.gid, "why": why, "step": _last_step(events / f"group{g.gid}.jsonl", 0)}
         kills.append({"t": time.time(), **rec})
@@ -259,7 +274,14 @@ def run(
                 note({"event": "timeout", "after_s": timeout})
                 returncode = 124
                 break
-            any_finished = any(g.finished for g in all_groups)
+            any_finished = any(g.finished or _finished(events / f"group{g.gid}.jsonl") for g in all_groups)
+            if any_finished:  # a group that has not committed yet would start over alone at step 0: stop it
+                for other in all_groups:
+                    if other.proc is not None and other.proc.poll() is None and not other.finished and \
+                            not _finished(events / f"group{other.gid}.jsonl") and \
+                            _last_step(events / f"group{other.gid}.jsonl", other.started_at) < 0:
+                        kill(other, "the job finished before this group joined")
+                        other.finished, other.abandoned = True, True
             for g in all_groups:
                 if g.proc is None or g.finished:
                     continue
@@ -270,12 +292,6 @@ def run(
                 note({"event": "exit", "group": g.gid, "code": code})
                 if code == 0:
                     g.finished = True
-                    # a group that has not committed yet would start over alone at step 0: stop it
-                    for other in all_groups:
-                        if other.proc is not None and other.proc.poll() is None and not other.finished and \
-                                _last_step(events / f"group{other.gid}.jsonl", other.started_at) < 0:
-                            kill(other, "the job finished before this group joined")
-                            other.finished, other.abandoned = True, True
                     continue
                 kill_tree(g.proc.pid)  # leftovers of the group (a rank that survived its peers)
                 if any_finished:
@@ -360,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="SIGKILL group G (or round-robin) once it has committed STEP and another group is live")
     parser.add_argument("--max-restarts", type=int, default=10, help="per group")
     parser.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
-    parser.add_argument("--events-dir", default="outputs/ft_events", help="per-group step logs + launcher.jsonl")
+    parser.add_argument("--events-dir", default="outputs/ft_events", help="per-group step logs + launcher.jsonl (emptied at start)")
     parser.add_argument("--log-dir", default=None, help="per-group stdout/stderr (default: --events-dir)")
     parser.add_argument("--seed", type=int, default=0, help="victim choice for --kill-every")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="give up after this long")

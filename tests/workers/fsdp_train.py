@@ -41,7 +41,8 @@ class ProbedLM(LlamaLM):
 
 
 class EagerLM(ProbedLM):
-    """A user who builds the network in ``__init__`` and never writes ``configure_model``."""
+    """A user who builds the network in ``__init__``, never writes ``configure_model`` and whose
+    steps call the inner network (``self.model(...)``), not ``self(...)``."""
 
     def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(**kwargs)
@@ -49,6 +50,10 @@ class EagerLM(ProbedLM):
 
     def configure_model(self) -> None:
         pass
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
 class ProbePrecision(pl.Callback):
@@ -80,20 +85,25 @@ class ProbePrecision(pl.Callback):
                 self.seen["fsdp_reduce_dtype"] = str(state._mp_policy.reduce_dtype)
 
 
-class CountReduces(pl.Callback):
-    """Counts FSDP2 gradient reductions per optimizer step (accumulation must skip them)."""
+class CountCollectives(pl.Callback):
+    """Counts FSDP2 parameter all-gathers and gradient reductions (per FSDP unit and call)."""
 
     def __init__(self) -> None:
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
-        self.calls = 0
-        original = pg.foreach_reduce
+        self.reduces = 0
+        self.gathers = 0
+        reduce, gather = pg.foreach_reduce, pg.foreach_all_gather
 
-        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return original(*args, **kwargs)
+        def counting_reduce(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.reduces += 1
+            return reduce(*args, **kwargs)
 
-        pg.foreach_reduce = counting
+        def counting_gather(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.gathers += 1
+            return gather(*args, **kwargs)
+
+        pg.foreach_reduce, pg.foreach_all_gather = counting_reduce, counting_gather
 
 
 class CrashOnSave(pl.Callback):
@@ -183,7 +193,7 @@ def main() -> None:
         strategy = a.strategy
     batches, probe, losses = RecordBatches(), ProbePrecision(), RecordLosses()
     callbacks: list[pl.Callback] = [batches, probe, losses]
-    counter = CountReduces() if a.strategy in ("fsdp2", "hsdp") else None
+    counter = CountCollectives() if a.strategy in ("fsdp2", "hsdp") else None
     if counter:
         callbacks.append(counter)
     if a.ckpt_dir:
@@ -209,14 +219,16 @@ def main() -> None:
     record = {
         "params": params, "opt_state": opt_state, "global_step": trainer.global_step,
         "param_bytes": _memory.param_bytes(model), "opt_bytes": _memory.optimizer_state_bytes(optimizer),
-        "reduce_calls": counter.calls if counter else None, "built_on_meta": ProbedLM.built_on_meta,
+        "reduce_calls": counter.reduces if counter else None,
+        "gather_calls": counter.gathers if counter else None, "built_on_meta": ProbedLM.built_on_meta,
         "local_is_meta": any(getattr(p, "to_local", lambda p=p: p)().is_meta for p in model.parameters()),
         "batches": batches.seen, "precision_probe": probe.seen, "losses": losses.values, "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers],
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[dict | None] = [None] * world
-    small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "built_on_meta", "local_is_meta")}
+    small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "gather_calls", "built_on_meta",
+                                    "local_is_meta")}
     if world > 1:
         dist.all_gather_object(gathered, small)
     else:

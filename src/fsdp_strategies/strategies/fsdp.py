@@ -138,6 +138,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         }
         self._mp_policy = MixedPrecisionPolicy()
         self._blocks: list[nn.Module] = []
+        self._step_calls_root: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ validation (no process group yet)
     def _mesh_degrees(self) -> HSDPDegrees | None:
@@ -294,10 +295,25 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ steps: run through the root's hooks
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # Lightning calls training_step, not forward; FSDP2's root hooks live on forward. Route the
-        # call through ``module.__call__`` so the root all-gather / reshard hooks fire.
+        # Lightning calls training_step, not forward; FSDP2's root hooks live on forward, so the step
+        # is routed through the root's __call__ -- unless the step calls self(...) itself: nesting the
+        # root's forward makes FSDP2 free the root's parameters after forward and gather them again at
+        # the start of backward (found by profiling). Which case applies is seen on the first call.
         assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        if self._step_calls_root.get(method):
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+        calls = 0
+
+        def count(*_: Any) -> None:
+            nonlocal calls
+            calls += 1
+
+        handle = self.model.register_forward_pre_hook(count)
+        try:
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        finally:
+            handle.remove()
+            self._step_calls_root[method] = calls > 1
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -567,6 +567,15 @@ class FTHSDPStrategy(FSDP2Strategy):
         os._exit(LEAVE_EXIT_CODE)
 
     @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        # tell the launcher at once (teardown takes seconds): a group restarted now must not start over alone
+        if self.events_file and self.global_rank == 0 and self._manager is not None:
+            with Path(self.events_file).open("a") as fh:
+                fh.write(json.dumps({"t": time.time(), "group": self.replica_group_id,
+                                     "finished": int(self._manager.current_step())}) + "\n")
+
+    @override
     def teardown(self) -> None:
         super().teardown()
         if self._manager is not None:
