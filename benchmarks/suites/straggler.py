@@ -105,7 +105,8 @@ def _worker(ns: argparse.Namespace) -> None:
     callbacks: list[pl.Callback] = [clock]
     if injector is not None:
         callbacks.append(injector)
-    detector = StragglerDetector(window=20) if ns.contender == "clean_ddp_detector" else None
+    detector = (StragglerDetector(window=20, report_path=str(Path(ns.out).with_name("straggler_report.json")))
+                if ns.contender == "clean_ddp_detector" else None)
     if detector is not None:
         callbacks.append(detector)
     pl.seed_everything(ns.seed)
@@ -144,6 +145,8 @@ def _worker(ns: argparse.Namespace) -> None:
         if detector is not None:
             result["detector"].pop("windows", None)
         Path(ns.out).write_text(json.dumps(result, default=float))
+    dist.barrier()
+    dist.destroy_process_group()  # a rank leaving with gloo connections open can abort a peer (SIGABRT)
 
 
 def _median(values: list[float]) -> float:

@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from fsdp_strategies import FSDP2Strategy  # noqa: E402
+from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy  # noqa: E402
 from fsdp_strategies._resume import skip_consumed_batches  # noqa: E402
 from llama import LlamaLM, MarkovDataModule, MarkovSequences  # noqa: E402
 
@@ -239,6 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     factories: dict[str, Callable[[], Strategy]] = {
         "ddp": lambda: SkipDDP(), "fsdp2": lambda: FSDP2Strategy(block_class_names=["TransformerBlock"]),  # calls it itself
+        "ddp_hooks": lambda: DDPHooksStrategy(),  # calls it itself
     }
     results: dict[str, Any] = {}
     for name in args.strategies.split(","):

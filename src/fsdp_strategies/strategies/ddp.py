@@ -36,6 +36,8 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from fsdp_strategies._resume import skip_consumed_batches
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -333,6 +335,13 @@ class DDPHooksStrategy(DDPStrategy):
         super().on_validation_start()
         if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.average_parameters()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None
+        # A mid-epoch resume continues with the next unseen batch instead of replaying the epoch.
+        skip_consumed_batches(self.lightning_module.trainer)
 
     @override
     def on_train_end(self) -> None:
