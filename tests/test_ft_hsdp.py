@@ -52,12 +52,13 @@ def _jsonl(path: Path) -> list[dict]:
 def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
     # Group 1 SIGKILLs itself (torchrun + both ranks) just before its 2nd cross-group all-reduce of step 3;
     # restarted, it heals; then the launcher SIGKILLs group 0 (at step >= 30, once group 1 is live again),
-    # which heals in turn. Survivors sleep 1 s per step while alone so that restarts overlap training.
+    # which heals in turn. Survivors sleep 1 s per step while alone so that restarts overlap training, and
+    # the restarted group 1 waits until group 0 has committed 3 steps alone (a fast restart must not race it).
     max_steps = 140
     events = _launch(
         tmp_path, "fault", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--kill-at-steps", "0@30", "--max-restarts", "2"],
-        {"FT_TEST_KILL": "1:3:2", "FT_TEST_SLEEP_ALONE": "1.0"},
+        {"FT_TEST_KILL": "1:3:2", "FT_TEST_SLEEP_ALONE": "1.0", "FT_TEST_REJOIN_AFTER": "3"},
     )
     out = tmp_path / "fault"
     launcher = _jsonl(events / "launcher.jsonl")

@@ -162,6 +162,9 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
             if proc.returncode == 0:
                 break
             incarnation += 1
+    import shutil
+
+    shutil.rmtree(ckpt, ignore_errors=True)  # only needed for the restarts
     return {"returncode": 0, "kills": kills, "restarts": restarts, "wall_s": time.time() - t0,
             "timelines": {0: _read(log)}}
 

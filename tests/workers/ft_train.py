@@ -13,6 +13,9 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
+    FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
+                       has committed N steps alone before it starts (makes "survivors keep training while a
+                       group is down" independent of how fast a restart is on the machine)
 """
 
 from __future__ import annotations
@@ -127,7 +130,27 @@ class FTProbe(pl.Callback):
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
 
+def _wait_for_survivor() -> None:
+    need = int(os.environ.get("FT_TEST_REJOIN_AFTER", "0"))
+    kill = os.environ.get("FT_TEST_KILL")
+    if not need or not kill or int(os.environ.get("FT_RESTART_COUNT", "0")) == 0:
+        return
+    group, groups = int(kill.split(":")[0]), int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    if str(group) != os.environ.get("REPLICA_GROUP_ID"):
+        return
+    other = Path(os.environ["FT_TEST_OUT"]) / f"group{(group + 1) % groups}_rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if other.exists():
+            records = [json.loads(line) for line in other.read_text().splitlines() if line.strip()]
+            if sum(1 for r in records if r["committed"] and r["participants"] < groups) >= need:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the surviving group never committed {need} steps alone ({other})")
+
+
 def main() -> None:
+    _wait_for_survivor()
     callbacks: list[pl.Callback] = [FTProbe()]
     if os.environ.get("FT_TEST_CKPT"):
         callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
