@@ -4,7 +4,6 @@ Lightning wiring (applied after configure_model, before the strategy wraps; once
 from __future__ import annotations
 
 import copy
-import gc
 import json
 from pathlib import Path
 
@@ -12,41 +11,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies._blocks import BlockNotFoundError
+from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks import ActivationCheckpointing
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing, is_checkpointed
 from llama import Llama, LlamaLM, MarkovDataModule
 
 V, D, L, H, KV, M, S, B = 64, 64, 2, 4, 2, 128, 32, 2
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
-
-
-class KeptBytes(TorchDispatchMode):
-    """Bytes of every storage an op creates during forward that is still alive afterwards.
-
-    That is what is kept for backward: autograd's saved tensors *and* the outputs selective
-    checkpointing caches itself (those never pass through ``saved_tensors_hooks``).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-    def alive(self, exclude: set[int]) -> int:
-        gc.collect()
-        return sum(n for ptr, (ref, n) in self.refs.items() if not ref.expired() and ptr not in exclude)
 
 
 class OpCounter(TorchDispatchMode):

@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
 sys.path.insert(0, str(common.ROOT / "examples"))
+from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing
 from fsdp_strategies.callbacks.throughput import count_step_flops
 from llama import Llama
@@ -46,20 +45,6 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
     "selective_layer": {"mode": "selective_layer", "layer_interval": 2},
     "full": {"mode": "full"},
 }
-
-
-class _Kept(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self.refs.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
-        return out
 
 
 def _build(size: str, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -115,15 +100,14 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
                 apply_activation_checkpointing(model, kwargs.pop("mode"), **kwargs)
             models[name] = model
             pinned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-            kept = _Kept()
+            kept = KeptBytes()
             if gpu:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device) if gpu else 0
             with kept:
                 loss = _loss(model, tokens, info["vocab"], bf16)
-            gc.collect()
-            kept_bytes = sum(n for p, (r, n) in kept.refs.items() if not r.expired() and p not in pinned)
+            kept_bytes = kept.alive(pinned)
             loss.backward()
             record: dict[str, Any] = {"kept_bytes": kept_bytes, "step_s": []}
             if gpu:

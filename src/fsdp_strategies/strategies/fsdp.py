@@ -367,10 +367,3 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
         return super().load_checkpoint(path, weights_only=weights_only)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="FSDP2 (fully_shard) per transformer block, from fsdp_strategies"
-        )
-
