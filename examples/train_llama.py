@@ -26,3 +26,7 @@ def main(args: list[str] | None = None) -> LightningCLI:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo subgroups left to interpreter exit can abort the process (SIGABRT)
+        dist.destroy_process_group()
