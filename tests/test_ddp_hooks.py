@@ -126,7 +126,9 @@ def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     res = _run(tmp_path, 4, ["resume:hierarchical_sgd", "cli:configs/ddp_hooks_hierarchical_sgd.yaml"], 12, extra,
                timeout=500)
     cont, resumed = res["continuous:hierarchical_sgd"]["rows"], res["resume:hierarchical_sgd"]["rows"]
-    keys = ("step", "in_sync", "pairs_in_sync", "averager_step", "hook_iter")
+    # every rank's loss too: after local steps each rank has its own AdamW moments, which the
+    # checkpoint must hold per rank (Lightning's own DDP keeps rank 0's only)
+    keys = ("step", "loss", "in_sync", "pairs_in_sync", "averager_step", "hook_iter")
     # levels {2: 2, 4: 4}, warm-up 3: pairs average when the averager step is even, all 4 ranks when divisible by 4
     expected_sync = [True] * 3 + [False, True, False, False, False, True, False, False, False]
     expected_pairs = [True] * 3 + [False, True, False, True, False, True, False, True, False]
@@ -139,6 +141,7 @@ def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     assert res["continuous:hierarchical_sgd"]["val_in_sync"] == [(5, True), (10, True)]
     assert res["continuous:hierarchical_sgd"]["save_in_sync"] == [(6, True), (12, True)]
     assert not cont[9]["in_sync"] and not cont[5]["in_sync"] and not cont[11]["in_sync"]  # they were not before
+    assert len({tuple(r["loss"]) for r in cont[6:]}) == 6 and len(set(cont[7]["loss"])) == 4  # ranks differ
     start = res["resume:hierarchical_sgd"]["start_states"]
     assert all(s == {"averager_step": 6, "hook_iter": 3} for s in start), start
     # configs/ddp_hooks_hierarchical_sgd.yaml ({2: 2, 8: 4}) through LightningCLI: warm-up 2, then pairs only

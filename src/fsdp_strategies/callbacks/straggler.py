@@ -15,7 +15,8 @@ CPU time on CPU devices (time blocked in a collective is not CPU time), CUDA-eve
 includes waits the compute stream has on the communication stream, so under synchronous DDP/FSDP a
 slow GPU is visible in the relative scores only as far as its compute stream is slower.
 
-Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers. Scores:
+Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers; it is
+started without waiting and read one step later, so no rank blocks on the detector. Scores:
 *relative* (a rank's median self time vs the median of the other ranks) and *individual* (vs its own
 best window), smoothed with an EWMA; a rank is a persistent straggler after ``patience`` consecutive
 slow windows (raw and smoothed relative score above ``threshold``) and stops being one after
@@ -32,6 +33,7 @@ import random
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +54,9 @@ ACTIONS = ("warn", "hierarchical_sgd", "evict", "stop")
 _HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
 
 
+_INJECTION_KINDS = ("sleep", "busy_wait", "spin")
+
+
 @dataclass
 class StragglerInjection:
     """Delays chosen ranks, for tests and benchmarks (configured from YAML).
@@ -63,8 +68,11 @@ class StragglerInjection:
             step; e.g. 0.02 = rare transient stalls).
         start_step / end_step: global steps ``[start_step, end_step)`` in which delays happen
             (``end_step`` None = until the end).
-        kind: ``sleep`` (a host stall before the step: time the rank is away) or ``spin`` (a busy loop
-            inside forward+backward: a slow device that burns compute).
+        kind: ``sleep`` (a host stall before the step: time the rank is away), ``busy_wait`` (the same
+            stall spent in a busy loop: on a CPU host shared by several ranks the stalled rank keeps its
+            share of the cores, so the others do not speed up while it is away, as on separate
+            machines) or ``spin`` (a busy loop of ``delay_s`` CPU time inside forward+backward: a slow
+            device that burns compute).
         seed: random stream per rank is seeded with ``seed + rank``.
     """
 
@@ -73,7 +81,7 @@ class StragglerInjection:
     probability: float = 1.0
     start_step: int = 0
     end_step: int | None = None
-    kind: Literal["sleep", "spin"] = "sleep"
+    kind: Literal["sleep", "busy_wait", "spin"] = "sleep"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,8 +90,8 @@ class StragglerInjection:
         if not 0.0 <= self.probability <= 1.0:
             raise ValueError(f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
                              "or 0.02 (rare stalls).")
-        if self.kind not in ("sleep", "spin"):
-            raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: 'sleep' or 'spin'.")
+        if self.kind not in _INJECTION_KINDS:
+            raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: one of {list(_INJECTION_KINDS)}.")
         if self.end_step is not None and self.end_step <= self.start_step:
             raise ValueError(f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}.")
 
@@ -207,7 +215,8 @@ class StragglerDetector(Callback):
     """Detects slow ranks from per-step timings and optionally mitigates them.
 
     Args:
-        window: steps per measurement window; one small ``all_gather`` per window.
+        window: steps per measurement window; one small asynchronous ``all_gather`` per window, scored
+            at the next step.
         skip_first: steps ignored at the start (warm-up, allocator, compilation).
         threshold: relative score (self time / the other ranks' median) above which a window is slow.
         patience: consecutive slow windows before a rank is a persistent straggler, and normal
@@ -291,6 +300,7 @@ class StragglerDetector(Callback):
         self._t_train_start: float | None = None
         self._cuda = False
         self._report_file: Path | None = None
+        self._pending: tuple[Callable[[], np.ndarray], int] | None = None  # a window's gather in flight
 
     # ------------------------------------------------------------------ setup
     def _reset_window(self) -> None:
@@ -341,9 +351,11 @@ class StragglerDetector(Callback):
         self._t_train_start = time.perf_counter()
 
     # ------------------------------------------------------------------ timing
-    def _injected(self, trainer: pl.Trainer, kind: str) -> None:
+    def _injected(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
         inj = self.inject
-        if inj is None or inj.kind != kind or inj.delay_s <= 0 or self._rng is None:
+        if inj is None or inj.delay_s <= 0 or self._rng is None:
+            return
+        if (inj.kind == "spin") != (where == "in_step"):
             return
         step = trainer.global_step
         chosen = inj.ranks is None or trainer.global_rank in inj.ranks
@@ -352,8 +364,12 @@ class StragglerDetector(Callback):
             return
         if draw >= inj.probability:
             return
-        if kind == "sleep":
+        if inj.kind == "sleep":
             time.sleep(inj.delay_s)
+        elif inj.kind == "busy_wait":
+            end = time.perf_counter() + inj.delay_s
+            while time.perf_counter() < end:
+                pass
         else:  # burn delay_s of CPU time (not wall time): the rank does more work, however busy the host is
             end = time.process_time() + inj.delay_s
             while time.process_time() < end:
@@ -369,9 +385,9 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._injected(trainer, "sleep")
+        self._injected(trainer, "before_step")
         if not self.detect:
-            self._injected(trainer, "spin")
+            self._injected(trainer, "in_step")
             return
         now = time.perf_counter()
         self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
@@ -379,7 +395,7 @@ class StragglerDetector(Callback):
         self._ev_start = self._cuda_event() if self._cuda else None
         self._t_opt: float | None = None
         self._hook_s += time.perf_counter() - now
-        self._injected(trainer, "spin")
+        self._injected(trainer, "in_step")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -411,10 +427,12 @@ class StragglerDetector(Callback):
         self._batches += 1
         t0 = time.perf_counter()
         self._hook_s += t0 - t_end
+        if self._pending is not None:  # the previous window's gather ran during this step: score it now
+            self._finish_window(trainer)
         if self._batches % self.window == 0:
-            self._end_window(trainer, pl_module)
-            self._gather_s += time.perf_counter() - t0
-        self._t_prev_end = time.perf_counter()  # the gather's own wait is not part of the next step
+            self._end_window(trainer)
+        self._gather_s += time.perf_counter() - t0
+        self._t_prev_end = time.perf_counter()  # the detector's own time is not part of the next step
 
     def _record(self, slot: int, data: float, compute: float, optim: float, busy: float) -> None:
         step = data + compute + optim
@@ -443,37 +461,58 @@ class StragglerDetector(Callback):
         self._skip_next = True
 
     # ------------------------------------------------------------------ the window
-    def _gather(self, trainer: pl.Trainer, local: np.ndarray) -> np.ndarray:
+    def _start_gather(self, trainer: pl.Trainer, local: np.ndarray) -> Callable[[], np.ndarray]:
+        """Start the window's all_gather without waiting; the returned function waits for it.
+
+        It overlaps the next step, so no rank blocks on the others here: in synchronous training the
+        next step's gradient all-reduce would wait for the slowest rank anyway, and with local SGD a
+        rank should not be held back by a collective of the detector.
+        """
         world = trainer.world_size
         if world == 1 or not (dist.is_available() and dist.is_initialized()):
-            return local[None, :]
+            return lambda: local[None, :]
         device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
         mine = torch.from_numpy(local).to(device)
         out = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(out, mine)
-        return torch.stack(out).cpu().numpy()
+        work = dist.all_gather(out, mine, async_op=True)
 
-    def _end_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        def wait() -> np.ndarray:
+            assert work is not None and mine is not None  # keep the input alive until the gather is done
+            work.wait()
+            return torch.stack(out).cpu().numpy()
+
+        return wait
+
+    def _end_window(self, trainer: pl.Trainer) -> None:
         if self._cuda:
             self._resolve_cuda()
         local = np.concatenate([self._sums, self._self_steps])
-        gathered = self._gather(trainer, local)
         self._reset_window()
-        assert self.scorer is not None
-        result = self.scorer.update(gathered[:, :_HEADER], gathered[:, _HEADER:], trainer.global_step)
+        self._pending = (self._start_gather(trainer, local), trainer.global_step)
+
+    def _finish_window(self, trainer: pl.Trainer, final: bool = False) -> None:
+        """Score the gathered window (at the step after it ended), log it, act on it."""
+        assert self._pending is not None and self.scorer is not None
+        wait, step = self._pending
+        self._pending = None
+        gathered = wait()
+        result = self.scorer.update(gathered[:, :_HEADER], gathered[:, _HEADER:], step)
         if not result["measured"]:
             return
         result["worst"] = self._worst(result)
         self.history.append(result)
-        self._log(pl_module, result)
-        self._act(trainer, result)
+        self._log(trainer, result)
+        self._act(trainer, result, final=final)
 
     def _worst(self, result: dict[str, Any]) -> list[dict[str, Any]]:
         order = sorted(range(len(result["relative"])), key=lambda r: -result["ewma"][r])[: self.top_k]
         return [{"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?", "relative": result["relative"][r],
                  "ewma": result["ewma"][r], "individual": result["individual"][r]} for r in order]
 
-    def _log(self, pl_module: pl.LightningModule, result: dict[str, Any]) -> None:
+    def _log(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+        """Every window to the Trainer's loggers (rank 0), at the window's step, whatever ``log_every_n_steps``."""
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
         metrics = {"straggler/step_time_min": result["step_min"], "straggler/step_time_median": result["step_median"],
                    "straggler/step_time_max": result["step_max"], "straggler/lost_frac": result["lost_frac"],
                    "straggler/lost_s_total": self.scorer.lost_s if self.scorer else 0.0,
@@ -482,13 +521,12 @@ class StragglerDetector(Callback):
         for i, worst in enumerate(result["worst"]):
             metrics[f"straggler/worst{i + 1}_rank"] = float(worst["rank"])
             metrics[f"straggler/worst{i + 1}_score"] = float(worst["ewma"])
-        try:
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
-        except Exception as exc:  # e.g. no logger attached / logging disabled in this hook
-            rank_zero_warn(f"StragglerDetector could not log metrics: {exc}")
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=result["step"])
+            logger.save()
 
     # ------------------------------------------------------------------ mitigation
-    def _act(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+    def _act(self, trainer: pl.Trainer, result: dict[str, Any], final: bool = False) -> None:
         step = result["step"]
         for r in result["newly_persistent"]:
             event = {"step": step, "event": "persistent", "rank": r, "host": self.hosts[r],
@@ -500,7 +538,8 @@ class StragglerDetector(Callback):
             self.events.append({"step": step, "event": "cleared", "rank": r, "host": self.hosts[r]})
             rank_zero_info(f"StragglerDetector: rank {r} on {self.hosts[r]} is no longer straggling (step {step}).")
         if self.action == "hierarchical_sgd":
-            self._maybe_switch(trainer, step)
+            if not final:  # no step is left to switch for
+                self._maybe_switch(trainer, trainer.global_step)
         elif self.action == "evict":
             for r in result["newly_persistent"]:
                 if r == trainer.global_rank:
@@ -574,6 +613,10 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            self._finish_window(trainer, final=True)
+            self._gather_s += time.perf_counter() - t0
         if self._t_train_start is not None:
             self._train_s = time.perf_counter() - self._t_train_start
         if self.detect and trainer.is_global_zero and self.scorer is not None:

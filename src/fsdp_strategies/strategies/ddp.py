@@ -19,11 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
     PostLocalSGDState,
@@ -407,6 +408,11 @@ class DDPHooksStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
         mine = self.comm_state_dict()
+        if self.comm_hook in LOCAL_SGD_HOOKS and not self.is_global_zero:
+            # Local steps make every rank's optimizer state its own (AdamW moments of its own gradients);
+            # Lightning keeps only rank 0's, which would hand rank 0's moments to every rank on resume.
+            mine["optimizer_states"] = apply_to_collection(
+                checkpoint.get("optimizer_states", []), torch.Tensor, lambda t: t.detach().cpu())
         if dist.is_available() and dist.is_initialized() and self.comm_hook in ("powersgd", *LOCAL_SGD_HOOKS):
             gathered: list[Any] = [None] * dist.get_world_size() if self.is_global_zero else []
             dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
@@ -419,11 +425,17 @@ class DDPHooksStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
+        per_rank = saved["per_rank"] if saved else []
+        own = per_rank[self.global_rank] if len(per_rank) == self.world_size else {}
+        if "optimizer_states" in own:  # this rank's own optimizer state (local SGD), not rank 0's
+            checkpoint = {**checkpoint, "optimizer_states": own["optimizer_states"]}
+        elif len(per_rank) != self.world_size and any("optimizer_states" in r for r in per_rank):
+            rank_zero_warn(f"{self.strategy_name}: the checkpoint holds optimizer states for {len(per_rank)} ranks, "
+                           f"this run has {self.world_size}: every rank resumes with rank 0's optimizer state.")
+        super().load_optimizer_state_dict(checkpoint)
         if not saved:
             return
-        per_rank = saved["per_rank"]
         if len(per_rank) != self.world_size:
             rank_zero_info(f"{self.strategy_name}: checkpoint from {len(per_rank)} ranks, resuming on "
                            f"{self.world_size}: rank 0's hook state is used everywhere.")
