@@ -76,7 +76,7 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     steps = 10
     runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "resume:powersgd",
             "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
-            "cli:configs/ddp_hooks_compress.yaml"]
+            "cli:configs/ddp_hooks_compress.yaml", "stall:post_local_sgd_period8"]
     extra = (f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
              "--trainer.strategy.init_args.powersgd_start_iter 2")
     res = _run(tmp_path, 2, runs, steps, extra)
@@ -94,6 +94,11 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
         assert _tail_loss(res[name]) < start - 1.0, f"{name} did not train: {res[name]['rows']}"
     assert abs(_tail_loss(res["post_local_sgd"]) - _tail_loss(ref)) < 0.15
     assert _tail_loss(res["powersgd"]) < _tail_loss(ref) + 0.7  # rank-2 compression learns more slowly
+    # local steps hide a stall: rank 1 sleeps 2 s before step 4 and rank 0 runs on (no collective per step,
+    # not even DDP's buffer broadcast) until the next averaging, at step 10, where it waits.
+    # step_s[rank][i] is the duration of step i + 1.
+    rank0 = res["stall:post_local_sgd_period8"]["step_s"][0]
+    assert max(rank0[3:9]) < 1.0 and rank0[9] > 1.0, rank0
     # synchronous hooks keep every rank identical; post-local SGD diverges between averagings
     for name in ("allreduce", "bf16_compress", "fp16_compress", "powersgd"):
         assert all(r["in_sync"] for r in res[name]["rows"]), name

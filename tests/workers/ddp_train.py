@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,27 @@ class Recorder(pl.Callback):
         self.rows.append(row)
 
 
+class StallProbe(pl.Callback):
+    """Rank 1 stalls for 2 s before step 4; every rank records when each step ends (no collective per step)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 4:
+            time.sleep(2.0)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, [b - a for a, b in zip(self.ends, self.ends[1:])])
+        self.step_s = gathered  # per rank: duration of steps 1, 2, ... (end to end)
+
+
 def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -103,6 +125,8 @@ def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: lis
 def _strategy(name: str) -> Any:
     if name == "ddp":
         return "ddp"  # Lightning's own, the reference
+    if name == "post_local_sgd_period8":
+        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=8, local_sgd_warmup=2, local_group_size=1)
     if name == "post_local_sgd":
         return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1)
     if name == "hierarchical_sgd":
@@ -138,6 +162,15 @@ def main() -> None:
             cli.trainer.callbacks.append(rec)
             cli.trainer.fit(cli.model, cli.datamodule)
             trainer = cli.trainer
+        elif run.startswith("stall:"):
+            # rank 1 stalls during local steps: rank 0 must not wait for it before the next averaging
+            probe = StallProbe()
+            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:]), max_steps=12,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
+            results[run] = {"step_s": probe.step_s}
+            continue
         elif run.startswith("resume:"):
             # continuous run with a checkpoint at step 6, then a second run resumed from it
             name = run[7:]

@@ -48,6 +48,7 @@ COMM_HOOKS = ("allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_l
 LOCAL_SGD_HOOKS = ("post_local_sgd", "hierarchical_sgd")
 CHECKPOINT_KEY = "ddp_hooks_state"
 _NEVER = 2**62  # "start local SGD at this iteration": effectively synchronous DDP
+_BUFFER_SYNC_ATTR = "forward_sync_buffers"  # DDP's per-forward buffer broadcast flag (``broadcast_buffers`` before)
 
 
 class _ClosurePostLocalSGDOptimizer(PostLocalSGDOptimizer):
@@ -173,6 +174,8 @@ class DDPHooksStrategy(DDPStrategy):
         self._hook_state: Any = None
         self._averager: ModelAverager | None = None
         self._subgroups: list[Any] = []
+        self._ddp_syncs_buffers = True  # DDP's per-forward buffer broadcast, as configured at wrap time
+        self._sigterm_loop: Any = None  # the epoch loop whose per-step SIGTERM broadcast is thinned out
 
     @classmethod
     @override
@@ -245,6 +248,7 @@ class DDPHooksStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         model = self.model
         assert isinstance(model, DistributedDataParallel)
+        self._ddp_syncs_buffers = bool(getattr(model, _BUFFER_SYNC_ATTR, getattr(model, "broadcast_buffers", True)))
         hook = self.comm_hook
         if hook == "allreduce":
             return
@@ -322,7 +326,11 @@ class DDPHooksStrategy(DDPStrategy):
             averager.warmup_steps = _NEVER
 
     def average_parameters(self) -> None:
-        """Average parameters over all ranks now (torch's averaging utility), outside the schedule."""
+        """Average parameters over all ranks now (torch's averaging utility), outside the schedule.
+
+        Buffers follow DDP's rule (rank 0's values): during local steps DDP does not broadcast them
+        every forward (see :meth:`on_train_batch_start`), so they are made consistent here.
+        """
         if self.comm_hook not in LOCAL_SGD_HOOKS or not isinstance(self.model, DistributedDataParallel):
             return
         if not dist.is_available() or not dist.is_initialized():
@@ -330,6 +338,20 @@ class DDPHooksStrategy(DDPStrategy):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if params:
             _average_parameters(iter(params), dist.group.WORLD)  # all of them, not only those with a grad
+        if self._ddp_syncs_buffers:
+            for buffer in self.model.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # DDP broadcasts buffers (e.g. rotary tables, norm statistics) from rank 0 in every forward: a
+        # collective per step that would tie every rank to the slowest again during local steps.
+        model = self.model
+        if self._averager is None or not isinstance(model, DistributedDataParallel) or not self._ddp_syncs_buffers:
+            return
+        attr = _BUFFER_SYNC_ATTR if hasattr(model, _BUFFER_SYNC_ATTR) else "broadcast_buffers"
+        setattr(model, attr, not self._local_step_now())
 
     @override
     def on_validation_start(self) -> None:
@@ -343,11 +365,49 @@ class DDPHooksStrategy(DDPStrategy):
         assert self.lightning_module is not None
         # A mid-epoch resume continues with the next unseen batch instead of replaying the epoch.
         skip_consumed_batches(self.lightning_module.trainer)
+        self._thin_sigterm_broadcast(self.lightning_module.trainer)
 
     @override
     def on_train_end(self) -> None:
         self.average_parameters()
+        if self._sigterm_loop is not None:  # back to Lightning's own method
+            vars(self._sigterm_loop).pop("_broadcast_sigterm_tensor", None)
+            self._sigterm_loop = None
         super().on_train_end()
+
+    def _local_step_now(self) -> bool:
+        """Whether the step about to run is a local step (no gradient all-reduce)."""
+        averager = self._averager
+        return averager is not None and self._local_sgd_enabled and averager.step >= averager.warmup_steps
+
+    def _averaged_globally_at(self, step: int) -> bool:
+        """Whether the averager averaged over all ranks at averager step ``step`` (the ranks met there)."""
+        averager = self._averager
+        if averager is None or step < averager.warmup_steps:
+            return False
+        if isinstance(averager, PeriodicModelAverager):
+            return (step - averager.warmup_steps) % averager.period == 0
+        assert self.hierarchy_levels is not None
+        return step % max(self.hierarchy_levels) == 0
+
+    def _thin_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
+        """Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training step: a collective
+        that makes every rank wait for the slowest each step, which local SGD exists to avoid. During
+        local steps it runs only right after a global averaging, where the ranks have just met; a SIGTERM
+        then reaches the other ranks within one global period instead of one step.
+        """
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        original = getattr(loop, "_broadcast_sigterm_tensor", None)
+        if self.comm_hook not in LOCAL_SGD_HOOKS or loop is None or original is None:
+            return
+
+        def broadcast_sigterm() -> None:
+            averager = self._averager
+            if averager is None or not self._local_step_now() or self._averaged_globally_at(averager.step - 1):
+                original()
+
+        loop._broadcast_sigterm_tensor = broadcast_sigterm
+        self._sigterm_loop = loop
 
     # ------------------------------------------------------------------ checkpoint state
     def comm_state_dict(self) -> dict[str, Any]:
