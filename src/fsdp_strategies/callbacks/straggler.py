@@ -296,6 +296,7 @@ class StragglerDetector(Callback):
         self._batches = 0
         self._gather_s = 0.0
         self._hook_s = 0.0
+        self._cpu_s = 0.0  # CPU time of the detector's own code (this thread), excluding waiting for a core
         self._train_s = 0.0
         self._t_train_start: float | None = None
         self._cuda = False
@@ -389,26 +390,30 @@ class StragglerDetector(Callback):
         if not self.detect:
             self._injected(trainer, "in_step")
             return
-        now = time.perf_counter()
+        cpu0, now = time.thread_time(), time.perf_counter()
         self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
         self._t_start, self._c_start = now, self._busy_clock()
         self._ev_start = self._cuda_event() if self._cuda else None
         self._t_opt: float | None = None
         self._hook_s += time.perf_counter() - now
+        self._cpu_s += time.thread_time() - cpu0
         self._injected(trainer, "in_step")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.detect and getattr(self, "_t_opt", None) is None and hasattr(self, "_t_start"):
+            cpu0 = time.thread_time()
             self._t_opt, self._c_opt = time.perf_counter(), self._busy_clock()
             self._ev_opt = self._cuda_event() if self._cuda else None
             self._hook_s += time.perf_counter() - self._t_opt
+            self._cpu_s += time.thread_time() - cpu0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.detect or not hasattr(self, "_t_start"):
             return
+        cpu0 = time.thread_time()
         t_end, c_end = time.perf_counter(), self._busy_clock()
         ev_end = self._cuda_event() if self._cuda else None
         t_opt = self._t_opt if self._t_opt is not None else t_end
@@ -432,6 +437,7 @@ class StragglerDetector(Callback):
         if self._batches % self.window == 0:
             self._end_window(trainer)
         self._gather_s += time.perf_counter() - t0
+        self._cpu_s += time.thread_time() - cpu0
         self._t_prev_end = time.perf_counter()  # the detector's own time is not part of the next step
 
     def _record(self, slot: int, data: float, compute: float, optim: float, busy: float) -> None:
@@ -601,6 +607,8 @@ class StragglerDetector(Callback):
             "lost_s": scorer.lost_s if scorer else 0.0, "wait_s": scorer.wait_s if scorer else 0.0,
             "detector_gather_s": self._gather_s, "detector_hook_s": self._hook_s, "train_s": self._train_s,
             "detector_overhead_frac": (self._gather_s + self._hook_s) / self._train_s if self._train_s else None,
+            "detector_cpu_s": self._cpu_s,
+            "detector_cpu_frac": self._cpu_s / self._train_s if self._train_s else None,
             "local_sgd_switched_on": self.switched,
         }
 
@@ -614,9 +622,10 @@ class StragglerDetector(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is not None:
-            t0 = time.perf_counter()
+            cpu0, t0 = time.thread_time(), time.perf_counter()
             self._finish_window(trainer, final=True)
             self._gather_s += time.perf_counter() - t0
+            self._cpu_s += time.thread_time() - cpu0
         if self._t_train_start is not None:
             self._train_s = time.perf_counter() - self._t_train_start
         if self.detect and trainer.is_global_zero and self.scorer is not None:

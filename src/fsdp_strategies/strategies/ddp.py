@@ -4,8 +4,10 @@ Lightning's ``DDPStrategy`` registers comm hooks only on CUDA and supports only
 ``PeriodicModelAverager``. This subclass registers the hook itself right after the DDP wrap (CPU/gloo
 and CUDA/NCCL alike), wraps the user's optimizer in torch's ``PostLocalSGDOptimizer`` (so
 ``configure_optimizers`` stays unmodified), builds the averaging subgroups explicitly, saves the
-hook and averager state in Lightning checkpoints, and averages parameters before validation and
-before a checkpoint is written so both see one consistent model.
+hook and averager state (and, under local SGD, every rank's optimizer state) in Lightning
+checkpoints, and averages parameters before validation and before a checkpoint is written so both
+see one consistent model. During local steps it keeps every per-step collective off (DDP's buffer
+broadcast, Lightning's SIGTERM broadcast) so a slow rank stalls the others only at an averaging.
 """
 
 from __future__ import annotations
