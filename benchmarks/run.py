@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     available = discover()
     if ns.report:
         paths = sorted(p for p in Path(ns.out_dir).glob("*.json")
-                       if not ns.suites or "all" in ns.suites or p.stem.split("-", 1)[0] in ns.suites)
+                       if not ns.suites or "all" in ns.suites
+                       or any(p.stem.split("-", 1)[0].startswith(s) for s in ns.suites))  # also straggler_16ranks
         print(common.markdown_report(paths))
         return 0
     if ns.list or not ns.suites:
