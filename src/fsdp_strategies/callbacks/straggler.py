@@ -367,13 +367,10 @@ class StragglerDetector(Callback):
             return
         if inj.kind == "sleep":
             time.sleep(inj.delay_s)
-        elif inj.kind == "busy_wait":
-            end = time.perf_counter() + inj.delay_s
-            while time.perf_counter() < end:
-                pass
-        else:  # burn delay_s of CPU time (not wall time): the rank does more work, however busy the host is
-            end = time.process_time() + inj.delay_s
-            while time.process_time() < end:
+        else:  # busy_wait: delay_s of wall time; spin: of CPU time (more work, however busy the host is)
+            clock = time.perf_counter if inj.kind == "busy_wait" else time.process_time
+            end = clock() + inj.delay_s
+            while clock() < end:
                 pass
 
     def _busy_clock(self) -> float:

@@ -50,7 +50,11 @@ COMM_HOOKS = ("allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_l
 LOCAL_SGD_HOOKS = ("post_local_sgd", "hierarchical_sgd")
 CHECKPOINT_KEY = "ddp_hooks_state"
 _NEVER = 2**62  # "start local SGD at this iteration": effectively synchronous DDP
-_BUFFER_SYNC_ATTR = "forward_sync_buffers"  # DDP's per-forward buffer broadcast flag (``broadcast_buffers`` before)
+
+
+def _buffer_sync_attr(model: DistributedDataParallel) -> str:
+    """DDP's per-forward buffer broadcast flag: ``forward_sync_buffers`` in newer torch, ``broadcast_buffers`` before."""
+    return "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
 
 
 class _ClosurePostLocalSGDOptimizer(PostLocalSGDOptimizer):
@@ -250,7 +254,7 @@ class DDPHooksStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         model = self.model
         assert isinstance(model, DistributedDataParallel)
-        self._ddp_syncs_buffers = bool(getattr(model, _BUFFER_SYNC_ATTR, getattr(model, "broadcast_buffers", True)))
+        self._ddp_syncs_buffers = bool(getattr(model, _buffer_sync_attr(model)))
         hook = self.comm_hook
         if hook == "allreduce":
             return
@@ -352,8 +356,7 @@ class DDPHooksStrategy(DDPStrategy):
         model = self.model
         if self._averager is None or not isinstance(model, DistributedDataParallel) or not self._ddp_syncs_buffers:
             return
-        attr = _BUFFER_SYNC_ATTR if hasattr(model, _BUFFER_SYNC_ATTR) else "broadcast_buffers"
-        setattr(model, attr, not self._local_step_now())
+        setattr(model, _buffer_sync_attr(model), not self._local_step_now())
 
     @override
     def on_validation_start(self) -> None:
