@@ -44,9 +44,11 @@ BENCH_DIR = ROOT / "benchmarks"
 RESULTS_DIR = BENCH_DIR / "results"
 WORKERS_DIR = BENCH_DIR / "workers"
 
-CPU_NOTE = ("CPU figures come from a small shared machine (2 cores, several other jobs running, gloo, "
-            "OMP_NUM_THREADS=1 per rank, ranks may outnumber cores): absolute times are noisy; "
+CPU_NOTE = ("CPU figures come from a small machine (gloo, OMP_NUM_THREADS=1 per rank, ranks may outnumber "
+            "cores; host_load_at_start tells whether other work was running): absolute times are noisy; "
             "compare the interleaved ratios, not the times.")
+# load average when the suite was started, before its own jobs: how busy the machine was with other work
+LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 # Example model sizes (LlamaLM keyword arguments) and the sequence length / global batch they run with.
 SIZES: dict[str, dict[str, Any]] = {
@@ -127,6 +129,7 @@ def header(suite: str, config: dict[str, Any]) -> dict[str, Any]:
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
         "host_cpu_count": os.cpu_count(),
+        "host_load_at_start": LOAD_AT_START,
         "note": CPU_NOTE if not is_gpu() else "GPU figures; each contender runs in its own job.",
         "config": config,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -78,6 +79,7 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
 
     fsdp = json.loads(_one("fsdp-*.json", tmp_path).read_text())
     assert fsdp["suite"] == "fsdp" and fsdp["device"] and fsdp["device_name"]
+    assert fsdp["host_cpu_count"] == os.cpu_count() and fsdp["host_load_at_start"] >= 0  # how busy the host was
     for dist in ("torch", "lightning", "torchft"):
         assert fsdp["versions"][dist] == md.version(dist)
     cfg = fsdp["config"]

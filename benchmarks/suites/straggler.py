@@ -2,8 +2,8 @@
 straggler model, and the StragglerDetector's overhead on a clean run. 4 ranks, interleaved.
 
     python benchmarks/run.py straggler            # or: python benchmarks/suites/straggler.py [--quick]
-    python benchmarks/suites/straggler.py --ranks 16 --period 32 --steps 160 --contenders sync_ddp \
-        post_local_sgd hierarchical_sgd clean_ddp clean_post_local_sgd   # -> straggler_16ranks-<device>.json
+    python benchmarks/suites/straggler.py --ranks 16 --period 16 --steps 320 --reps 2 --contenders clean_ddp \
+        sync_ddp post_local_sgd hierarchical_sgd clean_post_local_sgd   # -> straggler_16ranks-<device>.json
 
 Straggler model (PyTorch blog "Straggler mitigation with hierarchical SGD"): every rank independently
 stalls on a step with probability ``p`` (default 2%) for ``factor`` (default 20) times a normal step,
