@@ -508,14 +508,22 @@ def suite_options(ns: Any) -> dict[str, Any]:
             if getattr(ns, k, None) is not None}
 
 
-def suite_main(run: Callable[..., dict[str, Any]], description: str) -> None:
-    """``python benchmarks/suites/<name>.py [--quick] ...``: run one suite without the runner."""
+def suite_main(run: Callable[..., dict[str, Any]], description: str,
+               add_options: Callable[[Any], None] | None = None) -> None:
+    """``python benchmarks/suites/<name>.py [--quick] ...``: run one suite without the runner.
+
+    ``add_options`` adds the suite's own flags; each is passed to ``run`` under its ``dest`` name.
+    """
     import argparse
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_options(parser)
+    shared = set(vars(parser.parse_args([])))  # the common options' names
+    if add_options is not None:
+        add_options(parser)
     ns = parser.parse_args()
-    result = run(quick=ns.quick, out_dir=ns.out_dir, **suite_options(ns))
+    own = {k: v for k, v in vars(ns).items() if k not in shared}
+    result = run(quick=ns.quick, out_dir=ns.out_dir, **suite_options(ns), **own)
     print(format_summary(result))
     print(f"wrote {result.get('json_path')} and {result.get('png_path')}")
 

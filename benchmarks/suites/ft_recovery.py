@@ -302,23 +302,15 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     return result
 
 
-def _main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    common.add_common_options(parser)
+def _add_options(parser: Any) -> None:
+    """This suite's own flags (``run``'s keyword arguments of the same names)."""
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between faults")
     parser.add_argument("--heartbeat-ms", type=int, default=None, help="lighthouse heartbeat timeout")
     parser.add_argument("--ckpt-every", type=int, default=None, help="hsdp_restart: steps between checkpoints")
-    ns = parser.parse_args()
-    result = run(quick=ns.quick, out_dir=ns.out_dir, kill_every=ns.kill_every, heartbeat_ms=ns.heartbeat_ms,
-                 ckpt_every=ns.ckpt_every, **common.suite_options(ns))
-    print(common.format_summary(result))
-    print(f"wrote {result['json_path']} and {result['png_path']}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker_main(sys.argv[2:])
     else:
-        _main()
+        common.suite_main(run, (__doc__ or "").split("\n\n")[0], add_options=_add_options)

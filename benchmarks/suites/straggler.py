@@ -189,6 +189,14 @@ def predicted_speedup(p: float, factor: float, ranks: int, period: int, trials: 
 
 
 # ---------------------------------------------------------------------------------------------- suite
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    """This suite's own flags (``run``'s keyword arguments of the same names)."""
+    parser.add_argument("--p", type=float, default=0.02, help="stall probability per rank and step")
+    parser.add_argument("--factor", type=float, default=20.0, help="stall length in normal steps")
+    parser.add_argument("--period", type=int, default=PERIOD, help="global averaging period of local SGD")
+    parser.add_argument("--stall-kind", default="busy_wait", choices=STALL_KINDS)
+
+
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
         reps: int | None = None, steps: int | None = None, warmup: int | None = None,
         precision: str | None = None, contenders: list[str] | None = None, show_progress: bool = True,
@@ -332,14 +340,4 @@ if __name__ == "__main__":
         parser.add_argument("--worker", action="store_true")
         _worker(parser.parse_args())
     else:
-        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        common.add_common_options(parser)
-        parser.add_argument("--p", type=float, default=0.02, help="stall probability per rank and step")
-        parser.add_argument("--factor", type=float, default=20.0, help="stall length in normal steps")
-        parser.add_argument("--period", type=int, default=PERIOD, help="global averaging period of local SGD")
-        parser.add_argument("--stall-kind", default="busy_wait", choices=STALL_KINDS)
-        ns = parser.parse_args()
-        result = run(quick=ns.quick, out_dir=ns.out_dir, p=ns.p, factor=ns.factor, period=ns.period,
-                     stall_kind=ns.stall_kind, **common.suite_options(ns))
-        print(common.format_summary(result))
-        print(f"wrote {result['json_path']} and {result['png_path']}")
+        common.suite_main(run, __doc__ or "", add_options=_add_options)
