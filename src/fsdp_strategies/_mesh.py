@@ -3,6 +3,12 @@
 Named dims: ``("shard",)`` for FSDP and ``("replicate", "shard")`` for HSDP. Ranks are laid
 out row-major, so ``global_rank == replicate_index * shard_degree + shard_index`` and the
 data-parallel rank of every rank equals its global rank.
+
+Lightning's ``ModelParallelStrategy`` names its data-parallel dim ``"data_parallel"``, and a
+``configure_model`` written for it shards with ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``.
+The meshes built here answer to that name too: ``mesh["data_parallel"]`` is the whole
+data-parallel mesh (1-D for FSDP; for HSDP the 2-D replicate x shard mesh, so such a
+``configure_model`` gets hybrid sharding unchanged). There is no tensor-parallel dim.
 """
 
 from __future__ import annotations
@@ -12,7 +18,27 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["HSDPDegrees", "build_mesh", "resolve_hsdp_degrees", "validate_degree_option"]
+__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "resolve_hsdp_degrees", "validate_degree_option"]
+
+#: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
+DATA_PARALLEL = "data_parallel"
+_TENSOR_PARALLEL = "tensor_parallel"
+
+
+class _DataParallelNamedMesh(DeviceMesh):
+    """A DeviceMesh that also answers to Lightning's dim names (see the module docstring)."""
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:  # type: ignore[override]
+        key = names[0] if isinstance(names, tuple) and len(names) == 1 else names
+        if key == DATA_PARALLEL:
+            return self
+        if key == _TENSOR_PARALLEL:
+            raise KeyError(
+                f"device_mesh[{names!r}]: this strategy has no tensor-parallel dim (its mesh is "
+                f"{self.mesh_dim_names}). Fix: shard with device_mesh['{DATA_PARALLEL}'] only, or use Lightning's "
+                "ModelParallelStrategy for tensor parallelism."
+            )
+        return super().__getitem__(names)
 
 
 @dataclass(frozen=True)
@@ -64,9 +90,10 @@ def resolve_hsdp_degrees(
 
 
 def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: int) -> DeviceMesh:
-    """A 1-D ``("shard",)`` mesh when ``degrees`` is None, else the 2-D HSDP mesh."""
+    """A 1-D ``("shard",)`` mesh when ``degrees`` is None, else the 2-D HSDP mesh; both answer to ``"data_parallel"``."""
     if degrees is None:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(
-        device.type, (degrees.replicate, degrees.shard), mesh_dim_names=("replicate", "shard")
-    )
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(device.type, (degrees.replicate, degrees.shard), mesh_dim_names=("replicate", "shard"))
+    mesh.__class__ = _DataParallelNamedMesh  # same object and state, one more name it answers to
+    return mesh

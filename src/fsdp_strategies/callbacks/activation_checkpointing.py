@@ -19,6 +19,13 @@ How it is applied (and why this way):
   ``meta_init``) or on the CPU/GPU (single-device, ddp). Models without ``configure_model`` get
   it applied directly in ``setup``. Each block is marked, so later ``setup`` calls (validate,
   test) do not checkpoint it twice.
+* Recomputation must see the same global state as the forward did. Hugging Face models keep a
+  KV cache when ``config.use_cache`` is on (their default): the cache grows between forward and
+  recomputation, and selective checkpointing then fails ("invocation index N ... not found in
+  storage"). The callback switches ``use_cache`` off on every model config that has it for the
+  training steps (as HF's own ``gradient_checkpointing_enable()`` does) and restores it for
+  validation, test, predict and after ``fit``. Any other forward/recompute mismatch raised in
+  backward is re-raised as :class:`CheckpointMismatchError` naming the block and the fix.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_SAVE_OPS",
     "ActivationCheckpointing",
+    "CheckpointMismatchError",
     "apply_activation_checkpointing",
     "is_recomputing",
     "resolve_ops",
@@ -77,6 +85,15 @@ _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside
 _HOOKED = "_fsdp_strategies_ac_configure_model"  # on a LightningModule's wrapped configure_model
 
 _recompute_depth = 0
+_last_recomputed: str | None = None  # "<class> at <qualified path>" of the block recomputed last
+
+# Messages torch raises when a recomputation does not replay the forward (see torch.utils.checkpoint).
+_MISMATCH_MARKERS = ("not found in storage", "different metadata", "different number of tensors",
+                     "global state that changed")
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpointed block's recomputation in backward did not replay its forward."""
 
 
 def is_recomputing() -> bool:
@@ -179,11 +196,33 @@ class _BlockPlan:
 
 
 def _run_inner(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    global _last_recomputed
     inner = getattr(block, _INNER)
     if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        _last_recomputed = type(block).__name__
         with _recomputing():  # called by the autograd engine: this is the recomputation
             return inner(*args, **kwargs)
     return inner(*args, **kwargs)
+
+
+def _is_mismatch(err: BaseException) -> bool:
+    from torch.utils.checkpoint import CheckpointError
+
+    return isinstance(err, CheckpointError) or (
+        isinstance(err, RuntimeError) and any(marker in str(err) for marker in _MISMATCH_MARKERS)
+    )
+
+
+def _mismatch_error(err: BaseException, mode: str) -> CheckpointMismatchError:
+    block = _last_recomputed or "a checkpointed block"
+    return CheckpointMismatchError(
+        f"ActivationCheckpointing(mode={mode!r}): recomputing {block} in backward did not replay its forward "
+        f"(torch: {str(err).splitlines()[0][:300]}). Likely cause: the block's forward depends on global state "
+        "that changed between forward and backward -- a cache that grows (a KV cache: use_cache=True), a "
+        "step counter, or a Python-side random choice. Fix: make the forward depend only on its inputs "
+        "during training (turn caches off, e.g. model.config.use_cache=False), or use mode='full', "
+        "or leave this block class out with block_class_names."
+    )
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -295,6 +334,8 @@ class ActivationCheckpointing(Callback):
         self.save_every_nth_matmul = save_every_nth_matmul
         self.preserve_rng_state = preserve_rng_state
         self.checkpointed: list[nn.Module] = []
+        self._cache_configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its own use_cache)
+        self._told_cache = False
 
     def apply(self, module: nn.Module) -> list[nn.Module]:
         """Checkpoint ``module``'s blocks now (idempotent); returns the blocks newly checkpointed."""
@@ -325,6 +366,76 @@ class ActivationCheckpointing(Callback):
             self._apply_after_configure_model(pl_module)
         else:
             self.apply(pl_module)
+        self._explain_mismatches_in_backward(pl_module)
+
+    def _explain_mismatches_in_backward(self, pl_module: pl.LightningModule) -> None:
+        """Re-raise torch's recompute-mismatch errors from ``LightningModule.backward`` as CheckpointMismatchError."""
+        current: Callable[..., None] = pl_module.backward
+        if self in getattr(current, _HOOKED, ()):
+            return
+
+        @functools.wraps(current)
+        def backward(*args: Any, **kwargs: Any) -> None:
+            try:
+                current(*args, **kwargs)
+            except CheckpointMismatchError:
+                raise
+            except RuntimeError as err:
+                if self.checkpointed and _is_mismatch(err):
+                    raise _mismatch_error(err, self.mode) from err
+                raise
+
+        setattr(backward, _HOOKED, (*getattr(current, _HOOKED, ()), self))
+        object.__setattr__(pl_module, "backward", backward)
+
+    # ------------------------------------------------------------------ caches (global state) off in training
+    def _disable_caches(self, pl_module: pl.LightningModule) -> None:
+        if not self.checkpointed:
+            return
+        switched = []
+        for module in pl_module.modules():
+            config = getattr(module, "config", None)
+            if config is None or not getattr(config, "use_cache", False):
+                continue
+            if id(config) not in self._cache_configs:
+                self._cache_configs[id(config)] = (config, config.use_cache)
+            config.use_cache = False
+            switched.append(type(module).__name__)
+        if switched and not self._told_cache:
+            self._told_cache = True
+            rank_zero_info(
+                f"ActivationCheckpointing: set config.use_cache=False on {sorted(set(switched))} for training steps "
+                "(a KV cache changes between forward and recomputation); it is restored for validation, test "
+                "and predict."
+            )
+
+    def _restore_caches(self) -> None:
+        for config, value in self._cache_configs.values():
+            config.use_cache = value
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._disable_caches(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_caches()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_caches()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_caches()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_caches()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_caches()
 
     def _apply_after_configure_model(self, pl_module: pl.LightningModule) -> None:
         current: Callable[[], None] = pl_module.configure_model

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (
 )
 from typing_extensions import override
 
-from fsdp_strategies._blocks import class_names, find_transformer_blocks
+from fsdp_strategies._blocks import describe_stacks, find_block_stacks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
 from fsdp_strategies._mesh import HSDPDegrees, build_mesh
 from fsdp_strategies._resume import skip_consumed_batches
@@ -60,11 +60,30 @@ def _dtype_option(name: str, value: str | None) -> torch.dtype | None:
 
 
 class _ShardedMixedPrecision(Precision):
-    """``bf16-mixed`` under FSDP2: the MixedPrecisionPolicy casts, so no autocast on top (no double casting)."""
+    """``bf16-mixed`` under FSDP2: the ``MixedPrecisionPolicy`` casts parameters, autocast casts the rest.
 
-    def __init__(self, precision: str) -> None:
+    The policy casts parameters only. A model that adds an fp32 buffer or a plain fp32 tensor to
+    bf16 activations (a positional-encoding table, an fp32 island) promotes them to fp32, and the
+    next bf16 matmul fails ("expected m1 and m2 to have the same dtype"). Lightning's ``ddp``
+    trains such models because it runs autocast; so does this plugin (``autocast=True``), on top
+    of the policy. Parameters are bf16 already, so autocast's casts of them are no-ops; only
+    activations that fell back to fp32 are cast. ``autocast=False`` runs the policy alone.
+    """
+
+    def __init__(self, precision: str, autocast: bool = True) -> None:
         super().__init__()
         self.precision = precision  # type: ignore[assignment]
+        self.autocast = autocast
+        self.device_type = "cpu"  # set by the strategy once its root device is known
+
+    @contextmanager
+    @override
+    def forward_context(self) -> Generator[None, None, None]:
+        if not self.autocast:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
+            yield
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -72,7 +91,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Args:
         block_class_names: class names of the transformer blocks (e.g. ``["TransformerBlock"]``).
-            Empty: the heuristic of :func:`fsdp_strategies._blocks.find_transformer_blocks`.
+            Empty: every stack of repeated blocks (:func:`fsdp_strategies._blocks.find_block_stacks`).
         reshard_after_forward: free gathered parameters after forward (``True``, ZeRO-3), keep them
             (``False``, ZeRO-2), or reshard to a smaller group of this many ranks (``int``).
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
@@ -84,6 +103,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             them shard by shard after wrapping (``to_empty`` + ``reset_parameters``).
         param_dtype / reduce_dtype / output_dtype: explicit ``MixedPrecisionPolicy`` fields; they
             override what the Trainer's ``precision`` implies.
+        autocast: with ``precision="bf16-mixed"``, also run each step under ``torch.autocast`` (bf16), so
+            models with fp32 buffers or fp32 islands train as they do under Lightning's ``ddp``;
+            ``False``: the ``MixedPrecisionPolicy`` alone (for models known to keep activations bf16).
         save_distributed_checkpoint: sharded DCP folder (default) or one full file written by rank 0.
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: collective timeout.
@@ -104,6 +126,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         output_dtype: str | None = None,
+        autocast: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -131,13 +154,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.compile_blocks = compile_blocks
         self.compile_options = dict(compile_options or {})
         self.meta_init = meta_init
+        self.autocast = autocast
         self._explicit_dtypes = {
             "param_dtype": _dtype_option("param_dtype", param_dtype),
             "reduce_dtype": _dtype_option("reduce_dtype", reduce_dtype),
             "output_dtype": _dtype_option("output_dtype", output_dtype),
         }
         self._mp_policy = MixedPrecisionPolicy()
-        self._blocks: list[nn.Module] = []
         self._step_calls_root: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ validation (no process group yet)
@@ -158,7 +181,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         implied: dict[str, torch.dtype | None] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None}
         if flag == "bf16-mixed":
             implied = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": None}
-            self.precision_plugin = _ShardedMixedPrecision(flag)
+            self.precision_plugin = _ShardedMixedPrecision(flag, autocast=self.autocast)
         for key, value in self._explicit_dtypes.items():
             if value is not None:
                 implied[key] = value
@@ -172,7 +195,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             isinstance(model, nn.Module) and is_overridden("configure_model", model)  # type: ignore[arg-type]
         ):
             return
-        find_transformer_blocks(model, self.block_class_names)
+        find_block_stacks(model, self.block_class_names)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:  # type: ignore[override]
@@ -192,13 +215,15 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()
         self._device_mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size)
+        if isinstance(self.precision_plugin, _ShardedMixedPrecision):
+            self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """The mesh ``fully_shard`` uses (1-D here, 2-D for HSDP)."""
-        return self.device_mesh
+        """The mesh ``fully_shard`` uses (1-D here, 2-D for HSDP): the whole data-parallel mesh."""
+        return self.device_mesh["data_parallel"]
 
     @property
     @override
@@ -236,7 +261,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
                 "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
             )
-        blocks = find_transformer_blocks(module, self.block_class_names)
+        stacks = find_block_stacks(module, self.block_class_names)
+        blocks = [block for stack in stacks for block in stack.blocks]
         if not blocks:
             rank_zero_warn(
                 f"{self.strategy_name}: no transformer blocks found (no nn.ModuleList of repeated modules, and "
@@ -251,10 +277,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not isinstance(module, FSDPModule):
             self._shard_root(module)
         self._set_prefetch(blocks)
-        self._blocks = blocks
         rank_zero_info(
-            f"{self.strategy_name}: sharded {len(blocks)} blocks ({', '.join(class_names(blocks)) or '-'}) + root "
-            f"over mesh {dict(zip(self.shard_mesh.mesh_dim_names or (), self.shard_mesh.shape, strict=False))}, "
+            f"{self.strategy_name}: sharded {len(blocks)} blocks ({describe_stacks(stacks)}) + root "
+            f"over mesh {dict(zip(self.device_mesh.mesh_dim_names or (), self.device_mesh.shape, strict=False))}, "
             f"mp_policy(param={self._mp_policy.param_dtype}, reduce={self._mp_policy.reduce_dtype})"
         )
         return module

@@ -1,0 +1,95 @@
+"""One ``ft_hsdp`` cell of the real-models matrix, run per replica group by ``fsdp-strategies-ft``.
+
+Usage: ``fsdp-strategies-ft --groups 2 ... -- tests/matrix/ft_worker.py --model hf_llama --out DIR [...]``.
+
+Trains the model with ``FTHSDPStrategy`` and the given callbacks/precision for ``--steps`` committed
+steps. While a group trains alone it sleeps ``--sleep-alone`` seconds per step, so that a killed
+peer's restart overlaps training (it then heals live instead of finding nobody). At the end each
+rank writes ``group<G>_rank<R>.json``: its global and committed step, heals, every committed loss,
+the sharded fraction of the expected blocks, and a digest of the full parameters, which must be
+equal across groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import MODELS
+from worker import BATCH, LossRecorder, _block_fractions, _callbacks
+
+from fsdp_strategies import FTHSDPStrategy
+
+
+class PaceWhenAlone(pl.Callback):
+    def __init__(self, seconds: float, groups: int) -> None:
+        self.seconds, self.groups = seconds, groups
+        self.manager_step = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        strategy = trainer.strategy
+        assert isinstance(strategy, FTHSDPStrategy)
+        self.manager_step = int(strategy.manager.current_step())
+        if int(strategy.manager.num_participants()) < self.groups:
+            time.sleep(self.seconds)
+
+
+def _digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--callbacks", default="")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--sleep-alone", type=float, default=1.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    spec = MODELS[args.model]
+    pl.seed_everything(0, verbose=False)
+    model = spec.build()
+    recorder = LossRecorder()
+    pace = PaceWhenAlone(args.sleep_alone, groups)
+    extra = _callbacks([c for c in args.callbacks.split(",") if c])
+    strategy = FTHSDPStrategy(timeout_s=20, connect_timeout_s=10)
+    trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, precision=args.precision,
+                         max_steps=args.steps, callbacks=[recorder, pace, *extra.values()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    dataset = spec.dataset()
+    trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=BATCH, shuffle=False))
+    record: dict[str, Any] = {
+        "global_step": trainer.global_step, "manager_step": pace.manager_step,
+        "losses": recorder.losses, "blocks": {n: _block_fractions(model, n) for n in spec.blocks},
+        "digest": _digest(model), "replica_group": os.environ.get("REPLICA_GROUP_ID"),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"group{record['replica_group']}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
