@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test lint bench matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check src examples tests benchmarks
+
+# The full real-models matrix (models x strategies x callbacks x precision, ~25 min on 2 cores);
+# `make test` runs its representative cut.
+matrix: install
+	$(PY) tests/matrix/cells.py --full
 
 bench: install
 	$(PY) benchmarks/run.py all

@@ -579,6 +579,9 @@ def contender(name: str) -> Contender:
     catalogue = {
         "fsdp2": Contender("fsdp2", "lightning_fit.py", "ours",
                            "Trainer(strategy=FSDP2Strategy(block_class_names=['TransformerBlock']))"),
+        "fsdp2_no_autocast": Contender(
+            "fsdp2_no_autocast", "lightning_fit.py", "ours",
+            "FSDP2Strategy(autocast=False): bf16-mixed by the MixedPrecisionPolicy alone (the autocast cost)"),
         "hsdp": Contender("hsdp", "lightning_fit.py", "ours",
                           "Trainer(strategy=HSDPStrategy(replicate_degree=2, shard_degree=ranks/2))",
                           skip_reason=_hsdp_needs_4, replicate=_hsdp_replicate),

@@ -6,7 +6,10 @@ strategies and callbacks must scale without changes.
 Model: token embedding -> N x TransformerBlock (RMSNorm, causal SDPA attention with rotary
 embeddings and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> LM head. Blocks live in
 ``self.model.layers`` (an ``nn.ModuleList``). The network is built in ``configure_model`` so a
-sharding strategy can construct it on the meta device; every module has ``reset_parameters``.
+sharding strategy can construct it on the meta device; every module has ``reset_parameters``, and
+that is where the initialisation lives (normal with ``init_std``, output projections scaled by
+1/sqrt(2 * n_layers)): a strategy that materialises meta modules calls exactly these, so the
+model starts from the same distribution whether it is built eagerly or on the meta device.
 
 Data: sequences from a fixed random Markov chain over ``vocab_size`` tokens (each context of
 the last ``order`` tokens has ``branching`` possible successors; ``order=2`` needs attention). It needs no download,
@@ -68,16 +71,45 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters`` draws from N(0, std) when ``std`` is set."""
+
+    def __init__(self, in_features: int, out_features: int, std: float | None = None) -> None:
+        self.std = std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        if self.std is None:
+            super().reset_parameters()
+        else:
+            nn.init.normal_(self.weight, std=self.std)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose ``reset_parameters`` draws from N(0, std) when ``std`` is set."""
+
+    def __init__(self, num_embeddings: int, dim: int, std: float | None = None) -> None:
+        self.std = std
+        super().__init__(num_embeddings, dim)
+
+    def reset_parameters(self) -> None:
+        if self.std is None:
+            super().reset_parameters()
+        else:
+            nn.init.normal_(self.weight, std=self.std)
+
+
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_seq_len: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_seq_len: int, std: float | None = None,
+                 out_std: float | None = None) -> None:
         super().__init__()
         if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"dim={dim} must divide by n_heads={n_heads}, and n_heads by n_kv_heads={n_kv_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.wq = Linear(dim, n_heads * self.head_dim, std)
+        self.wk = Linear(dim, n_kv_heads * self.head_dim, std)
+        self.wv = Linear(dim, n_kv_heads * self.head_dim, std)
+        self.wo = Linear(n_heads * self.head_dim, dim, out_std)
         self.rope = RotaryEmbedding(self.head_dim, max_seq_len)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,23 +126,24 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, std: float | None = None, out_std: float | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, std)
+        self.w3 = Linear(dim, hidden, std)
+        self.w2 = Linear(hidden, dim, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int,
+                 std: float | None = None, out_std: float | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, n_heads, n_kv_heads, max_seq_len)
+        self.attention = Attention(dim, n_heads, n_kv_heads, max_seq_len, std, out_std)
         self.mlp_norm = RMSNorm(dim)
-        self.mlp = SwiGLU(dim, mlp_hidden)
+        self.mlp = SwiGLU(dim, mlp_hidden, std, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -119,15 +152,18 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     def __init__(
-        self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int
+        self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int,
+        init_std: float | None = None,
     ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, dim)
+        out_std = None if init_std is None else init_std / math.sqrt(2 * n_layers)
+        self.embed = Embedding(vocab_size, dim, init_std)
         self.layers = nn.ModuleList(
-            TransformerBlock(dim, n_heads, n_kv_heads, mlp_hidden, max_seq_len) for _ in range(n_layers)
+            TransformerBlock(dim, n_heads, n_kv_heads, mlp_hidden, max_seq_len, init_std, out_std)
+            for _ in range(n_layers)
         )
         self.norm = RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head = Linear(dim, vocab_size, init_std)
         self.n_layers = n_layers
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -168,17 +204,10 @@ class LlamaLM(pl.LightningModule):
             return
         h = self.hparams
         mlp_hidden = h.mlp_hidden or int(8 * h.dim / 3 / 64 + 0.999) * 64
-        self.model = Llama(h.vocab_size, h.dim, h.n_layers, h.n_heads, h.n_kv_heads or h.n_heads, mlp_hidden, h.max_seq_len)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        if any(p.device.type == "meta" for p in self.parameters()):
-            return  # the strategy materialises and calls reset_parameters shard by shard
-        std = self.hparams.init_std
-        for name, p in self.model.named_parameters():
-            if p.dim() == 2:
-                scale = 1 / math.sqrt(2 * self.model.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
-                nn.init.normal_(p, std=std * scale)
+        # The init lives in the modules' reset_parameters: applied here when built eagerly, and again by a
+        # strategy that builds on the meta device and materialises shard by shard.
+        self.model = Llama(h.vocab_size, h.dim, h.n_layers, h.n_heads, h.n_kv_heads or h.n_heads, mlp_hidden,
+                           h.max_seq_len, init_std=h.init_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -2,6 +2,12 @@
 ``fully_shard`` vs a plain torch FSDP2 loop, on the example model, interleaved.
 
     python benchmarks/run.py fsdp            # or: python benchmarks/suites/fsdp.py [--quick]
+
+With ``--precision bf16-mixed``, ``fsdp2_no_autocast`` (the MixedPrecisionPolicy alone) measures what
+the autocast that ``fsdp2`` runs on top of it costs:
+
+    python benchmarks/suites/fsdp.py --precision bf16-mixed --contenders fsdp2 fsdp2_no_autocast torch_fsdp2 \
+        --sizes small --ranks 2 --reps 4
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-CONTENDERS = ("fsdp2", "lightning_fsdp", "lightning_model_parallel", "torch_fsdp2")
+CONTENDERS = ("fsdp2", "lightning_fsdp", "lightning_model_parallel", "torch_fsdp2", "fsdp2_no_autocast")
 RATIOS = (
     common.RatioSpec("fsdp2", "torch_fsdp2", 1.03, "ours / plain torch FSDP2 loop"),
     common.RatioSpec("fsdp2", "lightning_model_parallel", 1.00, "ours / Lightning ModelParallelStrategy + fully_shard"),
     common.RatioSpec("fsdp2", "lightning_fsdp", 1.00, "ours / Lightning FSDPStrategy (FSDP1)"),
     common.RatioSpec("lightning_model_parallel", "torch_fsdp2", None, "Lightning's own overhead over plain torch"),
+    common.RatioSpec("fsdp2", "fsdp2_no_autocast", None, "autocast on top of the MixedPrecisionPolicy (bf16-mixed)"),
 )
 
 

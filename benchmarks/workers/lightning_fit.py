@@ -92,6 +92,8 @@ def make_strategy(args: Any) -> Any:
     blocks = ["TransformerBlock"]
     if args.contender == "fsdp2":
         return fsdp_strategies.FSDP2Strategy(block_class_names=blocks)
+    if args.contender == "fsdp2_no_autocast":
+        return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, autocast=False)
     if args.contender == "hsdp":
         return fsdp_strategies.HSDPStrategy(replicate_degree=args.replicate,
                                             shard_degree=args.world_size // args.replicate, block_class_names=blocks)

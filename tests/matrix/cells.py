@@ -267,9 +267,9 @@ def main() -> None:
             results += batch
             print(f"{world} ranks: {sum(not r['problems'] for r in batch)}/{len(batch)} cells pass", flush=True)
         if not args.skip_ft:
-            ft_models = list(MODELS) if args.full else ["hf_llama"]
+            ft_models = [m for m in MODELS if MODELS[m].reference == "ddp"] if args.full else ["hf_llama"]
             for model in ft_models:
-                for precision in (["32-true", "bf16-mixed"] if args.full and model == "hf_llama" else ["32-true"]):
+                for precision in (PRECISIONS if args.full else ["32-true"]):
                     r = run_ft_cell(model, Path(tmp), precision=precision,
                                     callbacks=["sac_selective_op", "mfu", "straggler"] if precision != "32-true" else ())
                     r["problems"] = check_ft_cell(r)
