@@ -69,7 +69,7 @@ def test_hsdp_2x2_matches_single_process(tmp_path: Path) -> None:
         assert rank["param_bytes"] == pytest.approx(full_bytes / 2, rel=0.02)
 
 
-def test_fsdp2_bf16_mixed_uses_fsdp_policy_without_autocast_and_compiles_blocks(tmp_path: Path) -> None:
+def test_fsdp2_bf16_mixed_uses_fsdp_policy_plus_autocast_and_compiles_blocks(tmp_path: Path) -> None:
     run = _train(tmp_path, "bf16", "--strategy", "fsdp2", "--devices", "2", "--steps", "4", "--precision", "bf16-mixed",
                  "--option", "compile_blocks=True", "--option", "compile_options={'backend': 'aot_eager'}")
     probe = run["precision_probe"]
@@ -78,7 +78,22 @@ def test_fsdp2_bf16_mixed_uses_fsdp_policy_without_autocast_and_compiles_blocks(
     assert probe["master_weight"] == "torch.float32"  # sharded master weights stay fp32
     assert probe["fsdp_param_dtype"] == "torch.bfloat16"
     assert probe["fsdp_reduce_dtype"] == "torch.float32"  # gradients are reduced in fp32
-    assert probe["autocast"] == "False"  # no double casting on top of FSDP's policy
+    # autocast on top of the policy (autocast=True, the default): models with fp32 buffers train too
+    assert probe["autocast"] == "True"
     assert run["compiled"] == [True, True]
     losses = run["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_sharded_bf16_mixed_plugin_runs_autocast_only_when_asked() -> None:
+    import torch
+
+    from fsdp_strategies.strategies.fsdp import _ShardedMixedPrecision
+
+    for autocast in (True, False):
+        plugin = _ShardedMixedPrecision("bf16-mixed", autocast=autocast)
+        with plugin.train_step_context():
+            assert torch.is_autocast_enabled("cpu") is autocast
+            if autocast:
+                assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not torch.is_autocast_enabled("cpu")
