@@ -116,8 +116,13 @@ def run_cells(cells: list[dict[str, Any]], world: int, work: Path, timeout: floa
 
 
 def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks: Iterable[str] = (),
-                steps: int = 20, kill_at: int = 4, timeout: float = 300) -> dict[str, Any]:
-    """One ft_hsdp cell: 2 replica groups x 1 rank, group 1 SIGKILLed at committed step ``kill_at``, then healed."""
+                steps: int = 30, kill_at: int = 4, sleep_alone: float = 1.5, timeout: float = 300) -> dict[str, Any]:
+    """One ft_hsdp cell: 2 replica groups x 1 rank, group 1 SIGKILLed at committed step ``kill_at``, then healed.
+
+    The survivor trains alone at ``sleep_alone`` s per step, so the killed group's restart (a fresh Python
+    with torch, Lightning and transformers to import) has ``(steps - kill_at) * sleep_alone`` seconds to
+    rejoin before the survivor finishes; once it has healed, the steps run at full speed.
+    """
     out, events = work / f"ft-{model}-{precision}", work / f"ft-{model}-{precision}-events"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])}
@@ -125,7 +130,8 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
            "--min-replicas", "1", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "500",
            "--kill-at-steps", f"1@{kill_at}", "--max-restarts", "2", "--events-dir", str(events),
            "--timeout", str(timeout - 20), "--", str(HERE / "ft_worker.py"), "--model", model, "--precision", precision,
-           "--callbacks", ",".join(callbacks), "--steps", str(steps), "--out", str(out)]
+           "--callbacks", ",".join(callbacks), "--steps", str(steps), "--sleep-alone", str(sleep_alone),
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
     launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()] \
         if (events / "launcher.jsonl").exists() else []
@@ -256,8 +262,13 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="every cell (default: the CI cut)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_models_matrix-cpu.json"))
     parser.add_argument("--skip-ft", action="store_true")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="only these models' cells")
     args = parser.parse_args()
-    pick = full_cells if args.full else ci_cells
+
+    def pick(world: int) -> list[dict[str, Any]]:
+        cells = full_cells(world) if args.full else ci_cells(world)
+        return [c for c in cells if args.models is None or c["model"] in args.models]
+
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 4):
@@ -268,6 +279,7 @@ def main() -> None:
             print(f"{world} ranks: {sum(not r['problems'] for r in batch)}/{len(batch)} cells pass", flush=True)
         if not args.skip_ft:
             ft_models = [m for m in MODELS if MODELS[m].reference == "ddp"] if args.full else ["hf_llama"]
+            ft_models = [m for m in ft_models if args.models is None or m in args.models]
             for model in ft_models:
                 for precision in (PRECISIONS if args.full else ["32-true"]):
                     r = run_ft_cell(model, Path(tmp), precision=precision,

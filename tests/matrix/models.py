@@ -218,7 +218,7 @@ def matmul_weight_params(module: nn.Module) -> int:
 
 class ModelParallelStyleLM(pl.LightningModule):
     """A ``configure_model`` written for Lightning's ``ModelParallelStrategy``: it calls ``fully_shard``
-    itself, per block and on the root, on ``self.device_mesh["data_parallel"]``."""
+    itself, per block and on the network its step calls, on ``self.device_mesh["data_parallel"]``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -231,7 +231,7 @@ class ModelParallelStyleLM(pl.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         for block in self.inner.model.layers:
             fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+        fully_shard(self.inner.model, mesh=mesh)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.inner._loss(batch)
