@@ -75,7 +75,9 @@ def main() -> None:
     pace = PaceWhenAlone(args.sleep_alone, groups)
     extra = _callbacks([c for c in args.callbacks.split(",") if c])
     strategy = FTHSDPStrategy(timeout_s=20, connect_timeout_s=10)
+    out = Path(args.out)
     trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, precision=args.precision,
+                         default_root_dir=out,  # where callbacks write their files (e.g. the straggler report)
                          max_steps=args.steps, callbacks=[recorder, pace, *extra.values()], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
@@ -86,7 +88,6 @@ def main() -> None:
         "losses": recorder.losses, "blocks": {n: _block_fractions(model, n) for n in spec.blocks},
         "digest": _digest(model), "replica_group": os.environ.get("REPLICA_GROUP_ID"),
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"group{record['replica_group']}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
