@@ -193,9 +193,9 @@ class Plan:
         self.precision = "bf16-mixed"  # --quick too: the GPU run's precision paths, on the CPU
         self.reps = ns.reps or (1 if self.quick else 3)
         self.steps = ns.steps or (2 if self.quick else 10)
-        self.warmup = ns.warmup or (1 if self.quick else 3)
+        self.warmup = ns.warmup if ns.warmup is not None else (1 if self.quick else 3)
         self.compile_reps = ns.reps or (1 if self.quick else 2)
-        self.compile_warmup = ns.warmup or (1 if self.quick else 5)  # recompilation settles in the first steps
+        self.compile_warmup = ns.warmup if ns.warmup is not None else (1 if self.quick else 5)  # compiling settles
         self.compile_backend = "aot_eager" if self.quick else None
         self.timeout = ns.job_timeout or (300 if self.quick else 480)
         self.ladder = list(ns.ladder or LADDER)
@@ -206,6 +206,10 @@ class Plan:
             self.env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
         if self.quick:
             self.env.update({"CUDA_VISIBLE_DEVICES": "", "FSDP_STRATEGIES_PEAK_FLOPS": str(QUICK_PEAK_FLOPS)})
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # one process owns the machine (the runner's default of 1 thread is for many ranks on few cores):
+            # the CPU side of cpu_offload (AdamW on offloaded state) needs the cores
+            self.env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
 
     def config(self) -> dict[str, Any]:
         ex = self.example
@@ -487,8 +491,9 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     else:
         result["largest_fitting"] = {"skipped": "no CUDA device: out-of-memory probes would exhaust the host's RAM, "
                                                 "which other work shares, not a device limit"}
-    if any(r.get("errors") for r in rows.values()):
-        result["failed_rows"] = sorted(k for k, r in rows.items() if r.get("errors"))
+    failed = sorted(k for k, r in rows.items() if r.get("errors") and not r.get("peak_memory_bytes"))
+    if failed:
+        result.update(failed_rows=failed, status="partial")
     return result
 
 
@@ -573,7 +578,8 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             alone = launch([name]).get(name, {"status": "failed", "reason": "no result"})
             results[name] = {**alone, "first_attempt": rec, "retried_alone": True}
     failed = sorted(n for n, r in results.items() if r.get("status") == "failed")
-    return {"status": "ok" if not failed else "failed", "runs": results, "failed_runs": failed}
+    status = "ok" if not failed else "failed" if len(failed) == len(results) else "partial"
+    return {"status": status, "runs": results, "failed_runs": failed}
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
@@ -885,13 +891,17 @@ def main(argv: list[str] | None = None) -> int:
         common.write_result("gpu", result, plan.out_dir)  # after every section: a crash keeps what was measured
     result["wall_s"] = time.perf_counter() - t0
     result["sections"] = {k: result["sections"][k] for k in SECTIONS if k in result["sections"]}
-    result["table"] = table(result)
+    pngs: list[Path | None] = []
+    try:  # the measurements are on disk already; a reporting bug must not hide them
+        result["table"] = table(result)
+        pngs = [plot(result, path.with_suffix(".png")), plot_sac(result, path.with_name(f"{path.stem}-sac.png"))]
+    except Exception as exc:
+        result["report_error"] = error_tail(exc)
+        print("[gpu] table/plots failed:\n" + "\n".join(result["report_error"]), file=sys.stderr)
     path = common.write_result("gpu", result, plan.out_dir)
-    png = plot(result, path.with_suffix(".png"))
-    sac_png = plot_sac(result, path.with_name(f"{path.stem}-sac.png"))
-    print(result["table"])
-    print(f"wrote {path}, {png}" + (f", {sac_png}" if sac_png else "") + f" in {result['wall_s']:.0f}s")
-    return 0 if all(result["sections"][s]["status"] == "ok" for s in wanted) else 1
+    print(result.get("table", ""))
+    print(f"wrote {', '.join(str(p) for p in [path, *pngs] if p)} in {result['wall_s']:.0f}s")
+    return 0 if all(result["sections"][s]["status"] == "ok" for s in wanted) and "report_error" not in result else 1
 
 
 if __name__ == "__main__":

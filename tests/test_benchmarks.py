@@ -7,6 +7,7 @@ samples, and that the interleaving really is A B A B.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata as md
 import json
 import math
@@ -161,6 +162,31 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert best == 1 and order == [4]
     assert gpu_harness.is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") and not gpu_harness.is_oom("x")
 
+    # the memory bisection over the example's family, with fake probes: guards, OOMs, a known fit
+    def fake_run_worker(script: str, nproc: int, args: list[str], **_: object) -> dict:
+        model = json.loads(args[args.index("--model") + 1])
+        params, offload = gpu_harness.llama_params(model)["total"], "--cpu-offload" in args
+        if params > (8e9 if offload else 2e9):
+            raise common.WorkerError("exit 1: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
+        return {"per_rank": [{"memory": {"peak_cuda_bytes": params * 10}}], "step_times_s": [0.5], "warmup_times_s": [1.0]}
+
+    monkeypatch.setattr(common, "run_worker", fake_run_worker)
+    monkeypatch.setattr(gpu_harness, "host_available_bytes", lambda: 200 * 2**30)
+    plan = object.__new__(gpu_harness.Plan)
+    plan.__dict__.update(example=ex, precision="bf16-mixed", ladder=list(gpu_harness.LADDER), timeout=10, env={},
+                         total_device_bytes=80 * 2**30)
+    fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})  # 1b ran in the contenders section
+    no, off = fit["no_offload"], fit["cpu_offload"]
+    assert no["largest"] == "1b" and off["largest"] == "7b" and not no["inconclusive"] and not off["inconclusive"]
+    assert [p["size"] for p in no["probes"]] == ["13b", "3b"] and "GiB on the device" in no["probes"][0]["not_started"]
+    assert no["probes"][1]["why"] == "out of memory" and no["probes"][1]["fits"] is False
+    assert [p["size"] for p in off["probes"]] == ["13b", "3b", "7b"] and "host RAM" in off["probes"][0]["not_started"]
+    assert off["probes"][2]["fits"] is True and off["probes"][2]["peak_cuda_bytes"] > 0
+    monkeypatch.setattr(common, "run_worker", lambda *a, **k: (_ for _ in ()).throw(common.WorkerError("NCCL error")))
+    fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})
+    assert fit["no_offload"]["largest"] == "1b" and fit["no_offload"]["inconclusive"]  # a non-OOM failure says nothing
+    monkeypatch.undo()
+
     # bad options are named
     for argv, fragment in ((["--sections", "nope"], "--sections"), (["--ladder", "9t"], "--ladder"),
                            (["--steps", "0"], "--steps")):
@@ -284,4 +310,18 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     for png in ("gpu-cpu.png", "gpu-cpu-sac.png"):
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
     assert "smoke        9/9 ok" in proc.stdout and result["table"] in proc.stdout
-    assert "| fsdp2 |" in gpu_harness.markdown(result)
+    assert "| fsdp2 |" in gpu_harness.markdown(result) and "report_error" not in result
+
+    # the GPU-only fields render too (peak CUDA memory of the SAC modes, the bisection's answers)
+    gpu_like = copy.deepcopy(result)
+    gpu_like.update(device="nvidia-h100-80gb-hbm3", device_name="NVIDIA H100 80GB HBM3")
+    for i, rec in enumerate(gpu_like["sections"]["sac"]["modes"].values()):
+        rec.update(peak_cuda_bytes_over_weights=(5 - i) * 2**30, peak_vs_none=(5 - i) / 5)
+    gpu_like["sections"]["memory"]["largest_fitting"] = {
+        "no_offload": {"largest": "3b", "probes": [], "inconclusive": False},
+        "cpu_offload": {"largest": "7b", "probes": [], "inconclusive": True}}
+    text = gpu_harness.table(gpu_like)
+    assert "largest fitting, no_offload: 3b" in text and "cpu_offload: 7b (inconclusive)" in text
+    assert "with cpu_offload 7b" in gpu_harness.markdown(gpu_like) and "5.00 GiB" in gpu_harness.markdown(gpu_like)
+    assert gpu_harness.plot(gpu_like, tmp_path / "g.png").exists()
+    assert gpu_harness.plot_sac(gpu_like, tmp_path / "g-sac.png").exists()
