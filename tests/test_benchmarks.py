@@ -235,6 +235,11 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert smoke["status"] == "ok" and smoke["failed_runs"] == []
 
 
+def _mfu_ratio_met(result: dict) -> bool:
+    ratio = result["sections"]["contenders"]["ratios"]["fsdp2 MFU: MFUMonitor / torchtitan formula"]
+    return ratio["met"] is True and ratio["target"] < 1.0 and ratio["direction"] == ">="
+
+
 def _numbers(*values: object) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
@@ -262,8 +267,9 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
         mon = sec[name]["mfu_monitor"]
         assert _numbers(mon["mfu"], mon["hfu"], mon["tflops_per_device"], mon["model_flops_per_batch"])
         assert mon["hfu"] >= mon["mfu"] and mon["flop_source"].startswith("FlopCounterMode")
-        # counted FLOPs vs torchtitan's formula on the same timing: the same model, within a few percent
-        assert 0.9 < mon["mfu_over_torchtitan"] < 1.1
+        # on the same timing the two MFUs differ only by their FLOPs: the formula also books the norm weights
+        assert 0.99 < mon["mfu_over_torchtitan"] <= 1.0
+    assert _mfu_ratio_met(result)
     ratios = result["sections"]["contenders"]["ratios"]
     assert {"fsdp2/torch_fsdp2", "fsdp2/lightning_model_parallel", "fsdp2 MFU: MFUMonitor / torchtitan formula"} <= set(ratios)
     assert ratios["fsdp2/torch_fsdp2"]["value"] == pytest.approx(
