@@ -7,6 +7,7 @@ samples, and that the interleaving really is A B A B.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata as md
 import json
 import math
@@ -24,6 +25,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import common  # noqa: E402
+import gpu as gpu_harness  # noqa: E402
 import run as bench_run  # noqa: E402
 
 
@@ -119,3 +121,213 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     # sharding is measured, not assumed: each of 2 ranks holds about half of what a DDP rank holds
     assert 0.45 < ratio["value"] <= ratio["target"] and ratio["met"] is True
     assert _one("memory-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks/gpu.py
+
+
+def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    import torch
+
+    from llama import LlamaLM
+    from suites.mfu import _torchtitan_flops_per_token
+
+    # the example's model, read from its YAML, and the arithmetic parameter count / torchtitan formula
+    ex = gpu_harness.example_model()
+    assert ex["model"]["dim"] == 2048 and ex["model"]["n_kv_heads"] == 8 and ex["seq_len"] == 2048 and ex["batch"] == 4
+    for model, seq in ((ex["model"], ex["seq_len"]), (gpu_harness.quick_model()["model"], 32),
+                       ({**ex["model"], **gpu_harness.LADDER["7b"]}, 2048)):
+        lm = LlamaLM(**model, max_seq_len=seq)
+        with torch.device("meta"):
+            lm.configure_model()
+        assert gpu_harness.llama_params(model)["total"] == sum(p.numel() for p in lm.parameters())
+        heads = model["n_heads"]
+        assert gpu_harness.torchtitan_flops_per_token(model, seq) == _torchtitan_flops_per_token(
+            lm, model["n_layers"], heads, model["dim"] // heads, seq)
+    assert 0.85e9 < gpu_harness.llama_params(ex["model"])["total"] < 1.2e9  # "~1B"
+
+    # bisection: monotone fits, a known lower bound, and a probe that says nothing stops the search
+    sizes = [1, 2, 3, 5, 8, 13, 21]
+    for limit in (0, 1, 4, 13, 100):
+        probed: list[int] = []
+        best, order = gpu_harness.bisect_largest(
+            len(sizes), lambda i, probed=probed, limit=limit: probed.append(i) or sizes[i] <= limit)
+        assert best == max((i for i, s in enumerate(sizes) if s <= limit), default=-1) and order == probed
+        assert len(order) <= 3
+    best, order = gpu_harness.bisect_largest(len(sizes), lambda i: sizes[i] <= 13, lo=1)
+    assert best == 5 and 0 not in order and 1 not in order
+    best, order = gpu_harness.bisect_largest(len(sizes), lambda i: None if i == 4 else True, lo=1)
+    assert best == 1 and order == [4]
+    assert gpu_harness.is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") and not gpu_harness.is_oom("x")
+
+    # the memory bisection over the example's family, with fake probes: guards, OOMs, a known fit
+    def fake_run_worker(script: str, nproc: int, args: list[str], **_: object) -> dict:
+        model = json.loads(args[args.index("--model") + 1])
+        params, offload = gpu_harness.llama_params(model)["total"], "--cpu-offload" in args
+        if params > (8e9 if offload else 2e9):
+            raise common.WorkerError("exit 1: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
+        return {"per_rank": [{"memory": {"peak_cuda_bytes": params * 10}}], "step_times_s": [0.5], "warmup_times_s": [1.0]}
+
+    monkeypatch.setattr(common, "run_worker", fake_run_worker)
+    monkeypatch.setattr(gpu_harness, "host_available_bytes", lambda: 200 * 2**30)
+    plan = object.__new__(gpu_harness.Plan)
+    plan.__dict__.update(example=ex, precision="bf16-mixed", ladder=list(gpu_harness.LADDER), timeout=10, env={},
+                         total_device_bytes=80 * 2**30)
+    fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})  # 1b ran in the contenders section
+    no, off = fit["no_offload"], fit["cpu_offload"]
+    assert no["largest"] == "1b" and off["largest"] == "7b" and not no["inconclusive"] and not off["inconclusive"]
+    assert [p["size"] for p in no["probes"]] == ["13b", "3b"] and "GiB on the device" in no["probes"][0]["not_started"]
+    assert no["probes"][1]["why"] == "out of memory" and no["probes"][1]["fits"] is False
+    assert [p["size"] for p in off["probes"]] == ["13b", "3b", "7b"] and "host RAM" in off["probes"][0]["not_started"]
+    assert off["probes"][2]["fits"] is True and off["probes"][2]["peak_cuda_bytes"] > 0
+    monkeypatch.setattr(common, "run_worker", lambda *a, **k: (_ for _ in ()).throw(common.WorkerError("NCCL error")))
+    fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})
+    assert fit["no_offload"]["largest"] == "1b" and fit["no_offload"]["inconclusive"]  # a non-OOM failure says nothing
+    monkeypatch.undo()
+
+    # bad options are named
+    for argv, fragment in ((["--sections", "nope"], "--sections"), (["--ladder", "9t"], "--ladder"),
+                           (["--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit):
+            gpu_harness.parse_args(argv)
+        err = capsys.readouterr().err
+        assert fragment in err and argv[1] in err
+
+    # a failing section is recorded with its error tail, and the caller goes on
+    def boom(plan: object, done: object) -> dict:
+        raise RuntimeError("device fell over\nlast line of the tail")
+
+    monkeypatch.setitem(gpu_harness.SECTION_FUNCS, "sac", boom)
+    rec = gpu_harness.run_section("sac", object(), {})  # type: ignore[arg-type]
+    assert rec["status"] == "failed" and rec["error"] == "RuntimeError"
+    assert rec["error_tail"][-1].endswith("last line of the tail") and rec["wall_s"] >= 0
+
+    # smoke: a crashed worker process restarts the remaining runs; a failed run is retried alone
+    calls: list[list[str]] = []
+
+    def fake_worker(plan: object, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        out = Path(args[args.index("--out") + 1])
+        runs = args[args.index("--runs") + 1:args.index("--out")] if "--runs" in args else ["a", "b", "c"]
+        calls.append(runs)
+        lines = [{"event": "plan", "runs": runs}]
+        code = 0
+        for name in runs:
+            lines.append({"event": "started", "name": name})
+            if name == "b" and len(calls) == 1:
+                code = -9  # the process dies during b
+                break
+            status = "failed" if name == "c" and len(calls) == 2 else "ok"
+            lines.append({"event": "done", "name": name, "status": status, "attempt": len(calls)})
+        out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return subprocess.CompletedProcess(args, code, "", "Fatal Python error: Segmentation fault")
+
+    monkeypatch.setattr(gpu_harness, "_run_section_worker", fake_worker)
+    plan = type("P", (), {"precision": "bf16-mixed", "quick": True, "timeout": 10})()
+    smoke = gpu_harness.section_smoke(plan, {})  # type: ignore[arg-type]
+    assert calls == [["a", "b", "c"], ["c"], ["b"], ["c"]]
+    runs = smoke["runs"]
+    assert runs["a"]["status"] == "ok" and "retried_alone" not in runs["a"]
+    assert runs["b"]["status"] == "ok" and runs["b"]["retried_alone"]
+    assert "died" in runs["b"]["first_attempt"]["reason"] and "Segmentation" in runs["b"]["first_attempt"]["error_tail"][-1]
+    assert runs["c"]["retried_alone"] and runs["c"]["first_attempt"]["status"] == "failed"
+    assert smoke["status"] == "ok" and smoke["failed_runs"] == []
+
+
+def _mfu_ratio_met(result: dict) -> bool:
+    ratio = result["sections"]["contenders"]["ratios"]["fsdp2 MFU: MFUMonitor / torchtitan formula"]
+    return ratio["met"] is True and ratio["target"] < 1.0 and ratio["direction"] == ">="
+
+
+def _numbers(*values: object) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+@pytest.mark.multiprocess
+def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
+    # Every section of benchmarks/gpu.py in its CPU smoke mode: each part produced numbers or a skip reason.
+    proc = run_python(["benchmarks/gpu.py", "--quick", "--out-dir", str(tmp_path)], timeout=900,
+                      env={"CUDA_VISIBLE_DEVICES": ""})
+    result = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert result["suite"] == "gpu" and result["device"] == "cpu" and result["config"]["quick"] is True
+    assert list(result["sections"]) == list(gpu_harness.SECTIONS)
+    for name, sec in result["sections"].items():
+        assert sec["status"] == "ok", (name, sec.get("error_tail") or sec)
+        assert sec["wall_s"] > 0 and sec["started_utc"]
+
+    sec = result["sections"]["contenders"]["contenders"]
+    assert "refuses CPU" in sec["lightning_fsdp"]["skipped"]
+    for name in ("fsdp2", "lightning_model_parallel", "torch_fsdp2"):
+        rec = sec[name]
+        assert rec["errors"] == [] and _numbers(rec["median_s"], rec["tokens_per_s"], rec["peak_memory_bytes"])
+        assert _numbers(rec["torchtitan"]["mfu"], rec["torchtitan"]["tflops"]) and rec["peak_flops"] == 1e12
+        assert rec["variant"] == {"compile_blocks": False, "compile_backend": None, "cpu_offload": False}
+    for name in ("fsdp2", "lightning_model_parallel"):  # MFUMonitor's own figures (Lightning contenders)
+        mon = sec[name]["mfu_monitor"]
+        assert _numbers(mon["mfu"], mon["hfu"], mon["tflops_per_device"], mon["model_flops_per_batch"])
+        assert mon["hfu"] >= mon["mfu"] and mon["flop_source"].startswith("FlopCounterMode")
+        # on the same timing the two MFUs differ only by their FLOPs: the formula also books the norm weights
+        assert 0.99 < mon["mfu_over_torchtitan"] <= 1.0
+    assert _mfu_ratio_met(result)
+    ratios = result["sections"]["contenders"]["ratios"]
+    assert {"fsdp2/torch_fsdp2", "fsdp2/lightning_model_parallel", "fsdp2 MFU: MFUMonitor / torchtitan formula"} <= set(ratios)
+    assert ratios["fsdp2/torch_fsdp2"]["value"] == pytest.approx(
+        sec["fsdp2"]["rep_medians_s"][0] / sec["torch_fsdp2"]["rep_medians_s"][0])
+
+    sec = result["sections"]["compile"]["contenders"]
+    assert "quick" in sec["fsdp2"]["skipped"]
+    for name in ("fsdp2+compile", "torch_fsdp2+compile"):
+        assert sec[name]["errors"] == [] and _numbers(sec[name]["median_s"])
+        assert sec[name]["variant"]["compile_blocks"] is True and sec[name]["variant"]["compile_backend"] == "aot_eager"
+    assert sec["fsdp2+compile"]["mfu_monitor"]["flop_source"].startswith("analytic")  # compiled: FLOPs not countable
+
+    sac = result["sections"]["sac"]
+    assert set(sac["modes"]) == {"none", "selective_op", "selective_op_2nd_mm", "selective_layer", "full"}
+    for mode, rec in sac["modes"].items():
+        assert _numbers(rec["median_step_s"], rec["tokens_per_s"], rec["kept_bytes"]), mode
+    assert sac["modes"]["full"]["kept_bytes"] < sac["modes"]["none"]["kept_bytes"]
+    assert "GPUs only" in sac["peak_cuda"]["skipped"]
+
+    mem = result["sections"]["memory"]
+    rows = mem["strategies"]
+    assert rows["fsdp2+offload"]["from_section"] == "memory" and rows["fsdp2+offload"]["cpu_offload"] is True
+    assert rows["fsdp2"]["from_section"] == "contenders"
+    for key, row in rows.items():
+        assert row.get("skipped") or _numbers(row["peak_memory_bytes"], row["param_bytes"]), key
+    assert "host" in mem["largest_fitting"]["skipped"]
+
+    runs = result["sections"]["smoke"]["runs"]
+    assert set(runs) == {"ddp_hooks:allreduce", "ddp_hooks:bf16_compress", "ddp_hooks:fp16_compress",
+                         "ddp_hooks:powersgd", "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd",
+                         "ft_hsdp", "straggler", "mfu_peak"}
+    for name, rec in runs.items():
+        assert rec["status"] == "ok" and rec["backend"] == "gloo" and "retried_alone" not in rec, (name, rec)
+    assert runs["ddp_hooks:powersgd"]["comm_state"]["powersgd"]["numel_after_compression"] > 0
+    assert runs["ddp_hooks:hierarchical_sgd"]["comm_state"]["averager"]["step"] > 0
+    assert runs["ft_hsdp"]["ft_stats"]["committed"] == runs["ft_hsdp"]["steps"] > 0
+    straggler = runs["straggler"]
+    assert straggler["windows_scored"] >= 2 and len(straggler["per_window"]) >= 2
+    assert all(_numbers(w["detector_busy_s"], w["hand_busy_s"]) for w in straggler["per_window"])
+    assert "GPUs only" in straggler["cuda_event_check"]["skipped"]
+    assert runs["mfu_peak"]["agrees"] and runs["mfu_peak"]["mfu_monitor_peak"] is None
+    assert "no CUDA device" in runs["mfu_peak"]["peak_check"]["skipped"]
+
+    for png in ("gpu-cpu.png", "gpu-cpu-sac.png"):
+        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
+    assert "smoke        9/9 ok" in proc.stdout and result["table"] in proc.stdout
+    assert "| fsdp2 |" in gpu_harness.markdown(result) and "report_error" not in result
+
+    # the GPU-only fields render too (peak CUDA memory of the SAC modes, the bisection's answers)
+    gpu_like = copy.deepcopy(result)
+    gpu_like.update(device="nvidia-h100-80gb-hbm3", device_name="NVIDIA H100 80GB HBM3")
+    for i, rec in enumerate(gpu_like["sections"]["sac"]["modes"].values()):
+        rec.update(peak_cuda_bytes_over_weights=(5 - i) * 2**30, peak_vs_none=(5 - i) / 5)
+    gpu_like["sections"]["memory"]["largest_fitting"] = {
+        "no_offload": {"largest": "3b", "probes": [], "inconclusive": False},
+        "cpu_offload": {"largest": "7b", "probes": [], "inconclusive": True}}
+    text = gpu_harness.table(gpu_like)
+    assert "largest fitting, no_offload: 3b" in text and "cpu_offload: 7b (inconclusive)" in text
+    assert "with cpu_offload 7b" in gpu_harness.markdown(gpu_like) and "5.00 GiB" in gpu_harness.markdown(gpu_like)
+    assert gpu_harness.plot(gpu_like, tmp_path / "g.png").exists()
+    assert gpu_harness.plot_sac(gpu_like, tmp_path / "g-sac.png").exists()

@@ -51,6 +51,15 @@ def parse_args(contenders: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--profile", choices=("torch", "python"), default=None,
                         help="profile the measured steps (torch.profiler op table or cProfile); rank 0 "
                              "writes <out>.profile-<kind>.txt. Off in benchmark runs.")
+    # variants of a contender (benchmarks/gpu.py); off in the timing suites
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="torch.compile each TransformerBlock before sharding it (fsdp2/hsdp and the plain FSDP2 loops)")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend for --compile-blocks (default: inductor; 'aot_eager' on CPU smoke runs)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep sharded parameters, gradients and optimizer state on the CPU (FSDP contenders)")
+    parser.add_argument("--mfu", action="store_true",
+                        help="add MFUMonitor (Lightning contenders) and record its MFU/HFU/TFLOPS of the measured steps")
     args = parser.parse_args()
     args.model = json.loads(args.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -183,6 +192,7 @@ def memory_snapshot(module: torch.nn.Module, optimizer: torch.optim.Optimizer, d
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_cuda_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
     }
     snap["total_bytes"] = snap["param_bytes"] + snap["grad_bytes"] + snap["optimizer_state_bytes"]
     return snap
@@ -217,6 +227,8 @@ def finish(args: argparse.Namespace, clock: StepClock, memory: dict[str, Any], e
         "per_rank": records,
         "loss_first": records[0]["losses"][0] if records[0]["losses"] else None,
         "loss_last": records[0]["losses"][-1] if records[0]["losses"] else None,
+        "variant": {"compile_blocks": args.compile_blocks, "compile_backend": args.compile_backend,
+                    "cpu_offload": args.cpu_offload},
         **(extra or {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -237,3 +249,22 @@ def count_params(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         lm.configure_model()
     return sum(p.numel() for p in lm.parameters())
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of this device for the run's compute dtype, and where it came from.
+
+    The same sources as ``MFUMonitor``: ``FSDP_STRATEGIES_PEAK_FLOPS``, else the table of
+    ``fsdp_strategies._peak_flops`` by device name; CPUs have no entry (``None``).
+    """
+    from fsdp_strategies._peak_flops import PEAK_FLOPS_ENV, lookup_peak_flops, peak_flops_from_env
+
+    env = peak_flops_from_env()
+    if env is not None:
+        return env, f"{PEAK_FLOPS_ENV}={env:g}"
+    if device.type != "cuda":
+        return None, f"no table entry for {device.type} devices"
+    name = torch.cuda.get_device_name(device)
+    dtype = "bf16" if precision.startswith("bf16") else "fp32"
+    value = lookup_peak_flops(name, dtype)
+    return value, f"fsdp_strategies._peak_flops table, {name!r}, {dtype}"

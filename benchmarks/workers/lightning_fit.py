@@ -11,6 +11,10 @@ Contenders:
 
 The LightningModule is the unmodified example ``LlamaLM`` (except for the hand-sharded
 subclass that ``ModelParallelStrategy`` requires). Launch with torchrun (see ``torch_loop.py``).
+
+Variants (``benchmarks/gpu.py``): ``--compile-blocks`` / ``--cpu-offload`` set the strategy's own
+options (fsdp2, hsdp; offload also for lightning_fsdp); ``--mfu`` adds ``MFUMonitor`` after the
+step timer and records what it logged for the measured steps.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class HandShardedLlamaLM(LlamaLM):
 class StepTimer(Callback):
     """Times every optimizer step from Lightning's hooks and writes the worker's result at the end."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, mfu: Any = None) -> None:
         self.args = args
+        self.mfu = mfu  # an MFUMonitor placed after this callback (--mfu), read at the end
         self.clock: _shared.StepClock | None = None
         self.profiler = _shared.StepProfiler(args.profile, args.out)
 
@@ -79,24 +84,52 @@ class StepTimer(Callback):
         self.profiler.stop()
         memory = _shared.memory_snapshot(pl_module, trainer.optimizers[0], pl_module.device)
         strategy = trainer.strategy
+        peak, peak_source = _shared.peak_flops(pl_module.device, self.args.precision)
         _shared.finish(self.args, self.clock, memory, {
             "strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
             "precision_plugin": type(trainer.precision_plugin).__name__,
             "device_type": pl_module.device.type,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+            "mfu_monitor": self._mfu_record(trainer),
         })
+
+    def _mfu_record(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """What MFUMonitor logged for the measured steps (its window = the measured steps)."""
+        if self.mfu is None:
+            return None
+        prefix = f"{self.mfu.prefix}_cum"
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix + "/")}
+        flops = self.mfu.flops
+        return {
+            "mfu": metrics.get(f"{prefix}/mfu/median"), "hfu": metrics.get(f"{prefix}/hfu/median"),
+            "tflops_per_device": metrics.get(f"{prefix}/tflops_per_device/median"),
+            "tokens_per_sec_per_device": metrics.get(f"{prefix}/tokens_per_sec_per_device/median"),
+            "peak_flops": self.mfu.peak, "flop_source": self.mfu.source,
+            "model_flops_per_batch": flops.model if flops else None,
+            "hardware_flops_per_batch": flops.hardware if flops else None,
+            "metrics": metrics,
+        }
 
 
 def make_strategy(args: Any) -> Any:
     import fsdp_strategies
 
     blocks = ["TransformerBlock"]
+    variant = {"cpu_offload": args.cpu_offload, "compile_blocks": args.compile_blocks,
+               "compile_options": {"backend": args.compile_backend} if args.compile_backend else None}
+    supported = {"fsdp2", "hsdp"} | ({"lightning_fsdp"} if not args.compile_blocks else set())
+    if (args.cpu_offload or args.compile_blocks) and args.contender not in supported:
+        raise SystemExit(f"--cpu-offload / --compile-blocks: not available for contender {args.contender!r}. "
+                         f"Fix: use them with {sorted(supported)}.")
     if args.contender == "fsdp2":
-        return fsdp_strategies.FSDP2Strategy(block_class_names=blocks)
+        return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, **variant)
     if args.contender == "fsdp2_no_autocast":
-        return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, autocast=False)
+        return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, autocast=False, **variant)
     if args.contender == "hsdp":
         return fsdp_strategies.HSDPStrategy(replicate_degree=args.replicate,
-                                            shard_degree=args.world_size // args.replicate, block_class_names=blocks)
+                                            shard_degree=args.world_size // args.replicate, block_class_names=blocks,
+                                            **variant)
     if args.contender == "ddp_hooks":
         from lightning.pytorch.strategies import StrategyRegistry
 
@@ -108,7 +141,8 @@ def make_strategy(args: Any) -> Any:
     if args.contender == "lightning_fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
-        return FSDPStrategy(auto_wrap_policy={TransformerBlock}, sharding_strategy="FULL_SHARD")
+        return FSDPStrategy(auto_wrap_policy={TransformerBlock}, sharding_strategy="FULL_SHARD",
+                            cpu_offload=args.cpu_offload)
     if args.contender == "lightning_model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -122,11 +156,22 @@ def main() -> None:
     module_cls = HandShardedLlamaLM if args.contender == "lightning_model_parallel" else LlamaLM
     model = module_cls(**_shared.lightning_module_kwargs(args))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    callbacks: list[Callback] = []
+    monitor = None
+    if args.mfu:  # after the timer: its end-of-window gather is not part of a timed step
+        from fsdp_strategies.callbacks import MFUMonitor
+
+        skip = max(1, args.warmup)  # MFUMonitor's first step counts FLOPs, so at least one is excluded
+        monitor = MFUMonitor(window=max(1, args.total_steps - skip), warmup_steps=skip,
+                             tokens_per_sample=args.seq_len, prog_bar=False)
+    callbacks.append(StepTimer(args, monitor))
+    if monitor is not None:
+        callbacks.append(monitor)
     trainer = pl.Trainer(
         accelerator="auto", devices=local, num_nodes=args.world_size // local, strategy=make_strategy(args),
         precision=args.precision, max_steps=args.total_steps, limit_val_batches=0, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[StepTimer(args)],
+        callbacks=callbacks,
     )
     trainer.fit(model, datamodule=_shared.datamodule(args))
     if torch.distributed.is_initialized():

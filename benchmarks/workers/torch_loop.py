@@ -7,7 +7,8 @@ Contenders:
 
 The model is the example's ``Llama`` (built by ``LlamaLM.configure_model``, used as a plain
 ``nn.Module``); FSDP2 models are built on the meta device and materialised per shard, as a
-hand-written large-model loop would. Launch with torchrun, e.g.::
+hand-written large-model loop would. ``--compile-blocks`` compiles each block before sharding it
+(the strategy's order), ``--cpu-offload`` passes ``CPUOffloadPolicy`` to ``fully_shard`` (FSDP2 loops). Launch with torchrun, e.g.::
 
     torchrun --nproc_per_node 2 benchmarks/workers/torch_loop.py --contender torch_fsdp2 \\
         --model '{"dim": 128, "n_layers": 2, "n_heads": 4}' --seq-len 64 --global-batch 16 \\
@@ -42,13 +43,18 @@ def build_model(args, device: torch.device, on_meta: bool) -> torch.nn.Module:  
     return model if on_meta else model.to(device)
 
 
-def shard(model: torch.nn.Module, mesh, mp_policy) -> None:  # type: ignore[no-untyped-def]
-    from torch.distributed.fsdp import fully_shard
+def shard(model: torch.nn.Module, mesh, mp_policy, offload: bool = False,  # type: ignore[no-untyped-def]
+          compile_blocks: bool = False, compile_backend: str | None = None) -> None:
+    """(``torch.compile`` each block ->) ``fully_shard`` per block, then the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for block in model.modules():
         if isinstance(block, TransformerBlock):
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            if compile_blocks:
+                block.compile(**({"backend": compile_backend} if compile_backend else {}))
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> None:
@@ -69,6 +75,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     bf16 = args.precision == "bf16-mixed"
+    if args.mfu:
+        raise SystemExit("--mfu: MFUMonitor is a Lightning callback; the plain loops report step times only.")
+    if (args.compile_blocks or args.cpu_offload) and args.contender == "torch_ddp":
+        raise SystemExit("--compile-blocks / --cpu-offload: not available for torch_ddp. Fix: use them with the "
+                         "FSDP2 loops (torch_fsdp2, torch_hsdp).")
 
     if args.contender == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -87,7 +98,8 @@ def main() -> None:
                                     mesh_dim_names=("replicate", "shard"))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         model = build_model(args, device, on_meta=True)
-        shard(model, mesh, mp)
+        shard(model, mesh, mp, offload=args.cpu_offload, compile_blocks=args.compile_blocks,
+              compile_backend=args.compile_backend)
         materialise(model, device)
         raw = model
     # the DDP loop autocasts for bf16-mixed; FSDP2 casts through its MixedPrecisionPolicy instead
@@ -123,7 +135,9 @@ def main() -> None:
         step += 1
     profiler.stop()
     memory = _shared.memory_snapshot(raw, optimizer, device)
-    _shared.finish(args, clock, memory, {"backend": backend, "device_type": device.type})
+    peak, peak_source = _shared.peak_flops(device, args.precision)
+    _shared.finish(args, clock, memory, {"backend": backend, "device_type": device.type, "peak_flops": peak,
+                                         "peak_flops_source": peak_source})
     dist.destroy_process_group()
 
 
