@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import MODELS
+from models import MODELS, provide_demo_text
 from worker import BATCH, LossRecorder, _block_fractions, _callbacks
 
 from fsdp_strategies import FTHSDPStrategy
@@ -75,7 +75,9 @@ def main() -> None:
     pace = PaceWhenAlone(args.sleep_alone, groups)
     extra = _callbacks([c for c in args.callbacks.split(",") if c])
     strategy = FTHSDPStrategy(timeout_s=20, connect_timeout_s=10)
-    out = Path(args.out)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    provide_demo_text(out)  # also makes the output folder the working folder
     trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, precision=args.precision,
                          default_root_dir=out,  # where callbacks write their files (e.g. the straggler report)
                          max_steps=args.steps, callbacks=[recorder, pace, *extra.values()], logger=False,

@@ -72,6 +72,19 @@ class Images(Dataset):
         return self.images[i], self.labels[i]
 
 
+def provide_demo_text(folder: str | os.PathLike[str]) -> None:
+    """Lightning's demo ``LightningTransformer`` downloads WikiText2 in ``prepare_data`` unless
+    ``./data/wikitext-2.txt`` exists; there is no network here, so a small local text stands in (the
+    module itself is unchanged). Call from the process's working folder ``folder`` (made the cwd)."""
+    os.chdir(folder)
+    path = os.path.join("data", "wikitext-2.txt")
+    os.makedirs("data", exist_ok=True)
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        with open(path + f".{os.getpid()}", "w") as f:
+            f.write("the quick brown fox jumps over the lazy dog\n" * 50)
+        os.replace(path + f".{os.getpid()}", path)
+
+
 def _no_dropout(module: nn.Module) -> nn.Module:
     for m in module.modules():
         if isinstance(m, nn.Dropout):

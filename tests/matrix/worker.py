@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import MODELS, matmul_weight_params
+from models import MODELS, matmul_weight_params, provide_demo_text
 
 import fsdp_strategies  # noqa: F401  (registers the strategy names)
 from fsdp_strategies import ActivationCheckpointing, DDPHooksStrategy, FSDP2Strategy, HSDPStrategy, MFUMonitor
@@ -176,12 +176,7 @@ def main() -> None:
     tmp = Path(args.tmp).resolve()
     tmp.mkdir(parents=True, exist_ok=True)
     out = Path(args.out).resolve()
-    # Lightning's demo LightningTransformer downloads WikiText2 in prepare_data unless ./data/wikitext-2.txt
-    # exists; there is no network here, so a small local text stands in (the module itself is unchanged).
-    os.chdir(tmp)
-    if rank == 0:
-        (tmp / "data").mkdir(exist_ok=True)
-        (tmp / "data" / "wikitext-2.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    provide_demo_text(tmp)
     dist.barrier()
     for cell in cells:
         try:
