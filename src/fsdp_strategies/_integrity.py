@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import pathlib
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,8 +186,8 @@ def _walk(h: Any, obj: Any) -> None:
     """Feed a canonical, type-tagged serialisation of ``obj`` into ``h`` (same result after save + load)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
+        if hasattr(t, "to_local"):  # a DTensor: its local part (never a collective from inside a save)
+            t = t.to_local()
         t = t.cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -329,7 +328,3 @@ def verify_main(argv: list[str] | None = None) -> int:
         statuses.append(result.status)
         print(f"{_TAGS[result.status]}: {result.message}")
     return 1 if "corrupt" in statuses else 2 if "no_manifest" in statuses else 0
-
-
-if __name__ == "__main__":
-    sys.exit(verify_main())
