@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 TMP_SUFFIX = ".tmp"
+LIGHTNING_META_FILE = _METADATA_FILENAME  # "meta.pt": what Lightning's own ModelParallelStrategy reads back
 OLD_SUFFIX = ".old"
 LOCK_WAIT_S = 120.0
 _LOCK_NAME = re.compile(r"^\.(?P<tmp>.+\.tmp)\.lock$")
@@ -225,7 +226,7 @@ def atomic_save_sharded(
     names = sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")})
     shares = all_gather(hash_files(tmp, names[rank::world]))
     if is_rank_zero:
-        torch.save(metadata, tmp / _METADATA_FILENAME)
+        torch.save(metadata, tmp / LIGHTNING_META_FILE)
         write_manifest(tmp, {name: entry for share in shares for name, entry in share.items()})
         commit_save(path)
     barrier()

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategies._checkpoint import load_full_file, verify_folder_before_load
+from fsdp_strategies._checkpoint import LIGHTNING_META_FILE, load_full_file, verify_folder_before_load
 from fsdp_strategies._integrity import CheckpointIntegrityError
 from fsdp_strategies._safe_load import (
     DCP_METADATA_FILE,
@@ -60,6 +59,10 @@ FULL_FORMAT = "a full-state-dict file (one torch.save file, as `ddp`, `ddp_hooks
 SHARDED_FORMAT = "a sharded DCP folder (as `fsdp2`, `hsdp` and `ft_hsdp` write)"
 _WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _SHOW = 4
+# State fields that torch's optimizers keep with the parameter's shape (factored ones, e.g. Adafactor's
+# row/column variances, legitimately differ and are not compared)
+_PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                 "grad_avg", "acc_delta", "sum", "prev", "ax", "exp_inf"})
 
 
 class CheckpointMismatchError(ValueError):
@@ -159,7 +162,7 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
             continue
         for field, value in (entry.items() if isinstance(entry, Mapping) else ()):
             shape = _shape(value)
-            if shape and shapes.get(name) is not None and shape != shapes[name]:
+            if field in _PARAM_SHAPED_STATE and shape and shapes.get(name) is not None and shape != shapes[name]:
                 bad_shapes.append(f"'{field}' of {name} is {list(shape)}, the parameter {list(shapes[name])}")
         converted[name] = entry
     if bad_shapes:
@@ -240,11 +243,11 @@ def _load_sharded(module: nn.Module, optimizers: Sequence[Optimizer], path: Path
         dcp.load(opt_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(**planner))
         set_optimizer_state_dict(module, opt, optim_state_dict=opt_state[key])
     try:
-        return safe_torch_load(path / _METADATA_FILENAME, name=str(path / _METADATA_FILENAME))
+        return safe_torch_load(path / LIGHTNING_META_FILE, name=str(path / LIGHTNING_META_FILE))
     except UnsafeCheckpointError:
         raise
     except Exception as err:
-        raise CheckpointIntegrityError(f"{path / _METADATA_FILENAME} is unreadable ({type(err).__name__}: {err}).") from None
+        raise CheckpointIntegrityError(f"{path / LIGHTNING_META_FILE} is unreadable ({type(err).__name__}: {err}).") from None
 
 
 def load_into_sharded_model(module: nn.Module, optimizers: Sequence[Optimizer], path: str | os.PathLike[str], *,
