@@ -143,6 +143,20 @@ class RecordLosses(pl.Callback):
         self.values.append(float(outputs["loss"]))
 
 
+class RecordStartState(pl.Callback):
+    """Full parameters and optimizer state (by parameter name) when training starts, i.e. right after a resume."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+        self.opt_state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.params = {n: full(p) for n, p in pl_module.named_parameters()}
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self.opt_state = {names[id(p)]: {k: full(v) for k, v in s.items()}
+                          for p, s in trainer.optimizers[0].state.items()}
+
+
 class StopAt(pl.Callback):
     """Stop after ``step`` optimizer steps while ``max_steps`` (and so the LR schedule) stays the full run's."""
 
@@ -177,6 +191,7 @@ def main() -> None:
     p.add_argument("--resume", default="")
     p.add_argument("--stop-at", type=int, default=0)
     p.add_argument("--crash-on-save", type=int, default=0)
+    p.add_argument("--record-start", type=int, default=0, help="record the state right after a resume")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -203,6 +218,9 @@ def main() -> None:
         callbacks.append(StopAt(a.stop_at))
     if a.crash_on_save:
         callbacks.append(CrashOnSave(a.crash_on_save))
+    start = RecordStartState() if a.record_start else None
+    if start:
+        callbacks.append(start)
     trainer = pl.Trainer(
         accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, precision=a.precision,
         accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip or None, callbacks=callbacks,
@@ -224,6 +242,7 @@ def main() -> None:
         "local_is_meta": any(getattr(p, "to_local", lambda p=p: p)().is_meta for p in model.parameters()),
         "batches": batches.seen, "precision_probe": probe.seen, "losses": losses.values, "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers],
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "start_params": start.params if start else None, "start_opt_state": start.opt_state if start else None,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[dict | None] = [None] * world

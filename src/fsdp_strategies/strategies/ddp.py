@@ -39,6 +39,15 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from fsdp_strategies._checkpoint import load_full_file, resolve_checkpoint_path
+from fsdp_strategies._convert import (
+    FULL_FORMAT,
+    PARAM_NAMES_KEY,
+    SHARDED_FORMAT,
+    CheckpointMismatchError,
+    optimizer_param_names,
+)
+from fsdp_strategies._integrity import embed_digest
 from fsdp_strategies._resume import skip_consumed_batches
 
 if TYPE_CHECKING:
@@ -485,8 +494,22 @@ class DDPHooksStrategy(DDPStrategy):
         else:
             per_rank = [mine]
         if self.is_global_zero:
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: {"per_rank": per_rank}}
+            assert self.lightning_module is not None
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: {"per_rank": per_rank},
+                          PARAM_NAMES_KEY: optimizer_param_names(self.lightning_module, self.optimizers)}
+            checkpoint = embed_digest(checkpoint)  # travels inside the file, through any CheckpointIO
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read with the restricted unpickler (never runs code from the file) and check the embedded digest."""
+        path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            raise CheckpointMismatchError(
+                f"{path} is {SHARDED_FORMAT}; {self.strategy_name} resumes from {FULL_FORMAT}. Fix: resume it under "
+                "fsdp2/hsdp (or export the weights with `fsdp-strategies-export` and load them into the model)."
+            )
+        return load_full_file(path, mmap=False)  # no mmap: a later in-place save must not change loaded state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from fsdp_strategies._blocks import describe_stacks, find_block_stacks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
+from fsdp_strategies._convert import PARAM_NAMES_KEY, load_into_sharded_model, optimizer_param_names
 from fsdp_strategies._mesh import HSDPDegrees, build_mesh
 from fsdp_strategies._resume import skip_consumed_batches
 
@@ -385,10 +386,20 @@ class FSDP2Strategy(ModelParallelStrategy):
             atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero, barrier=self.barrier)
         else:
             if self.is_global_zero:
+                assert self.model is not None
+                # Lightning numbers this file's optimizer state by module order: record the names behind it
+                checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.model, self.optimizers)
                 atomic_save_full(checkpoint, path)
             self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify, then load a sharded folder or a full file (e.g. from ``ddp``: converted to shards).
+
+        Files are always read with restricted unpicklers (``weights_only`` cannot turn that off; extra
+        types can be allowed with ``torch.serialization.add_safe_globals``).
+        """
         path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
-        return super().load_checkpoint(path, weights_only=weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        return load_into_sharded_model(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading,
+                                       target=self.strategy_name)

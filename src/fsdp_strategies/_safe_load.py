@@ -1,0 +1,201 @@
+"""Loading checkpoint files without running code from them.
+
+``torch.load(weights_only=False)`` and plain ``pickle`` execute whatever a file tells them to
+(a ``__reduce__`` naming ``os.system`` runs it). Every load in this package therefore goes through:
+
+* :func:`safe_torch_load`: ``torch.load(weights_only=True)`` -- torch's restricted unpickler -- with
+  an explicit allow-list (:data:`CHECKPOINT_SAFE_GLOBALS`) of the non-tensor types Lightning and
+  this package put in checkpoints (paths, argparse/jsonargparse namespaces, timedeltas and numpy
+  scalars in hyper-parameters or callback state). Types a user registers with
+  ``torch.serialization.add_safe_globals`` are accepted too; anything else is refused with
+  :class:`UnsafeCheckpointError` naming the file and the global.
+* :class:`SafeFileSystemReader` / :class:`SafeLoadPlanner`: DCP's ``FileSystemReader`` unpickles the
+  folder's ``.metadata`` with plain ``pickle`` and DCP's planner reads non-tensor items with
+  ``torch.load(weights_only=False)`` (torch 2.13 offers no restricted variant). The subclasses read
+  ``.metadata`` with a ``pickle.Unpickler`` that resolves only DCP's own metadata classes, torch
+  dtypes/layouts and paths, and read non-tensor items with :func:`safe_torch_load`'s rules.
+
+Limits: restricted unpicklers are a strong defence, not a proof (torch's own has had bugs); the
+README's trust model still says to treat checkpoint files from others like code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import io
+import os
+import pathlib
+import pickle
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+__all__ = [
+    "CHECKPOINT_SAFE_GLOBALS",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpointError",
+    "load_dcp_metadata",
+    "safe_globals",
+    "safe_torch_load",
+]
+
+DCP_METADATA_FILE = ".metadata"
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file references a Python object outside the allow-list (it could run code)."""
+
+
+def _optional_globals() -> list[Any]:
+    """Allow-listed types from packages that may be absent or differ in version."""
+    found: list[Any] = []
+    try:
+        import jsonargparse
+
+        found.append(jsonargparse.Namespace)
+    except ImportError:  # pragma: no cover - jsonargparse is a dependency
+        pass
+    try:
+        import numpy as np
+
+        multiarray = getattr(np, "_core", None) or np.core
+        found += [multiarray.multiarray.scalar, multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
+        found += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    except (ImportError, AttributeError):  # pragma: no cover - numpy layout of another version
+        pass
+    return found
+
+
+#: Non-tensor types a Lightning checkpoint written through this package may contain, beyond what
+#: ``torch.load(weights_only=True)`` accepts by default (containers, primitives, tensors, dtypes).
+CHECKPOINT_SAFE_GLOBALS: list[Any] = [
+    pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    argparse.Namespace, datetime.timedelta, datetime.datetime, datetime.date,
+    *_optional_globals(),
+]
+
+
+@contextmanager
+def safe_globals() -> Iterator[None]:
+    """Allow :data:`CHECKPOINT_SAFE_GLOBALS` for ``weights_only`` loads inside this block only."""
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
+        yield
+
+
+def _refusal(source: str, err: BaseException) -> UnsafeCheckpointError:
+    reason = str(err).strip().splitlines()
+    detail = next((line.strip().rstrip(".") for line in reason if "Unsupported global" in line or "GLOBAL" in line),
+                  reason[0] if reason else type(err).__name__)
+    return UnsafeCheckpointError(
+        f"{source}: refused to load it: it references a Python object that is not checkpoint data "
+        f"({detail}); unpickling it could run code. Fix: if you trust this file and the type is plain data, "
+        "register it with `torch.serialization.add_safe_globals([TheType])` before loading; otherwise do not use it."
+    )
+
+
+def safe_torch_load(source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = False, name: str | None = None) -> Any:
+    """``torch.load(weights_only=True, map_location="cpu")`` with the package's allow-list.
+
+    Raises :class:`UnsafeCheckpointError` for a file that references a non-allow-listed global and
+    lets other errors (not a torch file, truncated zip) propagate for the caller to word.
+    """
+    label = name or str(source)
+    kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": True}
+    if mmap and isinstance(source, (str, os.PathLike)) and zipfile.is_zipfile(source):
+        kwargs["mmap"] = True  # (only the zip format can be memory-mapped)
+    try:
+        with safe_globals():
+            return torch.load(source, **kwargs)  # type: ignore[arg-type]
+    except pickle.UnpicklingError as err:
+        if "GLOBAL" in str(err) or "Unsupported global" in str(err):
+            raise _refusal(label, err) from None
+        raise
+
+
+# ---------------------------------------------------------------------------------------- DCP metadata
+def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for mod, names in (
+        (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        (filesystem, ("_StorageInfo",)),
+    ):
+        for name in names:
+            if hasattr(mod, name):
+                allowed[(mod.__name__, name)] = getattr(mod, name)
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
+        allowed[(cls.__module__, cls.__name__)] = cls
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only DCP metadata classes, torch dtypes/layouts/sizes, paths and user-registered safe globals."""
+
+    def __init__(self, file: BinaryIO, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+        self._allowed = _dcp_metadata_globals()
+        for entry in torch.serialization.get_safe_globals():
+            obj = entry[0] if isinstance(entry, tuple) else entry
+            self._allowed[(getattr(obj, "__module__", ""), getattr(obj, "__qualname__", ""))] = obj
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._allowed:
+            return self._allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._source}: refused to load it: the DCP metadata references `{module}.{name}`, which is not a "
+            "checkpoint-metadata type; unpickling it could run code. Fix: do not use this checkpoint folder unless you "
+            "trust it (if you do and the type is plain data, register it with "
+            "`torch.serialization.add_safe_globals`)."
+        )
+
+
+def load_dcp_metadata(folder: str | os.PathLike[str]) -> Any:
+    """Read a DCP folder's ``.metadata`` with the restricted unpickler (no code runs)."""
+    path = pathlib.Path(folder) / DCP_METADATA_FILE
+    with path.open("rb") as fh:
+        return _MetadataUnpickler(fh, str(path)).load()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` with ``.metadata`` read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = load_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor items with ``weights_only=True`` + the allow-list.
+
+    The item is loaded by the restricted loader first; only the object it produced (allow-listed
+    types) is handed on, re-serialised, to the parent's placement logic.
+    """
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        value.seek(0)
+        obj = safe_torch_load(value, name="a non-tensor item of a DCP checkpoint")
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
