@@ -34,7 +34,7 @@ import _shared
 
 from llama import LlamaLM, TransformerBlock
 
-CONTENDERS = ("fsdp2", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp", "lightning_model_parallel")
+CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp", "lightning_model_parallel")
 
 
 class HandShardedLlamaLM(LlamaLM):
