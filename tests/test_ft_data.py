@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
 from conftest import WORKERS, run_python
@@ -138,3 +139,50 @@ def test_skip_accounts_for_every_sample_across_kills(tmp_path: Path) -> None:
     records, launcher = _run(tmp_path, steps, kill_at, heal_kill, timeout=900 if FULL else 420)
     figures = _check(records, launcher, steps, launcher_kills, heal_kills)
     print(f"data accounting: {figures}")
+
+
+# ---------------------------------------------------------------------------- no processes
+def test_data_on_failure_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_strategies import FTHSDPStrategy
+
+    with pytest.raises(ValueError, match=r"data_on_failure='everything' is not a valid value.*Fix.*\('skip',\)"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, num_replica_groups=2,
+                       data_on_failure="everything")  # type: ignore[arg-type]
+    assert FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0,
+                          num_replica_groups=2).data_on_failure == "skip"
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        return {"idx": i}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_loader_follows_the_committed_step(num_workers: int) -> None:
+    # Lightning's loop, reduced: an epoch of PER_EPOCH batches with one batch prefetched, the strategy taking the
+    # batch of the committed step each time. The steps: a discarded step (3 twice), a heal (jump 9 -> 40), epochs
+    # crossed on both sides. Every step gets its own batch; only the fault points build one from the dataset.
+    from fsdp_strategies._ft_data import StepAlignedData
+
+    sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=1, shuffle=True, seed=SEED)
+    loader = torch.utils.data.DataLoader(_Ids(), batch_size=BATCH, sampler=sampler, num_workers=num_workers)
+    aligned = StepAlignedData(loader, PER_EPOCH)
+    steps = [0, 1, 2, 3, 3, *range(4, 10), *range(40, 70)]
+    todo, cache, rebuilt = iter(steps), {}, []
+    while True:
+        it = iter(aligned.loader)
+        ahead = next(it)
+        for _ in range(len(aligned.loader)):
+            current, ahead = ahead, next(it, None)
+            step = next(todo, None)
+            if step is None:
+                assert [s for s, r in zip(steps, rebuilt) if r] == [3, 40], rebuilt
+                return
+            batch, was_rebuilt = aligned.take(current, step, lambda b: b)
+            rebuilt.append(was_rebuilt)
+            assert batch["idx"].tolist() == _expected(1, step, cache), step
+            if ahead is None:
+                break
