@@ -101,17 +101,23 @@ class _PositionBatches(Dataset[Any]):
         self.batch_size = batch_size
         self.per_epoch = per_epoch
         self.collate_fn = collate_fn
-        self._epoch: int | None = None
-        self._order: list[Any] = []
+        self._orders: dict[tuple[int, int | None], list[Any]] = {}
 
-    def indices(self, q: int) -> list[Any]:
+    def indices(self, q: int, shard: int | None = None) -> list[Any]:
+        """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a ``DistributedSampler``."""
         epoch, i = divmod(q, self.per_epoch)
-        if epoch != self._epoch:
+        key = (epoch, shard)
+        if key not in self._orders:
+            if len(self._orders) >= 8:
+                self._orders.clear()
             sampler = copy.copy(self.sampler)  # never touch the original's epoch
+            if shard is not None:
+                assert isinstance(sampler, DistributedSampler), "other shards need a DistributedSampler"
+                sampler.rank = shard
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            self._order, self._epoch = list(sampler), epoch
-        return self._order[i * self.batch_size:(i + 1) * self.batch_size]
+            self._orders[key] = list(sampler)
+        return self._orders[key][i * self.batch_size:(i + 1) * self.batch_size]
 
     def __getitem__(self, q: int) -> Any:
         return self.collate_fn([self.dataset[i] for i in self.indices(q)])
@@ -193,9 +199,18 @@ class StepAlignedData:
         """Samples of this rank's batch at ``position`` (the last batch of an epoch may be smaller)."""
         return len(self.batches.indices(position))
 
-    def indices_of(self, position: int) -> list[Any]:
-        """Dataset indices of this rank's batch at ``position``."""
-        return self.batches.indices(position)
+    def indices_of(self, position: int, shard: int | None = None) -> list[Any]:
+        """Dataset indices of this rank's batch at ``position`` (or of shard ``shard``'s batch there)."""
+        return self.batches.indices(position, shard)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the groups train disjoint shards (a ``DistributedSampler``), so another group's batch is known."""
+        return isinstance(self.batches.sampler, DistributedSampler)
+
+    def collate(self, indices: list[Any]) -> Any:
+        """One batch of these dataset indices, collated as the loader does."""
+        return self.batches.collate_fn([self.batches.dataset[i] for i in indices])
 
     def take(self, loader_batch: Any, step: int, prepare: Callable[[Any], Any]) -> tuple[Any, bool]:
         """The batch to train at committed ``step`` (``prepare`` applies Lightning's pre-transfer hooks to a

@@ -148,12 +148,14 @@ def _finished(events: Path) -> bool:
 
 
 def _data_summary(events: Path) -> dict[str, Any] | None:
-    """Samples the committed steps missed (``data_on_failure="skip"``), from the groups' step records.
+    """Samples the committed steps missed (``data_on_failure="skip"``) or took over from missing groups
+    (``"redistribute"``), from the groups' step records.
 
     Each participating group reports, per committed step, the samples of the groups that were not in
     the step; steps are merged over groups (a step's reporter may have died before writing it).
     """
     missed: dict[int, int] = {}
+    redistributed: dict[tuple[int, int], int] = {}
     for path in sorted(events.glob("group*.jsonl")):
         with path.open() as fh:
             for line in fh:
@@ -163,6 +165,7 @@ def _data_summary(events: Path) -> dict[str, Any] | None:
                     continue
                 if rec.get("committed") and rec.get("data_missed_samples") is not None:
                     missed[int(rec["data_step"])] = int(rec["data_missed_samples"])
+                    redistributed[int(rec["data_step"]), int(rec["group"])] = int(rec.get("data_redistributed_samples", 0))
     if not missed:
         return None
     stretches: list[list[int]] = []  # [first step, last step, samples]
@@ -174,7 +177,8 @@ def _data_summary(events: Path) -> dict[str, Any] | None:
             stretches[-1][2] += missed[step]
         else:
             stretches.append([step, step, missed[step]])
-    return {"committed_steps": len(missed), "missed_samples": sum(missed.values()), "missed_stretches": stretches}
+    return {"committed_steps": len(missed), "missed_samples": sum(missed.values()), "missed_stretches": stretches,
+            "redistributed_samples": sum(redistributed.values())}
 
 
 def run(

@@ -8,6 +8,7 @@ group took part (a healing group contributes zeros), so the test can count every
     FT_DATA_STEPS      max_steps
     FT_DATA_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
     FT_DATA_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
+    FT_DATA_MODE       data_on_failure (default skip)
     FT_DATA_HEAL_KILL  "GROUP:INCARNATION,...": that incarnation of the group SIGKILLs itself (torchrun + ranks)
                        while applying the state it fetched from a live peer (a kill during heal)
 """
@@ -106,7 +107,8 @@ class HealKillingFTHSDP(FTHSDPStrategy):
 
 def main() -> None:
     pl.seed_everything(7)
-    strategy = HealKillingFTHSDP(timeout_s=10, connect_timeout_s=5, init_sync=False, data_on_failure="skip")
+    strategy = HealKillingFTHSDP(timeout_s=10, connect_timeout_s=5, init_sync=False,
+                                 data_on_failure=os.environ.get("FT_DATA_MODE", "skip"))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=int(os.environ["FT_DATA_STEPS"]),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Recorder()])

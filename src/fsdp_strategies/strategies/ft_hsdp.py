@@ -30,6 +30,8 @@ again). See :mod:`fsdp_strategies._ft_data`. ``data_on_failure="skip"``: while a
 healing, which contributes zeros), its shard's batches for those steps are not trained; each
 participating group reports how many samples the step missed (``ft/missed_samples`` metric, the
 events file, and a ``rank_zero_info`` line when a stretch of missed steps starts and ends).
+``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
+step, weighted so the step's gradient is the mean over the full global batch (see ``_redistribute``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
 LEAVE_EXIT_CODE = 75
 TRANSPORTS = ("pg", "http")
 #: valid values of ``data_on_failure``
-DATA_ON_FAILURE = ("skip",)
+DATA_ON_FAILURE = ("skip", "redistribute")
 
 _HOW_TO_START = (
     "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
@@ -139,6 +141,11 @@ class FTHSDPStrategy(FSDP2Strategy):
         data_on_failure: what happens to a down group's data. ``"skip"``: its shard's batches for the steps it
             is down are not trained (reported as ``ft/missed_samples`` and in the events file); the other
             groups' positions are unchanged and a healed group resumes at the committed step's batch.
+            ``"redistribute"``: in a step that some groups miss, the participating groups also train the
+            missing groups' batches of that step (split evenly), and each group's gradient is weighted by its
+            share of the step's samples, so the step averages over the same global batch as a fault-free
+            step. Such a step waits for its quorum before the forward pass (no overlap) and runs larger
+            per-rank batches.
         **fsdp2 options**: see :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`.
     """
 
@@ -159,7 +166,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         max_retries: int | None = None,
         hostname: str | None = None,
         events_file: str | None = None,
-        data_on_failure: Literal["skip"] = "skip",
+        data_on_failure: Literal["skip", "redistribute"] = "skip",
         block_class_names: list[str] | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
@@ -269,6 +276,8 @@ class FTHSDPStrategy(FSDP2Strategy):
         self.last_step_committed: bool | None = None
         self._data: StepAlignedData | None = None
         self._data_step: int | None = None
+        self._extra_samples = 0
+        self._grad_scale = 1.0
         self._participating = True
         self._missed_since: int | None = None
         self._missed_run = 0
@@ -383,6 +392,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._manager.wait_quorum()
             self._quorum_wait_s += time.perf_counter() - t0
             self._waited_quorum = True
+        if self._grad_scale != 1.0:  # redistribute: this group's share of the step's samples
+            reduce_output.mul_(self._grad_scale)
         # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
         self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
 
@@ -471,7 +482,11 @@ class FTHSDPStrategy(FSDP2Strategy):
 
             batch, rebuilt = self._data.take(batch, step, prepare)
             self._data_step = step
+            self._extra_samples = 0
+            self._grad_scale = 1.0
             self.last_step_data = {"position": step, "rebuilt": rebuilt}
+            if self.data_on_failure == "redistribute" and self._data.sharded:
+                batch = self._redistribute(batch, step, prepare)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -479,6 +494,11 @@ class FTHSDPStrategy(FSDP2Strategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._manager is None:
             return
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        """Snapshot the heal state and start the quorum, once per step (at batch start, or earlier for
+        ``redistribute``, which needs the quorum to build the batch)."""
         if self._pending_scheduler_restore is not None:
             self._restore_schedulers(self._pending_scheduler_restore)
             self._pending_scheduler_restore = None
@@ -490,6 +510,42 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._healed = False
             self._manager.start_quorum()
             self._quorum_started = True
+
+    def _redistribute(self, batch: Any, step: int, prepare: Callable[[Any], Any]) -> Any:
+        """Add this rank's share of the missing groups' batches of ``step``; set the gradient weight.
+
+        The quorum is needed first. When some groups are missing, the members learn which ones with one
+        all-reduce of a participation mask (healing groups contribute zeros). Rank ``r`` of the ``j``-th
+        participating group takes the ``j``-th of ``p`` near-equal chunks of the missing groups' rank-``r``
+        batches. torchft averages over the ``p`` participants, so a group that trained ``n`` of the step's
+        ``N`` samples (per rank slot) scales its gradient by ``n * p / N``: the average is then the mean over
+        all ``N`` samples, as in a fault-free step (the loss must be a per-sample mean, as for DDP).
+        """
+        assert self._data is not None
+        self._begin_step()
+        t0 = time.perf_counter()
+        self._manager.wait_quorum()
+        self._quorum_wait_s += time.perf_counter() - t0
+        self._waited_quorum = True
+        groups = self.num_replica_groups
+        participants = int(self._manager.num_participants())
+        if participants >= groups or participants < 1:
+            return batch
+        mask = torch.zeros(groups, device=self.root_device)
+        mask[self.replica_group_id] = 1.0
+        self._manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()  # zeros from healing groups
+        live = [g for g in range(groups) if mask[g].item() > 0.5]
+        if self.replica_group_id not in live or not self._manager.is_participating():
+            return batch  # healing: contributes zeros, nothing to add
+        missing = [g for g in range(groups) if g not in live]
+        pool = [i for g in missing for i in self._data.indices_of(step, self.global_rank + self.world_size * g)]
+        j, p = live.index(self.replica_group_id), len(live)
+        lo, hi = (len(pool) * j) // p, (len(pool) * (j + 1)) // p
+        own = self._data.indices_of(step)
+        extra = pool[lo:hi]
+        self._extra_samples = len(extra)
+        self._grad_scale = (len(own) + len(extra)) * p / (len(own) * groups)
+        return prepare(self._data.collate(own + extra))
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -606,27 +662,32 @@ class FTHSDPStrategy(FSDP2Strategy):
         if self._data is None or self._data_step is None:
             return {}
         position, self._data_step = self._data_step, None
-        samples = self._data.batch_size_of(position) * self.world_size
+        samples = (self._data.batch_size_of(position) + self._extra_samples) * self.world_size
         step = int(self._manager.current_step()) - int(committed)  # the quorum's step (a healing group's jumps)
         data: dict[str, Any] = {"step": step, "position": position, "participating": self._participating,
                                 "rebuilt": self.last_step_data.get("rebuilt", False),
                                 "samples": samples if committed and self._participating else 0,
                                 "missed_samples": None}
+        data["redistributed_samples"] = self._extra_samples * self.world_size if committed else 0
         if committed and self._participating:
-            down = self.num_replica_groups - participants
-            data["missed_samples"] = down * samples
-            self.ft_stats["missed_samples"] += down * samples
-            if down and self._missed_since is None:
+            absent = self.num_replica_groups - participants
+            redistribute = self.data_on_failure == "redistribute"
+            per_group = self._data.batch_size_of(position) * self.world_size
+            missed = 0 if redistribute else absent * per_group
+            data["missed_samples"] = missed
+            self.ft_stats["missed_samples"] += missed
+            what = "trained by the groups in the step" if redistribute else "skipped"
+            if absent and self._missed_since is None:
                 self._missed_since, self._missed_run = position, 0
-                rank_zero_info(f"ft_hsdp: from step {position}, {down} of {self.num_replica_groups} replica groups are "
-                               f"not in the step: their shards' batches are skipped (data_on_failure="
-                               f"{self.data_on_failure!r}, {down * samples} samples per step)")
-            if down:
-                self._missed_run += down * samples
+                rank_zero_info(f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
+                               f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
+                               f"{what} (data_on_failure={self.data_on_failure!r})")
+            if absent:
+                self._missed_run += absent * per_group
             elif self._missed_since is not None:
                 rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica groups train again from step {position}; "
-                               f"steps {self._missed_since}-{position - 1} skipped {self._missed_run} samples of the "
-                               f"down groups' shards")
+                               f"in steps {self._missed_since}-{position - 1}, {self._missed_run} samples of the "
+                               f"missing groups' shards were {what}")
                 self._missed_since = None
         self.last_step_data = data
         return data
