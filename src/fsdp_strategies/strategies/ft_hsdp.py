@@ -144,8 +144,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             ``"redistribute"``: in a step that some groups miss, the participating groups also train the
             missing groups' batches of that step (split evenly), and each group's gradient is weighted by its
             share of the step's samples, so the step averages over the same global batch as a fault-free
-            step. Such a step waits for its quorum before the forward pass (no overlap) and runs larger
-            per-rank batches.
+            step. In this mode every step waits for its quorum before the forward pass (no overlap of the
+            quorum with compute), and a step with missing groups runs larger per-rank batches.
         **fsdp2 options**: see :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`.
     """
 
@@ -283,7 +283,8 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._missed_run = 0
         #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step`` when
         #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``, ``samples``
-        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``rebuilt``
+        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``redistributed_samples``
+        #: (of those, trained here), ``rebuilt`` (batch built from the dataset: the loader was not at the step)
         self.last_step_data: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ validation (no process group yet)
@@ -467,6 +468,10 @@ class FTHSDPStrategy(FSDP2Strategy):
             step = self.lightning_module.trainer.global_step
             self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
             self._data = StepAlignedData.install(self.lightning_module.trainer)
+            if self._data is not None and self.data_on_failure == "redistribute" and not self._data.sharded:
+                rank_zero_warn("ft_hsdp: data_on_failure='redistribute' needs the groups' data sharded by a "
+                               "DistributedSampler; this loader is not, so a missing group's batches are skipped. "
+                               "Fix: keep Trainer(use_distributed_sampler=True).")
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -671,7 +676,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         data["redistributed_samples"] = self._extra_samples * self.world_size if committed else 0
         if committed and self._participating:
             absent = self.num_replica_groups - participants
-            redistribute = self.data_on_failure == "redistribute"
+            redistribute = self.data_on_failure == "redistribute" and self._data.sharded
             per_group = self._data.batch_size_of(position) * self.world_size
             missed = 0 if redistribute else absent * per_group
             data["missed_samples"] = missed
