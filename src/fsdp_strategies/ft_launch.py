@@ -147,6 +147,40 @@ def _finished(events: Path) -> bool:
         return False
 
 
+def _data_summary(events: Path) -> dict[str, Any] | None:
+    """Samples the committed steps missed (``data_on_failure="skip"``) or took over from missing groups
+    (``"redistribute"``), from the groups' step records.
+
+    Each participating group reports, per committed step, the samples of the groups that were not in
+    the step; steps are merged over groups (a step's reporter may have died before writing it).
+    """
+    missed: dict[int, int] = {}
+    redistributed: dict[tuple[int, int], int] = {}
+    for path in sorted(events.glob("group*.jsonl")):
+        with path.open() as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("committed") and rec.get("data_missed_samples") is not None:
+                    missed[int(rec["data_step"])] = int(rec["data_missed_samples"])
+                    redistributed[int(rec["data_step"]), int(rec["group"])] = int(rec.get("data_redistributed_samples", 0))
+    if not missed:
+        return None
+    stretches: list[list[int]] = []  # [first step, last step, samples]
+    for step in sorted(missed):
+        if not missed[step]:
+            continue
+        if stretches and stretches[-1][1] == step - 1:
+            stretches[-1][1] = step
+            stretches[-1][2] += missed[step]
+        else:
+            stretches.append([step, step, missed[step]])
+    return {"committed_steps": len(missed), "missed_samples": sum(missed.values()), "missed_stretches": stretches,
+            "redistributed_samples": sum(redistributed.values())}
+
+
 def run(
     command: list[str],
     *,
@@ -346,6 +380,9 @@ def run(
                 g.log.close()
         lighthouse.shutdown()
     wall = time.time() - t_start
+    data = _data_summary(events)
+    if data is not None:
+        note({"event": "data", **data})
     note({"event": "done", "returncode": returncode, "wall_s": wall, "kills": len(kills), "restarts": len(restarts)})
     return LauncherResult(returncode=returncode, kills=kills, restarts=restarts, wall_s=wall, events_dir=events)
 

@@ -22,9 +22,16 @@ Lightning's step, bridged to torchft's protocol (nothing in the LightningModule 
   at the same committed step.
 
 Data: the sampler shards over ``num_replica_groups x ranks`` (the layout of
-``torchft.data.DistributedSampler``). While a group is down nobody reads its shard, so those
-samples are skipped for that stretch of the epoch; a healed group restarts its own shard at the
-beginning of the current epoch (its data position is not transferred).
+``torchft.data.DistributedSampler``), and the data position follows the committed step: at committed
+step ``s`` every group trains batch ``s mod B`` of data epoch ``s // B`` of its own shard (``B`` =
+training batches per epoch), also right after a heal (the healed group receives the step with the
+heal state and derives its position from it) and after a discarded step (the same batch is trained
+again). See :mod:`fsdp_strategies._ft_data`. ``data_on_failure="skip"``: while a group is down (or
+healing, which contributes zeros), its shard's batches for those steps are not trained; each
+participating group reports how many samples the step missed (``ft/missed_samples`` metric, the
+events file, and a ``rank_zero_info`` line when a stretch of missed steps starts and ends).
+``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
+step, weighted so the step's gradient is the mean over the full global batch (see ``_redistribute``).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 import torch
@@ -51,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_strategies._ft_data import StepAlignedData
 from fsdp_strategies.strategies.fsdp import FSDP2Strategy
 
 if TYPE_CHECKING:
@@ -66,6 +74,8 @@ EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
 #: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
 LEAVE_EXIT_CODE = 75
 TRANSPORTS = ("pg", "http")
+#: valid values of ``data_on_failure``
+DATA_ON_FAILURE = ("skip", "redistribute")
 
 _HOW_TO_START = (
     "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
@@ -128,6 +138,14 @@ class FTHSDPStrategy(FSDP2Strategy):
         hostname: the address other groups use to reach this group's manager (default: this host).
         events_file: JSON-lines file written by each group's rank 0, one line per step (default
             ``$FSDP_STRATEGIES_FT_EVENTS``; ``{replica_group_id}`` is substituted).
+        data_on_failure: what happens to a down group's data. ``"skip"``: its shard's batches for the steps it
+            is down are not trained (reported as ``ft/missed_samples`` and in the events file); the other
+            groups' positions are unchanged and a healed group resumes at the committed step's batch.
+            ``"redistribute"``: in a step that some groups miss, the participating groups also train the
+            missing groups' batches of that step (split evenly), and each group's gradient is weighted by its
+            share of the step's samples, so the step averages over the same global batch as a fault-free
+            step. In this mode every step waits for its quorum before the forward pass (no overlap of the
+            quorum with compute), and a step with missing groups runs larger per-rank batches.
         **fsdp2 options**: see :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`.
     """
 
@@ -148,6 +166,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         max_retries: int | None = None,
         hostname: str | None = None,
         events_file: str | None = None,
+        data_on_failure: Literal["skip", "redistribute"] = "skip",
         block_class_names: list[str] | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
@@ -220,6 +239,12 @@ class FTHSDPStrategy(FSDP2Strategy):
                             ("connect_timeout_s", connect_timeout_s)):
             if value <= 0:
                 raise ValueError(f"{name}={value!r} is invalid. Fix: a positive number of seconds.")
+        if data_on_failure not in DATA_ON_FAILURE:
+            raise ValueError(
+                f"ft_hsdp: data_on_failure={data_on_failure!r} is not a valid value. Fix: set "
+                f"strategy.init_args.data_on_failure to one of {DATA_ON_FAILURE}."
+            )
+        self.data_on_failure = data_on_failure
         self.lighthouse_addr = lighthouse_addr
         self.replica_group_id = int(replica_group_id)
         self.num_replica_groups = int(num_replica_groups)
@@ -247,8 +272,20 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._after_discard = False
         #: cumulative counters of this process (also logged as ``ft/*``)
         self.ft_stats: dict[str, float] = {"committed": 0, "discarded": 0, "heals": 0, "recovery_s": 0.0,
-                                           "quorum_s": 0.0}
+                                           "quorum_s": 0.0, "missed_samples": 0}
         self.last_step_committed: bool | None = None
+        self._data: StepAlignedData | None = None
+        self._data_step: int | None = None
+        self._extra_samples = 0
+        self._grad_scale = 1.0
+        self._participating = True
+        self._missed_since: int | None = None
+        self._missed_run = 0
+        #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step`` when
+        #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``, ``samples``
+        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``redistributed_samples``
+        #: (of those, trained here), ``rebuilt`` (batch built from the dataset: the loader was not at the step)
+        self.last_step_data: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ validation (no process group yet)
     @override
@@ -356,6 +393,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._manager.wait_quorum()
             self._quorum_wait_s += time.perf_counter() - t0
             self._waited_quorum = True
+        if self._grad_scale != 1.0:  # redistribute: this group's share of the step's samples
+            reduce_output.mul_(self._grad_scale)
         # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
         self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
 
@@ -428,12 +467,43 @@ class FTHSDPStrategy(FSDP2Strategy):
             # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
             step = self.lightning_module.trainer.global_step
             self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
+            self._data = StepAlignedData.install(self.lightning_module.trainer)
+            if self._data is not None and self.data_on_failure == "redistribute" and not self._data.sharded:
+                rank_zero_warn("ft_hsdp: data_on_failure='redistribute' needs the groups' data sharded by a "
+                               "DistributedSampler; this loader is not, so a missing group's batches are skipped. "
+                               "Fix: keep Trainer(use_distributed_sampler=True).")
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Train the batch of the committed step (see :mod:`fsdp_strategies._ft_data`), then move it."""
+        module = self.lightning_module
+        if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
+            step = int(self._manager.current_step())
+            trainer = module.trainer
+
+            def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
+                raw = trainer.precision_plugin.convert_input(raw)
+                return module._on_before_batch_transfer(raw, dataloader_idx=dataloader_idx)
+
+            batch, rebuilt = self._data.take(batch, step, prepare)
+            self._data_step = step
+            self._extra_samples = 0
+            self._grad_scale = 1.0
+            self.last_step_data = {"position": step, "rebuilt": rebuilt}
+            if self.data_on_failure == "redistribute" and self._data.sharded:
+                batch = self._redistribute(batch, step, prepare)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._manager is None:
             return
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        """Snapshot the heal state and start the quorum, once per step (at batch start, or earlier for
+        ``redistribute``, which needs the quorum to build the batch)."""
         if self._pending_scheduler_restore is not None:
             self._restore_schedulers(self._pending_scheduler_restore)
             self._pending_scheduler_restore = None
@@ -445,6 +515,42 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._healed = False
             self._manager.start_quorum()
             self._quorum_started = True
+
+    def _redistribute(self, batch: Any, step: int, prepare: Callable[[Any], Any]) -> Any:
+        """Add this rank's share of the missing groups' batches of ``step``; set the gradient weight.
+
+        The quorum is needed first. When some groups are missing, the members learn which ones with one
+        all-reduce of a participation mask (healing groups contribute zeros). Rank ``r`` of the ``j``-th
+        participating group takes the ``j``-th of ``p`` near-equal chunks of the missing groups' rank-``r``
+        batches. torchft averages over the ``p`` participants, so a group that trained ``n`` of the step's
+        ``N`` samples (per rank slot) scales its gradient by ``n * p / N``: the average is then the mean over
+        all ``N`` samples, as in a fault-free step (the loss must be a per-sample mean, as for DDP).
+        """
+        assert self._data is not None
+        self._begin_step()
+        t0 = time.perf_counter()
+        self._manager.wait_quorum()
+        self._quorum_wait_s += time.perf_counter() - t0
+        self._waited_quorum = True
+        groups = self.num_replica_groups
+        participants = int(self._manager.num_participants())
+        if participants >= groups or participants < 1:
+            return batch
+        mask = torch.zeros(groups, device=self.root_device)
+        mask[self.replica_group_id] = 1.0
+        self._manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()  # zeros from healing groups
+        live = [g for g in range(groups) if mask[g].item() > 0.5]
+        if self.replica_group_id not in live or not self._manager.is_participating():
+            return batch  # healing: contributes zeros, nothing to add
+        missing = [g for g in range(groups) if g not in live]
+        pool = [i for g in missing for i in self._data.indices_of(step, self.global_rank + self.world_size * g)]
+        j, p = live.index(self.replica_group_id), len(live)
+        lo, hi = (len(pool) * j) // p, (len(pool) * (j + 1)) // p
+        own = self._data.indices_of(step)
+        extra = pool[lo:hi]
+        self._extra_samples = len(extra)
+        self._grad_scale = (len(own) + len(extra)) * p / (len(own) * groups)
+        return prepare(self._data.collate(own + extra))
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -458,6 +564,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._manager.wait_quorum()
             self._quorum_wait_s += time.perf_counter() - t0
             self._waited_quorum = True
+        self._participating = bool(self._manager.is_participating())  # False while healing: zeros contributed
         t1 = time.perf_counter()
         committed = bool(self._manager.should_commit())  # applies a healed state first
         commit_s = time.perf_counter() - t1
@@ -519,6 +626,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         self.last_step_committed = committed
         participants = int(self._manager.num_participants())
         quorum_id = int(getattr(self._manager, "_quorum_id", -1))
+        data = self._data_accounting(committed, participants)
         metrics = {
             "ft/participants": float(participants),
             "ft/quorum_id": float(quorum_id),
@@ -531,6 +639,9 @@ class FTHSDPStrategy(FSDP2Strategy):
             "ft/commit_s": float(commit_s),
             "ft/recovery_s": float(stats["recovery_s"]),
         }
+        if data.get("missed_samples") is not None:
+            metrics["ft/missed_samples"] = float(data["missed_samples"])
+            metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
         module = self.lightning_module
         if module is not None and getattr(module, "_current_fx_name", None) is not None:
             try:
@@ -541,11 +652,50 @@ class FTHSDPStrategy(FSDP2Strategy):
             record = {"t": time.time(), "group": self.replica_group_id, "step": int(self._manager.current_step()),
                       "committed": committed, "participants": participants, "quorum_id": quorum_id,
                       "healed": self._healed, "step_s": step_s, "quorum_s": self._quorum_wait_s,
-                      "commit_s": commit_s, "pid": os.getpid()}
+                      "commit_s": commit_s, "pid": os.getpid(), **{f"data_{k}": v for k, v in data.items()}}
             path = Path(self.events_file)
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+
+    def _data_accounting(self, committed: bool, participants: int) -> dict[str, Any]:
+        """What this step trained and missed (``data_on_failure="skip"``); empty when the position is not aligned.
+
+        The layout is fixed (equal shards, the same position on every group), so the groups missing from the
+        step each missed exactly as many samples as this group trained.
+        """
+        if self._data is None or self._data_step is None:
+            return {}
+        position, self._data_step = self._data_step, None
+        samples = (self._data.batch_size_of(position) + self._extra_samples) * self.world_size
+        step = int(self._manager.current_step()) - int(committed)  # the quorum's step (a healing group's jumps)
+        data: dict[str, Any] = {"step": step, "position": position, "participating": self._participating,
+                                "rebuilt": self.last_step_data.get("rebuilt", False),
+                                "samples": samples if committed and self._participating else 0,
+                                "missed_samples": None}
+        data["redistributed_samples"] = self._extra_samples * self.world_size if committed else 0
+        if committed and self._participating:
+            absent = self.num_replica_groups - participants
+            redistribute = self.data_on_failure == "redistribute" and self._data.sharded
+            per_group = self._data.batch_size_of(position) * self.world_size
+            missed = 0 if redistribute else absent * per_group
+            data["missed_samples"] = missed
+            self.ft_stats["missed_samples"] += missed
+            what = "trained by the groups in the step" if redistribute else "skipped"
+            if absent and self._missed_since is None:
+                self._missed_since, self._missed_run = position, 0
+                rank_zero_info(f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
+                               f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
+                               f"{what} (data_on_failure={self.data_on_failure!r})")
+            if absent:
+                self._missed_run += absent * per_group
+            elif self._missed_since is not None:
+                rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica groups train again from step {position}; "
+                               f"in steps {self._missed_since}-{position - 1}, {self._missed_run} samples of the "
+                               f"missing groups' shards were {what}")
+                self._missed_since = None
+        self.last_step_data = data
+        return data
 
     # ------------------------------------------------------------------ leaving and shutting down
     def leave_quorum(self, reason: str) -> None:

@@ -1,0 +1,234 @@
+"""Data position = committed step, for ``ft_hsdp``: every replica group trains batch ``s`` of its shard at step ``s``.
+
+Why: Lightning's training loop advances its dataloader once per batch it runs, whatever happens to
+the step. Under torchft that drifts: a discarded step consumes a batch without training it, and a
+restarted replica group starts its shard at the beginning of an epoch while the quorum is at step
+``s``. The groups then train batches out of phase, so a sample can be trained twice in an epoch
+and another never.
+
+The fix derives the data position from the quorum's committed step (which every group agrees on,
+and which a healing group receives with the heal state), so nothing about the loader needs to be
+transferred: with the fixed global batch layout of ``ft_hsdp`` (the sampler shards over
+``num_replica_groups x ranks``), committed step ``s`` means batch ``s mod B`` of data epoch
+``s // B`` of this rank's shard, ``B`` being the number of training batches per epoch.
+
+Mechanism (:class:`StepAlignedData`): the training ``DataLoader`` is replaced, once, by one over
+*positions*: its sampler yields global batch positions ``q`` from a cursor, and its dataset builds
+the batch of position ``q`` (indices ``[i*bs, (i+1)*bs)`` of the original sampler's order for epoch
+``q // B``, ``set_epoch`` on a private copy, collated with the loader's ``collate_fn``), so workers,
+pinning and collation work as before. The positions the sampler handed out are remembered in order
+(loaders return batches in sampler order), so each batch's position is known when
+``Strategy.batch_to_device`` sees it. There the strategy asks for the batch of its committed step:
+
+* the loader's batch when its position is the step (the normal case: no extra work);
+* a batch the loader delivered earlier for that position (after a discarded step the loader is one
+  batch ahead);
+* otherwise (just after a heal, or after Lightning ended an epoch early) the batch is built from the
+  dataset for that position, and the cursor is moved so the loader's next batches are in phase again.
+
+Lightning's own ``current_epoch``/``batch_idx`` keep counting the batches its loop ran (discarded ones
+included, and from 0 on a restarted group), so they can differ from the data epoch ``s // B``; stop
+fault-tolerant runs with ``max_steps``.
+
+Limits: one map-style training ``DataLoader`` with automatic batching (``batch_size=``, no custom
+``batch_sampler``), whose sampler's order depends only on its seed and ``set_epoch``
+(``DistributedSampler`` -- the one Lightning injects -- or ``SequentialSampler``); no gradient
+accumulation; no ``reload_dataloaders_every_n_epochs``. Anything else gets a warning and the old,
+unaligned behaviour. A torchdata ``StatefulDataLoader`` is handled like a ``DataLoader`` (replaced by
+a plain one over positions; its saved position is not needed, the step is).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+)
+
+from fsdp_strategies._resume import _install, _SkipFirstIterationSampler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["StepAlignedData"]
+
+
+class _PositionSampler(Sampler[int]):
+    """Yields global batch positions from ``cursor`` (``length`` per iteration) and remembers them in order."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.cursor = 0
+        self.issued: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the position (from the committed step) decides the epoch of the data."""
+
+    def __iter__(self) -> Iterator[int]:
+        self.issued.clear()  # a new iterator: positions handed to an abandoned one will never arrive
+        for _ in range(self.length):
+            q = self.cursor
+            self.cursor += 1
+            self.issued.append(q)
+            yield q
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class _PositionBatches(Dataset[Any]):
+    """Item ``q`` = the collated batch at global position ``q`` of the original loader (picklable for workers)."""
+
+    def __init__(self, dataset: Any, sampler: Sampler[Any], batch_size: int, per_epoch: int,
+                 collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.per_epoch = per_epoch
+        self.collate_fn = collate_fn
+        self._orders: dict[tuple[int, int | None], list[Any]] = {}
+
+    def indices(self, q: int, shard: int | None = None) -> list[Any]:
+        """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a ``DistributedSampler``."""
+        epoch, i = divmod(q, self.per_epoch)
+        key = (epoch, shard)
+        if key not in self._orders:
+            if len(self._orders) >= 8:
+                self._orders.clear()
+            sampler = copy.copy(self.sampler)  # never touch the original's epoch
+            if shard is not None:
+                assert isinstance(sampler, DistributedSampler), "other shards need a DistributedSampler"
+                sampler.rank = shard
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            self._orders[key] = list(sampler)
+        return self._orders[key][i * self.batch_size:(i + 1) * self.batch_size]
+
+    def __getitem__(self, q: int) -> Any:
+        return self.collate_fn([self.dataset[i] for i in self.indices(q)])
+
+    def __len__(self) -> int:
+        return self.per_epoch
+
+
+def _why_not(trainer: pl.Trainer, loaders: list[Any]) -> str | None:
+    if len(loaders) != 1:
+        return f"there are {len(loaders)} training dataloaders (one is supported)"
+    dl = loaders[0]
+    if not isinstance(dl, DataLoader):
+        return f"the training dataloader is a `{type(dl).__qualname__}`, not a torch `DataLoader`"
+    if isinstance(dl.dataset, IterableDataset):
+        return "the training dataloader iterates an `IterableDataset` (no sampler to position)"
+    if dl.batch_size is None or type(dl.batch_sampler) is not BatchSampler:
+        return "the training dataloader has no `batch_size` or uses a custom `batch_sampler`"
+    sampler = dl.sampler.sampler if isinstance(dl.sampler, _SkipFirstIterationSampler) else dl.sampler
+    if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
+        return (f"its sampler is a `{type(sampler).__qualname__}`, whose order is not a function of its seed and "
+                "epoch (use Lightning's injected `DistributedSampler`: `use_distributed_sampler=True`)")
+    if trainer.accumulate_grad_batches != 1:
+        return f"accumulate_grad_batches={trainer.accumulate_grad_batches} (only 1 is supported)"
+    if trainer.reload_dataloaders_every_n_epochs:
+        return "reload_dataloaders_every_n_epochs is set"
+    if not isinstance(trainer.num_training_batches, int) or trainer.num_training_batches < 1:
+        return f"the number of training batches per epoch is {trainer.num_training_batches}"
+    return None
+
+
+class StepAlignedData:
+    """The training loader over positions and the per-step choice of the batch of the committed step."""
+
+    #: most loader batches kept for a later step (a loader ahead of the step); older ones are dropped
+    MAX_AHEAD = 8
+
+    def __init__(self, loader: DataLoader, per_epoch: int) -> None:
+        sampler = loader.sampler.sampler if isinstance(loader.sampler, _SkipFirstIterationSampler) else loader.sampler
+        assert loader.batch_size is not None
+        self.batches = _PositionBatches(loader.dataset, sampler, int(loader.batch_size), per_epoch,
+                                        loader.collate_fn)
+        self.positions = _PositionSampler(per_epoch)
+        kwargs: dict[str, Any] = {
+            "num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context,
+            "generator": loader.generator, "persistent_workers": loader.persistent_workers,
+        }
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        self.loader = DataLoader(self.batches, sampler=self.positions, batch_size=None, collate_fn=_identity, **kwargs)
+        self.per_epoch = per_epoch
+        self._ahead: dict[int, Any] = {}
+        #: batches built from the dataset because the loader had not delivered the step's position
+        self.rebuilt = 0
+
+    @classmethod
+    def install(cls, trainer: pl.Trainer) -> StepAlignedData | None:
+        """Swap the fit loop's training loader for one over positions; ``None`` (warned) if not possible."""
+        fit_loop = trainer.fit_loop
+        combined = fit_loop._combined_loader
+        loaders = list(combined.flattened) if combined is not None else []
+        reason = _why_not(trainer, loaders)
+        if reason is None:
+            aligned = cls(loaders[0], int(trainer.num_training_batches))
+            epoch = fit_loop.epoch_progress.current.processed
+            if _install(fit_loop, combined, {0: aligned.loader}, epoch):
+                return aligned
+            reason = "the training iterators could not be restarted"
+        rank_zero_warn(
+            f"ft_hsdp: the data position cannot follow the committed step because {reason}. A replica group that "
+            "heals restarts its shard at the start of an epoch and a discarded step skips a batch, so groups may "
+            "train some samples twice and miss others. Fix: one map-style DataLoader with `batch_size=` and "
+            "Lightning's injected DistributedSampler, no gradient accumulation."
+        )
+        return None
+
+    def batch_size_of(self, position: int) -> int:
+        """Samples of this rank's batch at ``position`` (the last batch of an epoch may be smaller)."""
+        return len(self.batches.indices(position))
+
+    def indices_of(self, position: int, shard: int | None = None) -> list[Any]:
+        """Dataset indices of this rank's batch at ``position`` (or of shard ``shard``'s batch there)."""
+        return self.batches.indices(position, shard)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the groups train disjoint shards (a ``DistributedSampler``), so another group's batch is known."""
+        return isinstance(self.batches.sampler, DistributedSampler)
+
+    def collate(self, indices: list[Any]) -> Any:
+        """One batch of these dataset indices, collated as the loader does."""
+        return self.batches.collate_fn([self.batches.dataset[i] for i in indices])
+
+    def take(self, loader_batch: Any, step: int, prepare: Callable[[Any], Any]) -> tuple[Any, bool]:
+        """The batch to train at committed ``step`` (``prepare`` applies Lightning's pre-transfer hooks to a
+        batch built here); also re-aims the loader so its next batches are the next steps'. Returns
+        ``(batch, rebuilt)``."""
+        issued = self.positions.issued
+        if issued:
+            self._ahead[issued.popleft()] = loader_batch
+        for q in [q for q in self._ahead if q < step]:
+            del self._ahead[q]
+        if step in self._ahead:
+            batch, rebuilt = self._ahead.pop(step), False
+        else:
+            batch, rebuilt = prepare(self.batches[step]), True
+            self.rebuilt += 1
+        while len(self._ahead) > self.MAX_AHEAD:
+            del self._ahead[max(self._ahead)]
+        # the batches the loader already queued feed steps step+1 .. step+len(issued); what it reads next
+        # should be the step after those
+        self.positions.cursor = step + 1 + len(issued)
+        return batch, rebuilt

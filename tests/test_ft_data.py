@@ -1,0 +1,260 @@
+"""ft_hsdp exact data accounting across faults (``data_on_failure`` = ``skip`` / ``redistribute``), real processes.
+
+2 replica groups x 1 rank, started by ``fsdp-strategies-ft``; a dataset that returns its indices, a callback
+that records the sample ids every group trained at every step (tests/workers/ft_data.py). Groups are
+SIGKILLed by the launcher at planned steps and once while applying a heal. Checked: at committed step ``s``
+every group that took part trained batch ``s mod B`` of its shard (data epoch ``s // B``), no sample is
+trained twice in a data epoch; with ``skip`` what is not trained is exactly the down groups' shards for the
+steps they were down -- which is what the strategy reported (per-step records and the launcher's summary);
+with ``redistribute`` the groups in a step also trained the missing groups' batches of that step, so every
+data epoch trains every sample exactly once.
+
+CI runs 2 kills (one launcher kill, one kill during the heal that follows); ``FSDP_STRATEGIES_FULL=1`` runs 6
+(4 launcher kills, 2 of them followed by a kill during the heal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from conftest import WORKERS, run_python
+
+WORKER = str(WORKERS / "ft_data.py")
+GROUPS, NUM_SAMPLES, BATCH, SEED = 2, 96, 4, 7
+PER_EPOCH = NUM_SAMPLES // GROUPS // BATCH  # committed steps per data epoch
+FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _expected(group: int, step: int, cache: dict) -> list[int]:
+    """Batch ``step mod PER_EPOCH`` of data epoch ``step // PER_EPOCH`` of the group's shard (Lightning's sampler)."""
+    epoch, i = divmod(step, PER_EPOCH)
+    if (group, epoch) not in cache:
+        sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=group, shuffle=True, seed=SEED)
+        sampler.set_epoch(epoch)
+        cache[group, epoch] = list(sampler)
+    return cache[group, epoch][i * BATCH:(i + 1) * BATCH]
+
+
+def _run(tmp: Path, mode: str, steps: int, kill_at: str, heal_kill: str, timeout: float) -> tuple[dict, list]:
+    # Steps are paced (0.1 s, 1 s while a group is down) so that restarts (tens of seconds on a busy machine)
+    # overlap training; the lighthouse's join timeout (2 s) stays above the pause, so a restarted group never
+    # forms a quorum of its own while the survivor sleeps.
+    events = tmp / "events"
+    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", str(GROUPS), "--ranks-per-group", "1",
+                "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "2000", "--events-dir", str(events),
+                "--timeout", str(timeout - 20), "--min-replicas", "1", "--kill-at-steps", kill_at,
+                "--max-restarts", "8", "--", WORKER],
+               env={"FT_DATA_OUT": str(tmp / "out"), "FT_DATA_STEPS": str(steps), "FT_DATA_SLEEP": "0.1",
+                    "FT_DATA_SLEEP_ALONE": "1.0",
+                    "FT_DATA_HEAL_KILL": heal_kill, "FT_DATA_MODE": mode}, timeout=timeout)
+    records = {g: _jsonl(tmp / "out" / f"group{g}_rank0.jsonl") for g in range(GROUPS)}
+    return records, _jsonl(events / "launcher.jsonl")
+
+
+def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills: int, heal_kills: int) -> dict:
+    kills = [e for e in launcher if e["event"] == "kill" and e["why"].startswith("at step")]
+    assert len(kills) == launcher_kills, kills
+    in_heal = [r for g in records for r in records[g] if r.get("killed_in_heal")]
+    assert len(in_heal) == heal_kills, in_heal
+    # every incarnation of a killed group after the last kill came back, healed and took part again
+    for g, recs in records.items():
+        last = max(r["incarnation"] for r in recs)
+        assert any(r["incarnation"] == last and r.get("participating") for r in recs), (g, last)
+    cache: dict = {}
+
+    # 1. Every group that took part in a step trained the step's batch of its own shard, in phase.
+    by_step: dict[int, dict] = {}
+    for g, recs in records.items():
+        seen = set()
+        for r in recs:
+            if r.get("killed_in_heal"):
+                continue
+            assert r["step_after"] == r["step"] + int(r["committed"]), r
+            if r["participating"]:  # (a healing group contributes zeros: its batch does not matter)
+                assert r["position"] == r["step"] and r["ids"][:BATCH] == _expected(g, r["step"], cache), (g, r)
+                assert len(r["ids"]) == BATCH + r["redistributed_samples"], r
+                assert mode == "redistribute" or not r["redistributed_samples"], r
+            if r["committed"]:
+                assert r["step"] not in seen, f"group {g} committed step {r['step']} twice"
+                seen.add(r["step"])
+                by_step.setdefault(r["step"], {})[g] = r
+    assert sorted(by_step) == list(range(steps)), "some committed step has no record"
+
+    # 2. Who trained each committed step: everybody when all groups took part (a group killed right after such
+    #    a step leaves no record, but its gradients are in the committed update); else the participating ones.
+    trained: dict[int, set[int]] = {}
+    extra_ids: dict[int, list[int]] = {}  # redistribute: the missing groups' samples trained by the others
+    missed_reported: dict[int, int] = {}
+    for step, recs in by_step.items():
+        participants = {r["participants"] for r in recs.values() if r["participating"]}
+        assert len(participants) == 1, (step, recs)
+        (p,) = participants
+        active = {g for g, r in recs.items() if r["participating"]}
+        trained[step] = set(range(GROUPS)) if p == GROUPS else active
+        assert len(trained[step]) == p, (step, recs)
+        extra_ids[step] = [i for r in recs.values() if r["participating"] for i in r["ids"][BATCH:]]
+        reports = {r["missed_samples"] for r in recs.values() if r["participating"]}
+        assert len(reports) == 1, (step, recs)
+        missed_reported[step] = reports.pop()
+
+    # 3. Per data epoch: no sample twice; missed = exactly the down groups' shards for the down steps = reported.
+    total_missed = 0
+    for epoch in range(steps // PER_EPOCH):
+        ids: list[int] = []
+        missed: set[int] = set()
+        for step in range(epoch * PER_EPOCH, (epoch + 1) * PER_EPOCH):
+            down = [g for g in range(GROUPS) if g not in trained[step]]
+            step_missed = [i for g in down for i in _expected(g, step, cache)]
+            if mode == "redistribute":  # the down groups' batches were trained by the others, in this step
+                assert sorted(extra_ids[step]) == sorted(step_missed), (step, extra_ids[step], down)
+                step_missed = []
+            else:
+                assert not extra_ids[step], step
+            assert missed_reported[step] == len(step_missed), (step, missed_reported[step], down)
+            missed.update(step_missed)
+            ids += [i for g in trained[step] for i in _expected(g, step, cache)] + extra_ids[step]
+        twice = [i for i, n in Counter(ids).items() if n > 1]
+        assert not twice, f"data epoch {epoch}: samples trained twice: {twice}"
+        assert set(ids) | missed == set(range(NUM_SAMPLES)) and not set(ids) & missed, epoch
+        total_missed += len(missed)
+    summary = next(e for e in launcher if e["event"] == "data")
+    assert summary["committed_steps"] == steps
+    assert summary["missed_samples"] == sum(missed_reported.values())
+    if mode == "skip":
+        # (back-to-back faults merge into one stretch of steps with a group missing)
+        assert summary["missed_samples"] == sum(n for _, _, n in summary["missed_stretches"]) > 0
+    else:
+        assert summary["missed_samples"] == 0 and total_missed == 0
+        assert summary["redistributed_samples"] == sum(len(v) for v in extra_ids.values()) >= BATCH * launcher_kills
+    # the loader follows the step: batches are rebuilt from the dataset only around faults
+    rebuilt = sum(r["rebuilt"] for recs in records.values() for r in recs if "rebuilt" in r)
+    assert rebuilt <= 6 * (launcher_kills + heal_kills) + 2 * GROUPS, rebuilt
+    return {"missed_samples": summary["missed_samples"], "redistributed": sum(len(v) for v in extra_ids.values()), "stretches": summary["missed_stretches"],
+            "rebuilt": rebuilt, "restarts": sum(e["event"] == "start" for e in launcher) - GROUPS}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["skip", "redistribute"])
+def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str) -> None:
+    if FULL:  # 4 launcher kills + 2 kills during the heals that follow (group 1's 1st and group 0's 1st restart)
+        steps, kill_at, heal_kill = 200, "1@5,0@30,1@60,0@90", "1:1,0:1"
+        launcher_kills, heal_kills = 4, 2
+    else:  # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals
+        steps, kill_at, heal_kill = 100, "1@5", "1:1"
+        launcher_kills, heal_kills = 1, 1
+    records, launcher = _run(tmp_path, mode, steps, kill_at, heal_kill, timeout=900 if FULL else 420)
+    figures = _check(mode, records, launcher, steps, launcher_kills, heal_kills)
+    print(f"data accounting ({mode}): {figures}")
+
+
+# ---------------------------------------------------------------------------- no processes
+def test_data_on_failure_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_strategies import FTHSDPStrategy
+
+    with pytest.raises(ValueError, match=r"data_on_failure='everything' is not a valid value.*Fix.*\('skip', 'redistribute'\)"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, num_replica_groups=2,
+                       data_on_failure="everything")  # type: ignore[arg-type]
+    assert FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0,
+                          num_replica_groups=2).data_on_failure == "skip"
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        return {"idx": i}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_loader_follows_the_committed_step(num_workers: int) -> None:
+    # Lightning's loop, reduced: an epoch of PER_EPOCH batches with one batch prefetched, the strategy taking the
+    # batch of the committed step each time. The steps: a discarded step (3 twice), a heal (jump 9 -> 40), epochs
+    # crossed on both sides. Every step gets its own batch; only the fault points build one from the dataset.
+    from fsdp_strategies._ft_data import StepAlignedData
+
+    sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=1, shuffle=True, seed=SEED)
+    loader = torch.utils.data.DataLoader(_Ids(), batch_size=BATCH, sampler=sampler, num_workers=num_workers)
+    aligned = StepAlignedData(loader, PER_EPOCH)
+    steps = [0, 1, 2, 3, 3, *range(4, 10), *range(40, 70)]
+    todo, cache, rebuilt = iter(steps), {}, []
+    while True:
+        it = iter(aligned.loader)
+        ahead = next(it)
+        for _ in range(len(aligned.loader)):
+            current, ahead = ahead, next(it, None)
+            step = next(todo, None)
+            if step is None:
+                assert [s for s, r in zip(steps, rebuilt) if r] == [3, 40], rebuilt
+                return
+            batch, was_rebuilt = aligned.take(current, step, lambda b: b)
+            rebuilt.append(was_rebuilt)
+            assert batch["idx"].tolist() == _expected(1, step, cache), step
+            if ahead is None:
+                break
+
+
+def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 groups, group 1 missing from step 5: groups 0 and 2 add halves of group 1's batch and weight their gradients
+    # so that torchft's average over the 2 participants equals the mean gradient over all 3 groups' samples.
+    from torch.distributed import ReduceOp
+
+    from fsdp_strategies import FTHSDPStrategy
+    from fsdp_strategies._ft_data import StepAlignedData
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return NUM_SAMPLES
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            return {"idx": i, "x": torch.randn(3, generator=g), "y": torch.randn(1, generator=g)}
+
+    class Manager:
+        def wait_quorum(self) -> None: ...
+        def num_participants(self) -> int: return 2
+        def is_participating(self) -> bool: return True
+
+        def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> object:
+            assert reduce_op == ReduceOp.SUM
+            tensor.copy_(torch.tensor([1.0, 0.0, 1.0]))
+            return type("Done", (), {"wait": lambda self: None})()
+
+    monkeypatch.setattr(FTHSDPStrategy, "root_device", property(lambda self: torch.device("cpu")))
+    model = torch.nn.Linear(3, 1)
+
+    def grad(batch: dict) -> torch.Tensor:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    step, per_epoch, averaged, seen = 5, NUM_SAMPLES // 3 // BATCH, 0.0, []
+    for group in (0, 2):
+        strategy = FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=group, num_replica_groups=3,
+                                  data_on_failure="redistribute")
+        sampler = DistributedSampler(Samples(), num_replicas=3, rank=group, shuffle=True, seed=SEED)
+        strategy._data = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler),
+                                         per_epoch)
+        strategy._manager, strategy._quorum_started = Manager(), True
+        strategy._grad_scale, strategy._extra_samples = 1.0, 0
+        batch = strategy._redistribute(None, step, lambda b: b)
+        assert batch["idx"].tolist()[:BATCH] == strategy._data.indices_of(step)
+        assert strategy._extra_samples == BATCH // 2
+        seen += batch["idx"].tolist()
+        averaged = averaged + strategy._grad_scale * grad(batch) / 2  # torchft: AVG over 2 participants
+    everything = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=DistributedSampler(
+        Samples(), num_replicas=3, rank=0, shuffle=True, seed=SEED)), per_epoch)
+    full = [i for g in range(3) for i in everything.indices_of(step, g)]
+    assert sorted(seen) == sorted(full)
+    torch.testing.assert_close(averaged, grad(everything.collate(full)))
