@@ -11,9 +11,11 @@ What it gives a suite:
 - :func:`run_worker`: one real multi-process job (``torchrun``) of a worker script, returning the
   JSON the worker's rank 0 wrote; a failure raises :class:`WorkerError` with the job's output tail.
 - :func:`interleave`: contenders run A B C A B C ... (``reps`` rounds) so a slow phase of a shared
-  machine hits every contender alike; warm-up steps are excluded inside the workers.
-- :func:`summarise` / :func:`paired_ratio`: medians and ratios (the median over rounds of the
-  per-round ratio, which cancels drift between rounds, plus the plain ratio of medians).
+  machine hits every contender alike; warm-up steps are excluded inside the workers. A round in
+  which any contender failed is run again (up to :data:`ROUND_RETRIES` more times), so every
+  contender's samples come from the same rounds; every failed attempt is kept with its stderr tail.
+- :func:`summarise` / :func:`paired_ratio`: medians and ratios over the rounds both sides completed
+  (the median of the per-round ratios, which cancels drift between rounds, plus the ratio of medians).
 - :func:`write_result`: ``<out_dir>/<suite>-<device>.json`` with :func:`header` (device name, versions
   of torch / lightning / torchft, command line, time) and every raw sample.
 - :func:`plot_timing`: the PNG of a timing suite; :func:`progress`: the tqdm progress bar.
@@ -137,7 +139,30 @@ def header(suite: str, config: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- workers
 class WorkerError(RuntimeError):
-    """A worker job failed; the message carries the command and the tail of its output."""
+    """A worker job failed; the message carries the command and the tail of its output.
+
+    ``returncode`` (``None`` on a timeout) and ``stderr_tail`` (its last lines of stderr, or of stdout
+    when stderr is empty) are kept apart so result files can list why a round was re-run.
+    """
+
+    def __init__(self, message: str, returncode: int | None = None, stderr_tail: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr_tail = list(stderr_tail)
+
+
+def _tail(text: str | bytes | None, lines: int) -> list[str]:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "").splitlines()[-lines:]
+
+
+def failure_tail(exc: BaseException, lines: int = 12) -> list[str]:
+    """The last lines that say why a job failed: a worker's stderr, else the exception's own text."""
+    tail = getattr(exc, "stderr_tail", None)
+    if tail:
+        return list(tail)[-lines:]
+    return _tail(f"{type(exc).__name__}: {exc}", lines)
 
 
 def free_port() -> int:
@@ -158,23 +183,34 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def worker_command(script: Path, nproc: int, args: Sequence[str], out: Path) -> list[str]:
+    """The command line of one contender job: ``torchrun`` with ``nproc`` ranks of ``script``."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
+
+
 def run_worker(script: str | Path, nproc: int, args: Sequence[str], *, timeout: float = 900,
                env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``torchrun --nproc_per_node NPROC WORKERS_DIR/script ARGS --out FILE`` and return FILE's JSON."""
+    """Run ``torchrun --nproc_per_node NPROC WORKERS_DIR/script ARGS --out FILE`` and return FILE's JSON.
+
+    A non-zero exit is a failure even when FILE was written (e.g. an abort at interpreter exit).
+    """
     script = Path(script)
     if not script.is_absolute():
         script = WORKERS_DIR / script
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args, "--out", str(out)]
+        cmd = worker_command(script, nproc, args, out)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(env), cwd=ROOT)
         except subprocess.TimeoutExpired as exc:
-            raise WorkerError(f"timed out after {timeout}s: {shlex.join(cmd)}") from exc
+            raise WorkerError(f"timed out after {timeout}s: {shlex.join(cmd)}", None,
+                              _tail(exc.stderr, 20) or _tail(exc.stdout, 20)) from exc
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-            raise WorkerError(f"exit {proc.returncode}: {shlex.join(cmd)}\n{tail}")
+            why = f"exit {proc.returncode}" if proc.returncode != 0 else "exit 0 without a result file"
+            raise WorkerError(f"{why}: {shlex.join(cmd)}\n{tail}", proc.returncode,
+                              _tail(proc.stderr, 20) or _tail(proc.stdout, 20))
         return json.loads(out.read_text())
 
 
@@ -186,24 +222,64 @@ def progress(total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="job", dynamic_ncols=True, file=sys.stderr)
 
 
+# Extra attempts of a round in which a contender failed (``benchmarks/run.py --retries``).
+ROUND_RETRIES = 2
+
+
+class Rounds(dict):  # type: ignore[type-arg]
+    """:func:`interleave`'s result: contender -> one result per round (a dict as before), plus ``failures``.
+
+    ``failures`` lists every failed attempt: ``contender``, ``round``, ``attempt``, ``error`` (first
+    line), ``returncode``, ``stderr_tail`` and ``outcome`` (``"round re-run"`` or, after the last
+    attempt, ``"round incomplete"``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures: list[dict[str, Any]] = []
+
+
 def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int], Any],
-               bar: Any | None = None) -> dict[str, list[Any]]:
+               bar: Any | None = None, *, retries: int | None = None) -> Rounds:
     """Run ``run_one(contender, rep)`` as A B C, A B C, ... for ``reps`` rounds; results per contender.
 
-    ``run_one`` may raise; the exception object is stored in place of that round's result so one
-    failing contender does not stop the others.
+    ``run_one`` may raise. A round in which any contender raised is run again, every contender of it
+    (up to ``retries`` more times, default :data:`ROUND_RETRIES`), and the attempt that completes it
+    is kept: every contender then has a result from the same rounds, and per-round ratios compare
+    jobs that ran side by side. A round still incomplete after the last attempt keeps that attempt,
+    with the exception object in place of the failed results, so one failing contender does not stop
+    the others. Every failed attempt is listed in the result's ``failures``.
     """
-    results: dict[str, list[Any]] = {c: [] for c in contenders}
+    retries = ROUND_RETRIES if retries is None else max(0, retries)
+    results = Rounds({c: [] for c in contenders})
     for rep in range(reps):
+        for attempt in range(retries + 1):
+            got: dict[str, Any] = {}
+            for name in contenders:
+                if bar is not None:
+                    bar.set_postfix_str(f"{name} rep {rep + 1}/{reps}" + (f" try {attempt + 1}" if attempt else ""))
+                try:
+                    got[name] = run_one(name, rep)
+                except Exception as exc:  # recorded in the result file, shown in the summary
+                    got[name] = exc
+                if bar is not None:
+                    bar.update(1)
+            failed = [n for n in contenders if isinstance(got[n], BaseException)]
+            last = not failed or attempt == retries
+            for name in failed:
+                exc = got[name]
+                results.failures.append({
+                    "contender": name, "round": rep, "attempt": attempt,
+                    "error": (str(exc).splitlines() or [type(exc).__name__])[0],
+                    "returncode": getattr(exc, "returncode", None), "stderr_tail": failure_tail(exc),
+                    "outcome": "round incomplete" if last else "round re-run"})
+            if last:
+                break
+            if bar is not None and getattr(bar, "total", None) is not None:
+                bar.total += len(contenders)
+                bar.refresh()
         for name in contenders:
-            if bar is not None:
-                bar.set_postfix_str(f"{name} rep {rep + 1}/{reps}")
-            try:
-                results[name].append(run_one(name, rep))
-            except Exception as exc:  # recorded in the result file, shown in the summary
-                results[name].append(exc)
-            if bar is not None:
-                bar.update(1)
+            results[name].append(got[name])
     return results
 
 
@@ -213,14 +289,26 @@ def median(values: Iterable[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _present(x: float | None) -> bool:
+    return x is not None and not math.isnan(x)
+
+
 def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> dict[str, Any]:
-    """Ratio num/den of per-round medians: the median of per-round ratios and the ratio of medians."""
-    per_round = [a / b for a, b in zip(num, den) if a is not None and b]
-    mn, md = median(x for x in num if x is not None), median(x for x in den if x is not None)
+    """Ratio num/den of per-round medians, over the rounds both sides completed (``None``: failed).
+
+    ``value`` is the median of the per-round ratios; ``ratio_of_medians`` uses the same rounds only
+    (a median over rounds one side lacks would compare different moments of a shared machine);
+    ``rounds_paired`` / ``rounds_unpaired`` say how many rounds each figure stands on.
+    """
+    pairs = [(a, b) for a, b in zip(num, den) if _present(a) and _present(b) and b]
+    per_round = [a / b for a, b in pairs]
+    mn, md = median(a for a, _ in pairs), median(b for _, b in pairs)
     return {
         "value": median(per_round),
         "per_round": per_round,
         "ratio_of_medians": (mn / md) if mn is not None and md else None,
+        "rounds_paired": len(pairs),
+        "rounds_unpaired": max(len(num), len(den)) - len(pairs),
     }
 
 
@@ -327,7 +415,8 @@ def collect_cases(suite: str, contenders: Sequence[Contender], *, sizes: Sequenc
             per: dict[str, Any] = {name: summarise(r) for name, r in runs.items()}
             for name, reason in skipped.items():
                 per[name] = {"skipped": reason}
-            case: dict[str, Any] = {"size": size, "ranks": n, "params": None, "contenders": per, "ratios": {}}
+            case: dict[str, Any] = {"size": size, "ranks": n, "params": None, "contenders": per, "ratios": {},
+                                    "failures": runs.failures}
             ok = [x for r in runs.values() for x in r if isinstance(x, dict)]
             if ok:
                 case["params"] = ok[0]["params"]
@@ -373,7 +462,7 @@ def run_timing_suite(
     result["cases"] = cases
     result["summary"] = [
         {"size": c["size"], "ranks": c["ranks"], "ratio": name, "value": r["value"], "target": r["target"],
-         "met": r["met"]}
+         "met": r["met"], "rounds": f"{r['rounds_paired']}/{reps}"}
         for c in cases for name, r in c["ratios"].items()
     ]
     path = write_result(suite, result, out_dir)
@@ -474,17 +563,28 @@ def format_summary(result: dict[str, Any]) -> str:
         target = row.get("target")
         verdict = "" if row.get("met") is None else ("  ok" if row["met"] else "  MISSED")
         keys = " ".join(f"{k}={row[k]}" for k in ("size", "ranks") if k in row)
+        rounds = f"  [{row['rounds']} rounds]" if row.get("rounds") else ""
         lines.append(f"  {keys:<22} {row.get('ratio', ''):<42} {shown:>7}"
-                     + (f"  (target <= {target:.3f})" if isinstance(target, (int, float)) else "") + verdict)
+                     + (f"  (target <= {target:.3f})" if isinstance(target, (int, float)) else "") + verdict + rounds)
     for case in result.get("cases") or []:
         if not isinstance(case, dict):
             continue
+        listed = isinstance(case.get("failures"), list)
         for name, rec in (case.get("contenders") or {}).items():
             where = f"size={case.get('size')} ranks={case.get('ranks')} {name}"
             if isinstance(rec, dict) and rec.get("skipped"):
                 lines.append(f"  skipped {where}: {rec['skipped']}")
+            if listed:
+                continue  # every failed attempt is listed below, with its stderr tail
             for err in (rec.get("errors") or []) if isinstance(rec, dict) else []:
                 lines.append(f"  ERROR {where}: {err.splitlines()[0] if err else err}")
+        for fail in (case.get("failures") or []) if listed else []:
+            where = f"size={case.get('size')} ranks={case.get('ranks')} {fail.get('contender')}"
+            kind = "ERROR" if fail.get("outcome") == "round incomplete" else "FAILED, round re-run:"
+            error = str(fail.get("error"))
+            lines.append(f"  {kind} {where} round {fail.get('round', 0) + 1} try {fail.get('attempt', 0) + 1}: "
+                         f"{error if len(error) <= 100 else error[:97] + '...'}")
+            lines.extend(f"      | {line}" for line in (fail.get("stderr_tail") or [])[-6:])
     return "\n".join(lines)
 
 
@@ -501,6 +601,17 @@ def add_common_options(parser: Any) -> None:
     parser.add_argument("--contenders", nargs="+", default=None,
                         help="run only these contenders (each suite keeps the ones it has)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--retries", type=int, default=None,
+                        help=f"extra attempts of a round in which a contender failed (default {ROUND_RETRIES})")
+
+
+def apply_common_options(ns: Any) -> None:
+    """Process-wide settings from the common options (``--retries``)."""
+    global ROUND_RETRIES
+    if getattr(ns, "retries", None) is not None:
+        if ns.retries < 0:
+            raise ValueError(f"--retries={ns.retries} is negative. Fix: 0 (no re-runs) or more.")
+        ROUND_RETRIES = ns.retries
 
 
 def suite_options(ns: Any) -> dict[str, Any]:
@@ -522,6 +633,7 @@ def suite_main(run: Callable[..., dict[str, Any]], description: str,
     if add_options is not None:
         add_options(parser)
     ns = parser.parse_args()
+    apply_common_options(ns)
     own = {k: v for k, v in vars(ns).items() if k not in shared}
     result = run(quick=ns.quick, out_dir=ns.out_dir, **suite_options(ns), **own)
     print(format_summary(result))

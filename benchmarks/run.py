@@ -9,6 +9,10 @@ versions, device) and a PNG next to it. Examples::
     python benchmarks/run.py all --quick                # every suite, smoke-test sized
     python benchmarks/run.py fsdp ddp --sizes small --ranks 1 2 4 --reps 5
     python benchmarks/run.py --list
+
+A round in which any contender's job fails is run again (``--retries``, default 2 more attempts), so
+every contender has results from the same rounds; ratios use only rounds both sides completed, and
+every failed attempt is listed (JSON ``cases[].failures`` and the printed table) with its stderr tail.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print markdown tables of the result files in --out-dir (for the suites named, or all)")
     common.add_common_options(parser)
     ns = parser.parse_args(argv)
+    common.apply_common_options(ns)
     available = discover()
     if ns.report:
         paths = sorted(p for p in Path(ns.out_dir).glob("*.json")

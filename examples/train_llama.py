@@ -17,11 +17,14 @@ from lightning.pytorch.cli import LightningCLI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsdp_strategies  # noqa: F401  (registers strategy names)
+from fsdp_strategies.cli import ArgumentParser
 from llama import LlamaLM, MarkovDataModule
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
-    return LightningCLI(LlamaLM, MarkovDataModule, args=args, save_config_kwargs={"overwrite": True})
+    # ArgumentParser: a bad option value or name is reported first, with its valid values and a fix
+    return LightningCLI(LlamaLM, MarkovDataModule, args=args, save_config_kwargs={"overwrite": True},
+                        parser_class=ArgumentParser)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, WORKERS, run_python
 
 BENCH = ROOT / "benchmarks"
 if str(BENCH) not in sys.path:
@@ -48,13 +48,69 @@ def test_interleave_order_and_ratios() -> None:
             raise RuntimeError("boom")
         return {"A": 2.0, "B": 1.0}[name] * (rep + 1)
 
-    out = common.interleave(["A", "B", "C"], 2, run_one)
-    assert calls == [("A", 0), ("B", 0), ("C", 0), ("A", 1), ("B", 1), ("C", 1)]
+    out = common.interleave(["A", "B", "C"], 2, run_one, retries=1)
+    # C fails in every attempt: each round is run twice (1 retry), A B C as a whole, then left incomplete
+    assert calls == [("A", 0), ("B", 0), ("C", 0)] * 2 + [("A", 1), ("B", 1), ("C", 1)] * 2
     assert out["A"] == [2.0, 4.0] and out["B"] == [1.0, 2.0]
     assert all(isinstance(e, RuntimeError) for e in out["C"])  # a failing contender does not stop the others
-    ratio = common.paired_ratio([2.0, 4.0, None], [1.0, 2.0, 3.0])
+    assert [(f["contender"], f["round"], f["attempt"], f["outcome"]) for f in out.failures] == [
+        ("C", 0, 0, "round re-run"), ("C", 0, 1, "round incomplete"),
+        ("C", 1, 0, "round re-run"), ("C", 1, 1, "round incomplete")]
+    assert out.failures[0]["stderr_tail"] == ["RuntimeError: boom"]
+    # ratios only over rounds both sides completed: the ratio of medians too (round 3 has no numerator)
+    ratio = common.paired_ratio([2.0, 4.0, None], [1.0, 2.0, 30.0])
     assert ratio["per_round"] == [2.0, 2.0] and ratio["value"] == 2.0
-    assert ratio["ratio_of_medians"] == pytest.approx(3.0 / 2.0)
+    assert ratio["ratio_of_medians"] == pytest.approx(3.0 / 1.5)
+    assert (ratio["rounds_paired"], ratio["rounds_unpaired"]) == (2, 1)
+    none = common.paired_ratio([None, None], [1.0, 2.0])
+    assert none["value"] is None and none["ratio_of_medians"] is None and none["rounds_paired"] == 0
+
+
+def test_a_failed_round_is_rerun_so_contenders_stay_paired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real runner (run_worker, summarise, ratios, JSON, table) with fake contender jobs; no training.
+
+    ``flaky`` aborts at exit in its first job of round 2 (after writing a result, as gloo jobs did):
+    the whole round runs again, both contenders keep exactly 2 rounds, the ratio stands on both,
+    and the failure is listed with its stderr tail. ``broken`` never succeeds: its rounds stay
+    incomplete after 2 retries and its ratio has no paired round.
+    """
+    fake = WORKERS / "bench_fake.py"
+    log = tmp_path / "jobs.log"
+    monkeypatch.setenv("BENCH_FAKE_LOG", str(log))
+    # the seam where a contender's job is started: the same process handling, a plain python command
+    monkeypatch.setattr(common, "worker_command",
+                        lambda script, nproc, args, out: [sys.executable, str(script), *args, "--out", str(out)])
+    contenders = [common.Contender(n, str(fake), "torch", f"fake {n}") for n in ("steady", "flaky", "broken")]
+    specs = [common.RatioSpec("flaky", "steady", 2.5), common.RatioSpec("broken", "steady", 1.0)]
+    result = common.run_timing_suite("fake", contenders[:2], specs[:1], sizes=["tiny"], ranks=[1], reps=2, steps=2,
+                                     warmup=1, precision="32-true", out_dir=tmp_path, quick=True, show_progress=False)
+    assert log.read_text().split("\n")[:-1] == ["steady 0", "flaky 0", "steady 1", "flaky 1", "steady 1", "flaky 1"]
+    saved = json.loads(Path(result["json_path"]).read_text())
+    [case] = saved["cases"]
+    for name in ("steady", "flaky"):
+        assert len(case["contenders"][name]["rep_medians_s"]) == 2 and case["contenders"][name]["errors"] == []
+    ratio = case["ratios"]["flaky/steady"]
+    assert ratio["per_round"] == pytest.approx([2.0, 2.0]) and ratio["rounds_paired"] == 2 and ratio["met"] is True
+    [failure] = case["failures"]
+    assert (failure["contender"], failure["round"], failure["attempt"], failure["returncode"], failure["outcome"]) == (
+        "flaky", 1, 0, 134, "round re-run")
+    assert failure["stderr_tail"][-1] == "terminate called without an active exception"
+    table = common.format_summary(saved)
+    assert "[2/2 rounds]" in table and "FAILED, round re-run: size=tiny ranks=1 flaky round 2 try 1: exit 134" in table
+    assert "| terminate called without an active exception" in table
+
+    log.unlink()
+    result = common.run_timing_suite("fake", [contenders[0], contenders[2]], specs[1:], sizes=["tiny"], ranks=[1],
+                                     reps=1, steps=2, warmup=1, precision="32-true", out_dir=tmp_path / "b",
+                                     quick=True, show_progress=False)
+    assert log.read_text().split("\n")[:-1] == ["steady 0", "broken 0"] * 3  # 1 + ROUND_RETRIES attempts
+    [case] = result["cases"]
+    assert [f["outcome"] for f in case["failures"]] == ["round re-run", "round re-run", "round incomplete"]
+    assert case["ratios"]["broken/steady"]["value"] is None and case["ratios"]["broken/steady"]["rounds_paired"] == 0
+    assert case["contenders"]["steady"]["rep_medians_s"] == [pytest.approx(0.01)]
+    table = common.format_summary(result)
+    assert "ERROR size=tiny ranks=1 broken round 1 try 3: exit 1" in table
+    assert "| RuntimeError: the broken contender always fails" in table and "[0/1 rounds]" in table
 
 
 def test_runner_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:

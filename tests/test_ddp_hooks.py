@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from conftest import WORKERS, run_python
 from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy
+from fsdp_strategies.strategies.ddp import in_bucket_order
 
 WORKER = str(WORKERS / "ddp_train.py")
 TINY_CLI = ("--trainer.logger false --trainer.enable_checkpointing false --trainer.enable_progress_bar false "
@@ -17,10 +20,12 @@ TINY_CLI = ("--trainer.logger false --trainer.enable_checkpointing false --train
             "--model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 --data.num_train 256 --data.num_val 16")
 
 
-def _run(tmp_path: Path, devices: int, runs: list[str], steps: int, cli_extra: str = "", timeout: float = 400) -> dict:
+def _run(tmp_path: Path, devices: int, runs: list[str], steps: int, cli_extra: str = "", timeout: float = 400,
+         bucket_cap_mb: float | None = None) -> dict:
     out = tmp_path / "out.pt"
+    cap = [] if bucket_cap_mb is None else ["--bucket-cap-mb", str(bucket_cap_mb)]
     run_python([WORKER, "--out", str(out), "--devices", str(devices), "--steps", str(steps), "--runs", ",".join(runs),
-                "--cli-extra", cli_extra], timeout=timeout)
+                "--cli-extra", cli_extra, *cap], timeout=timeout)
     return torch.load(out, weights_only=False)
 
 
@@ -70,16 +75,53 @@ def test_layout_validated_before_the_process_group() -> None:
     assert default.local_group_size == 2
 
 
+def test_in_bucket_order_starts_a_bucket_after_the_previous_one_finished() -> None:
+    """The hook for bucket i + 1 is called only once bucket i's future (and its callbacks) completed."""
+    events: list[str] = []
+    futures: list[torch.futures.Future] = []
+
+    def hook(state: object, bucket: str) -> torch.futures.Future:
+        events.append(f"start {bucket}")
+        fut: torch.futures.Future = torch.futures.Future()
+        futures.append(fut)
+        return fut
+
+    ordered = in_bucket_order(hook)
+    assert ordered(None, "b0") is futures[0]
+    finish = threading.Timer(0.3, lambda: (events.append("end b0"), futures[0].set_result(None)))
+    finish.start()
+    ordered(None, "b1")  # blocks until b0's future is done
+    finish.join()
+    assert events == ["start b0", "end b0", "start b1"]
+    assert "powerSGD_hook" in in_bucket_order(powerSGD_hook.powerSGD_hook).__qualname__  # DDP logs the name
+    futures[1].set_exception(RuntimeError("peer gone"))
+    with pytest.raises(RuntimeError, match="peer gone"):  # a failed bucket surfaces in the next one's backward
+        ordered(None, "b2")
+
+
 # ---------------------------------------------------------------------- 2 ranks
 @pytest.mark.multiprocess
 def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
+    """Every hook on 2 ranks, each model split into several DDP buckets (0.05 MB each: ~8 for the tiny Llama).
+
+    PowerSGD issues a bucket's later all-reduces from future callbacks: with several buckets on gloo
+    they used to reach the process group in a different order on each rank (abort or hang).
+    """
     steps = 10
-    runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "resume:powersgd",
-            "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
-            "cli:configs/ddp_hooks_compress.yaml", "stall:post_local_sgd_period8"]
+    runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd_2",
+            "resume:powersgd", "recap:powersgd", "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
+            "cli:configs/ddp_hooks_compress.yaml", "stall:post_local_sgd_period8", "demo:powersgd"]
     extra = (f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
-             "--trainer.strategy.init_args.powersgd_start_iter 2")
-    res = _run(tmp_path, 2, runs, steps, extra)
+             "--trainer.strategy.init_args.powersgd_start_iter 2 --trainer.strategy.init_args.bucket_cap_mb 0.05")
+    res = _run(tmp_path, 2, runs, steps, extra, bucket_cap_mb=0.05)
+    # several buckets, the same on both ranks (PowerSGD keeps one error-feedback tensor per bucket)
+    assert res["powersgd"]["buckets"] >= 4, res["powersgd"]["buckets"]
+    assert res["cli:configs/ddp_hooks_powersgd.yaml"]["buckets"] >= 4
+    # Lightning's demo Transformer (the issue's reproduction) with DDP's default 25 MB buckets: embedding and
+    # decoder (33278 x 200 each) land in different buckets; compression from step 3 on, ranks stay identical
+    demo = res["demo:powersgd"]
+    assert demo["buckets"] >= 2 and demo["global_step"] == 5
+    assert demo["rows"][-1]["hook_iter"] == 5 and all(r["in_sync"] for r in demo["rows"])
     ref = res["ddp"]
     assert ref["global_step"] == steps
     # the default hook is DDP's own all-reduce: identical to Lightning's ddp
@@ -90,7 +132,7 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     assert 0.0 < fp16 < bf16 < 0.05, (fp16, bf16)
     assert abs(_tail_loss(res["bf16_compress"]) - _tail_loss(ref)) < 0.01
     start = sum(ref["rows"][0]["loss"]) / 2
-    for name in ("ddp", "powersgd", "post_local_sgd"):  # 10 steps take the loss from ~4.2 to ~2.0-2.5
+    for name in ("ddp", "powersgd", "post_local_sgd", "hierarchical_sgd_2"):  # 10 steps take the loss from ~4.2 to ~2.0-2.5
         assert _tail_loss(res[name]) < start - 1.0, f"{name} did not train: {res[name]['rows']}"
     assert abs(_tail_loss(res["post_local_sgd"]) - _tail_loss(ref)) < 0.15
     assert _tail_loss(res["powersgd"]) < _tail_loss(ref) + 0.7  # rank-2 compression learns more slowly
@@ -105,6 +147,9 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     sync = [r["in_sync"] for r in res["post_local_sgd"]["rows"]]
     # warm-up 3 global steps; then PeriodicModelAverager (period 2) averages at averager steps 3, 5, 7, ...
     assert sync == [True, True, True, True, False, True, False, True, False, True]
+    # HierarchicalModelAverager {2: 2}, warm-up 3: averages at even averager steps from 4 on
+    assert [r["in_sync"] for r in res["hierarchical_sgd_2"]["rows"]] == [True, True, True] + [False, True] * 3 + [False]
+    assert abs(_tail_loss(res["hierarchical_sgd_2"]) - _tail_loss(ref)) < 0.15
     # PowerSGD state restored per rank (error feedback differs between ranks) from the checkpoint
     ckpt = torch.load(res["continuous:powersgd"]["ckpt"], weights_only=True)
     saved = ckpt["ddp_hooks_state"]["per_rank"]
@@ -115,6 +160,19 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
         expect = {k: v.double().abs().sum().item() for k, v in saved[rank]["powersgd"]["error_dict"].items()}
         assert expect and restored[rank]["error"] == pytest.approx(expect, rel=1e-12)
     assert saved[0]["powersgd"]["error_dict"][0].ne(saved[1]["powersgd"]["error_dict"][0]).any()
+    # ... and the resumed run continues exactly (every rank's loss), although DDP's first step after a
+    # re-wrap uses its initial buckets, not the rebuilt ones the saved state belongs to
+    assert len(saved[0]["powersgd"]["error_dict"]) >= 4
+    keys = ("step", "loss", "in_sync", "hook_iter")
+    cont, resumed = res["continuous:powersgd"]["rows"], res["resume:powersgd"]["rows"]
+    assert [r["step"] for r in resumed] == list(range(7, steps + 1))
+    assert [tuple(r[k] for k in keys) for r in resumed] == [tuple(r[k] for k in keys) for r in cont[6:]]
+    # resumed with one bucket instead: the first step still runs the checkpoint's buckets (exact), then PowerSGD
+    # restarts the error feedback of the one bucket DDP has now, and the stale buckets' state is gone
+    recap = res["recap:powersgd"]
+    assert [tuple(r[k] for k in keys) for r in recap["rows"][:2]] == [tuple(r[k] for k in keys) for r in cont[6:8]]
+    assert recap["buckets"] == 1 and recap["global_step"] == steps and all(r["in_sync"] for r in recap["rows"])
+    assert _tail_loss(recap) < start - 1.0
     # YAML configs through LightningCLI
     for name in ("cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
                  "cli:configs/ddp_hooks_compress.yaml"):

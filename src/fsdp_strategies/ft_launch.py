@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,8 @@ class _Group:
     log: Any = None
     kills: int = 0
     abandoned: bool = False
+    succeeded: bool = False  # exited 0: its training finished
+    gave_up: str | None = None  # why, once it exhausted --max-restarts
     exit_codes: list[int] = field(default_factory=list)
 
 
@@ -136,6 +139,25 @@ def _last_step(events: Path, min_time: float) -> int:
     except OSError:
         return -1
     return step
+
+
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b|error:|Error:|FATAL|Fatal)")
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+
+
+def _last_error_line(log: Path, max_bytes: int = 256 * 1024) -> str:
+    """The last error line of a group's latest start in its log (the worker's own exception before
+    torchrun's summary), else its last non-empty line."""
+    try:
+        with log.open("rb") as fh:
+            fh.seek(max(0, log.stat().st_size - max_bytes))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in text.split("\n===== start #")[-1].splitlines()[1:]]
+    lines = [line for line in lines if line and not line.startswith("=====")]
+    errors = [line for line in lines if _ERROR_LINE.match(line) and "ChildFailedError" not in line]
+    return (errors or lines or ["(no output)"])[-1][:500]
 
 
 def _finished(events: Path) -> bool:
@@ -308,7 +330,8 @@ def run(
                 note({"event": "timeout", "after_s": timeout})
                 returncode = 124
                 break
-            any_finished = any(g.finished or _finished(events / f"group{g.gid}.jsonl") for g in all_groups)
+            # finished training (a group that gave up or was abandoned has not)
+            any_finished = any(g.succeeded or _finished(events / f"group{g.gid}.jsonl") for g in all_groups)
             if any_finished:  # a group that has not committed yet would start over alone at step 0: stop it
                 for other in all_groups:
                     if other.proc is not None and other.proc.poll() is None and not other.finished and \
@@ -325,7 +348,7 @@ def run(
                 g.exit_codes.append(code)
                 note({"event": "exit", "group": g.gid, "code": code})
                 if code == 0:
-                    g.finished = True
+                    g.finished = g.succeeded = True
                     continue
                 kill_tree(g.proc.pid)  # leftovers of the group (a rank that survived its peers)
                 if any_finished:
@@ -334,7 +357,13 @@ def run(
                     g.proc = None
                     continue
                 if g.restarts >= max_restarts:
-                    note({"event": "give_up", "group": g.gid, "restarts": g.restarts})
+                    log = logs / f"group{g.gid}.log"
+                    g.gave_up = _last_error_line(log)
+                    note({"event": "give_up", "group": g.gid, "restarts": g.restarts, "code": code,
+                          "last_error": g.gave_up, "log": str(log)})
+                    print(f"fsdp-strategies-ft: replica group {g.gid} gave up: it exited {code} after "
+                          f"{g.restarts} restart(s) (--max-restarts {max_restarts}). Last error: {g.gave_up} "
+                          f"(log: {log})", file=sys.stderr, flush=True)
                     returncode = 1
                     g.finished = True
                     g.proc = None
@@ -384,6 +413,11 @@ def run(
     if data is not None:
         note({"event": "data", **data})
     note({"event": "done", "returncode": returncode, "wall_s": wall, "kills": len(kills), "restarts": len(restarts)})
+    gave_up = [g for g in all_groups if g.gave_up is not None]
+    if gave_up:  # the last lines a user sees: which groups gave up, and why
+        for g in gave_up:
+            print(f"fsdp-strategies-ft: FAILED: replica group {g.gid} exhausted --max-restarts {max_restarts} "
+                  f"(exit codes {g.exit_codes}); last error: {g.gave_up}", file=sys.stderr, flush=True)
     return LauncherResult(returncode=returncode, kills=kills, restarts=restarts, wall_s=wall, events_dir=events)
 
 

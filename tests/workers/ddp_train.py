@@ -4,7 +4,12 @@
 
 Each run trains the example Llama (tiny) for ``--steps`` and records, per step: every rank's loss,
 whether all ranks hold bit-identical parameters, the hook/averager counters; plus rank 0's final
-parameters. ``--runs`` may also hold ``cli:CONFIG`` entries: that YAML goes through LightningCLI.
+parameters. ``--runs`` may also hold ``cli:CONFIG`` entries: that YAML goes through LightningCLI, and
+``demo:HOOK`` entries: Lightning's own demo Transformer (WikiText2-sized vocabulary, random tokens, no
+download) under ``ddp_hooks`` with DDP's default buckets, which split its embedding and decoder apart.
+``--bucket-cap-mb`` sets DDP's bucket size of every other run (the reference ``ddp`` included), so
+small values give every hook several buckets; ``recap:NAME`` resumes ``resume:NAME``'s checkpoint with
+one 25 MB bucket instead.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.demos.transformer import LightningTransformer  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from fsdp_strategies import DDPHooksStrategy  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
@@ -122,20 +130,59 @@ def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: lis
                       gradient_clip_val=1.0)
 
 
-def _strategy(name: str) -> Any:
+def _strategy(name: str, bucket_cap_mb: float | None = None) -> Any:
+    cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     if name == "ddp":
-        return "ddp"  # Lightning's own, the reference
+        return DDPStrategy(**cap) if cap else "ddp"  # Lightning's own, the reference
     if name == "post_local_sgd_period8":
-        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=8, local_sgd_warmup=2, local_group_size=1)
+        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=8, local_sgd_warmup=2, local_group_size=1,
+                                **cap)
     if name == "post_local_sgd":
-        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1)
+        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1,
+                                **cap)
     if name == "hierarchical_sgd":
         return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2, 4: 4}, local_sgd_warmup=3,
-                                local_group_size=1)
+                                local_group_size=1, **cap)
+    if name == "hierarchical_sgd_2":  # 2 ranks: one level, both ranks every 2 steps
+        return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2}, local_sgd_warmup=3,
+                                local_group_size=1, **cap)
     if name == "powersgd":
         return DDPHooksStrategy(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=3,
-                                powersgd_min_compression_rate=1.0)
-    return DDPHooksStrategy(comm_hook=name)
+                                powersgd_min_compression_rate=1.0, **cap)
+    return DDPHooksStrategy(comm_hook=name, **cap)
+
+
+class _RandomTokens(LightningTransformer):
+    """Lightning's demo Transformer on random (input, target) token blocks instead of a WikiText2 download."""
+
+    def prepare_data(self) -> None:
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.model.vocab_size, (64, 2, 35), generator=gen)
+        return DataLoader(TensorDataset(tokens[:, 0], tokens[:, 1]), batch_size=2)
+
+
+def _demo_fit(hook: str, devices: int, rec: pl.Callback) -> pl.Trainer:
+    """The issue's setting: demo Transformer, 2 ranks, DDP's default buckets, the hook compressing from step 3."""
+    strategy = DDPHooksStrategy(comm_hook=hook, powersgd_start_iter=2, gradient_as_bucket_view=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=5, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[rec])
+    trainer.fit(_RandomTokens())
+    return trainer
+
+
+def _buckets_seen(trainer: pl.Trainer) -> int | None:
+    """How many DDP buckets PowerSGD handled (one error-feedback tensor per bucket), on every rank alike."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPHooksStrategy) or strategy.comm_hook != "powersgd":
+        return None
+    counts: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(counts, len(strategy.comm_state_dict()["powersgd"]["error_dict"]))
+    assert len(set(counts)) == 1, counts
+    return counts[0]
 
 
 def _cli(config: str, extra: list[str]) -> LightningCLI:
@@ -150,12 +197,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--runs", required=True)
     parser.add_argument("--cli-extra", default="", help="space-separated LightningCLI overrides for cli: runs")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size of the non-cli runs")
     args = parser.parse_args()
     out_dir = Path(args.out).parent
     results: dict[str, Any] = {}
     for run in args.runs.split(","):
         pl.seed_everything(1234, workers=True)
         rec = Recorder()
+        cap = args.bucket_cap_mb
+        if run.startswith("demo:"):
+            trainer = _demo_fit(run[5:], args.devices, rec)
+            results[run] = {"rows": rec.rows, "global_step": trainer.global_step,
+                            "buckets": _buckets_seen(trainer)}
+            continue
         if run.startswith("cli:"):
             config = run[4:]
             cli = _cli(config, args.cli_extra.split())
@@ -165,31 +219,38 @@ def main() -> None:
         elif run.startswith("stall:"):
             # rank 1 stalls during local steps: rank 0 must not wait for it before the next averaging
             probe = StallProbe()
-            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:]), max_steps=12,
+            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:], cap), max_steps=12,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
             results[run] = {"step_s": probe.step_s}
             continue
+        elif run.startswith("recap:"):
+            # resume the checkpoint of an earlier ``resume:NAME`` run with DDP's default (one) bucket instead
+            name = run[6:]
+            root = out_dir / f"ckpt_{name}"
+            trainer = _trainer(_strategy(name, 25.0), args.steps, args.devices, root / "recap", [rec])
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
         elif run.startswith("resume:"):
             # continuous run with a checkpoint at step 6, then a second run resumed from it
             name = run[7:]
             root = out_dir / f"ckpt_{name}"
             ckpt_cb = ModelCheckpoint(dirpath=str(root), every_n_train_steps=6, save_top_k=-1, filename="{step}")
-            trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec, ckpt_cb])
+            trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec, ckpt_cb])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
             results[f"continuous:{name}"] = {"rows": rec.rows, "ckpt": str(root / "step=6.ckpt"),
                                              "val_in_sync": rec.val_in_sync, "save_in_sync": rec.save_in_sync}
             pl.seed_everything(1234, workers=True)
             rec = Recorder()
-            trainer = _trainer(_strategy(name), args.steps, args.devices, root, [rec])
+            trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
         else:
-            trainer = _trainer(_strategy(run), args.steps, args.devices, out_dir / run, [rec])
+            trainer = _trainer(_strategy(run, cap), args.steps, args.devices, out_dir / run, [rec])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
         params = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
         results[run] = {"rows": rec.rows, "params": params, "global_step": trainer.global_step,
-                        "start_states": rec.start_states, "val_in_sync": rec.val_in_sync}
+                        "start_states": rec.start_states, "val_in_sync": rec.val_in_sync,
+                        "buckets": _buckets_seen(trainer)}
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and dist.get_rank() == 0:
         torch.save(results, args.out)
 

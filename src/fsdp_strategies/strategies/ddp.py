@@ -53,7 +53,7 @@ from fsdp_strategies._resume import skip_consumed_batches
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["COMM_HOOKS", "DDPHooksStrategy"]
+__all__ = ["COMM_HOOKS", "DDPHooksStrategy", "in_bucket_order"]
 
 COMM_HOOKS = ("allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd")
 LOCAL_SGD_HOOKS = ("post_local_sgd", "hierarchical_sgd")
@@ -88,6 +88,33 @@ def _bf16_compress_gloo(process_group, bucket):  # type: ignore[no-untyped-def]
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
+def in_bucket_order(hook: Callable[[Any, dist.GradBucket], torch.futures.Future]) -> Callable[..., Any]:
+    """Wrap a DDP comm hook so each bucket's collectives start only after the previous bucket's finished.
+
+    Why: a process group matches collectives by the order they are issued (gloo tags each with a
+    per-group sequence number). PowerSGD issues a bucket's first all-reduce from the backward
+    thread but its later ones (P, then Q) from ``Future.then`` callbacks, which gloo runs on its
+    worker threads; with several buckets those callbacks interleave with the next bucket's
+    all-reduce in a timing-dependent order, so ranks pair different tensors: gloo aborts ("Received
+    data size doesn't match expected size") or hangs. Waiting for bucket ``i``'s future before
+    calling the hook for bucket ``i + 1`` makes the issue order identical on every rank. The wait
+    runs on the backward thread while later gradients are still being computed, so a bucket's
+    communication still overlaps the backward pass that produces the next bucket. NCCL completes
+    these futures when the work is queued (the callbacks run inline), so it needs no wrapper.
+    """
+    pending: list[torch.futures.Future] = []
+
+    def ordered(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP checks hook annotations
+        if pending:
+            pending.pop().wait()  # raises here, in backward, if the previous bucket's communication failed
+        fut = hook(state, bucket)
+        pending.append(fut)
+        return fut
+
+    ordered.__qualname__ = ordered.__name__ = f"in_bucket_order({getattr(hook, '__qualname__', repr(hook))})"
+    return ordered
+
+
 def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = rng.get_state()
     return {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
@@ -97,6 +124,31 @@ def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
 def _set_rng_state(rng: np.random.RandomState, state: Mapping[str, Any]) -> None:
     rng.set_state((state["name"], state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
                    state["cached_gaussian"]))
+
+
+class _SavedBucket:
+    """A flat gradient buffer presented to a comm hook as a DDP bucket (what ``dist.GradBucket`` offers it).
+
+    Used to replay a checkpoint's bucket layout; ``gradients()`` are views into ``buffer()``, as DDP's are.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, last: bool, shapes: list[torch.Size] | None = None) -> None:
+        self._index, self._buffer, self._last = index, buffer, last
+        self._shapes = shapes
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def gradients(self) -> list[torch.Tensor]:
+        shapes = self._shapes or [self._buffer.shape]
+        sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+        return [chunk.view(shape) for chunk, shape in zip(self._buffer.split(sizes), shapes)]
 
 
 class DDPHooksStrategy(DDPStrategy):
@@ -187,6 +239,9 @@ class DDPHooksStrategy(DDPStrategy):
         self.local_group_size = local_group_size
         self._local_sgd_enabled = local_sgd_enabled
         self._hook_state: Any = None
+        self._bucket_layout: dict[int, tuple[int, ...]] = {}  # PowerSGD: bucket index -> its parameters' positions
+        self._restored_layout: dict[int, tuple[int, ...]] | None = None  # ... as saved, until checked after a resume
+        self._steps_since_restore = 0
         self._averager: ModelAverager | None = None
         self._subgroups: list[Any] = []
         self._ddp_syncs_buffers = True  # DDP's per-forward buffer broadcast, as configured at wrap time
@@ -279,7 +334,10 @@ class DDPHooksStrategy(DDPStrategy):
                 start_powerSGD_iter=self.powersgd_start_iter, min_compression_rate=self.powersgd_min_compression_rate,
                 use_error_feedback=self.powersgd_use_error_feedback, warm_start=self.powersgd_warm_start,
                 random_seed=0)
-            model.register_comm_hook(self._hook_state, powerSGD_hook.powerSGD_hook)
+            inner: Callable[..., Any] = powerSGD_hook.powerSGD_hook
+            if dist.get_backend(model.process_group) != "nccl":  # gloo: order the buckets' collectives
+                inner = in_bucket_order(inner)
+            model.register_comm_hook(self._hook_state, self._powersgd_hook(model, inner))
         else:
             assert self.local_group_size is not None
             subgroup = self._contiguous_subgroup(self.local_group_size) if self.local_group_size > 1 else None
@@ -288,6 +346,99 @@ class DDPHooksStrategy(DDPStrategy):
                 post_local_gradient_allreduce=self.local_group_size > 1)
             model.register_comm_hook(self._hook_state, post_localSGD_hook)
         rank_zero_info(f"{self.strategy_name}: registered the {hook!r} communication hook on {self.root_device.type}.")
+
+    def _powersgd_hook(self, model: DistributedDataParallel, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """torch's PowerSGD hook (``inner``), with its per-bucket state tied to the bucket layout it belongs to.
+
+        PowerSGD keeps error feedback and warm-start matrices per bucket *index*. DDP builds its
+        buckets twice: at wrap time (parameters in reverse order) and again after the first backward
+        (in the order gradients became ready). A fresh run compresses only from ``powersgd_start_iter
+        >= 2``, so its state always belongs to the rebuilt layout; a resumed run wraps again and starts
+        with the initial layout, where an index names other parameters (a size mismatch at best,
+        another parameter's error added silently at worst). So each bucket's parameters (positions in
+        ``model.parameters()``) are saved with the state, and the first step after a restore runs the
+        hook on the saved buckets: the real buckets' futures wait until the last bucket's gradients
+        are ready, then the saved buckets are compressed one after another (as the uninterrupted run
+        did), and the results are copied back. Resume stays exact. If the checkpoint's buckets do not
+        cover this model's parameters, that step is all-reduced uncompressed; a rebuilt layout that
+        still differs from the saved one (another ``bucket_cap_mb``) restarts PowerSGD's state for
+        those buckets.
+        """
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        deferred: list[tuple[torch.futures.Future, torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
+        dropped: list[int] = []
+        current: dict[int, tuple[int, ...]] = {}
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP checks hook annotations
+            index = bucket.index()
+            layout = tuple(position[id(p)] for p in bucket.parameters())
+            current[index] = layout
+            if bucket.is_last():  # the step's layout is complete: it is what a checkpoint saves
+                self._bucket_layout = dict(current)
+                current.clear()
+            restored = self._restored_layout
+            if restored is None:
+                return inner(state, bucket)
+            if self._steps_since_restore == 0:
+                fut: torch.futures.Future = torch.futures.Future()
+                deferred.append((fut, bucket.buffer(), layout, bucket.gradients()))
+                if bucket.is_last():
+                    try:
+                        self._run_restored_layout(state, inner, restored, deferred)
+                    except BaseException as err:  # DDP waits on every bucket's future: fail them, not hang
+                        for waiting, *_ in deferred:
+                            if not waiting.done():
+                                waiting.set_exception(err)
+                        raise
+                    finally:
+                        deferred.clear()
+                    self._steps_since_restore = 1
+                return fut
+            memories = (state.error_dict, state.p_memory_dict, state.q_memory_dict)
+            if restored.get(index) != layout and any(index in memory for memory in memories):
+                for memory in memories:
+                    memory.pop(index, None)
+                dropped.append(index)
+            if bucket.is_last():
+                self._restored_layout = None  # the rebuilt layout has been checked
+                for memory in memories:
+                    for gone in [i for i in memory if i not in self._bucket_layout]:
+                        del memory[gone]  # an index this layout does not have
+                        dropped.append(gone)
+                if dropped:
+                    rank_zero_info(f"{self.strategy_name}: DDP buckets {sorted(set(dropped))} hold other parameters "
+                                   "than in the checkpoint (another bucket_cap_mb?): PowerSGD restarts their error "
+                                   "feedback.")
+            return inner(state, bucket)
+
+        return hook
+
+    def _run_restored_layout(self, state: Any, inner: Callable[..., Any], restored: Mapping[int, tuple[int, ...]],
+                             deferred: list[tuple[torch.futures.Future, torch.Tensor, tuple[int, ...],
+                                                  list[torch.Tensor]]]) -> None:
+        """The first step after a restore: run the hook on the checkpoint's buckets, then answer DDP's."""
+        grads = {pos: grad for _, _, layout, views in deferred for pos, grad in zip(layout, views)}
+        saved_positions = sorted(pos for layout in restored.values() for pos in layout)
+        if saved_positions == sorted(grads) and sorted(restored) == list(range(len(restored))):
+            last = len(restored) - 1
+            for index in range(len(restored)):  # in index order, each finished before the next: as DDP runs them
+                views = [grads[pos] for pos in restored[index]]
+                flat = torch.cat([v.reshape(-1) for v in views])
+                bucket = _SavedBucket(index, flat, index == last, [v.shape for v in views])
+                out = inner(state, bucket).wait()
+                if out is not flat:
+                    flat.copy_(out)
+                for view, result in zip(views, bucket.gradients()):
+                    view.copy_(result)
+        else:
+            rank_zero_warn(f"{self.strategy_name}: the checkpoint's PowerSGD buckets do not match this model's "
+                           "parameters: the first step after resuming is all-reduced uncompressed.")
+            for i, (_, buffer, _, _) in enumerate(deferred):
+                bucket = _SavedBucket(i, buffer, i == len(deferred) - 1)
+                default_hooks.allreduce_hook(state.process_group, bucket).wait()
+                state.maybe_increase_iter(bucket)  # one count per step, as torch's hook does
+        for fut, buffer, _, _ in deferred:
+            fut.set_result(buffer)
 
     def _build_averager(self) -> ModelAverager:
         if self.comm_hook == "post_local_sgd":
@@ -437,6 +588,8 @@ class DDPHooksStrategy(DDPStrategy):
                 "rng": _rng_state(state.rng),
                 "total_numel_before_compression": state.total_numel_before_compression,
                 "total_numel_after_compression": state.total_numel_after_compression,
+                # the layout the state belongs to: the checkpoint's until the rebuilt one has been checked
+                "bucket_params": {int(k): list(v) for k, v in (self._restored_layout or self._bucket_layout).items()},
             }
         elif isinstance(state, PostLocalSGDState):
             out["post_local_sgd"] = {"iter": state.iter, "start_localSGD_iter": state.start_localSGD_iter}
@@ -463,6 +616,9 @@ class DDPHooksStrategy(DDPStrategy):
             _set_rng_state(state.rng, ps["rng"])
             state.total_numel_before_compression = ps["total_numel_before_compression"]
             state.total_numel_after_compression = ps["total_numel_after_compression"]
+            if "bucket_params" in ps:
+                self._restored_layout = {int(k): tuple(v) for k, v in ps["bucket_params"].items()}
+                self._steps_since_restore = 0
         elif isinstance(state, PostLocalSGDState) and "post_local_sgd" in saved:
             state.iter = int(saved["post_local_sgd"]["iter"])
             state.start_localSGD_iter = int(saved["post_local_sgd"]["start_localSGD_iter"])

@@ -1,0 +1,209 @@
+"""LightningCLI errors that lead with the option, the bad value and the valid values.
+
+A bad ``comm_hook``, ``mode``, ``action`` or ``peak_dtype`` (options typed ``Literal``), or a
+misspelled option of a class given by ``class_path``, reaches jsonargparse inside a union (a
+strategy is ``str | Strategy``, callbacks ``list[Callback] | Callback | None``). Its error then
+lists every union member it tried ("Not a valid subclass of Callback", the base class's own
+attempt, ...) and the one useful line sits a few levels deep. :class:`ArgumentParser` keeps
+jsonargparse's message but puts a one-line explanation first, with a fix (the closest valid value
+or option name), built from that message and from the named class's signature.
+
+Use it with any LightningCLI::
+
+    LightningCLI(MyModel, MyData, parser_class=fsdp_strategies.cli.ArgumentParser)
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import inspect
+import re
+import weakref
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+__all__ = ["ArgumentParser", "explain_error"]
+
+_CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+_PARSER_KEY = re.compile(r'^\s*Parser key "([^"]+)":\s*$')
+_LITERAL_GOT = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
+_LITERAL_IN_UNION = re.compile(r"Subtypes: \[typing\.Literal\[(.*?)\]")
+_GIVEN = re.compile(r"^\s*Given value: (.*)$")
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_GROUP_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.IGNORECASE)
+_DOT_PATH = re.compile(r"Expected a dot import path string: (\S+)")
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_BASES = ("lightning.Callback", "lightning.pytorch.Callback", "lightning.pytorch.callbacks.Callback",
+          "lightning.pytorch.callbacks.callback.Callback", "lightning.pytorch.strategies.Strategy",
+          "lightning.pytorch.strategies.strategy.Strategy")
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _init_options(cls: Any) -> list[str]:
+    """``__init__`` parameter names, following ``**kwargs`` into the parents as jsonargparse does."""
+    names: list[str] = []
+    for klass in getattr(cls, "__mro__", ()):
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            params = list(inspect.signature(init).parameters.values())[1:]
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _closest(word: str, choices: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _literal_values(text: str) -> list[str]:
+    try:
+        values = ast.literal_eval(f"({text},)")
+    except (SyntaxError, ValueError):
+        return [text]
+    return [str(v) for v in values]
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def _class_findings(lines: list[str], where: str) -> list[str]:
+    """One sentence per user-given class whose option or value was refused."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        match = _CLASS_PATH.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        indent, class_path = len(match.group(1)), match.group(2)
+        block = []
+        i += 1
+        while i < len(lines) and (len(lines[i]) - len(lines[i].lstrip())) > indent:
+            block.append(lines[i])
+            i += 1
+        cls = _import(class_path)
+        if class_path in _BASES or cls is None:
+            continue  # jsonargparse's attempt with the union's base class: not what the user wrote
+        name = f"{where} ({class_path})" if where else class_path
+        key = None
+        for j, line in enumerate(block):
+            if m := _PARSER_KEY.match(line):
+                key = m.group(1)
+            elif (m := _LITERAL_GOT.search(line)) and key:
+                out.append(_bad_value(name, key, _unquote(m.group(2)), _literal_values(m.group(1))))
+                key = None
+            elif (m := _LITERAL_IN_UNION.search(line)) and key:
+                given = next((g.group(1) for g in map(_GIVEN.match, block[j:]) if g), "?")
+                out.append(_bad_value(name, key, _unquote(given), _literal_values(m.group(1)), optional=True))
+                key = None
+            elif m := _NOT_ACCEPTED.search(line):
+                out.append(_bad_option(name, m.group(1), _init_options(cls)))
+    return out
+
+
+def _bad_value(name: str, key: str, value: str, valid: list[str], optional: bool = False) -> str:
+    closest = _closest(value, valid)
+    shown = ", ".join(repr(v) for v in valid) + (" or null" if optional else "")
+    fix = f"did you mean {key}: {closest}?" if closest else f"set {key} to one of them."
+    return f"{name}: {key}={value!r} is not a valid value; valid values: {shown}. Fix: {fix}"
+
+
+def _bad_option(name: str, option: str, options: list[str]) -> str:
+    closest = _closest(option, options)
+    fix = f"did you mean {closest!r}?" if closest else "use one of its options."
+    listed = f" Its options: {', '.join(options)}." if options else ""
+    return f"{name} has no option {option!r}. Fix: {fix}{listed}"
+
+
+def _parser_keys(parser: Any) -> list[str]:
+    """Every dotted option key of ``parser`` and of the subcommand parsers made with it (prefixes dropped)."""
+    keys: list[str] = []
+    for each in [parser, *ArgumentParser.made]:
+        try:
+            names = list(each.get_defaults().keys())  # a jsonargparse Namespace: dotted keys
+            keys += [k for k in names if k not in keys]
+        except Exception:  # a parser that cannot build its defaults: fewer suggestions, nothing worse
+            continue
+    return [k.split(".", 1)[1] if k.split(".", 1)[0] in _SUBCOMMANDS and "." in k else k for k in keys]
+
+
+def _strategy_name_with_options(name: str) -> str | None:
+    try:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        entry = StrategyRegistry[name] if name in StrategyRegistry else None  # noqa: SIM401 (.get instantiates)
+    except Exception:
+        return None
+    if not entry:
+        return None
+    path = f"{entry['strategy'].__module__}.{entry['strategy'].__qualname__}"
+    return (f"trainer.strategy: the registered name {name!r} takes no options. Fix: name the class instead, "
+            f"--trainer.strategy {path} (or class_path: {path} with init_args in YAML).")
+
+
+def explain_error(message: str, parser: Any = None) -> str | None:
+    """A short explanation (with ``Fix:``) of a jsonargparse error message, or ``None`` if it has none."""
+    lines = message.splitlines()
+    first = _PARSER_KEY.match(lines[0]) if lines else None
+    where = first.group(1) if first else ""
+    found = _class_findings(lines, where)
+    if not found and where == "trainer.strategy" and (m := _DOT_PATH.search(message)):
+        hint = _strategy_name_with_options(m.group(1))
+        found = [hint] if hint else []
+    if not found and (m := _GROUP_OPTION.search(message)):
+        group, option = m.groups()
+        keys = [k.split(".")[-1] for k in _parser_keys(parser) if k.rsplit(".", 1)[0] == group]
+        closest = _closest(option, keys)
+        found = [f"{group} has no option {option!r}. Fix: " + (f"did you mean {closest!r}?" if closest
+                                                                else f"see --help for the options of {group}.")]
+    if not found and (m := _UNRECOGNIZED.search(lines[0] if lines else "")):
+        keys = _parser_keys(parser)
+        for arg in m.group(1).split():
+            if not arg.startswith("--"):
+                continue
+            option = arg[2:].split("=", 1)[0]
+            closest = _closest(option, keys)
+            found.append(f"no option --{option}. Fix: " + (f"did you mean --{closest}?" if closest
+                                                             else "see --help for the options."))
+    if not found:
+        return None
+    return "\n".join(found)
+
+
+class ArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser; its errors start with :func:`explain_error`'s summary when there is one."""
+
+    made: weakref.WeakSet[ArgumentParser] = weakref.WeakSet()  # LightningCLI makes one per subcommand too
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ArgumentParser.made.add(self)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        try:  # errors inside a subcommand (fit, ...) carry that subcommand's parser, which knows its options
+            summary = explain_error(message, getattr(ex, "subcommand_parser", None) or self)
+        except Exception:  # explaining must never hide jsonargparse's own message
+            summary = None
+        if summary:
+            details = "\n".join("  " + line for line in message.splitlines())
+            message = f"{summary}\n(jsonargparse's message:)\n{details}"
+        super().error(message, ex)

@@ -1,0 +1,96 @@
+"""Bad option values and names through ``examples/train_llama.py`` (LightningCLI): parse-time errors, no training.
+
+The first line of the error names the option, the bad value, the valid values (or options) and a fix,
+instead of jsonargparse's list of union members it tried.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_python
+from fsdp_strategies.cli import explain_error
+
+CONFIGS = ROOT / "configs"
+
+
+def _yaml(tmp_path: Path, config: str, old: str, new: str) -> str:
+    text = (CONFIGS / config).read_text()
+    assert old in text, (config, old)
+    path = tmp_path / f"bad_{config}"
+    path.write_text(text.replace(old, new, 1))
+    return str(path)
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert lines, stderr[-3000:]
+    return lines[-1]
+
+
+def test_literal_on_a_strategy_through_the_script(tmp_path: Path) -> None:
+    """The real command line: exit status 2 and the explanation first (YAML comm_hook misspelled)."""
+    config = _yaml(tmp_path, "ddp_hooks_powersgd.yaml", "comm_hook: powersgd", "comm_hook: powersdg")
+    proc = run_python(["examples/train_llama.py", "fit", "--config", config, "--print_config"], check=False,
+                      timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _error_line(proc.stderr)
+    assert line.startswith("error: trainer.strategy (fsdp_strategies.DDPHooksStrategy): comm_hook='powersdg' is not "
+                           "a valid value; valid values: 'allreduce', 'bf16_compress', 'fp16_compress', 'powersgd', "
+                           "'post_local_sgd', 'hierarchical_sgd'. Fix: did you mean comm_hook: powersgd?"), line
+    assert "Parser key" in proc.stderr  # jsonargparse's own message follows
+
+
+@pytest.mark.parametrize(("make_args", "expected"), ids=[
+    "strategy-literal-cli", "callback-literal-yaml", "callback-literal-yaml-2", "callback-optional-literal-cli",
+    "strategy-option-typo-yaml", "callback-option-typo-cli", "trainer-option-typo-cli", "trainer-option-typo-yaml",
+    "registry-name-with-options"], argvalues=[
+    # Literal on a strategy, from the command line
+    (lambda tmp: ["--trainer.strategy=fsdp_strategies.DDPHooksStrategy", "--trainer.strategy.comm_hook", "topk"],
+     r"trainer\.strategy \(fsdp_strategies\.DDPHooksStrategy\): comm_hook='topk' is not a valid value; valid values: "
+     r"'allreduce', .*'hierarchical_sgd'\. Fix: set comm_hook to one of them\."),
+    # Literal on a callback, in YAML and on the command line
+    (lambda tmp: ["--config", _yaml(tmp, "sac_selective_op.yaml", "mode: selective_op", "mode: selectiv_op")],
+     r"trainer\.callbacks \(fsdp_strategies\.callbacks\.ActivationCheckpointing\): mode='selectiv_op' is not a valid "
+     r"value; valid values: 'full', 'selective_op', 'selective_layer'\. Fix: did you mean mode: selective_op\?"),
+    (lambda tmp: ["--config", _yaml(tmp, "straggler.yaml", "  action: hierarchical_sgd ", "  action: evict_all ")],
+     r"\(fsdp_strategies\.callbacks\.StragglerDetector\): action='evict_all' is not a valid value; valid values: "
+     r"'warn', 'hierarchical_sgd', 'evict', 'stop'\. Fix: did you mean action: evict\?"),
+    (lambda tmp: ["--trainer.callbacks+=fsdp_strategies.MFUMonitor", "--trainer.callbacks.peak_dtype", "bf61"],
+     r"\(fsdp_strategies\.MFUMonitor\): peak_dtype='bf61' is not a valid value; valid values: 'bf16', 'fp16', "
+     r"'tf32', 'fp8', 'fp32' or null\. Fix: did you mean peak_dtype: bf16\?"),
+    # misspelled option names: of a class_path strategy / callback, and of the Trainer itself
+    (lambda tmp: ["--config", _yaml(tmp, "ddp_hooks_powersgd.yaml", "powersgd_rank:", "powersgd_rnak:")],
+     r"trainer\.strategy \(fsdp_strategies\.DDPHooksStrategy\) has no option 'powersgd_rnak'\. Fix: did you mean "
+     r"'powersgd_rank'\? Its options: comm_hook, powersgd_rank, .*bucket_cap_mb, .*process_group_backend"),
+    (lambda tmp: ["--trainer.callbacks+=fsdp_strategies.ActivationCheckpointing", "--trainer.callbacks.mod", "full"],
+     r"\(fsdp_strategies\.ActivationCheckpointing\) has no option 'mod'\. Fix: did you mean 'mode'\?"),
+    (lambda tmp: ["--trainer.max_stepz", "5"], r"no option --trainer\.max_stepz\. Fix: did you mean --trainer\.max_steps\?"),
+    (lambda tmp: ["--config", _yaml(tmp, "fsdp2.yaml", "max_steps:", "max_stepz:")],
+     r"trainer has no option 'max_stepz'\. Fix: did you mean 'max_steps'\?"),
+    # a registry name cannot take options: say to use the class path
+    (lambda tmp: ["--trainer.strategy", "ddp_hooks", "--trainer.strategy.comm_hook", "powersgd"],
+     r"the registered name 'ddp_hooks' takes no options\. Fix: name the class instead, --trainer\.strategy "
+     r"fsdp_strategies\.strategies\.ddp\.DDPHooksStrategy"),
+])
+def test_bad_values_and_names_are_explained(make_args, expected: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import train_llama
+
+    with pytest.raises(SystemExit) as info:
+        train_llama.main(["fit", *make_args(tmp_path), "--print_config"])
+    assert info.value.code == 2
+    line = _error_line(capsys.readouterr().err)
+    assert re.match(r"error: .*" + expected, line), line
+
+
+def test_valid_config_and_other_errors_are_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    import train_llama
+
+    with pytest.raises(SystemExit) as info:
+        train_llama.main(["fit", "--config", str(CONFIGS / "ddp_hooks_powersgd.yaml"), "--print_config"])
+    assert info.value.code == 0 and "comm_hook: powersgd" in capsys.readouterr().out
+    assert explain_error('Parser key "trainer.max_steps":\n  Expected a <class \'int\'>. Got value: x') is None
