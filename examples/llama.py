@@ -71,32 +71,29 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose ``reset_parameters`` draws from N(0, std) when ``std`` is set."""
+class _NormalInit:
+    """``reset_parameters`` draws the weight from N(0, std) when ``std`` is set (else the layer's default)."""
 
+    std: float | None
+    weight: torch.Tensor
+
+    def reset_parameters(self) -> None:
+        if self.std is None:
+            super().reset_parameters()  # type: ignore[misc]
+        else:
+            nn.init.normal_(self.weight, std=self.std)
+
+
+class Linear(_NormalInit, nn.Linear):
     def __init__(self, in_features: int, out_features: int, std: float | None = None) -> None:
         self.std = std
         super().__init__(in_features, out_features, bias=False)
 
-    def reset_parameters(self) -> None:
-        if self.std is None:
-            super().reset_parameters()
-        else:
-            nn.init.normal_(self.weight, std=self.std)
 
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` whose ``reset_parameters`` draws from N(0, std) when ``std`` is set."""
-
+class Embedding(_NormalInit, nn.Embedding):
     def __init__(self, num_embeddings: int, dim: int, std: float | None = None) -> None:
         self.std = std
         super().__init__(num_embeddings, dim)
-
-    def reset_parameters(self) -> None:
-        if self.std is None:
-            super().reset_parameters()
-        else:
-            nn.init.normal_(self.weight, std=self.std)
 
 
 class Attention(nn.Module):
