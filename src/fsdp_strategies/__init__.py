@@ -9,7 +9,9 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategies._checkpoint import export_consolidated
+from fsdp_strategies._exit import register_clean_exit
 from fsdp_strategies._integrity import verify_checkpoint
+from fsdp_strategies._preemption import PREEMPT_EXIT_CODE
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
 from fsdp_strategies.callbacks.throughput import MFUMonitor
 from fsdp_strategies.strategies import DDPHooksStrategy, FSDP2Strategy, FTHSDPStrategy, HSDPStrategy
@@ -35,5 +37,8 @@ def _register(name: str, cls: type, description: str) -> None:
 for _name, (_cls, _description) in _REGISTERED.items():
     _register(_name, _cls, _description)
 
-__all__ = ["STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy", "FTHSDPStrategy", "HSDPStrategy", "MFUMonitor", "export_consolidated",
-           "verify_checkpoint"]
+# gloo's worker threads must finish before the interpreter finalizes (see fsdp_strategies._exit)
+register_clean_exit()
+
+__all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",
+           "FTHSDPStrategy", "HSDPStrategy", "MFUMonitor", "export_consolidated", "verify_checkpoint"]

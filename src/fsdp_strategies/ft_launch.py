@@ -224,11 +224,19 @@ def run(
     log_dir: str | os.PathLike[str] | None = None,
     seed: int = 0,
     timeout: float | None = None,
+    grace: float = 30.0,
     python: str = sys.executable,
     env: dict[str, str] | None = None,
 ) -> LauncherResult:
-    """Start a lighthouse and ``groups`` replica groups running ``command``; restart and kill as asked."""
+    """Start a lighthouse and ``groups`` replica groups running ``command``; restart and kill as asked.
+
+    SIGTERM (preemption) is forwarded to every group (its torchrun and its ranks), which stop at their next
+    step and write their preemption checkpoints; groups still running ``grace`` seconds later are killed, and
+    the launcher returns :data:`~fsdp_strategies._exit.PREEMPT_EXIT_CODE`. SIGINT kills every group at once.
+    """
     from torchft.coordination import LighthouseServer
+
+    from fsdp_strategies._exit import PREEMPT_EXIT_CODE
 
     if groups < 1 or ranks_per_group < 1:
         raise SystemExit("--groups and --ranks-per-group must be >= 1")
@@ -318,14 +326,36 @@ def run(
         lighthouse.shutdown()
         raise SystemExit(130)
 
+    preempted: dict[str, float] = {}
+
+    def preempt(*_: Any) -> None:
+        # SIGTERM (preemption): forward it to every group and let them stop (and checkpoint) on their own;
+        # the loop below waits up to `grace` seconds, then SIGKILLs what is left
+        if not preempted:
+            preempted["at"] = time.time()
+            for g in all_groups:
+                if g.proc is not None and g.proc.poll() is None:
+                    kill_tree(g.proc.pid, signal.SIGTERM)
+
     old_int = signal.signal(signal.SIGINT, stop_all)
-    old_term = signal.signal(signal.SIGTERM, stop_all)
+    old_term = signal.signal(signal.SIGTERM, preempt)
     next_kill = time.time() + (first_kill_after if first_kill_after is not None else (kill_every or 0))
     victim_rr = 0
     returncode = 0
     try:
         while True:
             now = time.time()
+            if preempted:
+                running = [g for g in all_groups if g.proc is not None and g.proc.poll() is None]
+                if running and now - preempted["at"] < grace:
+                    time.sleep(0.05)
+                    continue
+                for g in running:
+                    kill(g, f"still running {grace:g}s after SIGTERM")
+                codes = {g.gid: g.proc.returncode for g in all_groups if g.proc is not None}
+                note({"event": "preempted", "after_s": round(now - preempted["at"], 3), "exit_codes": codes})
+                returncode = PREEMPT_EXIT_CODE
+                break
             if timeout is not None and now - t_start > timeout:
                 note({"event": "timeout", "after_s": timeout})
                 returncode = 124
@@ -451,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", default=None, help="per-group stdout/stderr (default: --events-dir)")
     parser.add_argument("--seed", type=int, default=0, help="victim choice for --kill-every")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="give up after this long")
+    parser.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM: how long the groups may take to stop (and checkpoint) before SIGKILL; "
+                             "more than the strategy's preempt_grace_s")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -461,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms, kill_every=args.kill_every,
         kill_at_steps=args.kill_at_steps, first_kill_after=args.first_kill_after, max_restarts=args.max_restarts,
         restart_delay=args.restart_delay, events_dir=args.events_dir, log_dir=args.log_dir, seed=args.seed,
-        timeout=args.timeout,
+        timeout=args.timeout, grace=args.grace,
     )
     raise SystemExit(result.returncode)
 

@@ -48,6 +48,7 @@ from fsdp_strategies._convert import (
     optimizer_param_names,
 )
 from fsdp_strategies._integrity import embed_digest
+from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies._resume import skip_consumed_batches
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class _SavedBucket:
         return [chunk.view(shape) for chunk, shape in zip(self._buffer.split(sizes), shapes)]
 
 
-class DDPHooksStrategy(DDPStrategy):
+class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
     """DDP with a communication hook chosen by name, working on CPU/gloo and CUDA/NCCL.
 
     Args:
@@ -180,6 +181,9 @@ class DDPHooksStrategy(DDPStrategy):
         bucket_cap_mb / static_graph / gradient_as_bucket_view / find_unused_parameters: passed to
             ``DistributedDataParallel``.
         process_group_backend / timeout / start_method: as in Lightning's ``DDPStrategy``.
+        checkpoint_on_preempt / preempt_grace_s: SIGTERM handling, as in
+            :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`. Under local SGD every rank stops at
+            the first global averaging after the signal (the ranks meet only there).
     """
 
     strategy_name = "ddp_hooks"
@@ -205,6 +209,8 @@ class DDPHooksStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint_on_preempt: bool = False,
+        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
     ) -> None:
         if comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={comm_hook!r} is not a known hook. Fix: use one of {list(COMM_HOOKS)}.")
@@ -227,6 +233,7 @@ class DDPHooksStrategy(DDPStrategy):
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
+        self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
         self.comm_hook = comm_hook
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
@@ -245,7 +252,6 @@ class DDPHooksStrategy(DDPStrategy):
         self._averager: ModelAverager | None = None
         self._subgroups: list[Any] = []
         self._ddp_syncs_buffers = True  # DDP's per-forward buffer broadcast, as configured at wrap time
-        self._sigterm_loop: Any = None  # the epoch loop whose per-step SIGTERM broadcast is thinned out
 
     @classmethod
     @override
@@ -530,14 +536,10 @@ class DDPHooksStrategy(DDPStrategy):
         assert self.lightning_module is not None
         # A mid-epoch resume continues with the next unseen batch instead of replaying the epoch.
         skip_consumed_batches(self.lightning_module.trainer)
-        self._thin_sigterm_broadcast(self.lightning_module.trainer)
 
     @override
     def on_train_end(self) -> None:
         self.average_parameters()
-        if self._sigterm_loop is not None:  # back to Lightning's own method
-            vars(self._sigterm_loop).pop("_broadcast_sigterm_tensor", None)
-            self._sigterm_loop = None
         super().on_train_end()
 
     def _local_step_now(self) -> bool:
@@ -555,24 +557,14 @@ class DDPHooksStrategy(DDPStrategy):
         assert self.hierarchy_levels is not None
         return step % max(self.hierarchy_levels) == 0
 
-    def _thin_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
-        """Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training step: a collective
-        that makes every rank wait for the slowest each step, which local SGD exists to avoid. During
-        local steps it runs only right after a global averaging, where the ranks have just met; a SIGTERM
-        then reaches the other ranks within one global period instead of one step.
+    @override
+    def _preempt_check_due(self) -> bool:
+        """The per-step SIGTERM agreement is a collective that makes every rank wait for the slowest, which
+        local SGD exists to avoid: during local steps it runs only right after a global averaging, where the
+        ranks have just met. A SIGTERM then stops every rank within one global period instead of one step.
         """
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        original = getattr(loop, "_broadcast_sigterm_tensor", None)
-        if self.comm_hook not in LOCAL_SGD_HOOKS or loop is None or original is None:
-            return
-
-        def broadcast_sigterm() -> None:
-            averager = self._averager
-            if averager is None or not self._local_step_now() or self._averaged_globally_at(averager.step - 1):
-                original()
-
-        loop._broadcast_sigterm_tensor = broadcast_sigterm
-        self._sigterm_loop = loop
+        averager = self._averager
+        return averager is None or not self._local_step_now() or self._averaged_globally_at(averager.step - 1)
 
     # ------------------------------------------------------------------ checkpoint state
     def comm_state_dict(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from fsdp_strategies._blocks import describe_stacks, find_block_stacks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
 from fsdp_strategies._convert import PARAM_NAMES_KEY, load_into_sharded_model, optimizer_param_names
 from fsdp_strategies._mesh import HSDPDegrees, build_mesh
+from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies._resume import skip_consumed_batches
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
     Args:
@@ -110,6 +111,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded DCP folder (default) or one full file written by rank 0.
         process_group_backend: ``nccl``/``gloo``; default from the device.
         timeout: collective timeout.
+        checkpoint_on_preempt: on SIGTERM, write an atomic checkpoint (``last-preempt.ckpt`` in the
+            ``ModelCheckpoint`` folder) before stopping; every rank stops at the same step either way
+            and exits with status 75 (requeue). See :mod:`fsdp_strategies._preemption`.
+        preempt_grace_s: the most seconds from the first SIGTERM to the exit (the scheduler's SIGTERM
+            to SIGKILL time, minus a margin); a save that cannot finish in time is abandoned (atomic).
     """
 
     strategy_name = "fsdp2"
@@ -131,12 +137,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_on_preempt: bool = False,
+        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from fsdp_strategies._ft_data import StepAlignedData
+from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.strategies.fsdp import FSDP2Strategy
 
 if TYPE_CHECKING:
@@ -182,6 +183,8 @@ class FTHSDPStrategy(FSDP2Strategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_on_preempt: bool = False,
+        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
     ) -> None:
         super().__init__(
             block_class_names=block_class_names,
@@ -199,6 +202,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            checkpoint_on_preempt=checkpoint_on_preempt,
+            preempt_grace_s=preempt_grace_s,
         )
         lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV) or None
         if lighthouse_addr is None:
@@ -738,10 +743,21 @@ class FTHSDPStrategy(FSDP2Strategy):
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:
-        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it."""
+        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it.
+
+        A preemption checkpoint is written by every group that stops, each to its own file (groups may
+        stop at different steps), see :meth:`_preempt_checkpoint_path`.
+        """
+        if self._preempt_saving:
+            return True
         if self._manager is None or getattr(self._manager, "_quorum_future", None) is None:
             return self.replica_group_id == 0
         return self._manager.participating_rank() == 0
+
+    @override
+    def _preempt_checkpoint_path(self, trainer: Any) -> Path:
+        path = super()._preempt_checkpoint_path(trainer)
+        return path.with_name(f"{path.stem}-group{self.replica_group_id}{path.suffix}")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -14,6 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from typing_extensions import override
 
 from fsdp_strategies._mesh import HSDPDegrees, resolve_hsdp_degrees, validate_degree_option
+from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.strategies.fsdp import FSDP2Strategy
 
 __all__ = ["HSDPStrategy"]
@@ -49,6 +50,8 @@ class HSDPStrategy(FSDP2Strategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_on_preempt: bool = False,
+        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
     ) -> None:
         validate_degree_option("replicate_degree", replicate_degree)
         validate_degree_option("shard_degree", shard_degree)
@@ -68,6 +71,8 @@ class HSDPStrategy(FSDP2Strategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            checkpoint_on_preempt=checkpoint_on_preempt,
+            preempt_grace_s=preempt_grace_s,
         )
         self.replicate_degree = replicate_degree
         self.shard_degree = shard_degree
