@@ -2,7 +2,8 @@
 
 Each trial starts ``tests/workers/preempt_train.py`` (2 ranks, a tiny Llama, a checkpoint every 2 steps,
 ``checkpoint_on_preempt``), waits until it has trained a step (or a random moment of the startup), waits a
-random time more, and sends SIGTERM to every rank, to one rank, or to the launcher (rotating). It then
+random time more, and sends SIGTERM to every process of the job (launchers included, as a scheduler does),
+to one rank, or to the launcher only (rotating). It then
 checks that the whole process tree ended within a bound (a "hang" otherwise; the tree is killed), the exit
 status, that the newest complete checkpoint loads (``export_consolidated``, no process group), and resumes
 the job from ``ckpt_path="last"`` to the end: the resumed losses and final parameters must equal those of an
@@ -129,7 +130,8 @@ def _ranks(proc_pid: int, strategy: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(c.endswith(b"preempt_train.py") for c in cmd) and b"torch.distributed.run" not in cmd:
+        launcher = b"torch.distributed.run" in cmd or b"fsdp_strategies.ft_launch" in cmd
+        if any(c.endswith(b"preempt_train.py") for c in cmd) and not launcher:
             workers.append(pid)
     return sorted(workers)
 
@@ -199,7 +201,8 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
             t.notes.append(f"job ended before the signal (rc={proc.poll()}, ranks={ranks})")
             proc.wait()
             return t
-        victims = {"all": ranks, "one": [ranks[-1]], "launcher": [proc.pid]}[mode]
+        # "all": every process of the job, launchers included -- what a scheduler's job-wide SIGTERM does
+        victims = {"all": _tree_alive(_process_tree(proc.pid)), "one": [ranks[-1]], "launcher": [proc.pid]}[mode]
         t0 = time.time()
         for pid in victims:
             os.kill(pid, signal.SIGTERM)
@@ -297,7 +300,7 @@ def launcher_status(strategy: str, mode: str) -> int:
     """What the job's top process returns: 75 from Lightning's launcher (rank 0) and from fsdp-strategies-ft
     when it got the SIGTERM itself. torchrun reports its workers' non-zero exit as its own failure (1), and so
     does fsdp-strategies-ft for a group that stopped while it did not (a group leaving; here --max-restarts 0)."""
-    if strategy == "hsdp" or (strategy == "ft_hsdp" and mode != "launcher"):
+    if strategy == "hsdp" or (strategy == "ft_hsdp" and mode == "one"):
         return 1
     return PREEMPT_EXIT_CODE
 

@@ -10,9 +10,10 @@ rank 0 waits in FSDP2's ``all_gather_into_tensor`` while rank 1 waits in the han
 The mechanism here:
 
 * The handler only records the signal (and forwards it once to the ranks a Lightning launcher
-  started, which is how a SIGTERM to the launcher reaches every rank). It is installed when the
-  Trainer is built, re-installed over Lightning's own handler once Lightning has registered it,
-  and delegates to the previous handler once the strategy has torn down.
+  started, which is how a SIGTERM to the launcher reaches every rank). It is installed when a
+  fit/validate/test/predict starts (before the process group), put back over Lightning's own handler
+  once Lightning has registered that one, and delegates to the previous handler once the strategy has
+  torn down.
 * Agreement: at one fixed point of every training step on every rank -- before the next batch,
   after the previous optimizer step; Lightning's per-step SIGTERM broadcast, replaced -- one
   all-reduce on a dedicated gloo group tells every rank whether any rank got the signal, so every
@@ -64,7 +65,6 @@ __all__ = [
     "PREEMPT_EXIT_CODE",
     "Preempted",
     "PreemptionMixin",
-    "sigterm_received",
     "validate_preempt_options",
 ]
 
@@ -115,17 +115,12 @@ def _is_ours(handler: Any) -> bool:
     return isinstance(getattr(handler, "__self__", None), PreemptionMixin)
 
 
-def sigterm_received() -> bool:
-    """Whether this process got SIGTERM since its strategy was armed (for tests and callbacks)."""
-    return _STATE.requested_at is not None
-
-
 class PreemptionMixin:
     """Strategy mixin: SIGTERM agreement, preemption checkpoint, requeue exit status.
 
     Protocol with the strategy class: it lists the mixin before its Lightning base, calls
-    :meth:`_init_preemption` from ``__init__``, and its own overrides of the hooks below call
-    ``super()``. A strategy that must skip the per-step agreement on some steps (local SGD) overrides
+    :meth:`_init_preemption` from ``__init__``, and its own overrides of the hooks below (``connect``,
+    ``barrier``, ``on_*_start``, ``batch_to_device``, ``on_exception``, ``teardown``) call ``super()``. A strategy that must skip the per-step agreement on some steps (local SGD) overrides
     :meth:`_preempt_check_due` -- it must answer the same on every rank.
     """
 
@@ -152,7 +147,7 @@ class PreemptionMixin:
             return False
 
     def _arm_preemption(self) -> None:
-        """Start handling SIGTERM for a run (called when the Trainer is built and when a stage starts)."""
+        """Start handling SIGTERM for a run (called when a stage starts)."""
         if not self._preempt_armed:
             self._preempt_armed = True
             self._preempt_decided = None
@@ -279,17 +274,13 @@ class PreemptionMixin:
         """Stands in for Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``)."""
         if self._preempt_armed and self._preempt_check_due():
             trainer = self._preempt_trainer()
-            self._preempt_agreement(f"before training step {trainer.global_step if trainer is not None else '?'}")
+            self._preempt_agreement(f"after step {trainer.global_step if trainer is not None else '?'}")
 
     # ------------------------------------------------------------------ strategy hooks
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        # every rank's process builds its Trainer (and comes here) before any process group exists
-        self._arm_preemption()
-
     def connect(self, model: Any) -> None:
         super().connect(model)  # type: ignore[misc]
-        self._arm_preemption()  # each fit/validate/test/predict
+        # the start of every fit/validate/test/predict on every rank, before any process group exists
+        self._arm_preemption()
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         # the first barrier of a stage follows Lightning's own handler registration: replace it at once
@@ -372,6 +363,10 @@ class PreemptionMixin:
         self._preempt_saving = True
         try:
             trainer.save_checkpoint(path)
+        except Exception as err:  # the stop goes on (status 75); the atomic save left the previous checkpoint
+            rank_zero_warn(f"fsdp_strategies: the preemption checkpoint failed ({type(err).__name__}: {err}); the "
+                           "last complete checkpoint stays the resume point.")
+            return
         finally:
             self._preempt_saving = False
         rank_zero_info(f"fsdp_strategies: preemption checkpoint of step {trainer.global_step} written to {path} in "

@@ -2,8 +2,8 @@
 
 Modes:
   collectives  plain torch.distributed (gloo): 200 synchronous all-reduces, then the end of the script --
-               the pattern that aborts at interpreter exit without fsdp_strategies' exit handling (7 of 10
-               runs here); ``import fsdp_strategies`` installs it, ``--without-fix`` leaves it out (the
+               the pattern that aborts at interpreter exit without fsdp_strategies' exit handling (4-6 of
+               10 two-rank runs here); ``import fsdp_strategies`` installs it, ``--without-fix`` leaves it out (the
                control). One rank per process: RANK/WORLD_SIZE/MASTER_* from the environment (torchrun, or a
                test that starts both ranks). (Forking the jobs from one process does not reproduce the abort.)
   lightning    ``fsdp2`` (or ``--strategy``) through Lightning's launcher: fit, validate, test and predict of a
@@ -26,9 +26,11 @@ def collectives(with_fix: bool) -> None:
 
     if with_fix:
         import fsdp_strategies  # noqa: F401  (registers the clean-exit handling at import)
+    global tensor  # the last one stays referenced until the interpreter's teardown, as in a plain script
     dist.init_process_group("gloo")
     for _ in range(200):
-        dist.all_reduce(torch.ones(1000))
+        tensor = torch.ones(1000)
+        dist.all_reduce(tensor)
 
 
 def lightning(strategy: str, root: Path) -> None:
