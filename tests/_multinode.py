@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,26 @@ def hsdp_script_args(config: str, *, nnodes: int | str, devices: int | str, extr
     return ["fit", "--config", config, f"--trainer.num_nodes={nnodes}", f"--trainer.devices={devices}",
             "--trainer.strategy.init_args.replicate_degree=auto", "--trainer.strategy.init_args.shard_degree=auto",
             *extra]
+
+
+def start_lighthouse(*, port: int, min_replicas: int, heartbeat_timeout_ms: int, log: Path,
+                     timeout: float = 60) -> subprocess.Popen[bytes]:
+    """``torchft_lighthouse`` (the venv's, next to this Python) as its own process, listening once this returns."""
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    args = lighthouse_args(min_replicas=min_replicas, port=port, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([str(binary), *args], stdout=fh, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"torchft_lighthouse {' '.join(args)} did not listen within {timeout} s (exit {proc.returncode}; "
+                       f"log {log})")
 
 
 def ft_hsdp_script_args(config: str, *, nnodes: int | str, devices: int | str, extra: Sequence[str] = ()) -> list[str]:

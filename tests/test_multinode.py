@@ -26,16 +26,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from _multinode import ft_hsdp_script_args, hsdp_script_args, lighthouse_args, run_agents, torchrun_args
+from _multinode import (
+    ft_hsdp_script_args,
+    hsdp_script_args,
+    lighthouse_args,
+    run_agents,
+    start_lighthouse,
+    torchrun_args,
+)
 from conftest import ROOT, WORKERS, _env, free_port
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
@@ -160,34 +165,11 @@ def test_two_nodes_hsdp_auto_degrees_then_hierarchical_sgd_levels(tmp_path: Path
         by_step
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"torchft_lighthouse exited {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"torchft_lighthouse not listening on {port} after {timeout} s")
-
-
-def _lighthouse(port: int, min_replicas: int, log: Path) -> subprocess.Popen:
-    """The lighthouse as its own process, with the SLURM script's arguments."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([str(binary), *lighthouse_args(min_replicas=min_replicas, port=port,
-                                                                 heartbeat_timeout_ms=HEARTBEAT_MS)],
-                                stdout=fh, stderr=subprocess.STDOUT)
-    _wait_listening(port, proc)
-    return proc
-
-
 def _run_ft_groups(out: Path, groups: int) -> list[list[dict]]:
     port = free_port()
     (out / "logs").mkdir(parents=True)
-    lighthouse = _lighthouse(port, min_replicas=groups, log=out / "logs" / "lighthouse.log")
+    lighthouse = start_lighthouse(port=port, min_replicas=groups, heartbeat_timeout_ms=HEARTBEAT_MS,
+                                  log=out / "logs" / "lighthouse.log")
     try:
         agents, envs = [], []
         for group in range(groups):

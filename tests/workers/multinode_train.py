@@ -1,4 +1,4 @@
-"""Worker of ``tests/test_multinode.py``: the example's LightningCLI with a probe, started by two torchrun agents.
+"""Worker of ``tests/test_multinode.py`` (and the Lightning-range smoke): the example's LightningCLI with a probe.
 
 The arguments are one or more LightningCLI argument lists separated by ``::``; each runs as one
 ``fit`` in the same processes, one after the other (the second reuses the process group, so one
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -93,6 +94,10 @@ class MultinodeProbe(pl.Callback):
 
 
 def main(argv: list[str]) -> None:
+    expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")  # set by `make test-lightning-range`
+    if expected and lightning.__version__ != expected:
+        raise SystemExit(f"multinode_train.py: expected lightning {expected}, imported {lightning.__version__} "
+                         f"({lightning.__file__})")
     fits: list[list[str]] = [[]]
     for arg in argv:
         if arg == "::":
