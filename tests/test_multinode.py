@@ -351,3 +351,30 @@ def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path)
     proc, calls = _render(tmp_path / "odd", "ft_hsdp.sbatch", [], {**env, "NODES_PER_GROUP": "3"})
     assert proc.returncode == 2 and "NODES_PER_GROUP=3" in proc.stderr and "Fix:" in proc.stderr
     assert not _tool(calls, "srun")
+
+
+# ---------------------------------------------------------------------------- Trainer split vs torchrun's nodes
+def test_a_trainer_split_other_than_torchruns_nodes_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two agents x 2 ranks, but Trainer(num_nodes=1, devices=4): Lightning accepts it (the product is
+    # the world size), and hsdp 'auto' / hierarchical_sgd's node level would span both nodes silently.
+    # Measured before the check: hsdp built replicate 1 x shard 4 and hierarchical_sgd levels {4: 4}.
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from fsdp_strategies import DDPHooksStrategy, HSDPStrategy
+
+    for key, value in {"TORCHELASTIC_RUN_ID": "mn", "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    refused = r"num_nodes=1 x devices=4 does not match torchrun's 2 node\(s\) x 2 rank\(s\) per node.*" \
+              r"Fix: set trainer.num_nodes=2 and trainer.devices=2"
+    with pytest.raises(ValueError, match=refused):
+        pl.Trainer(strategy=HSDPStrategy(), accelerator="cpu", devices=4, num_nodes=1, logger=False)
+    pl.Trainer(strategy=HSDPStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)  # torchrun's split
+    trainer = pl.Trainer(strategy=DDPHooksStrategy(comm_hook="hierarchical_sgd"), accelerator="cpu", devices=4,
+                         num_nodes=1, logger=False, max_steps=1, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(BoringModel())
+    assert not dist.is_initialized()  # refused before any process group
