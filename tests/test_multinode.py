@@ -295,11 +295,13 @@ def _tool(calls: list[dict], tool: str) -> list[dict]:
 
 def test_slurm_hsdp_script_runs_the_local_two_agent_lines(tmp_path: Path) -> None:
     nodes = "127.0.0.1 127.0.0.2"
-    env = {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2", "STUB_NODES": nodes, "TRAIN_SCRIPT": WORKER}
+    env = {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "6", "STUB_NODES": nodes,
+           "TRAIN_SCRIPT": WORKER}
     proc, calls = _render(tmp_path, "hsdp.sbatch", HSDP_EXTRA, env)
     assert proc.returncode == 0, proc.stderr
     (srun,) = _tool(calls, "srun")
     assert srun["nodes"] == nodes.split() and srun["opts"]["--ntasks-per-node"] == "1"
+    assert srun["opts"]["--cpus-per-task"] == "6"  # the node's CPUs go to the agent and its ranks
     runs = _tool(calls, "torchrun")
     assert sorted(r["SLURMD_NODENAME"] for r in runs) == nodes.split()  # one agent per node
     expected = hsdp_agent_args(rdzv_endpoint="127.0.0.1:29500", rdzv_id="4242")  # the first node, the job id
