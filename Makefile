@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint bench matrix clean
+.PHONY: install train test test-lightning-range lint bench matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,28 @@ train: install
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+
+# Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
+# supported release and against the newest that pip resolves within the pin. Each is installed without
+# dependencies into its own folder, put first on PYTHONPATH (the venv's other packages serve both);
+# tests/conftest.py stops the run if another Lightning is imported. tests/test_lightning_range.py adds
+# one fit per strategy (and a resume) in one process.
+LIGHTNING_OLDEST ?= 2.6.0
+LIGHTNING_PIN := $(shell sed -n 's/^ *"\(lightning[<>=!~][^"]*\)",*$$/\1/p' pyproject.toml)
+RANGE_TESTS ?= tests/test_lightning_range.py tests/test_registry_and_errors.py tests/test_blocks.py \
+	tests/test_resume.py tests/test_throughput.py tests/test_straggler.py tests/test_ddp_hooks.py tests/test_ft_data.py \
+	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy
+define lightning_range_run
+	rm -rf $(2) && $(PY) -m pip install -q --no-deps --target $(2) "$(1)"
+	v=$$(cd $(2) && ls -d lightning-*.dist-info | sed 's/^lightning-\(.*\)\.dist-info$$/\1/') && \
+	echo "== fast tests against lightning $$v ($(1))" && \
+	FSDP_STRATEGIES_EXPECT_LIGHTNING=$$v FSDP_STRATEGIES_LIGHTNING_DIR=$(abspath $(2)) PYTHONPATH=$(abspath $(2)):$(CURDIR)/src \
+		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess" -q -p no:cacheprovider
+endef
+
+test-lightning-range: install
+	$(call lightning_range_run,lightning==$(LIGHTNING_OLDEST),.lightning-oldest)
+	$(call lightning_range_run,$(LIGHTNING_PIN),.lightning-newest)
 
 lint: install
 	$(VENV)/bin/ruff check src examples tests benchmarks

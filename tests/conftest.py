@@ -32,7 +32,9 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(EXAMPLES)])})
+                "PYTHONUNBUFFERED": "1",
+                # an inherited PYTHONPATH stays behind ours (e.g. `make test-lightning-range`'s Lightning folder)
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(EXAMPLES), *filter(None, [env.get("PYTHONPATH")])])})
     env.update(extra or {})
     return env
 
@@ -55,3 +57,18 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: fl
     return run_python(["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                        f"--master_port={port}", "--master_addr=127.0.0.1", str(script), *args],
                       timeout=timeout, env=env, check=check)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``make test-lightning-range``: refuse to run against another Lightning than the one it installed."""
+    expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")
+    if not expected:
+        return
+    import lightning
+
+    where = os.environ.get("FSDP_STRATEGIES_LIGHTNING_DIR")
+    if lightning.__version__ != expected or (where and not Path(lightning.__file__).resolve().is_relative_to(
+            Path(where).resolve())):
+        raise pytest.UsageError(f"FSDP_STRATEGIES_EXPECT_LIGHTNING={expected} (from {where}), but this run imports "
+                                f"lightning {lightning.__version__} from {lightning.__file__}. Fix: put that folder "
+                                "first on PYTHONPATH.")

@@ -13,12 +13,14 @@ data-parallel mesh (1-D for FSDP; for HSDP the 2-D replicate x shard mesh, so su
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "resolve_hsdp_degrees", "validate_degree_option"]
+__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "check_torchrun_layout", "resolve_hsdp_degrees",
+           "validate_degree_option"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
@@ -53,6 +55,24 @@ def validate_degree_option(name: str, value: int | str | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid. Fix: give a positive integer, or 'auto'.")
+
+
+def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:
+    """Under torchrun, ``num_nodes`` x ``devices`` must be torchrun's nodes x ranks per node, not just their product.
+
+    Lightning checks only the product against ``WORLD_SIZE``. A layout derived from the Trainer's
+    split (``what``: HSDP's ``auto`` shard groups, hierarchical SGD's node level) would otherwise group
+    ranks of different nodes silently, e.g. ``num_nodes=1, devices=4`` under two agents of 2 ranks.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    nodes, per_node = os.environ.get("GROUP_WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if nodes and per_node and (int(nodes), int(per_node)) != (num_nodes, devices):
+        raise ValueError(
+            f"trainer num_nodes={num_nodes} x devices={devices} does not match torchrun's {nodes} node(s) x {per_node} "
+            f"rank(s) per node (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE): {what} would group ranks across nodes. "
+            f"Fix: set trainer.num_nodes={nodes} and trainer.devices={per_node}."
+        )
 
 
 def resolve_hsdp_degrees(

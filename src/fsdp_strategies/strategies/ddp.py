@@ -48,6 +48,7 @@ from fsdp_strategies._convert import (
     optimizer_param_names,
 )
 from fsdp_strategies._integrity import embed_digest
+from fsdp_strategies._mesh import check_torchrun_layout
 from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies._resume import skip_consumed_batches
 
@@ -284,6 +285,7 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
         per_node = max(1, self.num_processes)
         if self.comm_hook not in LOCAL_SGD_HOOKS:
             return
+        check_torchrun_layout(self.num_nodes, self.num_processes, f"{self.comm_hook}'s per-node groups")
         if self.local_group_size is None:
             self.local_group_size = per_node
         if world % self.local_group_size:

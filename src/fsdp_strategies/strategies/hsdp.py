@@ -13,7 +13,12 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
-from fsdp_strategies._mesh import HSDPDegrees, resolve_hsdp_degrees, validate_degree_option
+from fsdp_strategies._mesh import (
+    HSDPDegrees,
+    check_torchrun_layout,
+    resolve_hsdp_degrees,
+    validate_degree_option,
+)
 from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.strategies.fsdp import FSDP2Strategy
 
@@ -79,6 +84,7 @@ class HSDPStrategy(FSDP2Strategy):
 
     @override
     def _mesh_degrees(self) -> HSDPDegrees:
+        check_torchrun_layout(self.num_nodes, self.num_processes, "hsdp's shard and replicate groups")
         return resolve_hsdp_degrees(
             world_size=self.num_nodes * self.num_processes,
             devices_per_node=self.num_processes,
