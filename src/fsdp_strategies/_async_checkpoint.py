@@ -108,9 +108,17 @@ def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: 
     return str(value)
 
 
-def _describe(err: BaseException) -> str:
+def _describe(err: BaseException, rank: int | None = None) -> str:
+    """One line naming the rank and the error (DCP's ``CheckpointException`` names the ranks that failed)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:  # the same on every rank: DCP gathered them
+        first_rank, wrapped = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        more = f" (and on {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+        return f"{_describe(cause, first_rank)}{more}"
     text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:600]}" if text else type(err).__name__
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(err).__name__}: {text[:400]}" if text else f"{where}{type(err).__name__}"
 
 
 def _abandon(tmp: Path) -> None:
@@ -264,30 +272,30 @@ class AsyncCheckpointer:
             names = sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")})
             share = hash_files(tmp, names[rank::world])
         except BaseException as err:
-            error = f"rank {rank}: {_describe(err)}"
+            error = _describe(err, rank)
         try:
             if group is not None:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, (share, error), group=group)
             else:
                 gathered = [(share, error)]
-            errors = [e for _, e in gathered if e]
+            errors = sorted({e for _, e in gathered if e})
             outcome: list[Any] = [None]
             if is_rank_zero:
                 if errors:
-                    outcome = [errors[0] + (f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else "")]
+                    outcome = ["; ".join(errors)]
                     _abandon(tmp)
                 else:
                     try:
                         write_manifest(tmp, {n: e for s, _ in gathered for n, e in s.items()})
                         commit_save(write.path)
                     except BaseException as err:
-                        outcome = [f"rank 0 (commit): {_describe(err)}"]
+                        outcome = [f"commit: {_describe(err, rank)}"]
             if group is not None:
                 dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
             write.error = outcome[0]
         except BaseException as err:
-            write.error = error or f"rank {rank}: {_describe(err)}"
+            write.error = error or _describe(err, rank)
 
     def save_full(self, checkpoint: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
         """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a thread."""
@@ -311,7 +319,7 @@ class AsyncCheckpointer:
             torch.save(embed_digest(staged), tmp)
             commit_save(write.path)
         except BaseException as err:
-            write.error = f"rank 0: {_describe(err)}"
+            write.error = _describe(err, 0)
             _abandon(write.path.with_name(write.path.name + TMP_SUFFIX))
 
     # ------------------------------------------------------------------ ModelCheckpoint bookkeeping
