@@ -199,7 +199,8 @@ def test_sigkill_during_background_write_keeps_previous(tmp_path: Path) -> None:
     again, _ = _run(tmp_path, "again", "--resume", str(ckpt / "step=2.ckpt"), "--ckpt-dir", str(ckpt),
                     "--ckpt-every", "2", "--save-last", "0", "--option", "async_checkpoint='thread'")
     assert again is not None and again["global_step"] == 8
-    assert _listing(ckpt) == ["step=8.ckpt"], _listing(ckpt)  # the stale temp was cleaned by the next save
+    # the stale temp was cleaned by the next save; the checkpoint resumed from is kept (Lightning's rule)
+    assert _listing(ckpt) == ["step=2.ckpt", "step=8.ckpt"], _listing(ckpt)
 
 
 @pytest.mark.multiprocess
