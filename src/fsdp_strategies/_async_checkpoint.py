@@ -82,7 +82,8 @@ __all__ = [
     "validate_async_checkpoint",
 ]
 
-AsyncCheckpointMode = Literal["off", "thread", "process"]
+#: the ``async_checkpoint`` option: a type name, or a bool (YAML reads ``off`` as ``false``; ``true`` = ``"thread"``)
+AsyncCheckpointMode = Literal["off", "thread", "process"] | bool
 #: valid values of the ``async_checkpoint`` option
 ASYNC_CHECKPOINT_MODES: tuple[str, ...] = ("off", "thread", "process")
 
@@ -95,10 +96,12 @@ def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: 
     """Check the ``async_checkpoint`` option at ``__init__`` (before any process group); return it."""
     if value is None or value is False:
         return "off"
+    if value is True:
+        return "thread"
     if value not in ASYNC_CHECKPOINT_MODES:
         raise ValueError(
             f"async_checkpoint={value!r} is not a valid value. Fix: one of {list(ASYNC_CHECKPOINT_MODES)} "
-            "('thread': background thread, 'process': DCP's checkpoint process, 'off': synchronous saves)."
+            "('thread' or true: background thread, 'process': DCP's checkpoint process, 'off' or false: synchronous)."
         )
     if value == "process" and full_file:
         raise ValueError(
