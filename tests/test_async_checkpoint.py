@@ -219,3 +219,22 @@ def test_async_resume_is_exact_other_types(tmp_path: Path, strategy: str) -> Non
     resumed, _ = _run(tmp_path, "resumed", "--resume", str(ckpt / "last.ckpt"), *extra)
     assert resumed is not None and resumed["global_step"] == 8
     assert _equal(resumed["params"], full["params"]) and _opt_equal(resumed["opt_state"], full["opt_state"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not FULL, reason="CI time: in the full set (FSDP_STRATEGIES_FULL=1)")
+def test_ft_hsdp_group_dying_mid_write_leaves_no_half_checkpoint(tmp_path: Path) -> None:
+    """2 replica groups x 2 ranks: group 0 (the writer) dies in the middle of its second background write (step 4);
+    group 1 trains on alone, becomes the writer, and its next save succeeds; step 4 never appears."""
+    from test_ft_hsdp import FT, _launch
+
+    ckpt = tmp_path / "ckpt"
+    _launch(tmp_path, "ft", [*FT, "--trainer.max_steps", "12", "--trainer.strategy.init_args.async_checkpoint", "thread"],
+            ["--min-replicas", "1", "--max-restarts", "1"],
+            {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_BREAK_WRITE": "0:2",
+             "FT_TEST_SLEEP_ALONE": "1.0"}, timeout=600)
+    names = _listing(ckpt)
+    assert "step2.ckpt" in names and "step4.ckpt" not in names, names
+    assert not [n for n in names if n.endswith(".tmp")], names  # the dead group's temp was cleaned up
+    assert "step6.ckpt" in names and len(names) >= 3, names
+    assert all(verify_checkpoint(ckpt / n).ok for n in names), names
