@@ -19,6 +19,8 @@ through the strategy as ``ModelCheckpoint(save_top_k=1)`` does. Measured per job
 - stall per checkpoint: from the save call (end of the step that triggers it) until the next
   ``training_step`` starts; the same gap of the steps without a save is reported as ``gap_s``;
 - wall time of the measured steps, including the end of ``fit`` (which waits for the last write);
+- CPU time of every rank's process (and of DCP's checkpoint process) over the same window: what the
+  checkpoints cost in cores, less disturbed than wall time when other work shares the machine;
 - the checkpoint's size on disk.
 Ratios: stall sync / async (target >= 5), and wall time with checkpoints / ``none`` - 1 (target <= 2% for
 the async types), paired per round. On a CPU-only machine the background write runs on the same cores
@@ -51,6 +53,22 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its live children (DCP's checkpoint process for ``process``), in seconds:
+    what the checkpointing costs in cores, much less sensitive to other work on a shared machine than wall time."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me:  # ppid; utime, stime are fields 14 and 15 of the full line
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def size_config(size: str) -> dict[str, Any]:
     return SIZES[size] if size in SIZES else common.size_config(size)
 
@@ -76,7 +94,7 @@ def _worker(ns: argparse.Namespace) -> None:
             self.stalls: list[float] = []
             self.gaps: list[float] = []
             self.save_calls: list[float] = []
-            self.t0 = self.t1 = 0.0
+            self.t0 = self.t1 = self.cpu0 = 0.0
             self._end: float | None = None
             self._saved_at: float | None = None
             self._previous: Path | None = None
@@ -111,6 +129,7 @@ def _worker(ns: argparse.Namespace) -> None:
                     self.save_calls.clear()
                 dist.barrier()
                 self.t0 = time.perf_counter()
+                self.cpu0 = cpu_seconds()
                 return
             if step < warmup:
                 return
@@ -137,11 +156,12 @@ def _worker(ns: argparse.Namespace) -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, callbacks=[clock])
     trainer.fit(model, data)  # returns once the last background write has committed
+    cpu = cpu_seconds() - clock.cpu0
     dist.barrier()
     clock.t1 = time.perf_counter()
     if clock._previous is not None:
         clock.size_bytes = sum(p.stat().st_size for p in Path(clock._previous).rglob("*") if p.is_file())
-    mine = {"stalls": clock.stalls, "gaps": clock.gaps, "save_calls": clock.save_calls}
+    mine = {"stalls": clock.stalls, "gaps": clock.gaps, "save_calls": clock.save_calls, "cpu_s": cpu}
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
@@ -151,6 +171,7 @@ def _worker(ns: argparse.Namespace) -> None:
             "stalls_s": stalls, "median_stall_s": common.median(stalls),
             "save_call_s": per_rank[0]["save_calls"], "median_gap_s": common.median(per_rank[0]["gaps"]),
             "checkpoints": len(stalls), "checkpoint_bytes": clock.size_bytes,
+            "cpu_s": sum(r["cpu_s"] for r in per_rank),  # every rank (and its checkpoint process), measured window
             "params": sum(p.numel() for p in model.parameters()),
         }
         Path(ns.out).write_text(json.dumps(result))
@@ -201,6 +222,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
         ok = [r for r in rs if isinstance(r, dict)]
         per[name] = {"runs": ok, "errors": [str(r) for r in rs if not isinstance(r, dict)],
                      "elapsed_s": [r["elapsed_s"] if isinstance(r, dict) else None for r in rs],
+                     "cpu_s": [r.get("cpu_s") if isinstance(r, dict) else None for r in rs],
                      "median_stall_s": [r["median_stall_s"] if isinstance(r, dict) else None for r in rs],
                      "median_elapsed_s": common.median(r["elapsed_s"] for r in ok),
                      "stall_s": common.median(r["median_stall_s"] for r in ok if r["median_stall_s"] is not None)}
@@ -222,6 +244,13 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                             "per_round": [r - 1 for r in ratio["per_round"]],
                             "target": 0.02 if name in ASYNC else None,
                             "met": None if value is None or name not in ASYNC else value <= 0.02,
+                            "rounds": ratio["rounds_paired"]})
+    for name in ("sync", *ASYNC):
+        if name in per and base and base["runs"] and per[name]["runs"]:
+            ratio = common.paired_ratio(per[name]["cpu_s"], base["cpu_s"])
+            value = None if ratio["value"] is None else ratio["value"] - 1
+            summary.append({"ratio": f"{name}: CPU time with checkpoints / none - 1", "value": value,
+                            "per_round": [r - 1 for r in ratio["per_round"]], "target": None, "met": None,
                             "rounds": ratio["rounds_paired"]})
     for name, rec in per.items():
         if rec["stall_s"] is not None:
