@@ -46,3 +46,12 @@ def test_config_trains_a_few_steps(config: Path, tmp_path: Path) -> None:
     if trainer_cfg.get("enable_checkpointing", True) and "callbacks" not in trainer_cfg:
         # Lightning's default ModelCheckpoint wrote through the strategy's save_checkpoint.
         assert list(tmp_path.rglob("*.ckpt")), f"{config.name}: no checkpoint was written"
+    strategy_args = (trainer_cfg.get("strategy") or {}).get("init_args", {}) if isinstance(
+        trainer_cfg.get("strategy"), dict) else {}
+    if strategy_args.get("async_checkpoint") not in (None, "off", False):
+        # background writes: fit returned after the last one committed -- complete, verified, no temp left
+        from fsdp_strategies import verify_checkpoint
+
+        written = list(tmp_path.rglob("*.ckpt"))
+        assert written and all(verify_checkpoint(p).ok for p in written), written
+        assert not list(tmp_path.rglob("*.tmp")), list(tmp_path.rglob("*.tmp"))

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from conftest import WORKERS, run_python
-from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy
+from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy, verify_checkpoint
 from fsdp_strategies.strategies.ddp import in_bucket_order
 
 WORKER = str(WORKERS / "ddp_train.py")
@@ -109,7 +109,7 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     """
     steps = 10
     runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd_2",
-            "resume:powersgd", "recap:powersgd", "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
+            "resume:powersgd", "recap:powersgd", "resume:post_local_sgd+async", "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
             "cli:configs/ddp_hooks_compress.yaml", "stall:post_local_sgd_period8", "demo:powersgd"]
     extra = (f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
              "--trainer.strategy.init_args.powersgd_start_iter 2 --trainer.strategy.init_args.bucket_cap_mb 0.05")
@@ -173,6 +173,12 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     assert [tuple(r[k] for k in keys) for r in recap["rows"][:2]] == [tuple(r[k] for k in keys) for r in cont[6:8]]
     assert recap["buckets"] == 1 and recap["global_step"] == steps and all(r["in_sync"] for r in recap["rows"])
     assert _tail_loss(recap) < start - 1.0
+    # async_checkpoint='thread' (rank 0's background writer) under local SGD: the checkpoint fit waited for is
+    # complete and verified, and resuming from it continues exactly (every rank's loss, the schedule)
+    cont, resumed = res["continuous:post_local_sgd+async"]["rows"], res["resume:post_local_sgd+async"]["rows"]
+    assert verify_checkpoint(res["continuous:post_local_sgd+async"]["ckpt"]).ok
+    assert [r["step"] for r in resumed] == list(range(7, steps + 1))
+    assert [tuple(r[k] for k in keys) for r in resumed] == [tuple(r[k] for k in keys) for r in cont[6:]]
     # YAML configs through LightningCLI
     for name in ("cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
                  "cli:configs/ddp_hooks_compress.yaml"):

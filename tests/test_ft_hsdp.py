@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import WORKERS, free_port, run_python
-from fsdp_strategies import FTHSDPStrategy
+from fsdp_strategies import FTHSDPStrategy, verify_checkpoint
 from fsdp_strategies.ft_launch import _parse_kill_at
 from fsdp_strategies.strategies.ft_hsdp import LEAVE_EXIT_CODE, LighthouseUnreachableError
 
@@ -109,7 +109,9 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
     steps, ckpt = 8, tmp_path / "ckpt"
     no_fault = ["--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
     launcher = ["--min-replicas", "2", "--max-restarts", "0"]
-    _launch(tmp_path, "ft", [*FT, *no_fault], launcher, {"FT_TEST_CKPT": str(ckpt)})
+    # The checkpoints are written in the background (async_checkpoint: thread) by the participating rank-0 group.
+    _launch(tmp_path, "ft", [*FT, *no_fault, "--trainer.strategy.init_args.async_checkpoint", "thread"], launcher,
+            {"FT_TEST_CKPT": str(ckpt)})
     run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, "--trainer.max_steps", str(steps),
                 "--trainer.enable_checkpointing", "false"], env={"FT_TEST_OUT": str(tmp_path / "hsdp")}, timeout=300)
 
@@ -128,6 +130,7 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
 
     # The whole job restarted from the step-4 checkpoint continues exactly.
     assert sorted(p.name for p in ckpt.iterdir()) == ["step4.ckpt", "step8.ckpt"]
+    assert all(verify_checkpoint(p).ok for p in ckpt.iterdir())  # complete: fit waited for the last write
     _launch(tmp_path, "resumed", [*FT, *no_fault, "--ckpt_path", str(ckpt / "step4.ckpt")], launcher, {})
     for group in (0, 1):
         for rank in (0, 1):

@@ -131,7 +131,9 @@ def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: lis
 
 
 def _strategy(name: str, bucket_cap_mb: float | None = None) -> Any:
-    cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    cap: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    if name.endswith("+async"):  # the same strategy with background checkpoint writes
+        name, cap = name[: -len("+async")], {**cap, "async_checkpoint": "thread"}
     if name == "ddp":
         return DDPStrategy(**cap) if cap else "ddp"  # Lightning's own, the reference
     if name == "post_local_sgd_period8":

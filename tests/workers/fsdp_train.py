@@ -125,6 +125,45 @@ class CrashOnSave(pl.Callback):
         ckpt.dcp.save = crashing_save
 
 
+class BreakWrite(pl.Callback):
+    """Sabotage the ``nth`` DCP ``write_data`` call of this process (the background write under
+    ``async_checkpoint='thread'``): ``fail`` raises an OSError on rank ``rank`` only; ``kill`` lets the write
+    finish its files, then SIGKILLs this rank before the write returns (every rank)."""
+
+    def __init__(self, nth: int, mode: str, rank: int = 1) -> None:
+        self.nth, self.mode, self.rank, self.count = nth, mode, rank, 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import signal
+
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        real, me = FileSystemWriter.write_data, trainer.global_rank
+
+        def write_data(writer, plan, planner):  # type: ignore[no-untyped-def]
+            self.count += 1
+            if self.count == self.nth and self.mode == "fail" and me == self.rank:
+                raise OSError(28, "No space left on device (injected)")
+            result = real(writer, plan, planner)
+            if self.count == self.nth and self.mode == "kill":
+                result.wait()
+                print(f"rank {me}: SIGKILL in the middle of the background write", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+
+
+class DumpAtTrainEnd(pl.Callback):
+    """Write the record when training ends, before the strategy's ``on_train_end`` (which may raise)."""
+
+    def __init__(self, dump) -> None:  # type: ignore[no-untyped-def]
+        self.dump = dump
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dump()
+
+
 class RecordBatches(pl.Callback):
     """(global_step, epoch, checksum of this rank's batch) for every micro-batch: resume must not replay data."""
 
@@ -172,64 +211,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--strategy", default="fsdp2")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--replicate", type=int, default=0)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--num-train", type=int, default=256)
-    p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--clip", type=float, default=0.0)
-    p.add_argument("--meta-init", type=int, default=0)
-    p.add_argument("--precision", default="32-true")
-    p.add_argument("--eager-build", type=int, default=0)
-    p.add_argument("--option", action="append", default=[], help="extra strategy option NAME=PYTHON_LITERAL")
-    p.add_argument("--ckpt-dir", default="")
-    p.add_argument("--ckpt-every", type=int, default=0)
-    p.add_argument("--resume", default="")
-    p.add_argument("--stop-at", type=int, default=0)
-    p.add_argument("--crash-on-save", type=int, default=0)
-    p.add_argument("--record-start", type=int, default=0, help="record the state right after a resume")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-
-    pl.seed_everything(1234, verbose=False)
-    import ast
-
-    options = {"block_class_names": ["TransformerBlock"], "meta_init": bool(a.meta_init)}
-    options.update({k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.option)})
-    if a.strategy == "fsdp2":
-        strategy = fsdp_strategies.FSDP2Strategy(**options)
-    elif a.strategy == "hsdp":
-        strategy = fsdp_strategies.HSDPStrategy(replicate_degree=a.replicate, shard_degree=a.devices // a.replicate, **options)
-    else:
-        strategy = a.strategy
-    batches, probe, losses = RecordBatches(), ProbePrecision(), RecordLosses()
-    callbacks: list[pl.Callback] = [batches, probe, losses]
-    counter = CountCollectives() if a.strategy in ("fsdp2", "hsdp") else None
-    if counter:
-        callbacks.append(counter)
-    if a.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=a.ckpt_dir, every_n_train_steps=a.ckpt_every, save_top_k=1,
-                                         save_last=True, filename="{step}"))
-    if a.stop_at:
-        callbacks.append(StopAt(a.stop_at))
-    if a.crash_on_save:
-        callbacks.append(CrashOnSave(a.crash_on_save))
-    start = RecordStartState() if a.record_start else None
-    if start:
-        callbacks.append(start)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, precision=a.precision,
-        accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip or None, callbacks=callbacks,
-        enable_progress_bar=False, logger=False, enable_checkpointing=bool(a.ckpt_dir), limit_val_batches=0,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    model = (EagerLM if a.eager_build else ProbedLM)(**MODEL)
-    trainer.fit(model, datamodule=data_module(a.batch, a.num_train), ckpt_path=a.resume or None)
-
+def dump(trainer: pl.Trainer, model: pl.LightningModule, a: argparse.Namespace, batches: RecordBatches,
+         probe: ProbePrecision, losses: RecordLosses, counter: CountCollectives | None,
+         start: RecordStartState | None) -> None:
+    """Every rank (collectives): gather what the test checks; rank 0 writes ``a.out``."""
     optimizer = trainer.optimizers[0]
     params = {n: full(p) for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -255,6 +240,75 @@ def main() -> None:
     if trainer.is_global_zero:
         record["ranks"] = gathered
         torch.save(record, a.out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="fsdp2")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--replicate", type=int, default=0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--num-train", type=int, default=256)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--meta-init", type=int, default=0)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--eager-build", type=int, default=0)
+    p.add_argument("--option", action="append", default=[], help="extra strategy option NAME=PYTHON_LITERAL")
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default="")
+    p.add_argument("--stop-at", type=int, default=0)
+    p.add_argument("--crash-on-save", type=int, default=0)
+    p.add_argument("--save-last", type=int, default=1)
+    p.add_argument("--record-at-train-end", type=int, default=0)
+    p.add_argument("--break-write", default="", help="N:fail or N:kill (see BreakWrite)")
+    p.add_argument("--record-start", type=int, default=0, help="record the state right after a resume")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    pl.seed_everything(1234, verbose=False)
+    import ast
+
+    options = {"block_class_names": ["TransformerBlock"], "meta_init": bool(a.meta_init)}
+    options.update({k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.option)})
+    if a.strategy == "fsdp2":
+        strategy = fsdp_strategies.FSDP2Strategy(**options)
+    elif a.strategy == "hsdp":
+        strategy = fsdp_strategies.HSDPStrategy(replicate_degree=a.replicate, shard_degree=a.devices // a.replicate, **options)
+    else:
+        strategy = a.strategy
+    batches, probe, losses = RecordBatches(), ProbePrecision(), RecordLosses()
+    callbacks: list[pl.Callback] = [batches, probe, losses]
+    counter = CountCollectives() if a.strategy in ("fsdp2", "hsdp") else None
+    if counter:
+        callbacks.append(counter)
+    if a.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=a.ckpt_dir, every_n_train_steps=a.ckpt_every, save_top_k=1,
+                                         save_last=bool(a.save_last), filename="{step}"))
+    if a.stop_at:
+        callbacks.append(StopAt(a.stop_at))
+    if a.crash_on_save:
+        callbacks.append(CrashOnSave(a.crash_on_save))
+    if a.break_write:
+        nth, mode = a.break_write.split(":")
+        callbacks.append(BreakWrite(int(nth), mode))
+    start = RecordStartState() if a.record_start else None
+    if start:
+        callbacks.append(start)
+    if a.record_at_train_end:  # before the strategy's own on_train_end (e.g. a failing background write)
+        callbacks.append(DumpAtTrainEnd(lambda: dump(trainer, model, a, batches, probe, losses, counter, start)))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, precision=a.precision,
+        accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip or None, callbacks=callbacks,
+        enable_progress_bar=False, logger=False, enable_checkpointing=bool(a.ckpt_dir), limit_val_batches=0,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = (EagerLM if a.eager_build else ProbedLM)(**MODEL)
+    trainer.fit(model, datamodule=data_module(a.batch, a.num_train), ckpt_path=a.resume or None)
+    if not a.record_at_train_end:
+        dump(trainer, model, a, batches, probe, losses, counter, start)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
     FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
+    FT_TEST_BREAK_WRITE  "GROUP:N": the first incarnation of GROUP dies right after its N-th DCP shard write
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
@@ -67,6 +68,7 @@ class FTProbe(pl.Callback):
         return f"group{self.group}_rank{trainer.global_rank}"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._break_write(trainer)
         strategy = trainer.strategy
         if not (self.kill and isinstance(strategy, FTHSDPStrategy) and self.incarnation == 0):
             return
@@ -86,6 +88,29 @@ class FTProbe(pl.Callback):
             original(reduce_output)
 
         strategy._cross_group_all_reduce = killing_all_reduce  # type: ignore[method-assign]
+
+    def _break_write(self, trainer: pl.Trainer) -> None:
+        """FT_TEST_BREAK_WRITE="GROUP:N": the first incarnation of GROUP dies (torchrun + every rank) right
+        after its N-th DCP write_data -- the shards are on disk, the checkpoint is not committed."""
+        spec = os.environ.get("FT_TEST_BREAK_WRITE")
+        if not spec or self.incarnation != 0 or spec.split(":")[0] != self.group:
+            return
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        nth, real, calls = int(spec.split(":")[1]), FileSystemWriter.write_data, {"n": 0}
+
+        def write_data(writer, plan, planner):  # type: ignore[no-untyped-def]
+            result = real(writer, plan, planner)
+            calls["n"] += 1
+            if calls["n"] == nth:
+                result.wait()
+                print(f"FT_TEST: group {self.group} rank {trainer.global_rank} dies in the middle of checkpoint "
+                      f"write #{nth} ({writer.path})", flush=True)
+                kill_tree(os.getppid())
+                time.sleep(60)
+            return result
+
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._before = state_digest(_shards(trainer, pl_module))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -39,6 +40,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from fsdp_strategies._async_checkpoint import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies._checkpoint import load_full_file, resolve_checkpoint_path
 from fsdp_strategies._convert import (
     FULL_FORMAT,
@@ -153,7 +155,7 @@ class _SavedBucket:
         return [chunk.view(shape) for chunk, shape in zip(self._buffer.split(sizes), shapes)]
 
 
-class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
+class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
     """DDP with a communication hook chosen by name, working on CPU/gloo and CUDA/NCCL.
 
     Args:
@@ -185,6 +187,9 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
         checkpoint_on_preempt / preempt_grace_s: SIGTERM handling, as in
             :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`. Under local SGD every rank stops at
             the first global averaging after the signal (the ranks meet only there).
+        async_checkpoint: ``"off"`` (synchronous) or ``"thread"``: rank 0 copies the checkpoint to CPU memory
+            and a background thread writes the file (digest, ``torch.save``, atomic rename); see
+            :mod:`fsdp_strategies._async_checkpoint`. ``"process"`` needs a sharded checkpoint (fsdp2/hsdp).
     """
 
     strategy_name = "ddp_hooks"
@@ -212,6 +217,7 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint_on_preempt: bool = False,
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
+        async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
         if comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={comm_hook!r} is not a known hook. Fix: use one of {list(COMM_HOOKS)}.")
@@ -235,6 +241,7 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
         self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
+        self._init_async_checkpoint(async_checkpoint, full_file=True)
         self.comm_hook = comm_hook
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
@@ -631,6 +638,7 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
+        background = self._use_async_save()
         mine = self.comm_state_dict()
         if self.comm_hook in LOCAL_SGD_HOOKS and not self.is_global_zero:
             # Local steps make every rank's optimizer state its own (AdamW moments of its own gradients);
@@ -647,7 +655,12 @@ class DDPHooksStrategy(PreemptionMixin, DDPStrategy):
             assert self.lightning_module is not None
             checkpoint = {**checkpoint, CHECKPOINT_KEY: {"per_rank": per_rank},
                           PARAM_NAMES_KEY: optimizer_param_names(self.lightning_module, self.optimizers)}
-            checkpoint = embed_digest(checkpoint)  # travels inside the file, through any CheckpointIO
+            if not background:
+                checkpoint = embed_digest(checkpoint)  # travels inside the file, through any CheckpointIO
+        if background:  # the digest is computed by the background writer, on its copy
+            self.async_checkpointer.save_full(checkpoint, Path(self.broadcast(str(filepath))),
+                                              is_rank_zero=self.is_global_zero)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import (
 )
 from typing_extensions import override
 
+from fsdp_strategies._async_checkpoint import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies._blocks import describe_stacks, find_block_stacks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
 from fsdp_strategies._convert import PARAM_NAMES_KEY, load_into_sharded_model, optimizer_param_names
@@ -88,7 +89,7 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
-class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
+class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
     Args:
@@ -116,6 +117,9 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
             and exits with status 75 (requeue). See :mod:`fsdp_strategies._preemption`.
         preempt_grace_s: the most seconds from the first SIGTERM to the exit (the scheduler's SIGTERM
             to SIGKILL time, minus a margin); a save that cannot finish in time is abandoned (atomic).
+        async_checkpoint: ``"off"`` (synchronous saves), ``"thread"`` or ``"process"``: stage this rank's
+            shards in CPU memory and write them in the background with DCP's ``async_save`` (a thread, or
+            DCP's checkpoint process); still atomic, see :mod:`fsdp_strategies._async_checkpoint`.
     """
 
     strategy_name = "fsdp2"
@@ -139,6 +143,7 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         checkpoint_on_preempt: bool = False,
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
+        async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -146,6 +151,7 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
+        self._init_async_checkpoint(async_checkpoint, full_file=not save_distributed_checkpoint)
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:
@@ -389,16 +395,21 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
+        background = self._use_async_save()
         if self._save_distributed_checkpoint:
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero, barrier=self.barrier)
+            save = self.async_checkpointer.save_sharded if background else atomic_save_sharded
+            save(tensors, checkpoint, path, is_rank_zero=self.is_global_zero, barrier=self.barrier)
         else:
             if self.is_global_zero:
                 assert self.model is not None
                 # Lightning numbers this file's optimizer state by module order: record the names behind it
                 checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.model, self.optimizers)
-                atomic_save_full(checkpoint, path)
+                if not background:
+                    atomic_save_full(checkpoint, path)
+            if background:
+                self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
             self.barrier()
 
     @override

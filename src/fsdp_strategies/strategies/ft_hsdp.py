@@ -58,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_strategies._async_checkpoint import AsyncCheckpointMode
 from fsdp_strategies._ft_data import StepAlignedData
 from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.strategies.fsdp import FSDP2Strategy
@@ -185,6 +186,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         timeout: timedelta | None = default_pg_timeout,
         checkpoint_on_preempt: bool = False,
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
+        async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
         super().__init__(
             block_class_names=block_class_names,
@@ -204,6 +206,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             timeout=timeout,
             checkpoint_on_preempt=checkpoint_on_preempt,
             preempt_grace_s=preempt_grace_s,
+            async_checkpoint=async_checkpoint,
         )
         lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV) or None
         if lighthouse_addr is None:

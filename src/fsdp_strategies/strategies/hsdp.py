@@ -13,6 +13,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
+from fsdp_strategies._async_checkpoint import AsyncCheckpointMode
 from fsdp_strategies._mesh import (
     HSDPDegrees,
     check_torchrun_layout,
@@ -57,6 +58,7 @@ class HSDPStrategy(FSDP2Strategy):
         timeout: timedelta | None = default_pg_timeout,
         checkpoint_on_preempt: bool = False,
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
+        async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
         validate_degree_option("replicate_degree", replicate_degree)
         validate_degree_option("shard_degree", shard_degree)
@@ -78,6 +80,7 @@ class HSDPStrategy(FSDP2Strategy):
             timeout=timeout,
             checkpoint_on_preempt=checkpoint_on_preempt,
             preempt_grace_s=preempt_grace_s,
+            async_checkpoint=async_checkpoint,
         )
         self.replicate_degree = replicate_degree
         self.shard_degree = shard_degree

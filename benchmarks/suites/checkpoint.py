@@ -1,0 +1,306 @@
+"""checkpoint suite: what a checkpoint costs the training loop, synchronous vs ``async_checkpoint``.
+
+    python benchmarks/run.py checkpoint        # or: python benchmarks/suites/checkpoint.py [--quick]
+    python benchmarks/suites/checkpoint.py --sizes ckpt-26m --reps 3 --steps 30 --every 10
+
+Contenders (the example Llama under ``fsdp2``, 2 ranks, the same seed, data and steps), interleaved
+round by round:
+  none     no checkpoint: the reference time of the N steps
+  sync     ``async_checkpoint="off"``: DCP save into ``<name>.tmp``, checksum manifest, atomic rename
+  thread   ``async_checkpoint="thread"``: stage to CPU memory, DCP ``async_save`` + manifest + rename in a
+           background thread of each rank
+  process  ``async_checkpoint="process"``: the same write in DCP's checkpoint process
+
+Each job trains ``warmup`` steps, saves once (a warm-up checkpoint: the first save allocates the staging
+copies and, for ``process``, starts DCP's daemon process; it is waited for and not timed), then ``steps``
+measured steps with ``trainer.save_checkpoint`` every ``every`` steps, half an interval in (steps 5, 15, 25
+of 30: the last write is not the end of ``fit``, which would wait for it), the previous checkpoint removed
+through the strategy as ``ModelCheckpoint(save_top_k=1)`` does. Measured per job:
+- stall per checkpoint: from the save call (end of the step that triggers it) until the next
+  ``training_step`` starts; the same gap of the steps without a save is reported as ``gap_s``;
+- wall time of the measured steps, including the end of ``fit`` (which waits for the last write);
+- CPU time of every rank's process (and of DCP's checkpoint process) over the same window: what the
+  checkpoints cost in cores, less disturbed than wall time when other work shares the machine;
+- the checkpoint's size on disk.
+Ratios: stall sync / async (target >= 5), and wall time with checkpoints / ``none`` - 1 (target <= 2% for
+the async types), paired per round. On a CPU-only machine the background write runs on the same cores
+as training (2 cores, 2 ranks): what it costs shows up in the wall time, not in the stall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+
+SUITE = "checkpoint"
+CONTENDERS = ("none", "sync", "thread", "process")
+ASYNC = ("thread", "process")
+RANKS = 2
+BATCH_PER_RANK = 4
+# Sizes whose synchronous save takes >= 1 s on the 2-core CPU machine (the checkpoint holds the fp32
+# parameters and AdamW's two moments: 12 bytes per parameter). Others come from benchmarks/common.py.
+SIZES: dict[str, dict[str, Any]] = {
+    "ckpt-26m": {"model": {"vocab_size": 256, "dim": 512, "n_layers": 8, "n_heads": 8}, "seq_len": 64,
+                 "global_batch": RANKS * BATCH_PER_RANK},
+}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its live children (DCP's checkpoint process for ``process``), in seconds:
+    what the checkpointing costs in cores, much less sensitive to other work on a shared machine than wall time."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me:  # ppid; utime, stime are fields 14 and 15 of the full line
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def size_config(size: str) -> dict[str, Any]:
+    return SIZES[size] if size in SIZES else common.size_config(size)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _worker(ns: argparse.Namespace) -> None:
+    """One job (started by torchrun): train ``ns.contender`` and write its numbers to ``ns.out``."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root / "src"), str(root / "examples")]
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from fsdp_strategies import FSDP2Strategy
+    from llama import LlamaLM, MarkovDataModule
+
+    size = size_config(ns.size)
+    warmup, steps, every = ns.warmup, ns.steps, ns.every
+    ckpt_dir = Path(ns.out).parent / "ckpt"
+    saving = ns.contender != "none"
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.stalls: list[float] = []
+            self.gaps: list[float] = []
+            self.save_calls: list[float] = []
+            self.t0 = self.t1 = self.cpu0 = 0.0
+            self._end: float | None = None
+            self._saved_at: float | None = None
+            self._previous: Path | None = None
+            self.size_bytes = 0
+
+        def step_started(self) -> None:  # from training_step: the loop is back in the model
+            now = time.perf_counter()
+            if self._saved_at is not None:
+                self.stalls.append(now - self._saved_at)
+            elif self._end is not None:
+                self.gaps.append(now - self._end)
+            self._saved_at = self._end = None
+
+        def _save(self, trainer: pl.Trainer, step: int) -> None:
+            path = ckpt_dir / f"step={step}.ckpt"
+            t = time.perf_counter()
+            trainer.save_checkpoint(path)
+            self.save_calls.append(time.perf_counter() - t)
+            if self._previous is not None:
+                trainer.strategy.remove_checkpoint(self._previous)  # deferred until the new one is complete
+            self._previous = path
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any,
+                               i: int) -> None:
+            step = trainer.global_step
+            now = time.perf_counter()
+            if step == warmup:
+                if saving:  # the warm-up checkpoint: allocations, DCP's daemon process; waited for, not timed
+                    self._save(trainer, step)
+                    if ns.contender in ASYNC:
+                        trainer.strategy.async_checkpointer.finish()
+                    self.save_calls.clear()
+                dist.barrier()
+                self.t0 = time.perf_counter()
+                self.cpu0 = cpu_seconds()
+                return
+            if step < warmup:
+                return
+            if saving and (step - warmup) % every == every // 2:  # mid-interval: the last write ends before fit
+                self._saved_at = now
+                self._save(trainer, step)
+            else:
+                self._end = now
+
+    clock = Clock()
+
+    class TimedLM(LlamaLM):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            clock.step_started()
+            return super().training_step(batch, batch_idx)
+
+    world = int(os.environ["WORLD_SIZE"])
+    strategy = FSDP2Strategy(async_checkpoint=ns.contender if ns.contender in ASYNC else "off")
+    pl.seed_everything(ns.seed)
+    model = TimedLM(**size["model"], max_seq_len=size["seq_len"], warmup_steps=2)
+    data = MarkovDataModule(vocab_size=size["model"]["vocab_size"], seq_len=size["seq_len"],
+                            batch_size=size["global_batch"] // world, num_train=8192, num_val=64)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[clock])
+    trainer.fit(model, data)  # returns once the last background write has committed
+    cpu = cpu_seconds() - clock.cpu0
+    dist.barrier()
+    clock.t1 = time.perf_counter()
+    if clock._previous is not None:
+        clock.size_bytes = sum(p.stat().st_size for p in Path(clock._previous).rglob("*") if p.is_file())
+    mine = {"stalls": clock.stalls, "gaps": clock.gaps, "save_calls": clock.save_calls, "cpu_s": cpu}
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    if dist.get_rank() == 0:
+        stalls = [max(s) for s in zip(*(r["stalls"] for r in per_rank))]  # the slowest rank sets the pace
+        result = {
+            "contender": ns.contender, "elapsed_s": clock.t1 - clock.t0, "steps": steps, "every": every,
+            "stalls_s": stalls, "median_stall_s": common.median(stalls),
+            "save_call_s": per_rank[0]["save_calls"], "median_gap_s": common.median(per_rank[0]["gaps"]),
+            "checkpoints": len(stalls), "checkpoint_bytes": clock.size_bytes,
+            "cpu_s": sum(r["cpu_s"] for r in per_rank),  # every rank (and its checkpoint process), measured window
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+        Path(ns.out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- suite
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--every", type=int, default=None, help="checkpoint every this many measured steps")
+
+
+def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
+        reps: int | None = None, steps: int | None = None, warmup: int | None = None,
+        precision: str | None = None, contenders: list[str] | None = None, show_progress: bool = True,
+        every: int | None = None) -> dict[str, Any]:
+    size = (sizes or ["tiny" if quick else "ckpt-26m"])[0]
+    size_config(size)  # clear error for an unknown size before anything runs
+    reps = reps or (1 if quick else 3)
+    steps = steps or (4 if quick else 30)
+    every = every or (2 if quick else 10)
+    warmup = warmup or (2 if quick else 3)
+    if every < 1 or steps < every:
+        raise ValueError(f"--every {every} with --steps {steps}: no checkpoint would be measured. Fix: 1 <= every "
+                         "<= steps.")
+    names = [c for c in CONTENDERS if not contenders or c in contenders]
+    config = {"size": size, "model": size_config(size), "ranks": RANKS, "reps": reps, "steps": steps, "every": every,
+              "warmup": warmup, "strategy": "fsdp2", "precision": "32-true", "contenders": names, "quick": quick,
+              "stall": "from the save call (end of the step that saves) to the start of the next training_step, "
+                       "slowest rank",
+              "elapsed": "wall time of the measured steps, until fit returned (last write committed) on every rank",
+              "note": common.CPU_NOTE + " The background write shares the 2 cores with the 2 training ranks."}
+    result = common.header(SUITE, config)
+
+    def run_one(name: str, rep: int) -> dict[str, Any]:
+        args = ["--worker", "--contender", name, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
+                "--every", str(every), "--seed", str(rep)]
+        return common.run_worker(Path(__file__).resolve(), RANKS, args, timeout=1800)
+
+    bar = common.progress(len(names) * reps, SUITE) if show_progress else None
+    try:
+        runs = common.interleave(names, reps, run_one, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    per: dict[str, Any] = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if isinstance(r, dict)]
+        per[name] = {"runs": ok, "errors": [str(r) for r in rs if not isinstance(r, dict)],
+                     "elapsed_s": [r["elapsed_s"] if isinstance(r, dict) else None for r in rs],
+                     "cpu_s": [r.get("cpu_s") if isinstance(r, dict) else None for r in rs],
+                     "median_stall_s": [r["median_stall_s"] if isinstance(r, dict) else None for r in rs],
+                     "median_elapsed_s": common.median(r["elapsed_s"] for r in ok),
+                     "stall_s": common.median(r["median_stall_s"] for r in ok if r["median_stall_s"] is not None)}
+    summary: list[dict[str, Any]] = []
+    sync = per.get("sync")
+    for name in ASYNC:
+        if name in per and sync and sync["runs"] and per[name]["runs"]:
+            ratio = common.paired_ratio(sync["median_stall_s"], per[name]["median_stall_s"])
+            summary.append({"ratio": f"stall sync/{name} (x shorter)", "value": ratio["value"],
+                            "per_round": ratio["per_round"], "target": None,
+                            "met": None if ratio["value"] is None else ratio["value"] >= 5.0,
+                            "target_min": 5.0, "rounds": ratio["rounds_paired"]})
+    base = per.get("none")
+    for name in ("sync", *ASYNC):
+        if name in per and base and base["runs"] and per[name]["runs"]:
+            ratio = common.paired_ratio(per[name]["elapsed_s"], base["elapsed_s"])
+            value = None if ratio["value"] is None else ratio["value"] - 1
+            summary.append({"ratio": f"{name}: wall time with checkpoints / none - 1", "value": value,
+                            "per_round": [r - 1 for r in ratio["per_round"]],
+                            "target": 0.02 if name in ASYNC else None,
+                            "met": None if value is None or name not in ASYNC else value <= 0.02,
+                            "rounds": ratio["rounds_paired"]})
+    for name in ("sync", *ASYNC):
+        if name in per and base and base["runs"] and per[name]["runs"]:
+            ratio = common.paired_ratio(per[name]["cpu_s"], base["cpu_s"])
+            value = None if ratio["value"] is None else ratio["value"] - 1
+            summary.append({"ratio": f"{name}: CPU time with checkpoints / none - 1", "value": value,
+                            "per_round": [r - 1 for r in ratio["per_round"]], "target": None, "met": None,
+                            "rounds": ratio["rounds_paired"]})
+    for name, rec in per.items():
+        if rec["stall_s"] is not None:
+            summary.append({"ratio": f"{name}: stall per checkpoint (s)", "value": rec["stall_s"], "target": None,
+                            "met": None})
+    result["contenders"] = per
+    result["summary"] = summary
+    path = common.write_result(SUITE, result, Path(out_dir))
+    result["json_path"] = str(path)
+    result["png_path"] = str(_plot(result, path.with_suffix(".png")))
+    return result
+
+
+def _plot(result: dict[str, Any], path: Path) -> Path:
+    plt = common._pyplot()
+    per = result["contenders"]
+    names = [n for n in per if per[n]["runs"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    stalled = [n for n in names if n != "none"]
+    meds = [per[n]["stall_s"] or 0 for n in stalled]
+    axes[0].bar(range(len(stalled)), meds, color=["C1" if n in ASYNC else "C0" for n in stalled])
+    for i, n in enumerate(stalled):
+        pts = [s for r in per[n]["runs"] for s in r["stalls_s"]]
+        axes[0].scatter([i] * len(pts), pts, s=10, color="black", zorder=3)
+    axes[0].set_xticks(range(len(stalled)), stalled)
+    axes[0].set_ylabel("training stall per checkpoint (s)")
+    meds = [per[n]["median_elapsed_s"] or 0 for n in names]
+    axes[1].bar(range(len(names)), meds, color=["C2" if n == "none" else "C1" if n in ASYNC else "C0" for n in names])
+    for i, n in enumerate(names):
+        pts = [v for v in per[n]["elapsed_s"] if v is not None]
+        axes[1].scatter([i] * len(pts), pts, s=10, color="black", zorder=3)
+    axes[1].set_xticks(range(len(names)), names)
+    cfg = result["config"]
+    axes[1].set_ylabel(f"wall time of {cfg['steps']} steps, checkpoint every {cfg['every']} (s)")
+    run = next((r for n in names for r in per[n]["runs"] if r.get("checkpoint_bytes")), {})
+    fig.suptitle(f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
+                 f"{run.get('checkpoint_bytes', 0) / 1e6:.0f} MB checkpoint), {result['device_name']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        parser = argparse.ArgumentParser()
+        for flag, kind in (("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
+                           ("--every", int), ("--seed", int), ("--out", str)):
+            parser.add_argument(flag, type=kind, required=True)
+        parser.add_argument("--worker", action="store_true")
+        _worker(parser.parse_args())
+    else:
+        common.suite_main(run, __doc__ or "", add_options=_add_options)

@@ -1,0 +1,485 @@
+"""Asynchronous, still-atomic checkpoints: the ``async_checkpoint`` option of every strategy.
+
+``async_checkpoint="thread"`` or ``"process"``: a save copies ("stages") this rank's part of the
+checkpoint into CPU memory on the training thread and returns; the write runs in the background
+and training goes on. ``"off"`` (the default) keeps the synchronous save.
+
+How each guarantee of the synchronous save is kept:
+
+* Sharded checkpoints (``fsdp2``, ``hsdp``, ``ft_hsdp``): :func:`torch.distributed.checkpoint.async_save`
+  with DCP's own ``DefaultStager`` (kept for the run, so the CPU copies are allocated once; pinned
+  memory on CUDA, shared memory for ``"process"``) writes every rank's shards into ``<name>.tmp``.
+  Its collectives (planning, and the coordinator's ``.metadata`` write) run on a dedicated gloo group,
+  never on the training group, so they cannot interleave with the training collectives.
+  ``"thread"`` writes from a thread of the training process; ``"process"`` hands the staged copy to
+  DCP's checkpoint daemon process (started at the first save, it lives as long as the process).
+* When a rank's DCP write returns, every rank's shards and the metadata are on disk (DCP ends with a
+  collective after the coordinator's metadata write). Then, still in the background, each rank hashes
+  its share of the files, the hashes are gathered (on the same dedicated group), rank 0 writes the
+  checksum manifest and renames ``<name>.tmp`` to ``<name>`` (the atomic commit of
+  :mod:`fsdp_strategies._checkpoint`), and broadcasts the outcome: every rank's background job ends
+  with the same result. A checkpoint therefore appears under its final name only when every rank's
+  write is complete; a crash or SIGKILL before that leaves ``<name>.tmp`` (removed by a later save)
+  and the previous checkpoint, untouched.
+* Full-file checkpoints (``ddp_hooks``, ``fsdp2`` with ``save_distributed_checkpoint=False``): rank 0
+  stages the checkpoint dict the same way, and a background thread embeds the digest, ``torch.save``-s
+  it to the temp file and renames it into place. ``"process"`` is refused there (no DCP writer).
+* ``ModelCheckpoint`` bookkeeping: a ``remove_checkpoint`` that arrives while a write is in flight (the
+  previous ``last`` or the k+1-th best, which Lightning removes right after the new save returns) is
+  deferred until that write has committed, and dropped if it fails. ``save_last="link"`` is not covered:
+  Lightning creates that link itself, to a name that appears only at the commit.
+* At most one write in flight: a save that finds one still running waits for it (and says so once).
+* Errors: at one fixed point of every training step (the strategy's ``on_train_batch_start``) while a
+  write is in flight, one all-reduce on a second dedicated gloo group tells every rank whether every
+  rank's job has finished and whether any failed. A failure raises :class:`AsyncCheckpointError` on
+  every rank at that same step; nothing is lost silently. With ``ddp_hooks`` under local SGD the check
+  runs only on the steps where the ranks meet anyway (``_preempt_check_due``).
+* End of fit: ``on_train_end`` waits for the write (and raises its error); ``teardown`` and an ``atexit``
+  hook wait for a write still running after an exception, so the process does not exit before the job
+  has committed or failed (bounded by the process-group timeout; a failure is printed to stderr).
+* A preemption checkpoint (``checkpoint_on_preempt``) is written synchronously, after any write in flight.
+
+Limits: the staged copy costs CPU memory of the size of this rank's shards (model + optimizer
+state). On CPU-only machines the background write competes with training for cores. A ``"process"``
+daemon whose training process was SIGKILLed finishes the write it had started into the (abandoned)
+``.tmp`` folder before it notices.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from fsdp_strategies._checkpoint import (
+    LIGHTNING_META_FILE,
+    TMP_SUFFIX,
+    _release_save_lock,
+    _remove,
+    commit_save,
+    prepare_save,
+)
+from fsdp_strategies._integrity import embed_digest, hash_files, write_manifest
+
+__all__ = [
+    "ASYNC_CHECKPOINT_MODES",
+    "AsyncCheckpointError",
+    "AsyncCheckpointMixin",
+    "AsyncCheckpointMode",
+    "AsyncCheckpointer",
+    "validate_async_checkpoint",
+]
+
+#: the ``async_checkpoint`` option: a type name, or a bool (YAML reads ``off`` as ``false``; ``true`` = ``"thread"``)
+AsyncCheckpointMode = Literal["off", "thread", "process"] | bool
+#: valid values of the ``async_checkpoint`` option
+ASYNC_CHECKPOINT_MODES: tuple[str, ...] = ("off", "thread", "process")
+
+
+class AsyncCheckpointError(RuntimeError):
+    """A background checkpoint write failed; the previous checkpoint is untouched."""
+
+
+def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: str = "") -> str:
+    """Check the ``async_checkpoint`` option at ``__init__`` (before any process group); return it."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "thread"
+    if value not in ASYNC_CHECKPOINT_MODES:
+        raise ValueError(
+            f"async_checkpoint={value!r} is not a valid value. Fix: one of {list(ASYNC_CHECKPOINT_MODES)} "
+            "('thread' or true: background thread, 'process': DCP's checkpoint process, 'off' or false: synchronous)."
+        )
+    if value == "process" and full_file:
+        raise ValueError(
+            f"async_checkpoint='process' needs a sharded (DCP) checkpoint, but {strategy or 'this strategy'} writes one "
+            "full file from rank 0. Fix: async_checkpoint: thread (or save_distributed_checkpoint: true under fsdp2)."
+        )
+    return str(value)
+
+
+def _describe(err: BaseException, rank: int | None = None) -> str:
+    """One line naming the rank and the error (DCP's ``CheckpointException`` names the ranks that failed)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:  # the same on every rank: DCP gathered them
+        first_rank, wrapped = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        more = f" (and on {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+        return f"{_describe(cause, first_rank)}{more}"
+    text = " ".join(str(err).split())
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(err).__name__}: {text[:400]}" if text else f"{where}{type(err).__name__}"
+
+
+def _abandon(tmp: Path) -> None:
+    """Rank 0, after a failed write: remove the partial temp and release its lock (the final name is untouched)."""
+    try:
+        _remove(tmp)
+    except OSError:
+        pass  # a later save removes it (its lock is free)
+    _release_save_lock(tmp)
+
+
+@dataclass
+class _Write:
+    """One checkpoint write in flight on this rank (every rank of the group has one, symmetric)."""
+
+    path: Path
+    started: float
+    thread: threading.Thread | None = None
+    error: str | None = None  # set by the background job; the same on every rank once it finished
+    removals: list[Path] = field(default_factory=list)
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+_LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _wait_all_at_exit() -> None:
+    """``atexit``: a write still running (e.g. a save after ``fit``) finishes before the interpreter does."""
+    for checkpointer in list(_LIVE):
+        checkpointer.close(reason="the end of the program")
+
+
+class AsyncCheckpointer:
+    """The background-write engine of one strategy instance (see the module docstring).
+
+    Protocol: every rank of the strategy's (default) process group calls :meth:`save_sharded` /
+    :meth:`save_full`, :meth:`poll` and :meth:`finish` at the same points; :meth:`defer_removal` and
+    :meth:`close` are local.
+    """
+
+    def __init__(self, mode: str, name: str = "fsdp_strategies", timeout: timedelta | None = None) -> None:
+        self.mode = mode
+        self.name = name
+        self.timeout = timeout
+        self._write: _Write | None = None
+        self._stager: Any = None
+        self._bg_group: Any = None  # DCP's and the background job's collectives
+        self._main_group: Any = None  # the per-step agreement (training thread only)
+        self._world: Any = None
+        self._told_wait = False
+        #: seconds the training thread spent in each save call (staging included), for the benchmark
+        self.last_save_s = 0.0
+        self.last_write_s = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def in_flight(self) -> bool:
+        return self._write is not None
+
+    # ------------------------------------------------------------------ process groups
+    @staticmethod
+    def _distributed() -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _groups(self) -> tuple[Any, Any]:
+        """The two gloo groups, created on first use (a save: the same point on every rank)."""
+        world = dist.group.WORLD
+        if self._bg_group is None or self._world is not world:
+            kwargs: dict[str, Any] = {"backend": "gloo"}
+            if self.timeout is not None:
+                kwargs["timeout"] = self.timeout
+            self._bg_group = dist.new_group(**kwargs)
+            self._main_group = dist.new_group(**kwargs)
+            self._world = world
+        return self._bg_group, self._main_group
+
+    def _get_stager(self) -> Any:
+        """DCP's ``DefaultStager``, kept for the run: its CPU copies are allocated at the first save and reused
+        (safe: a save starts only after the previous write finished). Synchronous: the copy is complete when
+        the save returns, so the optimizer may change the parameters right after."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.mode == "process",
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def _register_exit_wait(self) -> None:
+        global _atexit_registered
+        _LIVE.add(self)
+        if not _atexit_registered:
+            atexit.register(_wait_all_at_exit)  # registered after the gloo quiesce hook: runs before it
+            _atexit_registered = True
+
+    # ------------------------------------------------------------------ saving
+    def _before_save(self) -> None:
+        if self._write is None:
+            return
+        if self._write.running() and not self._told_wait:
+            self._told_wait = True
+            rank_zero_info(
+                f"{self.name}: async_checkpoint: the previous checkpoint ({self._write.path.name}) is still being "
+                "written; this save waits for it (at most one write in flight). Said once; checkpoint less often "
+                "to avoid waiting."
+            )
+        self.finish()
+
+    def save_sharded(self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool,
+                     barrier: Callable[[], None]) -> None:
+        """Every rank: stage this rank's shards, start DCP's async save into ``<path>.tmp``, return."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        t0 = time.perf_counter()
+        self._before_save()
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        if is_rank_zero:
+            prepare_save(path)
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save(metadata, tmp / LIGHTNING_META_FILE)  # small; part of the manifest like the shards
+        barrier()
+        distributed = self._distributed()
+        bg_group = self._groups()[0] if distributed else None
+        kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
+        future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=bg_group,
+                                async_checkpointer_type=kind, async_stager=self._get_stager(), no_dist=not distributed)
+        if hasattr(future, "upload_completion"):  # an AsyncSaveResponse (asynchronous staging)
+            future = future.upload_completion
+        write = _Write(path=path, started=time.perf_counter())
+        write.thread = threading.Thread(target=self._finish_sharded, args=(write, future, tmp, is_rank_zero, bg_group),
+                                        name=f"{self.name}-checkpoint-commit", daemon=False)
+        self._write = write
+        self._register_exit_wait()
+        write.thread.start()
+        self.last_save_s = time.perf_counter() - t0
+
+    def _finish_sharded(self, write: _Write, future: Any, tmp: Path, is_rank_zero: bool, group: Any) -> None:
+        """Background, every rank: wait for DCP, hash this rank's share, gather, rank 0 commits, share the outcome."""
+        error: str | None = None
+        share: dict[str, tuple[int, str]] = {}
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        try:
+            written = future.result()
+            storage = getattr(written, "storage_data", None) or {}
+            names = sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")})
+            share = hash_files(tmp, names[rank::world])
+        except BaseException as err:
+            error = _describe(err, rank)
+        try:
+            if group is not None:
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, (share, error), group=group)
+            else:
+                gathered = [(share, error)]
+            errors = sorted({e for _, e in gathered if e})
+            outcome: list[Any] = [None]
+            if is_rank_zero:
+                if errors:
+                    outcome = ["; ".join(errors)]
+                    _abandon(tmp)
+                else:
+                    try:
+                        write_manifest(tmp, {n: e for s, _ in gathered for n, e in s.items()})
+                        commit_save(write.path)
+                    except BaseException as err:
+                        outcome = [f"commit: {_describe(err, rank)}"]
+            if group is not None:
+                dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+            write.error = outcome[0]
+        except BaseException as err:
+            write.error = error or _describe(err, rank)
+
+    def save_full(self, checkpoint: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
+        """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a thread."""
+        t0 = time.perf_counter()
+        self._before_save()
+        write = _Write(path=path, started=time.perf_counter())
+        if is_rank_zero:
+            staged = self._get_stager().stage(checkpoint)
+            write.thread = threading.Thread(target=self._finish_full, args=(write, staged), daemon=False,
+                                            name=f"{self.name}-checkpoint-write")
+        self._write = write
+        self._register_exit_wait()
+        if write.thread is not None:
+            write.thread.start()
+        self.last_save_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _finish_full(write: _Write, staged: dict[str, Any]) -> None:
+        try:
+            tmp = prepare_save(write.path)
+            torch.save(embed_digest(staged), tmp)
+            commit_save(write.path)
+        except BaseException as err:
+            write.error = _describe(err, 0)
+            _abandon(write.path.with_name(write.path.name + TMP_SUFFIX))
+
+    # ------------------------------------------------------------------ ModelCheckpoint bookkeeping
+    def defer_removal(self, filepath: Any) -> bool:
+        """True if a write is in flight: the removal then runs (on rank 0) once it has committed."""
+        if self._write is None:
+            return False
+        path = Path(str(filepath))
+        if path != self._write.path:
+            self._write.removals.append(path)
+        return True
+
+    # ------------------------------------------------------------------ agreement points
+    def _agree(self, running: bool, failed: bool) -> tuple[int, int]:
+        if not self._distributed():
+            return int(running), int(failed)
+        flags = torch.tensor([int(running), int(failed)], dtype=torch.int64)
+        dist.all_reduce(flags, group=self._groups()[1])
+        return int(flags[0]), int(flags[1])
+
+    def poll(self) -> None:
+        """Every rank, at the same point of a step: finish the bookkeeping of a completed write, raise its error."""
+        write = self._write
+        if write is None:
+            return
+        running, failed = self._agree(write.running(), write.error is not None)
+        if failed:
+            self._fail(write)
+        if not running:
+            self._completed(write)
+
+    def finish(self) -> None:
+        """Every rank: wait for the write in flight (if any), then as :meth:`poll`."""
+        write = self._write
+        if write is None:
+            return
+        if write.thread is not None:
+            write.thread.join()
+        self.poll()
+
+    def _fail(self, write: _Write) -> None:
+        errors: list[Any] = [write.error]
+        if self._distributed():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, write.error, group=self._groups()[1])
+        first = next((e for e in errors if e), "unknown error")
+        self._write = None  # the deferred removals are dropped: the previous checkpoints stay
+        raise AsyncCheckpointError(
+            f"{self.name}: the background write of checkpoint {write.path} failed ({first}). It was not committed: "
+            f"the previous checkpoint is untouched. Fix: check the checkpoint directory (space, permissions) and "
+            "resume from the last complete checkpoint, or set async_checkpoint: off to see the error synchronously."
+        )
+
+    def _completed(self, write: _Write) -> None:
+        self._write = None
+        self.last_write_s = time.perf_counter() - write.started
+        if write.removals and self._is_rank_zero():
+            for old in write.removals:
+                _remove(old)
+
+    @staticmethod
+    def _is_rank_zero() -> bool:
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    def close(self, reason: str = "teardown") -> None:
+        """Local, no collective: wait for a job still running (bounded by the group timeout); report a failure."""
+        write = self._write
+        if write is None:
+            self._release_stager()
+            return
+        if write.thread is not None and write.thread.is_alive():
+            limit = self.timeout.total_seconds() if self.timeout is not None else None
+            print(f"{self.name}: waiting for the background write of {write.path} before {reason}.",
+                  file=sys.stderr, flush=True)
+            write.thread.join(limit)
+        self._write = None
+        if write.thread is not None and write.thread.is_alive():
+            print(f"{self.name}: ERROR: the background write of {write.path} did not finish; it is not committed "
+                  "(the previous checkpoint is untouched).", file=sys.stderr, flush=True)
+        elif write.error is not None:
+            print(f"{self.name}: ERROR: the background write of {write.path} failed ({write.error}); it is not "
+                  "committed (the previous checkpoint is untouched).", file=sys.stderr, flush=True)
+        self._release_stager()
+
+    def _release_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+class AsyncCheckpointMixin:
+    """Strategy mixin: the ``async_checkpoint`` option's hooks (listed before the Lightning base class).
+
+    The strategy calls :meth:`_init_async_checkpoint` from ``__init__`` and routes its save through
+    :attr:`async_checkpointer` when :attr:`async_checkpoint` is not ``"off"``.
+    """
+
+    async_checkpoint: str = "off"
+    _async_full_file: bool = False
+    _async_checkpointer: AsyncCheckpointer | None = None
+
+    def _init_async_checkpoint(self, mode: Any, *, full_file: bool = False) -> None:
+        self.async_checkpoint = validate_async_checkpoint(mode, full_file=full_file,
+                                                          strategy=getattr(self, "strategy_name", ""))
+        self._async_full_file = full_file
+
+    @property
+    def async_checkpointer(self) -> AsyncCheckpointer:
+        """The engine of this strategy (created on first use)."""
+        if self._async_checkpointer is None:
+            self._async_checkpointer = AsyncCheckpointer(self.async_checkpoint, getattr(self, "strategy_name", ""),
+                                                         getattr(self, "_timeout", None))
+        return self._async_checkpointer
+
+    def _async_check_due(self) -> bool:
+        due = getattr(self, "_preempt_check_due", None)
+        return bool(due()) if callable(due) else True
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._async_checkpointer is not None and self._async_checkpointer.defer_removal(filepath):
+            return
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self._async_checkpointer is not None and self._async_checkpointer.in_flight and self._async_check_due():
+            self._async_checkpointer.poll()
+
+    def on_train_end(self) -> None:
+        if self._async_checkpointer is not None:
+            self._async_checkpointer.finish()
+        super().on_train_end()  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        if self._async_checkpointer is not None:
+            self._async_checkpointer.close()
+        super().teardown()  # type: ignore[misc]
+
+    def _use_async_save(self) -> bool:
+        """Whether this save goes to the background (called on every rank at the start of a save). A
+        preemption checkpoint is written synchronously, after the write in flight (if any) has finished."""
+        if self.async_checkpoint == "off":
+            return False
+        if getattr(self, "_preempt_saving", False):
+            self.async_checkpointer.finish()
+            return False
+        return True
+
+    def connect(self, model: Any) -> None:
+        if self.async_checkpoint != "off" and getattr(self, "_async_full_file", False):
+            from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+            io = getattr(self, "checkpoint_io", None)
+            if io is not None and type(io) is not TorchCheckpointIO:
+                raise ValueError(
+                    f"async_checkpoint={self.async_checkpoint!r} writes the checkpoint file itself (torch.save to a temp "
+                    f"file, then an atomic rename) and would bypass the CheckpointIO plugin {type(io).__name__}. Fix: "
+                    "remove the plugin, or set async_checkpoint: off."
+                )
+        super().connect(model)  # type: ignore[misc]
