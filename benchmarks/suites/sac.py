@@ -35,7 +35,7 @@ import common
 sys.path.insert(0, str(common.ROOT / "examples"))
 from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing
-from fsdp_strategies.callbacks.throughput import count_step_flops
+from fsdp_strategies.callbacks.mfu import count_step_flops
 from llama import Llama
 
 CONTENDERS: dict[str, dict[str, Any] | None] = {

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -45,16 +45,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["StragglerDetector", "StragglerInjection", "StragglerScorer"]
 
-ACTIONS = ("warn", "hierarchical_sgd", "evict", "stop")
+Action = Literal["warn", "hierarchical_sgd", "evict", "stop"]
+ACTIONS: tuple[str, ...] = get_args(Action)
 _HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
 
 
-_INJECTION_KINDS = ("sleep", "busy_wait", "spin")
+InjectionKind = Literal["sleep", "busy_wait", "spin"]
+_INJECTION_KINDS: tuple[str, ...] = get_args(InjectionKind)
 
 
 @dataclass
@@ -81,7 +86,7 @@ class StragglerInjection:
     probability: float = 1.0
     start_step: int = 0
     end_step: int | None = None
-    kind: Literal["sleep", "busy_wait", "spin"] = "sleep"
+    kind: InjectionKind = "sleep"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -251,7 +256,7 @@ class StragglerDetector(Callback):
         stall_factor: float = 3.0,
         min_excess_s: float = 0.01,
         top_k: int = 3,
-        action: Literal["warn", "hierarchical_sgd", "evict", "stop"] = "warn",
+        action: Action = "warn",
         switch_threshold: float = 0.1,
         report_path: str | None = None,
         hosts_file: str | None = None,
@@ -262,14 +267,12 @@ class StragglerDetector(Callback):
         super().__init__()
         for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0), ("patience", patience, 1),
                                  ("top_k", top_k, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+            check_int(name, value, low)
         if threshold <= 1.0:
             raise ValueError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
-        if action not in ACTIONS:
-            raise ValueError(f"action={action!r} is unknown. Fix: one of {list(ACTIONS)}.")
+        check_choice("action", action, Action)
         if switch_threshold <= 0:
             raise ValueError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
         if isinstance(inject, dict):
@@ -315,17 +318,17 @@ class StragglerDetector(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if self.action == "hierarchical_sgd":
-            from fsdp_strategies.strategies.ddp import LOCAL_SGD_HOOKS, DDPHooksStrategy
-
-            if not isinstance(strategy, DDPHooksStrategy) or strategy.comm_hook not in LOCAL_SGD_HOOKS:
-                raise ValueError(
-                    f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
-                    f"hierarchical_sgd, but the strategy is {type(strategy).__name__}"
-                    f"{' with comm_hook=' + repr(strategy.comm_hook) if isinstance(strategy, DDPHooksStrategy) else ''}. "
-                    "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
-                    "hierarchical_sgd}}, or another action.")
-        if self.action == "evict" and not callable(getattr(strategy, "leave_quorum", None)):
+        if self.action == "hierarchical_sgd" and not (
+            isinstance(strategy, LocalAveragingSwitch) and strategy.local_sgd_available
+        ):
+            comm_hook = getattr(strategy, "comm_hook", None)
+            raise ValueError(
+                f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
+                f"hierarchical_sgd (a LocalAveragingSwitch), but the strategy is {type(strategy).__name__}"
+                f"{' with comm_hook=' + repr(comm_hook) if comm_hook is not None else ''}. "
+                "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
+                "hierarchical_sgd}}, or another action.")
+        if self.action == "evict" and not isinstance(strategy, QuorumMember):
             raise ValueError(
                 f"action='evict' needs a fault-tolerant strategy with leave_quorum(reason) (e.g. ft_hsdp), but the "
                 f"strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or action: warn / stop.")
@@ -347,7 +350,9 @@ class StragglerDetector(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.action == "hierarchical_sgd" and not self.switched:
-            trainer.strategy.set_local_sgd(False, average=False)  # type: ignore[attr-defined]
+            strategy = trainer.strategy
+            assert isinstance(strategy, LocalAveragingSwitch)
+            strategy.set_local_sgd(False, average=False)
         self._t_prev_end = None
         self._t_train_start = time.perf_counter()
 
@@ -546,7 +551,8 @@ class StragglerDetector(Callback):
         elif self.action == "evict":
             for r in result["newly_persistent"]:
                 if r == trainer.global_rank:
-                    trainer.strategy.leave_quorum(  # type: ignore[attr-defined]
+                    assert isinstance(trainer.strategy, QuorumMember)
+                    trainer.strategy.leave_quorum(
                         f"persistent straggler: rank {r} on {self.hosts[r]}, relative score {result['relative'][r]:.2f}")
         elif self.action == "stop" and result["persistent"]:
             self._stop(trainer, result)
@@ -561,7 +567,8 @@ class StragglerDetector(Callback):
         if self._switch_streak >= patience:
             self.switched = want
             self._switch_streak = 0
-            strategy.set_local_sgd(want)  # type: ignore[attr-defined]
+            assert isinstance(strategy, LocalAveragingSwitch)
+            strategy.set_local_sgd(want)
             self.events.append({"step": step, "event": "local_sgd_on" if want else "local_sgd_off", "lost_frac": lost})
             rank_zero_info(f"StragglerDetector: {'local (hierarchical) averaging on' if want else 'back to synchronous DDP'}"
                            f" at step {step}: straggler loss {lost:.1%} of the step time.")

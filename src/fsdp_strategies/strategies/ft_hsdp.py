@@ -45,12 +45,10 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 from urllib.parse import urlparse
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import ReduceOp
@@ -58,9 +56,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam
 from fsdp_strategies._ft_data import StepAlignedData
-from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
-from fsdp_strategies.strategies.fsdp import FSDP2Strategy
+from fsdp_strategies._mesh import HSDPDegrees
+from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies.strategies.hsdp import HSDPStrategy
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -74,9 +75,11 @@ EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
 #: exit status of a replica group that left the quorum on purpose (``leave_quorum``); the
 #: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
 LEAVE_EXIT_CODE = 75
-TRANSPORTS = ("pg", "http")
+Transport = Literal["pg", "http"]
+DataOnFailure = Literal["skip", "redistribute"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 #: valid values of ``data_on_failure``
-DATA_ON_FAILURE = ("skip", "redistribute")
+DATA_ON_FAILURE: tuple[str, ...] = get_args(DataOnFailure)
 
 _HOW_TO_START = (
     "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
@@ -114,8 +117,9 @@ def _local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-class FTHSDPStrategy(FSDP2Strategy):
-    """FSDP2 inside a replica group, torchft's fault-tolerant all-reduce across replica groups.
+class FTHSDPStrategy(HSDPStrategy):
+    """HSDP whose replication runs across jobs: FSDP2 inside a replica group, torchft's fault-tolerant
+    all-reduce across replica groups (``replicate_degree`` is 1 inside each group's job).
 
     Args:
         lighthouse_addr: ``http://host:port`` of the torchft lighthouse; default ``$TORCHFT_LIGHTHOUSE``.
@@ -147,7 +151,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             share of the step's samples, so the step averages over the same global batch as a fault-free
             step. In this mode every step waits for its quorum before the forward pass (no overlap of the
             quorum with compute), and a step with missing groups runs larger per-rank batches.
-        **fsdp2 options**: see :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`.
+        **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
     strategy_name = "ft_hsdp"
@@ -159,7 +163,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         num_replica_groups: int | None = None,
         min_replica_size: int = 1,
         shard_degree: int | str = "auto",
-        checkpoint_transport: str = "pg",
+        checkpoint_transport: Transport = "pg",
         timeout_s: float = 60.0,
         quorum_timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
@@ -167,44 +171,10 @@ class FTHSDPStrategy(FSDP2Strategy):
         max_retries: int | None = None,
         hostname: str | None = None,
         events_file: str | None = None,
-        data_on_failure: Literal["skip", "redistribute"] = "skip",
-        block_class_names: list[str] | None = None,
-        reshard_after_forward: bool | int = True,
-        cpu_offload: bool = False,
-        forward_prefetch: int = 0,
-        backward_prefetch: int = 1,
-        compile_blocks: bool = False,
-        compile_options: dict[str, Any] | None = None,
-        meta_init: bool = True,
-        param_dtype: str | None = None,
-        reduce_dtype: str | None = None,
-        output_dtype: str | None = None,
-        autocast: bool = True,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        checkpoint_on_preempt: bool = False,
-        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
+        data_on_failure: DataOnFailure = "skip",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            block_class_names=block_class_names,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-            forward_prefetch=forward_prefetch,
-            backward_prefetch=backward_prefetch,
-            compile_blocks=compile_blocks,
-            compile_options=compile_options,
-            meta_init=meta_init,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            output_dtype=output_dtype,
-            autocast=autocast,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            checkpoint_on_preempt=checkpoint_on_preempt,
-            preempt_grace_s=preempt_grace_s,
-        )
+        super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
         lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV) or None
         if lighthouse_addr is None:
             raise ValueError(
@@ -221,40 +191,28 @@ class FTHSDPStrategy(FSDP2Strategy):
                 f"ft_hsdp: replica_group_id is missing. Fix: set strategy.init_args.replica_group_id or "
                 f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for each replica group (fsdp-strategies-ft sets it)."
             )
-        if num_replica_groups is None or isinstance(num_replica_groups, bool) or num_replica_groups < 1:
-            raise ValueError(
-                f"ft_hsdp: num_replica_groups={num_replica_groups!r} is invalid. Fix: set "
-                f"strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica groups (>= 1)."
-            )
+        fix_groups = (f"set strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica "
+                      "groups (>= 1).")
+        if num_replica_groups is None:
+            raise ValueError(f"ft_hsdp: num_replica_groups=None is invalid. Fix: {fix_groups}")
+        check_int("num_replica_groups", num_replica_groups, 1, fix=fix_groups, prefix="ft_hsdp: ")
         if isinstance(replica_group_id, bool) or not 0 <= replica_group_id < num_replica_groups:
             raise ValueError(
                 f"ft_hsdp: replica_group_id={replica_group_id!r} is out of range for num_replica_groups="
                 f"{num_replica_groups}. Fix: use an id in [0, {num_replica_groups - 1}]."
             )
-        if isinstance(min_replica_size, bool) or not 1 <= min_replica_size <= num_replica_groups:
-            raise ValueError(
-                f"ft_hsdp: min_replica_size={min_replica_size!r} is invalid. Fix: 1 <= min_replica_size <= "
-                f"num_replica_groups ({num_replica_groups})."
-            )
-        if shard_degree != "auto" and (isinstance(shard_degree, bool) or not isinstance(shard_degree, int) or shard_degree < 1):
-            raise ValueError(f"shard_degree={shard_degree!r} is invalid. Fix: a positive integer or 'auto'.")
-        if checkpoint_transport not in TRANSPORTS:
-            raise ValueError(f"checkpoint_transport={checkpoint_transport!r} is unknown. Fix: one of {TRANSPORTS}.")
+        check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
+                  fix=f"1 <= min_replica_size <= num_replica_groups ({num_replica_groups}).")
+        check_choice("checkpoint_transport", checkpoint_transport, Transport)
         for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
                             ("connect_timeout_s", connect_timeout_s)):
-            if value <= 0:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: a positive number of seconds.")
-        if data_on_failure not in DATA_ON_FAILURE:
-            raise ValueError(
-                f"ft_hsdp: data_on_failure={data_on_failure!r} is not a valid value. Fix: set "
-                f"strategy.init_args.data_on_failure to one of {DATA_ON_FAILURE}."
-            )
+            check_number(name, value, fix="a positive number of seconds.")
+        check_choice("data_on_failure", data_on_failure, DataOnFailure, prefix="ft_hsdp: ")
         self.data_on_failure = data_on_failure
         self.lighthouse_addr = lighthouse_addr
         self.replica_group_id = int(replica_group_id)
         self.num_replica_groups = int(num_replica_groups)
         self.min_replica_size = min_replica_size
-        self.shard_degree = shard_degree
         self.checkpoint_transport = checkpoint_transport
         self.timeout_s = timeout_s
         self.quorum_timeout_s = quorum_timeout_s
@@ -268,6 +226,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._manager: Any = None
         self._managed_pg: Any = None
         self._heal_state: dict[str, Any] | None = None
+        self._lighthouse_checked = False
         self._quorum_started = False
         self._pending_scheduler_restore: list[Any] | None = None
         self._step_t0 = 0.0
@@ -294,7 +253,13 @@ class FTHSDPStrategy(FSDP2Strategy):
 
     # ------------------------------------------------------------------ validation (no process group yet)
     @override
-    def _configure_launcher(self) -> None:
+    def _mesh_degrees(self) -> HSDPDegrees | None:
+        """A 1-D mesh over the group's ranks: the replication is torchft's, across groups (jobs)."""
+        return None
+
+    @override
+    def validate_options(self) -> None:
+        super().validate_options()
         group_size = self.num_nodes * self.num_processes
         if self.shard_degree != "auto" and self.shard_degree != group_size:
             raise ValueError(
@@ -303,8 +268,9 @@ class FTHSDPStrategy(FSDP2Strategy):
                 f"its ranks. Fix: set shard_degree to {group_size} or 'auto', or run each group with "
                 f"{self.shard_degree} devices."
             )
-        self._check_lighthouse()
-        super()._configure_launcher()
+        if not self._lighthouse_checked:  # once per process (a TCP connection)
+            self._check_lighthouse()
+            self._lighthouse_checked = True
 
     def _check_lighthouse(self) -> None:
         host, port = _lighthouse_host_port(self.lighthouse_addr)
@@ -488,7 +454,7 @@ class FTHSDPStrategy(FSDP2Strategy):
 
             def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
                 raw = trainer.precision_plugin.convert_input(raw)
-                return module._on_before_batch_transfer(raw, dataloader_idx=dataloader_idx)
+                return seam.before_batch_transfer(module, raw, dataloader_idx)
 
             batch, rebuilt = self._data.take(batch, step, prepare)
             self._data_step = step
@@ -584,22 +550,9 @@ class FTHSDPStrategy(FSDP2Strategy):
         return out
 
     def _sync_lightning_progress(self) -> None:
-        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step.
-
-        Lightning increments ``completed`` right after ``optimizer_step`` returns, so set it one below.
-        """
+        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step."""
         assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        target = int(self._manager.current_step())
-        epoch_loop = trainer.fit_loop.epoch_loop
-        progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
-        delta = target - (progress.total.completed + 1)
-        if delta:
-            progress.total.completed += delta
-            progress.current.completed += delta
-        progress.total.ready = progress.total.completed + 1
-        progress.current.ready = progress.current.completed + 1
-        epoch_loop._batches_that_stepped = target - 1  # logging step: incremented after the batch
+        seam.set_optimizer_step_count(self.lightning_module.trainer, int(self._manager.current_step()))
 
     def _snapshot_schedulers(self) -> list[Any]:
         assert self.lightning_module is not None
@@ -630,7 +583,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._after_discard = not committed
         self.last_step_committed = committed
         participants = int(self._manager.num_participants())
-        quorum_id = int(getattr(self._manager, "_quorum_id", -1))
+        quorum_id = _torch_seam.quorum_id(self._manager)
         data = self._data_accounting(committed, participants)
         metrics = {
             "ft/participants": float(participants),
@@ -648,7 +601,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             metrics["ft/missed_samples"] = float(data["missed_samples"])
             metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
         module = self.lightning_module
-        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+        if seam.in_lightning_hook(module):
             try:
                 module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
             except Exception as err:  # never let logging break a committed step
@@ -750,7 +703,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         """
         if self._preempt_saving:
             return True
-        if self._manager is None or getattr(self._manager, "_quorum_future", None) is None:
+        if self._manager is None or not _torch_seam.quorum_started(self._manager):
             return self.replica_group_id == 0
         return self._manager.participating_rank() == 0
 
@@ -760,19 +713,14 @@ class FTHSDPStrategy(FSDP2Strategy):
         return path.with_name(f"{path.stem}-group{self.replica_group_id}{path.suffix}")
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         if self._is_checkpoint_writer():
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: seam.PATH) -> None:
         if self._is_checkpoint_writer():
             super().remove_checkpoint(filepath)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls,
-                                   description="fault-tolerant HSDP: FSDP2 in a replica group, torchft across groups")
 
 
 def state_digest(tensors: dict[str, torch.Tensor]) -> str:
