@@ -13,11 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # no public alias; what FlopCounterMode builds on
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
     "DCP_METADATA_FILE",
     "HookedFlopCounter",
+    "TorchDispatchMode",
     "dcp_metadata_globals",
     "inside_autograd_backward",
     "is_compiled_module",

@@ -36,7 +36,6 @@ step, weighted so the step's gradient is the mean over the full global batch (se
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -721,13 +720,3 @@ class FTHSDPStrategy(HSDPStrategy):
     def remove_checkpoint(self, filepath: seam.PATH) -> None:
         if self._is_checkpoint_writer():
             super().remove_checkpoint(filepath)
-
-
-def state_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality checks."""
-    h = hashlib.sha1()
-    for key in sorted(tensors):
-        t = _local(tensors[key]).detach().contiguous().cpu().reshape(-1)
-        h.update(key.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
