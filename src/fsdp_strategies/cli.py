@@ -53,7 +53,17 @@ def _import(class_path: str) -> Any:
 
 
 def _init_options(cls: Any) -> list[str]:
-    """``__init__`` parameter names, following ``**kwargs`` into the parents as jsonargparse does."""
+    """``__init__`` parameter names as jsonargparse resolves them (``**kwargs`` into the parents, minus the
+    parameters a subclass passes itself); a plain walk of the MRO if jsonargparse cannot say."""
+    try:
+        from jsonargparse import ArgumentParser as _Parser
+
+        parser = _Parser(exit_on_error=False)
+        parser.add_class_arguments(cls, "init")
+        keys = [k.split(".")[1] for k in parser.get_defaults().keys() if k.startswith("init.")]
+        return list(dict.fromkeys(keys))
+    except Exception:  # fewer or rougher suggestions, nothing worse
+        pass
     names: list[str] = []
     for klass in getattr(cls, "__mro__", ()):
         init = vars(klass).get("__init__")

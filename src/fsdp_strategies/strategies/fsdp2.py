@@ -85,7 +85,7 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
 
     Args:
         block_class_names: class names of the transformer blocks (e.g. ``["TransformerBlock"]``).
-            Empty: every stack of repeated blocks (:func:`fsdp_strategies._blocks.find_block_stacks`).
+            Empty: every stack of repeated blocks (one ``nn.ModuleList`` of modules of one class).
         reshard_after_forward: free gathered parameters after forward (``True``, ZeRO-3), keep them
             (``False``, ZeRO-2), or reshard to a smaller group of this many ranks (``int``).
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
@@ -95,8 +95,10 @@ class FSDP2Strategy(PreemptionMixin, ModelParallelStrategy):
         compile_options: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
         meta_init: build modules created in ``configure_model`` on the meta device and materialise
             them shard by shard after wrapping (``to_empty`` + ``reset_parameters``).
-        param_dtype / reduce_dtype / output_dtype: explicit ``MixedPrecisionPolicy`` fields; they
-            override what the Trainer's ``precision`` implies.
+        param_dtype: explicit ``MixedPrecisionPolicy.param_dtype`` (``bf16``, ``fp32``...); overrides what
+            the Trainer's ``precision`` implies.
+        reduce_dtype: explicit ``MixedPrecisionPolicy.reduce_dtype``; overrides the ``precision`` default.
+        output_dtype: explicit ``MixedPrecisionPolicy.output_dtype``; overrides the ``precision`` default.
         autocast: with ``precision="bf16-mixed"``, also run each step under ``torch.autocast`` (bf16), so
             models with fp32 buffers or fp32 islands train as they do under Lightning's ``ddp``;
             ``False``: the ``MixedPrecisionPolicy`` alone (for models known to keep activations bf16).
