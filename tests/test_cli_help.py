@@ -11,9 +11,9 @@ import re
 from typing import Any
 
 import pytest
-import train_llama
 
 import fsdp_strategies
+import train_llama
 from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
 

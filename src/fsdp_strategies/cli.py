@@ -60,7 +60,7 @@ def _init_options(cls: Any) -> list[str]:
 
         parser = _Parser(exit_on_error=False)
         parser.add_class_arguments(cls, "init")
-        keys = [k.split(".")[1] for k in parser.get_defaults().keys() if k.startswith("init.")]
+        keys = [k.split(".")[1] for k in parser.get_defaults().keys() if k.startswith("init.")]  # noqa: SIM118 (a Namespace: dotted keys)
         return list(dict.fromkeys(keys))
     except Exception:  # fewer or rougher suggestions, nothing worse
         pass
