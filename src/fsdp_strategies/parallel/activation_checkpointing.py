@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
@@ -70,6 +70,7 @@ MATMUL_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear
 
 _MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
 _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
+_CALL = "_fsdp_strategies_ac_call"  # on a block: checkpoint() with the plan's options bound
 
 
 class _RecomputeState(threading.local):
@@ -180,13 +181,30 @@ class _BlockPlan:
         self.save, self.matmuls, self.every_nth_matmul = save, matmuls, every_nth_matmul
         self.preserve_rng_state = preserve_rng_state
 
-    def context_fn(self) -> Any:
+    @property
+    def context_fn(self) -> Callable[[], Any]:
+        """``checkpoint(context_fn=...)``: torch's no-op for full checkpointing, else a fresh selective policy
+        per call. A plain function, not a bound method: ``torch.compile`` keeps the function it is given and
+        calls it without ``self``."""
         if self.mode != "selective_op":
             from torch.utils.checkpoint import noop_context_fn
 
-            return noop_context_fn()
-        assert self.save is not None and self.matmuls is not None
-        return create_selective_checkpoint_contexts(_SelectiveOpPolicy(self.save, self.matmuls, self.every_nth_matmul))
+            return noop_context_fn
+        save, matmuls, nth = self.save, self.matmuls, self.every_nth_matmul
+        assert save is not None and matmuls is not None
+
+        def selective_contexts() -> Any:
+            return create_selective_checkpoint_contexts(_SelectiveOpPolicy(save, matmuls, nth))
+
+        return selective_contexts
+
+    def checkpoint_fn(self) -> Callable[..., Any]:
+        """``torch.utils.checkpoint.checkpoint`` with this plan's options bound (a ``functools.partial``, the
+        shape ``torch.compile`` traces through, as torch's own ``checkpoint_wrapper`` builds it)."""
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state}
+        if self.mode == "selective_op":  # full: torch's default context (passing noop_context_fn breaks compile)
+            options["context_fn"] = self.context_fn
+        return functools.partial(checkpoint, **options)
 
 
 def _run_inner(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -219,11 +237,7 @@ def mismatch_error(err: BaseException, mode: str) -> CheckpointMismatchError:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    plan: _BlockPlan = getattr(self, _MARK)
-    return checkpoint(
-        functools.partial(_run_inner, self), *args, use_reentrant=False, context_fn=plan.context_fn,
-        preserve_rng_state=plan.preserve_rng_state, **kwargs,
-    )
+    return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
 
 
 def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
@@ -231,6 +245,7 @@ def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
         return False  # applied already (setup runs again for validate/test)
     object.__setattr__(block, _INNER, block.forward)  # bound method: deepcopy re-binds it to the copy
     object.__setattr__(block, _MARK, plan)
+    object.__setattr__(block, _CALL, plan.checkpoint_fn())
     object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
     return True
 
