@@ -30,7 +30,7 @@ test: install
 # one fit per strategy (and a resume) in one process.
 LIGHTNING_OLDEST ?= 2.6.0
 LIGHTNING_PIN := $(shell sed -n 's/^ *"\(lightning[<>=!~][^"]*\)",*$$/\1/p' pyproject.toml)
-RANGE_TESTS ?= tests/test_lightning_range.py tests/test_registry_and_errors.py tests/test_blocks.py \
+RANGE_TESTS ?= tests/test_lightning_range.py tests/test_lightning_seam.py tests/test_registry_and_errors.py tests/test_blocks.py \
 	tests/test_resume.py tests/test_throughput.py tests/test_straggler.py tests/test_ddp_hooks.py tests/test_ft_data.py \
 	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy
 define lightning_range_run

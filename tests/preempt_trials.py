@@ -46,7 +46,7 @@ sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
 from fsdp_strategies._checkpoint import export_consolidated  # noqa: E402
 from fsdp_strategies._preemption import PREEMPT_EXIT_CODE  # noqa: E402
-from fsdp_strategies.ft_launch import _process_tree  # noqa: E402
+from fsdp_strategies.ft.launcher import _process_tree  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")
 MODES = ("all", "one", "launcher")

@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies._blocks import BlockNotFoundError
-from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks import ActivationCheckpointing
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing, is_checkpointed
+from fsdp_strategies.testing import KeptBytes
 from llama import Llama, LlamaLM, MarkovDataModule
 
 V, D, L, H, KV, M, S, B = 64, 64, 2, 4, 2, 128, 32, 2

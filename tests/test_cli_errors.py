@@ -74,7 +74,7 @@ def test_literal_on_a_strategy_through_the_script(tmp_path: Path) -> None:
     # a registry name cannot take options: say to use the class path
     (lambda tmp: ["--trainer.strategy", "ddp_hooks", "--trainer.strategy.comm_hook", "powersgd"],
      r"the registered name 'ddp_hooks' takes no options\. Fix: name the class instead, --trainer\.strategy "
-     r"fsdp_strategies\.strategies\.ddp\.DDPHooksStrategy"),
+     r"fsdp_strategies\.DDPHooksStrategy"),
 ])
 def test_bad_values_and_names_are_explained(make_args, expected: str, tmp_path: Path,  # type: ignore[no-untyped-def]
                                             capsys: pytest.CaptureFixture[str]) -> None:

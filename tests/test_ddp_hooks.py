@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from conftest import WORKERS, run_python
 from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy, verify_checkpoint
-from fsdp_strategies.strategies.ddp import in_bucket_order
+from fsdp_strategies.strategies.ddp_hooks import in_bucket_order
 
 WORKER = str(WORKERS / "ddp_train.py")
 TINY_CLI = ("--trainer.logger false --trainer.enable_checkpointing false --trainer.enable_progress_bar false "

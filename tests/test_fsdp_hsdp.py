@@ -88,7 +88,7 @@ def test_fsdp2_bf16_mixed_uses_fsdp_policy_plus_autocast_and_compiles_blocks(tmp
 def test_sharded_bf16_mixed_plugin_runs_autocast_only_when_asked() -> None:
     import torch
 
-    from fsdp_strategies.strategies.fsdp import _ShardedMixedPrecision
+    from fsdp_strategies.strategies.fsdp2 import _ShardedMixedPrecision
 
     for autocast in (True, False):
         plugin = _ShardedMixedPrecision("bf16-mixed", autocast=autocast)

@@ -165,7 +165,7 @@ def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str) -
 def test_data_on_failure_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp_strategies import FTHSDPStrategy
 
-    with pytest.raises(ValueError, match=r"data_on_failure='everything' is not a valid value.*Fix.*\('skip', 'redistribute'\)"):
+    with pytest.raises(ValueError, match=r"data_on_failure='everything' is invalid. Fix: one of \['skip', 'redistribute'\]"):
         FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, num_replica_groups=2,
                        data_on_failure="everything")  # type: ignore[arg-type]
     assert FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0,
@@ -185,7 +185,7 @@ def test_loader_follows_the_committed_step(num_workers: int) -> None:
     # Lightning's loop, reduced: an epoch of PER_EPOCH batches with one batch prefetched, the strategy taking the
     # batch of the committed step each time. The steps: a discarded step (3 twice), a heal (jump 9 -> 40), epochs
     # crossed on both sides. Every step gets its own batch; only the fault points build one from the dataset.
-    from fsdp_strategies._ft_data import StepAlignedData
+    from fsdp_strategies.ft.data import StepAlignedData
 
     sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=1, shuffle=True, seed=SEED)
     loader = torch.utils.data.DataLoader(_Ids(), batch_size=BATCH, sampler=sampler, num_workers=num_workers)
@@ -214,7 +214,7 @@ def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch)
     from torch.distributed import ReduceOp
 
     from fsdp_strategies import FTHSDPStrategy
-    from fsdp_strategies._ft_data import StepAlignedData
+    from fsdp_strategies.ft.data import StepAlignedData
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self) -> int:

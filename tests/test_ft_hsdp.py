@@ -16,8 +16,8 @@ import torch
 
 from conftest import WORKERS, free_port, run_python
 from fsdp_strategies import FTHSDPStrategy, verify_checkpoint
-from fsdp_strategies.ft_launch import _parse_kill_at
-from fsdp_strategies.strategies.ft_hsdp import LEAVE_EXIT_CODE, LighthouseUnreachableError
+from fsdp_strategies.ft import LEAVE_EXIT_CODE, LighthouseUnreachableError
+from fsdp_strategies.ft.launcher import _parse_kill_at
 
 WORKER = str(WORKERS / "ft_train.py")
 TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from conftest import WORKERS, run_python
-from fsdp_strategies.ft_launch import _last_error_line
+from fsdp_strategies.ft.launcher import _last_error_line
 
 
 def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> None:

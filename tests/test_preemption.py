@@ -65,7 +65,7 @@ def test_options_are_checked_before_any_process_group() -> None:
 
 _WATCHDOG = textwrap.dedent("""
     import os, signal, sys, time
-    from fsdp_strategies.strategies.fsdp import FSDP2Strategy
+    from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
     class Armed(FSDP2Strategy):  # two ranks, as the accelerator connector would set them
         num_processes = 2

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks import ActivationCheckpointing
 from fsdp_strategies.callbacks.activation_checkpointing import (
     CheckpointMismatchError,
     apply_activation_checkpointing,
 )
+from fsdp_strategies.testing import KeptBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
 from models import MODELS, TokenSequences

@@ -98,7 +98,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
             heartbeat_ms: int, timeout: float) -> dict[str, Any]:
-    from fsdp_strategies.ft_launch import run as ft_run
+    from fsdp_strategies.ft.launcher import run as ft_run
 
     events = work / "events"
     command = [str(THIS), "--worker", "-", "fit", "--config", str(ROOT / "configs" / "ft_hsdp.yaml"),
@@ -117,7 +117,7 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
 
 def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
                       ckpt_every: int, timeout: float) -> dict[str, Any]:
-    from fsdp_strategies.ft_launch import kill_tree
+    from fsdp_strategies.ft.launcher import kill_tree
 
     ckpt, log = work / "ckpt", work / "steps.jsonl"
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """memory suite: bytes each rank holds (parameters, gradients, optimizer state; peak CUDA memory on
 GPUs) per strategy, and how they grow with model size and rank count.
 
-Measured inside the workers after the last optimizer step with ``fsdp_strategies._memory`` (local
+Measured inside the workers after the last optimizer step with ``fsdp_strategies.testing`` (local
 shards only, so a DTensor counts its shard). Target: per-rank bytes of ``fsdp2`` / ``ddp`` at most
 ``1/N * 1.05`` on N ranks (``hsdp``: ``1/shard_degree * 1.05``).
 
@@ -106,7 +106,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     config = common.suite_config(chosen, sizes, ranks, reps, steps, warmup, precision, quick)
     config["baseline"] = BASELINE
     config["target"] = f"worst-rank total bytes / {BASELINE} <= (1/N) * {SLACK} (hsdp: 1/shard_degree)"
-    config["measured"] = "after the last optimizer step, local shards only (fsdp_strategies._memory)"
+    config["measured"] = "after the last optimizer step, local shards only (fsdp_strategies.testing)"
     result = common.header("memory", config)
     cases = common.collect_cases("memory", chosen, sizes=sizes, ranks=ranks, reps=reps, steps=steps,
                                  warmup=warmup, precision=precision, show_progress=show_progress)

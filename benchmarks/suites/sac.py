@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
 sys.path.insert(0, str(common.ROOT / "examples"))
-from fsdp_strategies._memory import KeptBytes
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing
-from fsdp_strategies.callbacks.throughput import count_step_flops
+from fsdp_strategies.callbacks.mfu import count_step_flops
+from fsdp_strategies.testing import KeptBytes
 from llama import Llama
 
 CONTENDERS: dict[str, dict[str, Any] | None] = {

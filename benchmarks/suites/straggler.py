@@ -8,7 +8,7 @@ straggler model, and the StragglerDetector's overhead on a clean run. 4 ranks, i
 Straggler model (PyTorch blog "Straggler mitigation with hierarchical SGD"): every rank independently
 stalls on a step with probability ``p`` (default 2%) for ``factor`` (default 20) times a normal step,
 measured on the warm-up steps of the round's clean synchronous job, so all contenders of a round get
-the same stall length. The stall is injected by ``StragglerDetector(detect=False, inject=...)``; every
+the same stall length. The stall is injected by ``fsdp_strategies.testing.StallInjector``; every
 contender draws the same stall pattern (same seed). Its kind (``--stall-kind``) defaults to
 ``busy_wait``: the stalled rank spins for the stall's wall time, so on this shared CPU it keeps its
 share of the cores and the other ranks do not run faster while it is away (a ``sleep`` would hand its
@@ -68,13 +68,14 @@ def _worker(ns: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from fsdp_strategies import DDPHooksStrategy
-    from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection
+    from fsdp_strategies.callbacks import StragglerDetector
+    from fsdp_strategies.testing import StallInjector, StragglerInjection
     from llama import LlamaLM, MarkovDataModule
 
     size = common.size_config(ns.size)
     warmup, steps = ns.warmup, ns.steps
     stalls = ns.contender in STALLED
-    injector = StragglerDetector(detect=False, inject=StragglerInjection(
+    injector = StallInjector(StragglerInjection(
         ranks=None, delay_s=ns.stall_s, probability=ns.p, start_step=warmup, seed=ns.seed,
         kind=ns.stall_kind)) if stalls else None
 

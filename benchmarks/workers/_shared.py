@@ -32,7 +32,7 @@ for _p in (ROOT / "examples", ROOT / "src"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from fsdp_strategies._memory import grad_bytes, optimizer_state_bytes, param_bytes  # noqa: E402
+from fsdp_strategies.testing import grad_bytes, optimizer_state_bytes, param_bytes  # noqa: E402
 from llama import LlamaLM, MarkovDataModule, MarkovSequences  # noqa: E402
 
 
@@ -185,7 +185,7 @@ class StepProfiler:
 
 
 def memory_snapshot(module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
-    """Bytes this rank holds (local shards only), measured with ``fsdp_strategies._memory``."""
+    """Bytes this rank holds (local shards only), measured with ``fsdp_strategies.testing``."""
     snap: dict[str, Any] = {
         "param_bytes": param_bytes(module),
         "grad_bytes": grad_bytes(module),

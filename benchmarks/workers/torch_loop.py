@@ -8,7 +8,7 @@ Contenders:
 The model is the example's ``Llama`` (built by ``LlamaLM.configure_model``, used as a plain
 ``nn.Module``); FSDP2 models are built on the meta device and materialised per shard, as a
 hand-written large-model loop would. ``--compile-blocks`` compiles each block before sharding it
-(the strategy's order), ``--cpu-offload`` passes ``CPUOffloadPolicy`` to ``fully_shard`` (FSDP2 loops). Launch with torchrun, e.g.::
+(the strategy's order: both call ``fsdp_strategies.parallel.parallelize``), ``--cpu-offload`` passes ``CPUOffloadPolicy`` to ``fully_shard`` (FSDP2 loops). Launch with torchrun, e.g.::
 
     torchrun --nproc_per_node 2 benchmarks/workers/torch_loop.py --contender torch_fsdp2 \\
         --model '{"dim": 128, "n_layers": 2, "n_heads": 4}' --seq-len 64 --global-batch 16 \\
@@ -45,16 +45,13 @@ def build_model(args, device: torch.device, on_meta: bool) -> torch.nn.Module:  
 
 def shard(model: torch.nn.Module, mesh, mp_policy, offload: bool = False,  # type: ignore[no-untyped-def]
           compile_blocks: bool = False, compile_backend: str | None = None) -> None:
-    """(``torch.compile`` each block ->) ``fully_shard`` per block, then the root."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    """The package's transform order without Lightning: (``torch.compile`` each block ->) ``fully_shard`` per
+    block, then the root (:func:`fsdp_strategies.parallel.parallelize`, the function the strategies call)."""
+    from fsdp_strategies.parallel import parallelize
 
-    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    for block in model.modules():
-        if isinstance(block, TransformerBlock):
-            if compile_blocks:
-                block.compile(**({"backend": compile_backend} if compile_backend else {}))
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
+    parallelize(model, mesh, block_class_names=[TransformerBlock.__name__], compile_blocks=compile_blocks,
+                compile_options={"backend": compile_backend} if compile_backend else None, mp_policy=mp_policy,
+                cpu_offload=offload)
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> None:

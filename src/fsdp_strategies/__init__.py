@@ -13,7 +13,10 @@ from fsdp_strategies._exit import register_clean_exit
 from fsdp_strategies._integrity import verify_checkpoint
 from fsdp_strategies._preemption import PREEMPT_EXIT_CODE
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
-from fsdp_strategies.callbacks.throughput import MFUMonitor
+from fsdp_strategies.callbacks.mfu import MFUMonitor
+from fsdp_strategies.callbacks.straggler import StragglerDetector
+from fsdp_strategies.parallel import parallelize
+from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
 from fsdp_strategies.strategies import DDPHooksStrategy, FSDP2Strategy, FTHSDPStrategy, HSDPStrategy
 
 __version__ = "0.1.0"
@@ -41,4 +44,5 @@ for _name, (_cls, _description) in _REGISTERED.items():
 register_clean_exit()
 
 __all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",
-           "FTHSDPStrategy", "HSDPStrategy", "MFUMonitor", "export_consolidated", "verify_checkpoint"]
+           "FTHSDPStrategy", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor", "QuorumMember", "StragglerDetector",
+           "export_consolidated", "parallelize", "verify_checkpoint"]

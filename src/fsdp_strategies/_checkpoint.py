@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._integrity import (
     CheckpointIntegrityError,
     VerifyResult,
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 TMP_SUFFIX = ".tmp"
-LIGHTNING_META_FILE = _METADATA_FILENAME  # "meta.pt": what Lightning's own ModelParallelStrategy reads back
+LIGHTNING_META_FILE = seam.LIGHTNING_META_FILE  # "meta.pt": what Lightning's own ModelParallelStrategy reads back
 OLD_SUFFIX = ".old"
 LOCK_WAIT_S = 120.0
 _LOCK_NAME = re.compile(r"^\.(?P<tmp>.+\.tmp)\.lock$")

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "check_torchrun_layout", "resolve_hsdp_degrees",
-           "validate_degree_option"]
+__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
@@ -47,14 +46,6 @@ class _DataParallelNamedMesh(DeviceMesh):
 class HSDPDegrees:
     replicate: int
     shard: int
-
-
-def validate_degree_option(name: str, value: int | str | None) -> None:
-    """Reject anything but a positive int, ``"auto"`` or ``None`` (at ``__init__`` time)."""
-    if value is None or value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid. Fix: give a positive integer, or 'auto'.")
 
 
 def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Literal, get_args
 
 __all__ = ["PEAK_FLOPS", "PEAK_FLOPS_ENV", "lookup_peak_flops", "peak_flops_from_env"]
 
@@ -116,7 +117,8 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
     (r"trn1|trainium1?\b", "trn1"),
 )
 
-DTYPES = ("bf16", "fp16", "tf32", "fp8", "fp32")
+PeakDType = Literal["bf16", "fp16", "tf32", "fp8", "fp32"]
+DTYPES: tuple[str, ...] = get_args(PeakDType)
 
 
 def device_key(device_name: str) -> str | None:

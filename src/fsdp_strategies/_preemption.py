@@ -54,7 +54,9 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._exit import PREEMPT_EXIT_CODE, register_clean_exit
+from fsdp_strategies._options import check_bool, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,13 +82,9 @@ _STOP_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANI
 
 def validate_preempt_options(checkpoint_on_preempt: Any, preempt_grace_s: Any) -> None:
     """Reject bad option values at ``__init__`` time, before any process group exists."""
-    if not isinstance(checkpoint_on_preempt, bool):
-        raise ValueError(f"checkpoint_on_preempt={checkpoint_on_preempt!r} is invalid. Fix: true or false.")
-    if isinstance(preempt_grace_s, bool) or not isinstance(preempt_grace_s, (int, float)) or not preempt_grace_s > 0:
-        raise ValueError(
-            f"preempt_grace_s={preempt_grace_s!r} is invalid. Fix: a positive number of seconds, at most the time "
-            "your scheduler leaves between SIGTERM and SIGKILL (e.g. 25 for SLURM's default KillWait of 30 s)."
-        )
+    check_bool("checkpoint_on_preempt", checkpoint_on_preempt)
+    check_number("preempt_grace_s", preempt_grace_s, fix="a positive number of seconds, at most the time your "
+                 "scheduler leaves between SIGTERM and SIGKILL (e.g. 25 for SLURM's default KillWait of 30 s).")
 
 
 class Preempted(SIGTERMException):
@@ -191,12 +189,10 @@ class PreemptionMixin:
 
     def _forward_to_launched_ranks(self, signum: int) -> None:
         """A SIGTERM to Lightning's launcher process (rank 0) reaches the ranks it started."""
-        launcher = getattr(self, "launcher", None)
-        if launcher is not None and getattr(launcher, "procs", None):
-            try:
-                launcher.kill(signum)
-            except Exception as err:  # a rank already gone: nothing to forward to
-                print(f"fsdp_strategies: could not forward SIGTERM to the launched ranks ({err})", file=sys.stderr)
+        try:
+            seam.forward_signal_to_launched_ranks(self, signum)
+        except Exception as err:  # a rank already gone: nothing to forward to
+            print(f"fsdp_strategies: could not forward SIGTERM to the launched ranks ({err})", file=sys.stderr)
 
     @staticmethod
     def _delegate_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -271,7 +267,7 @@ class PreemptionMixin:
         raise self._preempt_decided
 
     def _preempt_step_check(self) -> None:
-        """Stands in for Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``)."""
+        """Stands in for Lightning's per-step SIGTERM broadcast (see :func:`~fsdp_strategies._lightning_seam.replace_sigterm_broadcast`)."""
         if self._preempt_armed and self._preempt_check_due():
             trainer = self._preempt_trainer()
             self._preempt_agreement(f"after step {trainer.global_step if trainer is not None else '?'}")
@@ -292,10 +288,8 @@ class PreemptionMixin:
         super().on_train_start()  # type: ignore[misc]
         self._install_sigterm_handler()
         trainer = self._preempt_trainer()
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor"):
-            loop._broadcast_sigterm_tensor = self._preempt_step_check
-            self._preempt_loop = loop
+        if trainer is not None:
+            self._preempt_loop = seam.replace_sigterm_broadcast(trainer, self._preempt_step_check)
 
     def on_train_end(self) -> None:
         self._restore_epoch_loop()
@@ -340,9 +334,8 @@ class PreemptionMixin:
         self._preempt_armed = False
 
     def _restore_epoch_loop(self) -> None:
-        if self._preempt_loop is not None:  # back to Lightning's own method
-            vars(self._preempt_loop).pop("_broadcast_sigterm_tensor", None)
-            self._preempt_loop = None
+        seam.restore_sigterm_broadcast(self._preempt_loop)  # back to Lightning's own method
+        self._preempt_loop = None
 
     # ------------------------------------------------------------------ the checkpoint
     def _preempt_checkpoint_path(self, trainer: pl.Trainer) -> Path:

@@ -28,14 +28,13 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.data import _set_sampler_epoch, sized_len
-from lightning.fabric.utilities.types import _Stateful
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -99,8 +98,7 @@ def _why_not_skippable(dl: object) -> str | None:
 
 
 def _shutdown_iterator(iterator: object) -> None:
-    if isinstance(iterator, _MultiProcessingDataLoaderIter):
-        iterator._shutdown_workers()
+    _torch_seam.shutdown_loader_workers(iterator)
 
 
 def skip_consumed_batches(trainer: pl.Trainer) -> int:
@@ -113,7 +111,7 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
     """
     fit_loop = trainer.fit_loop
     epoch_loop = fit_loop.epoch_loop
-    combined = fit_loop._combined_loader
+    combined = seam.training_combined_loader(trainer)
     if combined is None or not fit_loop.restarting or not fit_loop.restarted_mid_epoch:
         return 0
     progress = epoch_loop.batch_progress
@@ -127,14 +125,14 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
     lengths: list[int | float] = [
         float("inf") if (n := sized_len(dl)) is None else n for dl in loaders
     ]
-    consumed = _consumed_per_loader(combined._mode, done, lengths)
+    consumed = _consumed_per_loader(seam.combined_loader_mode(combined), done, lengths)
     epoch = fit_loop.epoch_progress.current.processed
     problems: list[str] = []
     random_order: list[int] = []
     replaced: dict[int, DataLoader] = {}
     already = False
     for i, (dl, skip) in enumerate(zip(loaders, consumed)):
-        if isinstance(dl, _Stateful) or skip == 0:
+        if seam.is_stateful_loader(dl) or skip == 0:
             continue  # Lightning has restored its position itself / a fresh iterator is already right
         sampler = getattr(dl, "sampler", None)
         if isinstance(sampler, _SkipFirstIterationSampler):
@@ -148,7 +146,7 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
             per_batch = 1 if dl.batch_sampler is None else int(dl.batch_size)  # type: ignore[arg-type]
             wrapper = _SkipFirstIterationSampler(sampler, skip * per_batch)  # type: ignore[arg-type]
             try:
-                new_dl = _update_dataloader(dl, wrapper, mode=RunningStage.TRAINING)
+                new_dl = seam.rebuild_loader_with_sampler(dl, wrapper)
             except Exception as err:  # any failure to rebuild: fall back to the warning
                 reason = f"it could not be rebuilt with a new sampler ({type(err).__name__}: {err})"
             else:
@@ -168,7 +166,7 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
     if not replaced:
         return done if already else 0
 
-    if not _install(fit_loop, combined, replaced, epoch):
+    if not _install(trainer, combined, replaced, epoch):
         rank_zero_warn(
             f"Resuming in the middle of epoch {epoch} after {done} batches, but the training iterators cannot be "
             "restarted without losing the position of the stateful dataloaders, so this resume replays data. "
@@ -198,7 +196,7 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
     return done
 
 
-def _install(fit_loop: Any, combined: Any, replaced: dict[int, DataLoader], epoch: int) -> bool:
+def _install(trainer: pl.Trainer, combined: Any, replaced: dict[int, DataLoader], epoch: int) -> bool:
     """Put the rebuilt loaders in the fit loop and restart only their iterators; False if it cannot.
 
     ``FitLoop.setup_data()`` already created the epoch's iterators (with ``num_workers > 0`` they have
@@ -206,17 +204,17 @@ def _install(fit_loop: Any, combined: Any, replaced: dict[int, DataLoader], epoc
     must be kept, as re-iterating them would lose the position Lightning restored.
     """
     old = list(combined.flattened)
-    mode_iterator = combined._iterator
+    mode_iterator = seam.combined_loader_iterator(combined)
     iterators = getattr(mode_iterator, "iterators", None)
     in_place = isinstance(iterators, list) and len(iterators) == len(old)
-    if mode_iterator is not None and not in_place and any(isinstance(dl, _Stateful) for dl in old):
+    if mode_iterator is not None and not in_place and any(seam.is_stateful_loader(dl) for dl in old):
         return False  # an iterator layout this code does not know, and restarting all would lose positions
     flattened = list(old)
     for i, dl in replaced.items():
         flattened[i] = dl
         # with workers, creating the iterator reads the sampler at once: set the epoch before, as
         # Lightning does later in `FitLoop.on_advance_start`
-        _set_sampler_epoch(dl, epoch)
+        seam.set_sampler_epoch(dl, epoch)
     combined.flattened = flattened
     if mode_iterator is None:
         return True  # not iterated yet: the fit loop will iterate the new loaders
@@ -224,10 +222,10 @@ def _install(fit_loop: Any, combined: Any, replaced: dict[int, DataLoader], epoc
         mode_iterator.iterables = flattened  # `max_size_cycle` restarts exhausted loaders from here
         for i, dl in replaced.items():
             _shutdown_iterator(iterators[i])  # type: ignore[index]
-            _shutdown_iterator(getattr(old[i], "_iterator", None))  # persistent workers
+            _shutdown_iterator(_torch_seam.loader_iterator(old[i]))  # persistent workers
             iterators[i] = iter(dl)  # type: ignore[index]
         return True
     for dl in old:  # no stateful loader: restarting every iterator loses nothing
-        _shutdown_iterator(getattr(dl, "_iterator", None))
-    iter(fit_loop._data_fetcher)
+        _shutdown_iterator(_torch_seam.loader_iterator(dl))
+    seam.restart_training_iterators(trainer)
     return True

@@ -22,7 +22,6 @@ README's trust model still says to treat checkpoint files from others like code.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import io
 import os
@@ -37,6 +36,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from fsdp_strategies import _torch_seam
+
 __all__ = [
     "CHECKPOINT_SAFE_GLOBALS",
     "SafeFileSystemReader",
@@ -47,7 +48,7 @@ __all__ = [
     "safe_torch_load",
 ]
 
-DCP_METADATA_FILE = ".metadata"
+DCP_METADATA_FILE = _torch_seam.DCP_METADATA_FILE  # ".metadata"
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -64,11 +65,7 @@ def _optional_globals() -> list[Any]:
     except ImportError:  # pragma: no cover - jsonargparse is a dependency
         pass
     try:
-        import numpy as np
-
-        multiarray = getattr(np, "_core", None) or np.core
-        found += [multiarray.multiarray.scalar, multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
-        found += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+        found += _torch_seam.numpy_pickle_globals()
     except (ImportError, AttributeError):  # pragma: no cover - numpy layout of another version
         pass
     return found
@@ -121,33 +118,13 @@ def safe_torch_load(source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = F
 
 
 # ---------------------------------------------------------------------------------------- DCP metadata
-def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    allowed: dict[tuple[str, str], Any] = {}
-    for mod, names in (
-        (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-        (filesystem, ("_StorageInfo",)),
-    ):
-        for name in names:
-            if hasattr(mod, name):
-                allowed[(mod.__name__, name)] = getattr(mod, name)
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
-    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
-        allowed[(cls.__module__, cls.__name__)] = cls
-    return allowed
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only DCP metadata classes, torch dtypes/layouts/sizes, paths and user-registered safe globals."""
 
     def __init__(self, file: BinaryIO, source: str) -> None:
         super().__init__(file)
         self._source = source
-        self._allowed = _dcp_metadata_globals()
+        self._allowed = _torch_seam.dcp_metadata_globals()
         for entry in torch.serialization.get_safe_globals():
             obj = entry[0] if isinstance(entry, tuple) else entry
             self._allowed[(getattr(obj, "__module__", ""), getattr(obj, "__qualname__", ""))] = obj

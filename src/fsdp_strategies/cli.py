@@ -25,6 +25,8 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from fsdp_strategies._lightning_seam import subcommand_parser
+
 __all__ = ["ArgumentParser", "explain_error"]
 
 _CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
@@ -51,7 +53,17 @@ def _import(class_path: str) -> Any:
 
 
 def _init_options(cls: Any) -> list[str]:
-    """``__init__`` parameter names, following ``**kwargs`` into the parents as jsonargparse does."""
+    """``__init__`` parameter names as jsonargparse resolves them (``**kwargs`` into the parents, minus the
+    parameters a subclass passes itself); a plain walk of the MRO if jsonargparse cannot say."""
+    try:
+        from jsonargparse import ArgumentParser as _Parser
+
+        parser = _Parser(exit_on_error=False)
+        parser.add_class_arguments(cls, "init")
+        keys = [k.split(".")[1] for k in parser.get_defaults().keys() if k.startswith("init.")]  # noqa: SIM118 (a Namespace: dotted keys)
+        return list(dict.fromkeys(keys))
+    except Exception:  # fewer or rougher suggestions, nothing worse
+        pass
     names: list[str] = []
     for klass in getattr(cls, "__mro__", ()):
         init = vars(klass).get("__init__")
@@ -155,7 +167,12 @@ def _strategy_name_with_options(name: str) -> str | None:
         return None
     if not entry:
         return None
-    path = f"{entry['strategy'].__module__}.{entry['strategy'].__qualname__}"
+    cls = entry["strategy"]
+    import fsdp_strategies
+
+    # the top-level path (what configs/ use) when the class is exported there
+    path = (f"fsdp_strategies.{cls.__qualname__}" if getattr(fsdp_strategies, cls.__qualname__, None) is cls
+            else f"{cls.__module__}.{cls.__qualname__}")
     return (f"trainer.strategy: the registered name {name!r} takes no options. Fix: name the class instead, "
             f"--trainer.strategy {path} (or class_path: {path} with init_args in YAML).")
 
@@ -200,7 +217,7 @@ class ArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         try:  # errors inside a subcommand (fit, ...) carry that subcommand's parser, which knows its options
-            summary = explain_error(message, getattr(ex, "subcommand_parser", None) or self)
+            summary = explain_error(message, subcommand_parser(ex) or self)
         except Exception:  # explaining must never hide jsonargparse's own message
             summary = None
         if summary:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_strategies
-from fsdp_strategies import _memory
+from fsdp_strategies import testing as _memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from llama import LlamaLM, MarkovDataModule

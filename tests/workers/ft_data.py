@@ -25,8 +25,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fsdp_strategies.ft_launch import kill_tree
-from fsdp_strategies.strategies.ft_hsdp import FTHSDPStrategy
+from fsdp_strategies.ft import FTHSDPStrategy
+from fsdp_strategies.ft.launcher import kill_tree
 
 NUM_SAMPLES, BATCH = 96, 4
 

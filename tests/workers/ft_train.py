@@ -36,8 +36,9 @@ from lightning.pytorch.cli import LightningCLI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
 import fsdp_strategies  # noqa: F401
-from fsdp_strategies.ft_launch import kill_tree
-from fsdp_strategies.strategies.ft_hsdp import FTHSDPStrategy, state_digest
+from fsdp_strategies.ft import FTHSDPStrategy
+from fsdp_strategies.ft.launcher import kill_tree
+from fsdp_strategies.testing import state_digest
 from llama import LlamaLM, MarkovDataModule
 
 

@@ -29,14 +29,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import socket
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -45,55 +44,18 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
+from fsdp_strategies.testing import StallInjector, StragglerInjection
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["StragglerDetector", "StragglerInjection", "StragglerScorer"]
 
-ACTIONS = ("warn", "hierarchical_sgd", "evict", "stop")
+Action = Literal["warn", "hierarchical_sgd", "evict", "stop"]
+ACTIONS: tuple[str, ...] = get_args(Action)
 _HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
-
-
-_INJECTION_KINDS = ("sleep", "busy_wait", "spin")
-
-
-@dataclass
-class StragglerInjection:
-    """Delays chosen ranks, for tests and benchmarks (configured from YAML).
-
-    Attributes:
-        ranks: ranks to delay; ``None`` = every rank independently (random stalls on random ranks).
-        delay_s: length of one delay in seconds.
-        probability: chance that a given step of a chosen rank is delayed (1.0 = persistent, every
-            step; e.g. 0.02 = rare transient stalls).
-        start_step / end_step: global steps ``[start_step, end_step)`` in which delays happen
-            (``end_step`` None = until the end).
-        kind: ``sleep`` (a host stall before the step: time the rank is away), ``busy_wait`` (the same
-            stall spent in a busy loop: on a CPU host shared by several ranks the stalled rank keeps its
-            share of the cores, so the others do not speed up while it is away, as on separate
-            machines) or ``spin`` (a busy loop of ``delay_s`` CPU time inside forward+backward: a slow
-            device that burns compute).
-        seed: random stream per rank is seeded with ``seed + rank``.
-    """
-
-    ranks: list[int] | None = None
-    delay_s: float = 0.0
-    probability: float = 1.0
-    start_step: int = 0
-    end_step: int | None = None
-    kind: Literal["sleep", "busy_wait", "spin"] = "sleep"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.delay_s < 0:
-            raise ValueError(f"inject.delay_s={self.delay_s!r} is negative. Fix: seconds >= 0.")
-        if not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
-                             "or 0.02 (rare stalls).")
-        if self.kind not in _INJECTION_KINDS:
-            raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: one of {list(_INJECTION_KINDS)}.")
-        if self.end_step is not None and self.end_step <= self.start_step:
-            raise ValueError(f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}.")
 
 
 @dataclass
@@ -237,8 +199,8 @@ class StragglerDetector(Callback):
         report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``).
         hosts_file: file with straggling host names for ``stop`` (default next to the report).
         stop_exit_code: exit status of the ``stop`` action.
-        inject: delay chosen ranks (tests, benchmarks), see :class:`StragglerInjection`.
-        detect: ``False`` = injection only (no timing, no collective): a benchmark's stall model.
+        inject: delay chosen ranks (tests, demos), see :class:`fsdp_strategies.testing.StragglerInjection`; the
+            delays come from :class:`fsdp_strategies.testing.StallInjector` (which a benchmark uses alone).
     """
 
     def __init__(
@@ -251,36 +213,29 @@ class StragglerDetector(Callback):
         stall_factor: float = 3.0,
         min_excess_s: float = 0.01,
         top_k: int = 3,
-        action: Literal["warn", "hierarchical_sgd", "evict", "stop"] = "warn",
+        action: Action = "warn",
         switch_threshold: float = 0.1,
         report_path: str | None = None,
         hosts_file: str | None = None,
         stop_exit_code: int = 3,
         inject: StragglerInjection | None = None,
-        detect: bool = True,
     ) -> None:
         super().__init__()
         for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0), ("patience", patience, 1),
                                  ("top_k", top_k, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+            check_int(name, value, low)
         if threshold <= 1.0:
             raise ValueError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
-        if action not in ACTIONS:
-            raise ValueError(f"action={action!r} is unknown. Fix: one of {list(ACTIONS)}.")
+        check_choice("action", action, Action)
         if switch_threshold <= 0:
             raise ValueError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
-        if isinstance(inject, dict):
-            inject = StragglerInjection(**inject)
         self.window, self.skip_first, self.top_k = window, skip_first, top_k
         self.action, self.switch_threshold = action, switch_threshold
         self.report_path, self.hosts_file, self.stop_exit_code = report_path, hosts_file, stop_exit_code
-        self.inject = inject
-        self.detect = detect
-        if not detect and action != "warn":
-            raise ValueError(f"action={action!r} needs detection, but detect=False. Fix: detect: true, or action: warn.")
+        self._injector = StallInjector(inject) if inject is not None else None
+        self.inject = self._injector.inject if self._injector is not None else None
         self._scorer_kwargs = {"threshold": threshold, "patience": patience, "ewma_alpha": ewma_alpha,
                                "stall_factor": stall_factor, "min_excess_s": min_excess_s}
         self.scorer: StragglerScorer | None = None
@@ -289,7 +244,6 @@ class StragglerDetector(Callback):
         self.events: list[dict[str, Any]] = []
         self.switched = False
         self._switch_streak = 0
-        self._rng: random.Random | None = None
         self._reset_window()
         self._t_prev_end: float | None = None
         self._skip_next = True
@@ -315,17 +269,17 @@ class StragglerDetector(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if self.action == "hierarchical_sgd":
-            from fsdp_strategies.strategies.ddp import LOCAL_SGD_HOOKS, DDPHooksStrategy
-
-            if not isinstance(strategy, DDPHooksStrategy) or strategy.comm_hook not in LOCAL_SGD_HOOKS:
-                raise ValueError(
-                    f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
-                    f"hierarchical_sgd, but the strategy is {type(strategy).__name__}"
-                    f"{' with comm_hook=' + repr(strategy.comm_hook) if isinstance(strategy, DDPHooksStrategy) else ''}. "
-                    "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
-                    "hierarchical_sgd}}, or another action.")
-        if self.action == "evict" and not callable(getattr(strategy, "leave_quorum", None)):
+        if self.action == "hierarchical_sgd" and not (
+            isinstance(strategy, LocalAveragingSwitch) and strategy.local_sgd_available
+        ):
+            comm_hook = getattr(strategy, "comm_hook", None)
+            raise ValueError(
+                f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
+                f"hierarchical_sgd (a LocalAveragingSwitch), but the strategy is {type(strategy).__name__}"
+                f"{' with comm_hook=' + repr(comm_hook) if comm_hook is not None else ''}. "
+                "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
+                "hierarchical_sgd}}, or another action.")
+        if self.action == "evict" and not isinstance(strategy, QuorumMember):
             raise ValueError(
                 f"action='evict' needs a fault-tolerant strategy with leave_quorum(reason) (e.g. ft_hsdp), but the "
                 f"strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or action: warn / stop.")
@@ -340,38 +294,23 @@ class StragglerDetector(Callback):
             self.hosts = [host]
         self._cuda = trainer.strategy.root_device.type == "cuda"
         # resolved here, on every rank: ``trainer.log_dir`` is a collective (a broadcast)
-        self._report_file = self._report_path(trainer) if self.detect else None
-        if self.inject is not None:
-            self._rng = random.Random(self.inject.seed + trainer.global_rank)
+        self._report_file = self._report_path(trainer)
+        if self._injector is not None:
+            self._injector.setup(trainer, pl_module, stage)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.action == "hierarchical_sgd" and not self.switched:
-            trainer.strategy.set_local_sgd(False, average=False)  # type: ignore[attr-defined]
+            strategy = trainer.strategy
+            assert isinstance(strategy, LocalAveragingSwitch)
+            strategy.set_local_sgd(False, average=False)
         self._t_prev_end = None
         self._t_train_start = time.perf_counter()
 
     # ------------------------------------------------------------------ timing
-    def _injected(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
-        inj = self.inject
-        if inj is None or inj.delay_s <= 0 or self._rng is None:
-            return
-        if (inj.kind == "spin") != (where == "in_step"):
-            return
-        step = trainer.global_step
-        chosen = inj.ranks is None or trainer.global_rank in inj.ranks
-        draw = self._rng.random()  # drawn every step so the stream does not depend on the schedule
-        if not chosen or step < inj.start_step or (inj.end_step is not None and step >= inj.end_step):
-            return
-        if draw >= inj.probability:
-            return
-        if inj.kind == "sleep":
-            time.sleep(inj.delay_s)
-        else:  # busy_wait: delay_s of wall time; spin: of CPU time (more work, however busy the host is)
-            clock = time.perf_counter if inj.kind == "busy_wait" else time.process_time
-            end = clock() + inj.delay_s
-            while clock() < end:
-                pass
+    def _stall(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
+        if self._injector is not None:
+            self._injector.stall(trainer, where)
 
     def _busy_clock(self) -> float:
         return time.process_time()
@@ -383,10 +322,7 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._injected(trainer, "before_step")
-        if not self.detect:
-            self._injected(trainer, "in_step")
-            return
+        self._stall(trainer, "before_step")
         cpu0, now = time.thread_time(), time.perf_counter()
         self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
         self._t_start, self._c_start = now, self._busy_clock()
@@ -394,11 +330,11 @@ class StragglerDetector(Callback):
         self._t_opt: float | None = None
         self._hook_s += time.perf_counter() - now
         self._cpu_s += time.thread_time() - cpu0
-        self._injected(trainer, "in_step")
+        self._stall(trainer, "in_step")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.detect and getattr(self, "_t_opt", None) is None and hasattr(self, "_t_start"):
+        if getattr(self, "_t_opt", None) is None and hasattr(self, "_t_start"):
             cpu0 = time.thread_time()
             self._t_opt, self._c_opt = time.perf_counter(), self._busy_clock()
             self._ev_opt = self._cuda_event() if self._cuda else None
@@ -408,7 +344,7 @@ class StragglerDetector(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self.detect or not hasattr(self, "_t_start"):
+        if not hasattr(self, "_t_start"):
             return
         cpu0 = time.thread_time()
         t_end, c_end = time.perf_counter(), self._busy_clock()
@@ -546,7 +482,8 @@ class StragglerDetector(Callback):
         elif self.action == "evict":
             for r in result["newly_persistent"]:
                 if r == trainer.global_rank:
-                    trainer.strategy.leave_quorum(  # type: ignore[attr-defined]
+                    assert isinstance(trainer.strategy, QuorumMember)
+                    trainer.strategy.leave_quorum(
                         f"persistent straggler: rank {r} on {self.hosts[r]}, relative score {result['relative'][r]:.2f}")
         elif self.action == "stop" and result["persistent"]:
             self._stop(trainer, result)
@@ -561,7 +498,8 @@ class StragglerDetector(Callback):
         if self._switch_streak >= patience:
             self.switched = want
             self._switch_streak = 0
-            strategy.set_local_sgd(want)  # type: ignore[attr-defined]
+            assert isinstance(strategy, LocalAveragingSwitch)
+            strategy.set_local_sgd(want)
             self.events.append({"step": step, "event": "local_sgd_on" if want else "local_sgd_off", "lost_frac": lost})
             rank_zero_info(f"StragglerDetector: {'local (hierarchical) averaging on' if want else 'back to synchronous DDP'}"
                            f" at step {step}: straggler loss {lost:.1%} of the step time.")
@@ -625,7 +563,7 @@ class StragglerDetector(Callback):
             self._cpu_s += time.thread_time() - cpu0
         if self._t_train_start is not None:
             self._train_s = time.perf_counter() - self._t_train_start
-        if self.detect and trainer.is_global_zero and self.scorer is not None:
+        if trainer.is_global_zero and self.scorer is not None:
             self._write_report(trainer)
 
     @override

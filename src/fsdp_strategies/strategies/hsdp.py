@@ -7,21 +7,13 @@ groups; gradients are reduce-scattered within and all-reduced across. Everything
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
-from fsdp_strategies._async_checkpoint import AsyncCheckpointMode
-from fsdp_strategies._mesh import (
-    HSDPDegrees,
-    check_torchrun_layout,
-    resolve_hsdp_degrees,
-    validate_degree_option,
-)
-from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S
-from fsdp_strategies.strategies.fsdp import FSDP2Strategy
+from fsdp_strategies._mesh import HSDPDegrees, check_torchrun_layout, resolve_hsdp_degrees
+from fsdp_strategies._options import check_degree
+from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
 __all__ = ["HSDPStrategy"]
 
@@ -37,51 +29,10 @@ class HSDPStrategy(FSDP2Strategy):
 
     strategy_name = "hsdp"
 
-    def __init__(
-        self,
-        replicate_degree: int | str = "auto",
-        shard_degree: int | str = "auto",
-        block_class_names: list[str] | None = None,
-        reshard_after_forward: bool | int = True,
-        cpu_offload: bool = False,
-        forward_prefetch: int = 0,
-        backward_prefetch: int = 1,
-        compile_blocks: bool = False,
-        compile_options: dict[str, Any] | None = None,
-        meta_init: bool = True,
-        param_dtype: str | None = None,
-        reduce_dtype: str | None = None,
-        output_dtype: str | None = None,
-        autocast: bool = True,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        checkpoint_on_preempt: bool = False,
-        preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
-        async_checkpoint: AsyncCheckpointMode = "off",
-    ) -> None:
-        validate_degree_option("replicate_degree", replicate_degree)
-        validate_degree_option("shard_degree", shard_degree)
-        super().__init__(
-            block_class_names=block_class_names,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-            forward_prefetch=forward_prefetch,
-            backward_prefetch=backward_prefetch,
-            compile_blocks=compile_blocks,
-            compile_options=compile_options,
-            meta_init=meta_init,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            output_dtype=output_dtype,
-            autocast=autocast,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            checkpoint_on_preempt=checkpoint_on_preempt,
-            preempt_grace_s=preempt_grace_s,
-            async_checkpoint=async_checkpoint,
-        )
+    def __init__(self, replicate_degree: int | str = "auto", shard_degree: int | str = "auto", **kwargs: Any) -> None:
+        check_degree("replicate_degree", replicate_degree)
+        check_degree("shard_degree", shard_degree)
+        super().__init__(**kwargs)
         self.replicate_degree = replicate_degree
         self.shard_degree = shard_degree
 

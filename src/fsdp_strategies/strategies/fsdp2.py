@@ -7,41 +7,32 @@ the mesh, the wrapping, precision, gradient-sync skipping and atomic checkpoints
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import (
-    _has_meta_device_parameters_or_buffers,
-    _materialize_distributed_module,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._async_checkpoint import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies._blocks import describe_stacks, find_block_stacks
 from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
 from fsdp_strategies._convert import PARAM_NAMES_KEY, load_into_sharded_model, optimizer_param_names
 from fsdp_strategies._mesh import HSDPDegrees, build_mesh
+from fsdp_strategies._options import check_int
 from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies._resume import skip_consumed_batches
+from fsdp_strategies.parallel import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -49,7 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FSDP2Strategy"]
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]  # the Trainer's precision flags this strategy takes
+SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -94,7 +86,7 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
 
     Args:
         block_class_names: class names of the transformer blocks (e.g. ``["TransformerBlock"]``).
-            Empty: every stack of repeated blocks (:func:`fsdp_strategies._blocks.find_block_stacks`).
+            Empty: every stack of repeated blocks (one ``nn.ModuleList`` of modules of one class).
         reshard_after_forward: free gathered parameters after forward (``True``, ZeRO-3), keep them
             (``False``, ZeRO-2), or reshard to a smaller group of this many ranks (``int``).
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
@@ -104,8 +96,10 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         compile_options: keyword arguments for ``torch.compile`` (e.g. ``{"mode": "max-autotune"}``).
         meta_init: build modules created in ``configure_model`` on the meta device and materialise
             them shard by shard after wrapping (``to_empty`` + ``reset_parameters``).
-        param_dtype / reduce_dtype / output_dtype: explicit ``MixedPrecisionPolicy`` fields; they
-            override what the Trainer's ``precision`` implies.
+        param_dtype: explicit ``MixedPrecisionPolicy.param_dtype`` (``bf16``, ``fp32``...); overrides what
+            the Trainer's ``precision`` implies.
+        reduce_dtype: explicit ``MixedPrecisionPolicy.reduce_dtype``; overrides the ``precision`` default.
+        output_dtype: explicit ``MixedPrecisionPolicy.output_dtype``; overrides the ``precision`` default.
         autocast: with ``precision="bf16-mixed"``, also run each step under ``torch.autocast`` (bf16), so
             models with fp32 buffers or fp32 islands train as they do under Lightning's ``ddp``;
             ``False``: the ``MixedPrecisionPolicy`` alone (for models known to keep activations bf16).
@@ -154,14 +148,11 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         self._init_async_checkpoint(async_checkpoint, full_file=not save_distributed_checkpoint)
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:
-            raise ValueError(
-                f"reshard_after_forward={reshard_after_forward!r} is invalid. Fix: True, False, or a positive "
-                "number of ranks that divides the shard degree."
-            )
+        if not isinstance(reshard_after_forward, bool):
+            check_int("reshard_after_forward", reshard_after_forward, 1, fix="True, False, or a positive number of "
+                      "ranks that divides the shard degree.")
         for name, value in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: a block count >= 0.")
+            check_int(name, value, 0, fix="a block count >= 0.")
         self.block_class_names = list(block_class_names or [])
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
@@ -194,6 +185,8 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
                 f"precision={flag!r} is not supported by the {self.strategy_name} strategy. Fix: use one of "
                 f"{SUPPORTED_PRECISION} ('bf16-mixed' = bf16 compute, fp32 master weights and fp32 reduce)."
             )
+        if isinstance(self.precision_plugin, _ShardedMixedPrecision):
+            return  # validated already (this runs at Trainer construction and again in every process)
         implied: dict[str, torch.dtype | None] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None}
         if flag == "bf16-mixed":
             implied = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": None}
@@ -218,23 +211,29 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         self._validate_block_classes(model)
         super().connect(model)
 
-    @override
-    def _configure_launcher(self) -> None:
-        # Called once the Trainer has set devices, nodes and precision, before any process starts:
-        # the place to reject bad options early.
+    def validate_options(self) -> None:
+        """Checks that need devices, nodes and precision: precision, mesh degrees (subclasses add theirs)."""
         self._validate_precision()
         self._mesh_degrees()
-        super()._configure_launcher()
+
+    @override
+    def set_world_ranks(self) -> None:
+        # Public hook used for its call order: Lightning's accelerator connector calls it once devices,
+        # num_nodes and the precision plugin are set, before the launcher exists and before any process
+        # starts (and again in every process, before the process group): bad options fail there.
+        super().set_world_ranks()
+        if self.cluster_environment is not None and self.parallel_devices is not None:
+            self.validate_options()
 
     # ------------------------------------------------------------------ process group and mesh
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
-        self._device_mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size)
+        seam.init_process_group(self)
+        mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size)
         if isinstance(self.precision_plugin, _ShardedMixedPrecision):
             self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        seam.set_device_mesh(self, mesh)  # strategy.device_mesh and LightningModule.device_mesh
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -258,26 +257,23 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
             yield
 
     # ------------------------------------------------------------------ wrapping
-    def _fully_shard_kwargs(self) -> dict[str, Any]:
-        offload: OffloadPolicy = (
-            CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-        )
-        return {"mesh": self.shard_mesh, "mp_policy": self._mp_policy, "offload_policy": offload}
-
-    def _shard_block(self, block: nn.Module) -> None:
-        fully_shard(block, reshard_after_forward=self.reshard_after_forward, **self._fully_shard_kwargs())
-
-    def _shard_root(self, module: nn.Module) -> None:
-        fully_shard(module, **self._fully_shard_kwargs())
-
     def shard_module(self, module: nn.Module) -> nn.Module:
-        """Apply (per-block compile ->) ``fully_shard`` per block -> ``fully_shard`` on the root. Idempotent."""
+        """:func:`fsdp_strategies.parallel.parallelize` with this strategy's options (compile -> shard). Idempotent.
+
+        Activation checkpointing, the transform that comes first, was applied by the
+        ``ActivationCheckpointing`` callback right after ``configure_model``.
+        """
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError(
                 f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
                 "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
             )
-        stacks = find_block_stacks(module, self.block_class_names)
+        stacks = parallelize(
+            module, self.shard_mesh, block_class_names=self.block_class_names, compile_blocks=self.compile_blocks,
+            compile_options=self.compile_options, mp_policy=self._mp_policy, cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward, forward_prefetch=self.forward_prefetch,
+            backward_prefetch=self.backward_prefetch,
+        )
         blocks = [block for stack in stacks for block in stack.blocks]
         if not blocks:
             rank_zero_warn(
@@ -285,14 +281,6 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
                 "block_class_names is empty). The whole model is one FSDP unit: memory is sharded at rest but "
                 "fully gathered in forward. Fix: set block_class_names."
             )
-        for block in blocks:
-            if self.compile_blocks and not getattr(block, "_compiled_call_impl", None):
-                block.compile(**self.compile_options)
-            if not isinstance(block, FSDPModule):
-                self._shard_block(block)
-        if not isinstance(module, FSDPModule):
-            self._shard_root(module)
-        self._set_prefetch(blocks)
         rank_zero_info(
             f"{self.strategy_name}: sharded {len(blocks)} blocks ({describe_stacks(stacks)}) + root "
             f"over mesh {dict(zip(self.device_mesh.mesh_dim_names or (), self.device_mesh.shape, strict=False))}, "
@@ -300,32 +288,26 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         )
         return module
 
-    def _set_prefetch(self, blocks: Sequence[nn.Module]) -> None:
-        fsdp_blocks = [b for b in blocks if isinstance(b, FSDPModule)]
-        for i, block in enumerate(fsdp_blocks):
-            if self.forward_prefetch > 0 and i + 1 < len(fsdp_blocks):
-                block.set_modules_to_forward_prefetch(fsdp_blocks[i + 1 : i + 1 + self.forward_prefetch])
-            if self.backward_prefetch > 1 and i > 0:
-                block.set_modules_to_backward_prefetch(fsdp_blocks[max(0, i - self.backward_prefetch) : i][::-1])
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup's steps, reordered: it requires a user configure_model that shards,
+        # and converts precision after materialising; here the strategy shards, and bf16-true casts first.
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):
             if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
                 self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast before sharding
-            if not _has_meta_device_parameters_or_buffers(self.model):
+            if not seam.has_meta_tensors(self.model):
                 self.model.to(self.root_device)
             self.shard_module(self.model)
-            _materialize_distributed_module(self.model, self.root_device)
+            seam.materialize_meta_module(self.model, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            seam.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def on_train_start(self) -> None:
@@ -351,7 +333,7 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
 
         handle = self.model.register_forward_pre_hook(count)
         try:
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            return seam.forward_redirection(self, self.model, self.lightning_module, method, *args, **kwargs)
         finally:
             handle.remove()
             self._step_calls_root[method] = calls > 1
@@ -391,12 +373,12 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
         background = self._use_async_save()
-        if self._save_distributed_checkpoint:
+        if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
             save = self.async_checkpointer.save_sharded if background else atomic_save_sharded
@@ -413,7 +395,7 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
             self.barrier()
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify, then load a sharded folder or a full file (e.g. from ``ddp``: converted to shards).
 
         Files are always read with restricted unpicklers (``weights_only`` cannot turn that off; extra

@@ -31,154 +31,21 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils import flop_counter
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 from typing_extensions import override
 
+from fsdp_strategies import _torch_seam
 from fsdp_strategies._blocks import find_transformer_blocks
-from fsdp_strategies._peak_flops import DTYPES, lookup_peak_flops, peak_flops_from_env
-from fsdp_strategies.callbacks.activation_checkpointing import is_recomputing
+from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies._peak_flops import PeakDType, lookup_peak_flops, peak_flops_from_env
+from fsdp_strategies.flops import StepFlopCounter, StepFlops, analytic_transformer_flops, count_step_flops
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+# the FLOP calculator's names stay importable from here (they lived in this module before the split)
 __all__ = ["MFUMonitor", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
 
-aten = torch.ops.aten
-
-# ---------------------------------------------------------------------------------------------- FLOP formulas
-
-
-def _register_missing_sdpa_formulas() -> None:
-    """PyTorch has no FLOP formula for these SDPA kernels; give them the generic SDPA one."""
-    forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]
-    for name in forward:
-        packet = getattr(aten, name, None)
-        if packet is not None and packet not in flop_counter.flop_registry:
-
-            @register_flop_formula(packet)
-            def _sdpa(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
-                      **kwargs: Any) -> int:
-                return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-        backward = getattr(aten, name + "_backward", None)
-        if backward is not None and backward not in flop_counter.flop_registry:
-
-            @register_flop_formula(backward)
-            def _sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                               out_shape: Any = None, **kwargs: Any) -> int:
-                return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-
-_register_missing_sdpa_formulas()
-
-_ATTENTION_FORWARD = tuple(
-    p for p in (getattr(aten, n, None) for n in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
-    )) if p is not None
-)
-_ATTENTION_BACKWARD = tuple(
-    p for p in (getattr(aten, n, None) for n in (
-        "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_fused_attention_overrideable_backward", "_flash_attention_backward",
-        "_efficient_attention_backward",
-    )) if p is not None
-)
-
-
-def _is_causal_getter(packet: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
-    schema = packet.default._schema
-    names = [a.name for a in schema.arguments]
-    if "is_causal" not in names:
-        return None
-    index = names.index("is_causal")
-    default = schema.arguments[index].default_value
-
-    def get(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if "is_causal" in kwargs:
-            return bool(kwargs["is_causal"])
-        return bool(args[index]) if len(args) > index else bool(default)
-
-    return get
-
-
-def _causal_mapping() -> dict[Any, Any]:
-    """SDPA formulas that count half the attention FLOPs when ``is_causal`` (the masked half is skipped)."""
-    mapping: dict[Any, Any] = {}
-    for packet in (*_ATTENTION_FORWARD, *_ATTENTION_BACKWARD):
-        formula = flop_counter.flop_registry.get(packet)
-        get_causal = _is_causal_getter(packet)
-        if formula is None or get_causal is None:
-            continue
-
-        def discounted(*args: Any, _f: Any = formula, _c: Any = get_causal, out_val: Any = None, **kwargs: Any) -> int:
-            flops = _f(*args, out_val=out_val, **kwargs)
-            return flops // 2 if _c(args, kwargs) else flops
-
-        discounted._get_raw = True  # type: ignore[attr-defined]  (FlopCounterMode: pass tensors, not shapes)
-        mapping[packet] = discounted
-    return mapping
-
-
-def _score_recompute_fraction(args: tuple[Any, ...]) -> float:
-    """Share of an SDPA backward formula that recomputes ``q @ k^T``: d_q / (3 d_q + 2 d_v)."""
-    d_q, d_v = args[1].shape[-1], args[3].shape[-1]
-    return d_q / (3 * d_q + 2 * d_v)
-
-
-class _StepFlopCounter(FlopCounterMode):
-    """FlopCounterMode that also books the recomputed share of the FLOPs (hardware-only FLOPs)."""
-
-    def __init__(self, causal_discount: bool) -> None:
-        super().__init__(display=False, custom_mapping=_causal_mapping() if causal_discount else None)
-        self.recomputed = 0.0
-
-    @override
-    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-        before = self.flop_counts["Global"].get(func_packet, 0)
-        result = super()._count_flops(func_packet, out, args, kwargs)
-        delta = self.flop_counts["Global"].get(func_packet, 0) - before
-        if delta:
-            if is_recomputing():
-                self.recomputed += delta
-            elif func_packet in _ATTENTION_BACKWARD:
-                self.recomputed += delta * _score_recompute_fraction(args)
-        return result
-
-
-@dataclass(frozen=True)
-class StepFlops:
-    """FLOPs of one forward + backward: ``model`` (for MFU) and ``hardware`` (executed, for HFU)."""
-
-    model: int
-    hardware: int
-
-
-def count_step_flops(step: Callable[[], Any], *, causal_discount: bool = False) -> StepFlops:
-    """Run ``step`` (forward + backward) under FlopCounterMode; works on meta tensors too."""
-    counter = _StepFlopCounter(causal_discount)
-    with counter:
-        step()
-    total = counter.get_total_flops()
-    return StepFlops(model=round(total - counter.recomputed), hardware=int(total))
-
-
-def analytic_transformer_flops(
-    non_embedding_params: int, n_layers: int, hidden_size: int, seq_len: int, tokens: int, *, causal_discount: bool = False
-) -> int:
-    """``(6 N + 12 L H S) * tokens``: dense matmuls 2 (fwd) + 4 (bwd) FLOPs per parameter and token, plus attention."""
-    attention = 12 * n_layers * hidden_size * seq_len
-    if causal_discount:
-        attention //= 2
-    return (6 * non_embedding_params + attention) * tokens
-
-
-# ---------------------------------------------------------------------------------------------- callback
-
+FlopsSource = Literal["count", "analytic"]
 _STATS = ("min", "median", "max")
 _RATES = ("tflops_per_device", "mfu", "hfu", "tokens_per_sec_per_device", "samples_per_sec_per_device")
 
@@ -258,10 +125,10 @@ class MFUMonitor(Callback):
         window: int = 10,
         warmup_steps: int = 2,
         flops_per_batch: int | Callable[[Any], int] | None = None,
-        flops_source: Literal["count", "analytic"] = "count",
+        flops_source: FlopsSource = "count",
         causal_discount: bool = False,
         peak_flops: float | None = None,
-        peak_dtype: Literal["bf16", "fp16", "tf32", "fp8", "fp32"] | None = None,
+        peak_dtype: PeakDType | None = None,
         tokens_per_sample: int | None = None,
         seq_len: int | None = None,
         hidden_size: int | None = None,
@@ -270,25 +137,16 @@ class MFUMonitor(Callback):
         prefix: str = "perf",
     ) -> None:
         super().__init__()
-        for name, value, low in (("window", window, 1), ("warmup_steps", warmup_steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
+        for name, value in (("window", window), ("warmup_steps", warmup_steps)):
+            check_int(name, value, 1)
         for name, value in (("tokens_per_sample", tokens_per_sample), ("seq_len", seq_len), ("hidden_size", hidden_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} is invalid. Fix: a positive integer, or leave it unset.")
-        if flops_source not in ("count", "analytic"):
-            raise ValueError(f"flops_source={flops_source!r} is invalid. Fix: 'count' or 'analytic'.")
-        if flops_per_batch is not None and not callable(flops_per_batch) and (
-            isinstance(flops_per_batch, bool) or not isinstance(flops_per_batch, int) or flops_per_batch <= 0
-        ):
-            raise ValueError(
-                f"flops_per_batch={flops_per_batch!r} is invalid. Fix: a positive int, a callable f(batch) -> int, "
-                "or unset to count FLOPs automatically."
-            )
-        if peak_flops is not None and not peak_flops > 0:
-            raise ValueError(f"peak_flops={peak_flops!r} is invalid. Fix: the dense peak FLOP/s of one device, e.g. 989e12.")
-        if peak_dtype is not None and peak_dtype not in DTYPES:
-            raise ValueError(f"peak_dtype={peak_dtype!r} is invalid. Fix: one of {DTYPES} or unset.")
+            check_int(name, value, 1, optional=True, fix="a positive integer, or leave it unset.")
+        check_choice("flops_source", flops_source, FlopsSource)
+        if not callable(flops_per_batch):
+            check_int("flops_per_batch", flops_per_batch, 1, optional=True, fix="a positive int, a callable "
+                      "f(batch) -> int, or unset to count FLOPs automatically.")
+        check_number("peak_flops", peak_flops, optional=True, fix="the dense peak FLOP/s of one device, e.g. 989e12.")
+        check_choice("peak_dtype", peak_dtype, PeakDType, optional=True)
         peak_flops_from_env()  # a bad environment value fails now, not mid-run
         self.window = window
         self.warmup_steps = warmup_steps
@@ -312,7 +170,7 @@ class MFUMonitor(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._counter: _StepFlopCounter | None = None
+        self._counter: StepFlopCounter | None = None
         self._counted_samples = 0
         self._measuring = False
         self._last_step = 0
@@ -366,7 +224,7 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ batch bookkeeping
     def _samples_tokens(self, batch: Any) -> tuple[int, int]:
-        leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        leaves = [t for t in _torch_seam.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
         samples = int(leaves[0].shape[0]) if leaves else 0
         if self.tokens_per_sample is not None:
             return samples, samples * self.tokens_per_sample
@@ -400,14 +258,14 @@ class MFUMonitor(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.flops is None and self.flops_per_batch is None and self.flops_source == "count" and self._counter is None:
             compiled = [type(m).__name__ for m in (trainer.model, *pl_module.modules())
-                        if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")]
+                        if _torch_seam.is_compiled_module(m)]
             if compiled:
                 rank_zero_warn(
                     f"MFUMonitor: the model has torch.compile'd modules ({sorted(set(compiled))}) whose kernels "
                     "FlopCounterMode cannot see; using flops_source='analytic'. Fix: set flops_per_batch to be exact."
                 )
                 return  # no counter: the first batch's end takes the analytic path
-            self._counter = _StepFlopCounter(self.causal_discount)
+            self._counter = StepFlopCounter(self.causal_discount)
             self._counter.__enter__()
 
     @override

@@ -16,14 +16,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -50,7 +49,9 @@ from fsdp_strategies._convert import (
     optimizer_param_names,
 )
 from fsdp_strategies._integrity import embed_digest
+from fsdp_strategies._lightning_seam import PATH
 from fsdp_strategies._mesh import check_torchrun_layout
+from fsdp_strategies._options import check_choice, check_int, check_number
 from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies._resume import skip_consumed_batches
 
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMM_HOOKS", "DDPHooksStrategy", "in_bucket_order"]
 
-COMM_HOOKS = ("allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd")
+CommHook = Literal["allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd"]
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 LOCAL_SGD_HOOKS = ("post_local_sgd", "hierarchical_sgd")
 CHECKPOINT_KEY = "ddp_hooks_state"
 _NEVER = 2**62  # "start local SGD at this iteration": effectively synchronous DDP
@@ -185,7 +187,7 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
             ``DistributedDataParallel``.
         process_group_backend / timeout / start_method: as in Lightning's ``DDPStrategy``.
         checkpoint_on_preempt / preempt_grace_s: SIGTERM handling, as in
-            :class:`~fsdp_strategies.strategies.fsdp.FSDP2Strategy`. Under local SGD every rank stops at
+            :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`. Under local SGD every rank stops at
             the first global averaging after the signal (the ranks meet only there).
         async_checkpoint: ``"off"`` (synchronous) or ``"thread"``: rank 0 copies the checkpoint to CPU memory
             and a background thread writes the file (digest, ``torch.save``, atomic rename); see
@@ -196,8 +198,7 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
 
     def __init__(
         self,
-        comm_hook: Literal["allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd",
-                           "hierarchical_sgd"] = "allreduce",
+        comm_hook: CommHook = "allreduce",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 10,
         powersgd_min_compression_rate: float = 2.0,
@@ -219,17 +220,12 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
         async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
-        if comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook={comm_hook!r} is not a known hook. Fix: use one of {list(COMM_HOOKS)}.")
+        check_choice("comm_hook", comm_hook, CommHook)
         for name, value, low in (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2),
                                  ("local_sgd_period", local_sgd_period, 1), ("local_sgd_warmup", local_sgd_warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid. Fix: an integer >= {low}.")
-        if local_group_size is not None and (isinstance(local_group_size, bool) or not isinstance(local_group_size, int)
-                                             or local_group_size < 1):
-            raise ValueError(f"local_group_size={local_group_size!r} is invalid. Fix: a positive rank count, or null.")
-        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid. Fix: a positive size in MB, or null.")
+            check_int(name, value, low)
+        check_int("local_group_size", local_group_size, 1, optional=True, fix="a positive rank count, or null.")
+        check_number("bucket_cap_mb", bucket_cap_mb, optional=True, fix="a positive size in MB, or null.")
         levels = self._check_levels(hierarchy_levels) if hierarchy_levels else None
         if levels is not None and comm_hook != "hierarchical_sgd":
             raise ValueError(f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
@@ -260,12 +256,6 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
         self._averager: ModelAverager | None = None
         self._subgroups: list[Any] = []
         self._ddp_syncs_buffers = True  # DDP's per-forward buffer broadcast, as configured at wrap time
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        # never re-register Lightning's ``ddp*`` names with this class
-        strategy_registry.register(cls.strategy_name, cls, description="DDP with comm hooks", override=True)
 
     # ------------------------------------------------------------------ validation (no process group yet)
     @staticmethod
@@ -330,7 +320,16 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
         return mine
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def configure_ddp(self) -> None:
+        """Wrap in DDP (Lightning's), then register this strategy's comm hook on any device.
+
+        Lightning's own registration inside ``configure_ddp`` runs on CUDA only and has no hook to
+        register here (none is passed to ``DDPStrategy``), so it does nothing.
+        """
+        super().configure_ddp()
+        self._register_comm_hook()
+
+    def _register_comm_hook(self) -> None:
         model = self.model
         assert isinstance(model, DistributedDataParallel)
         self._ddp_syncs_buffers = bool(getattr(model, _buffer_sync_attr(model)))
@@ -470,14 +469,19 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
             self._averager = self._build_averager()
         wrapped = []
         for optimizer in self.optimizers:
-            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             if not isinstance(inner, PostLocalSGDOptimizer):
                 inner = _ClosurePostLocalSGDOptimizer(inner, self._averager)
             wrapped.append(inner)
         self.optimizers = wrapped
         self.set_local_sgd(self._local_sgd_enabled, average=False)
 
-    # ------------------------------------------------------------------ local SGD switching
+    # ------------------------------------------------------------------ local SGD switching (a LocalAveragingSwitch)
+    @property
+    def local_sgd_available(self) -> bool:
+        """Whether :meth:`set_local_sgd` works: ``comm_hook`` is ``post_local_sgd`` or ``hierarchical_sgd``."""
+        return self.comm_hook in LOCAL_SGD_HOOKS
+
     @property
     def local_sgd_enabled(self) -> bool:
         """Whether ranks currently take local steps between parameter averagings."""
@@ -636,7 +640,7 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
         return super().lightning_module_state_dict()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
         background = self._use_async_save()
         mine = self.comm_state_dict()
@@ -664,7 +668,7 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read with the restricted unpickler (never runs code from the file) and check the embedded digest."""
         path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
         if path.is_dir():

@@ -56,6 +56,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._resume import _install, _SkipFirstIterationSampler
 
 if TYPE_CHECKING:
@@ -178,13 +179,13 @@ class StepAlignedData:
     def install(cls, trainer: pl.Trainer) -> StepAlignedData | None:
         """Swap the fit loop's training loader for one over positions; ``None`` (warned) if not possible."""
         fit_loop = trainer.fit_loop
-        combined = fit_loop._combined_loader
+        combined = seam.training_combined_loader(trainer)
         loaders = list(combined.flattened) if combined is not None else []
         reason = _why_not(trainer, loaders)
         if reason is None:
             aligned = cls(loaders[0], int(trainer.num_training_batches))
             epoch = fit_loop.epoch_progress.current.processed
-            if _install(fit_loop, combined, {0: aligned.loader}, epoch):
+            if _install(trainer, combined, {0: aligned.loader}, epoch):
                 return aligned
             reason = "the training iterators could not be restarted"
         rank_zero_warn(

@@ -1,0 +1,221 @@
+"""The Lightning seam: every use of a Lightning private name in this package goes through this module.
+
+Why: ``lightning>=2.6,<2.7`` is the supported range, and Lightning may rename or change any private
+name in a minor release. Keeping each access here -- one small function per access, named after
+what it does, its docstring naming the private name it uses -- means an upgrade is checked in one
+file, and ``tests/test_lightning_seam.py`` has one test per access (named after the private name)
+that fails loudly when the installed Lightning changes it. Nothing outside this module imports an
+underscore name from ``lightning`` or reads/writes an underscore attribute of a Lightning object.
+
+Where a public API does the job it is used instead (and is not here):
+
+* Option validation once devices, nodes and precision are known, before any process starts: the
+  strategies override the public ``set_world_ranks`` (the accelerator connector calls it right
+  before the private ``_configure_launcher``, and again in every process before the process group).
+* DDP comm hooks: ``ddp_hooks`` overrides the public ``DDPStrategy.configure_ddp`` (wrap, then
+  register) instead of the private ``_register_ddp_hooks``.
+* The wrapped optimizer of a ``LightningOptimizer``: its public ``optimizer`` property.
+* The checkpoint path type: :data:`PATH` (own alias) instead of ``lightning.fabric.utilities.types._PATH``.
+
+jsonargparse's undocumented ``subcommand_parser`` attribute (used by the CLI's error summary) is here
+too: LightningCLI is the only user of jsonargparse in this package.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.init import (
+    _has_meta_device_parameters_or_buffers,
+    _materialize_distributed_module,
+)
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch import nn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+    from torch.utils.data import DataLoader, Sampler
+
+__all__ = [
+    "LIGHTNING_META_FILE",
+    "PATH",
+    "before_batch_transfer",
+    "combined_loader_iterator",
+    "combined_loader_mode",
+    "forward_redirection",
+    "forward_signal_to_launched_ranks",
+    "has_meta_tensors",
+    "in_lightning_hook",
+    "init_process_group",
+    "is_stateful_loader",
+    "materialize_meta_module",
+    "optimizers_to_device",
+    "rebuild_loader_with_sampler",
+    "replace_sigterm_broadcast",
+    "restart_training_iterators",
+    "restore_sigterm_broadcast",
+    "saves_distributed_checkpoint",
+    "set_device_mesh",
+    "set_optimizer_step_count",
+    "set_sampler_epoch",
+    "subcommand_parser",
+    "training_combined_loader",
+]
+
+#: A checkpoint path (what Lightning's private ``_PATH`` alias means; own spelling, no import).
+PATH = Union[str, "os.PathLike[str]"]
+
+#: ``lightning.fabric.utilities.load._METADATA_FILENAME`` ("meta.pt"): the non-tensor part of a sharded
+#: checkpoint folder, the file Lightning's own ``ModelParallelStrategy`` reads back.
+LIGHTNING_META_FILE: str = _METADATA_FILENAME
+
+
+# ------------------------------------------------------------------------------ fabric helpers (imports)
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers on the meta device (``_has_meta_device_parameters_or_buffers``)."""
+    return bool(_has_meta_device_parameters_or_buffers(module))
+
+
+def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
+    """``to_empty`` + ``reset_parameters`` of every meta submodule (``_materialize_distributed_module``)."""
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Iterable[Optimizer], device: torch.device) -> None:
+    """Move optimizer state tensors to ``device`` (``_optimizers_to_device``)."""
+    _optimizers_to_device(optimizers, device)
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """``set_epoch`` on the loader's (batch) sampler as Lightning's fit loop does (``_set_sampler_epoch``)."""
+    _set_sampler_epoch(dataloader, epoch)
+
+
+def is_stateful_loader(obj: object) -> bool:
+    """Whether Lightning saves/restores ``obj``'s position itself (``isinstance(obj, _Stateful)``)."""
+    return isinstance(obj, _Stateful)
+
+
+def rebuild_loader_with_sampler(dataloader: DataLoader, sampler: Sampler[Any]) -> DataLoader:
+    """A copy of a training loader with another sampler, built as Lightning injects its own (``_update_dataloader``)."""
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+# ------------------------------------------------------------------------------ strategy internals
+def init_process_group(strategy: Any) -> None:
+    """``ModelParallelStrategy._setup_distributed``: world ranks + ``init_process_group`` (no mesh)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Publish ``mesh`` as ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (both read ``_device_mesh``)."""
+    strategy._device_mesh = mesh
+    module = strategy.lightning_module
+    if module is not None:
+        module._device_mesh = mesh
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``, stored as ``_save_distributed_checkpoint``."""
+    return bool(strategy._save_distributed_checkpoint)
+
+
+def forward_redirection(strategy: Any, wrapper: nn.Module, original: pl.LightningModule, method: str,
+                        *args: Any, **kwargs: Any) -> Any:
+    """Run ``original.<method>`` through ``wrapper.__call__`` so its forward hooks fire (``_forward_redirection``)."""
+    return strategy._forward_redirection(wrapper, original, method, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ loop internals
+def training_combined_loader(trainer: pl.Trainer) -> Any:
+    """The fit loop's ``CombinedLoader`` (``FitLoop._combined_loader``); ``None`` before ``setup_data``."""
+    return trainer.fit_loop._combined_loader
+
+
+def combined_loader_mode(combined: Any) -> str:
+    """``CombinedLoader._mode`` (``"max_size_cycle"`` for training)."""
+    return str(combined._mode)
+
+
+def combined_loader_iterator(combined: Any) -> Any:
+    """The mode iterator of a ``CombinedLoader`` (``_iterator``); ``None`` before ``iter()``."""
+    return combined._iterator
+
+
+def restart_training_iterators(trainer: pl.Trainer) -> None:
+    """Re-create every training iterator (``iter(FitLoop._data_fetcher)``)."""
+    iter(trainer.fit_loop._data_fetcher)
+
+
+def set_optimizer_step_count(trainer: pl.Trainer, target: int) -> None:
+    """Make ``trainer.global_step`` become ``target`` when the running ``optimizer_step`` returns.
+
+    Call from inside ``optimizer_step`` (automatic optimization): Lightning increments the step's
+    ``completed`` counters right after it returns, so they are set one below here; the logging step
+    (``TrainingEpochLoop._batches_that_stepped``, incremented after the batch) likewise.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    delta = target - (progress.total.completed + 1)
+    if delta:
+        progress.total.completed += delta
+        progress.current.completed += delta
+    progress.total.ready = progress.total.completed + 1
+    progress.current.ready = progress.current.completed + 1
+    epoch_loop._batches_that_stepped = target - 1
+
+
+def replace_sigterm_broadcast(trainer: pl.Trainer, check: Callable[[], None]) -> Any:
+    """Run ``check`` where the training epoch loop broadcasts its SIGTERM flag before each batch.
+
+    Shadows ``TrainingEpochLoop._broadcast_sigterm_tensor`` on the loop *instance*; returns the loop
+    for :func:`restore_sigterm_broadcast`, or ``None`` when this Lightning has no such method.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        return None
+    loop._broadcast_sigterm_tensor = check
+    return loop
+
+
+def restore_sigterm_broadcast(loop: Any) -> None:
+    """Undo :func:`replace_sigterm_broadcast` (the class's own method applies again)."""
+    if loop is not None:
+        vars(loop).pop("_broadcast_sigterm_tensor", None)
+
+
+def in_lightning_hook(module: Any) -> bool:
+    """Whether Lightning is inside one of ``module``'s hooks, where ``self.log`` works (``_current_fx_name``)."""
+    return module is not None and getattr(module, "_current_fx_name", None) is not None
+
+
+def before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx: int = 0) -> Any:
+    """The ``on_before_batch_transfer`` hooks (module's, datamodule's) as the loop applies them
+    (``LightningModule._on_before_batch_transfer``)."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+
+
+def forward_signal_to_launched_ranks(strategy: Any, signum: int) -> bool:
+    """Send ``signum`` to the processes Lightning's subprocess launcher started (its ``procs``); False if none."""
+    launcher = getattr(strategy, "launcher", None)
+    if launcher is None or not getattr(launcher, "procs", None):
+        return False
+    launcher.kill(signum)
+    return True
+
+
+# ------------------------------------------------------------------------------ jsonargparse (LightningCLI)
+def subcommand_parser(error: BaseException | None) -> Any:
+    """The parser of the subcommand (``fit``...) an error was raised in: jsonargparse's undocumented
+    ``subcommand_parser`` attribute of its ``ArgumentError``; ``None`` when absent."""
+    return getattr(error, "subcommand_parser", None)
+

@@ -1,0 +1,76 @@
+"""Option checks shared by every strategy and callback: one spelling of each rule and of its error.
+
+Every check raises ``ValueError`` with the shape ``<name>=<value> is invalid. Fix: <what to give>.``
+at ``__init__`` time (before any process group exists). Allowed string values come from the
+``Literal`` type of the parameter (:func:`choices`), so the values are written once, in the signature
+that LightningCLI also reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+__all__ = ["check_bool", "check_choice", "check_degree", "check_int", "check_number", "choices"]
+
+
+def choices(literal: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal[...]`` type (also through ``Optional``/``Union``), in order."""
+    out: list[Any] = []
+    for arg in get_args(literal):
+        if arg is type(None):
+            continue
+        nested = get_args(arg)
+        out += [v for v in nested if v not in out] if nested and not isinstance(arg, str) else [arg]
+    return tuple(out)
+
+
+def _fail(name: str, value: Any, fix: str, prefix: str = "") -> ValueError:
+    return ValueError(f"{prefix}{name}={value!r} is invalid. Fix: {fix}")
+
+
+def check_int(name: str, value: Any, low: int = 0, high: int | None = None, *, optional: bool = False,
+              fix: str | None = None, prefix: str = "") -> Any:
+    """An ``int`` (not a ``bool``) in ``[low, high]``; ``None`` passes when ``optional``. Returns ``value``."""
+    if value is None and optional:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        if fix is None:
+            fix = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+            fix += ", or leave it unset." if optional else "."
+        raise _fail(name, value, fix, prefix)
+    return value
+
+
+def check_number(name: str, value: Any, *, positive: bool = True, optional: bool = False, fix: str | None = None,
+                 prefix: str = "") -> Any:
+    """A real number (not a ``bool``), ``> 0`` when ``positive`` (``>= 0`` otherwise). Returns ``value``."""
+    if value is None and optional:
+        return value
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or (value <= 0 if positive else value < 0):
+        if fix is None:
+            fix = "a positive number." if positive else "a number >= 0."
+        raise _fail(name, value, fix, prefix)
+    return value
+
+
+def check_bool(name: str, value: Any, prefix: str = "") -> bool:
+    """``True`` or ``False`` exactly (YAML ``yes`` arrives as a string and is refused)."""
+    if not isinstance(value, bool):
+        raise _fail(name, value, "true or false.", prefix)
+    return value
+
+
+def check_choice(name: str, value: Any, literal: Any, *, optional: bool = False, prefix: str = "") -> Any:
+    """One of the values of the ``Literal`` type ``literal``; ``None`` passes when ``optional``."""
+    allowed = choices(literal)
+    if (value is None and optional) or value in allowed:
+        return value
+    raise _fail(name, value, f"one of {list(allowed)}{' or unset' if optional else ''}.", prefix)
+
+
+def check_degree(name: str, value: Any, prefix: str = "") -> Any:
+    """A mesh degree: a positive ``int``, ``"auto"`` or ``None``."""
+    if value is None or value == "auto":
+        return value
+    return check_int(name, value, 1, fix="give a positive integer, or 'auto'.", prefix=prefix)

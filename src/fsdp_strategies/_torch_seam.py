@@ -1,0 +1,158 @@
+"""The torch / torchft / numpy seam: every private name of those packages this package relies on.
+
+The same rule as :mod:`fsdp_strategies._lightning_seam`: one small function or constant per
+access, its docstring naming the private name; ``tests/test_lightning_seam.py`` checks each one
+against the installed versions (torch >= 2.7, tested on 2.11 and 2.13; torchft 0.2.x).
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # no public alias; what FlopCounterMode builds on
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "DCP_METADATA_FILE",
+    "HookedFlopCounter",
+    "TorchDispatchMode",
+    "dcp_metadata_globals",
+    "inside_autograd_backward",
+    "is_compiled_module",
+    "is_op_overload",
+    "loader_iterator",
+    "numpy_pickle_globals",
+    "op_schema",
+    "quorum_id",
+    "quorum_started",
+    "raw_tensor_formula",
+    "shutdown_loader_workers",
+    "tree_leaves",
+]
+
+
+# ------------------------------------------------------------------------------ torch
+def tree_leaves(tree: Any) -> list[Any]:
+    """Leaves of a nested container (``torch.utils._pytree.tree_leaves``)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return list(leaves(tree))
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` (``_compiled_call_impl``) or ``torch.compile(module)`` (``_orig_mod``) applies."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+def is_op_overload(op: Any) -> bool:
+    """Whether ``op`` is one overload (``torch.ops.aten.mm.default``), not a packet (``torch._ops.OpOverload``)."""
+    return isinstance(op, torch._ops.OpOverload)
+
+
+def op_schema(packet: Any) -> Any:
+    """The schema of an op packet's default overload (``OpOverload._schema``): argument names and defaults."""
+    return packet.default._schema
+
+
+def inside_autograd_backward() -> bool:
+    """Whether the autograd engine is running a backward pass now (``torch._C._current_graph_task_id() != -1``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def raw_tensor_formula(formula: Callable[..., int]) -> Callable[..., int]:
+    """Mark a ``FlopCounterMode`` custom formula to receive tensors instead of shapes (``_get_raw``)."""
+    formula._get_raw = True  # type: ignore[attr-defined]
+    return formula
+
+
+class HookedFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` that reports every op's FLOPs to :meth:`on_flops` as they are counted.
+
+    Overrides ``FlopCounterMode._count_flops`` (private), the one place each op's count is added.
+    """
+
+    def on_flops(self, func_packet: Any, flops: int, args: Any) -> None:
+        """Called after ``flops`` (> 0) were counted for ``func_packet`` with these ``args``."""
+
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        before = self.flop_counts["Global"].get(func_packet, 0)
+        result = super()._count_flops(func_packet, out, args, kwargs)
+        delta = self.flop_counts["Global"].get(func_packet, 0) - before
+        if delta:
+            self.on_flops(func_packet, delta, args)
+        return result
+
+
+def loader_iterator(dataloader: Any) -> Any:
+    """A ``DataLoader``'s kept iterator with ``persistent_workers`` (``DataLoader._iterator``); else ``None``."""
+    return getattr(dataloader, "_iterator", None)
+
+
+def shutdown_loader_workers(iterator: Any) -> None:
+    """Stop a multi-process loader iterator's workers now (``_MultiProcessingDataLoaderIter._shutdown_workers``)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()
+
+
+def _dcp_metadata_file() -> str:
+    from torch.distributed.checkpoint import filesystem
+
+    return str(getattr(filesystem, "_metadata_fn", ".metadata"))
+
+
+#: The pickled metadata file of a DCP folder (``torch.distributed.checkpoint.filesystem._metadata_fn``).
+DCP_METADATA_FILE: str = _dcp_metadata_file()
+
+
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object`` of every class a DCP ``.metadata`` pickle refers to.
+
+    Includes DCP's private ``_MEM_FORMAT_ENCODING`` and ``filesystem._StorageInfo`` and
+    ``torch.serialization._get_layout`` (how layouts pickle).
+    """
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for mod, names in (
+        (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        (filesystem, ("_StorageInfo",)),
+    ):
+        for name in names:
+            if hasattr(mod, name):
+                allowed[(mod.__name__, name)] = getattr(mod, name)
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
+        allowed[(cls.__module__, cls.__name__)] = cls
+    return allowed
+
+
+# ------------------------------------------------------------------------------ numpy
+def numpy_pickle_globals() -> list[Any]:
+    """What a pickled numpy scalar/array refers to: ``multiarray.scalar``, ``multiarray._reconstruct``,
+    ``ndarray``, ``dtype`` and the ``numpy.dtypes`` classes (``np._core`` on numpy 2, ``np.core`` on 1)."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    found: list[Any] = [multiarray.multiarray.scalar, multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
+    found += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return found
+
+
+# ------------------------------------------------------------------------------ torchft
+def quorum_id(manager: Any) -> int:
+    """The id of the manager's current quorum (``torchft.Manager._quorum_id``); -1 if unknown."""
+    return int(getattr(manager, "_quorum_id", -1))
+
+
+def quorum_started(manager: Any) -> bool:
+    """Whether the manager has started a quorum yet (``torchft.Manager._quorum_future`` is set)."""
+    return getattr(manager, "_quorum_future", None) is not None

@@ -1,0 +1,16 @@
+"""Fault tolerance in one place: the group/launcher contract, the strategy, the step-aligned data, the launcher.
+
+* :mod:`~fsdp_strategies.ft.protocol` -- environment variables, exit codes and the events file
+  (one class writes and reads it), shared by the strategy and the launcher.
+* :mod:`~fsdp_strategies.ft.strategy` -- ``ft_hsdp`` (:class:`FTHSDPStrategy`): HSDP whose replication
+  runs across replica groups through torchft.
+* :mod:`~fsdp_strategies.ft.data` -- the data position that follows the committed step.
+* :mod:`~fsdp_strategies.ft.launcher` -- ``fsdp-strategies-ft``: a lighthouse plus N replica groups
+  on one machine, restarted on failure, with fault injection.
+"""
+
+from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, EventLog, FTEnvironment
+from fsdp_strategies.ft.strategy import FTHSDPStrategy, LighthouseUnreachableError
+
+__all__ = ["LEAVE_EXIT_CODE", "PREEMPT_EXIT_CODE", "EventLog", "FTEnvironment", "FTHSDPStrategy",
+           "LighthouseUnreachableError"]

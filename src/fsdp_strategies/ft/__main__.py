@@ -1,0 +1,5 @@
+"""``python -m fsdp_strategies.ft`` = the ``fsdp-strategies-ft`` console script."""
+
+from fsdp_strategies.ft.launcher import main
+
+main()

@@ -1,0 +1,177 @@
+"""The contract between the ``ft_hsdp`` strategy (inside each replica group) and the launcher.
+
+Written once, here, and used by both sides:
+
+* **Environment** (:class:`FTEnvironment`): what a replica group learns from whoever started it
+  (``fsdp-strategies-ft``, SLURM, torchx). ``TORCHFT_LIGHTHOUSE`` is torchft's own variable; the
+  others are this package's launcher convention.
+* **Exit codes**: :data:`LEAVE_EXIT_CODE` (a group left the quorum on purpose, e.g. evicted as a
+  straggler) and :data:`PREEMPT_EXIT_CODE` (stopped by SIGTERM, requeue). The launcher restarts any
+  non-zero exit; it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
+* **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
+  ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
+  of training -- and read by the launcher (fault injection at a committed step, "training finished",
+  the data-loss summary). Both the writer and the readers are methods of that one class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_strategies._exit import PREEMPT_EXIT_CODE
+
+__all__ = [
+    "EVENTS_ENV",
+    "LEAVE_EXIT_CODE",
+    "LIGHTHOUSE_ENV",
+    "NUM_GROUPS_ENV",
+    "PREEMPT_EXIT_CODE",
+    "REPLICA_GROUP_ENV",
+    "RESTART_COUNT_ENV",
+    "EventLog",
+    "FTEnvironment",
+]
+
+#: torchft's own variable: ``http://host:port`` of the lighthouse.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: this group's id in ``[0, NUM_REPLICA_GROUPS)``.
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+#: the most groups that ever train at once (the data is sharded over them).
+NUM_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+#: path of this group's events file (``{replica_group_id}`` is substituted).
+EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
+#: how many times the launcher has restarted this group (0 on the first start).
+RESTART_COUNT_ENV = "FT_RESTART_COUNT"
+#: exit status of a replica group that left the quorum on purpose (``leave_quorum``); the
+#: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
+LEAVE_EXIT_CODE = 75
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={value!r} is not an integer. Fix: set it to a number.") from None
+
+
+@dataclass(frozen=True)
+class FTEnvironment:
+    """What a replica group reads from its environment (each field ``None`` when unset)."""
+
+    lighthouse_addr: str | None = None
+    replica_group_id: int | None = None
+    num_replica_groups: int | None = None
+    events_file: str | None = None
+    restart_count: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FTEnvironment:
+        """Read the variables (from ``os.environ`` by default); a non-integer number is an error naming it."""
+        env = os.environ if env is None else env
+        return cls(
+            lighthouse_addr=env.get(LIGHTHOUSE_ENV) or None,
+            replica_group_id=_env_int(env, REPLICA_GROUP_ENV),
+            num_replica_groups=_env_int(env, NUM_GROUPS_ENV),
+            events_file=env.get(EVENTS_ENV) or None,
+            restart_count=_env_int(env, RESTART_COUNT_ENV) or 0,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to set for a group (what the launcher passes; unset fields are left out)."""
+        out = {LIGHTHOUSE_ENV: self.lighthouse_addr, REPLICA_GROUP_ENV: self.replica_group_id,
+               NUM_GROUPS_ENV: self.num_replica_groups, EVENTS_ENV: self.events_file,
+               RESTART_COUNT_ENV: self.restart_count}
+        return {k: str(v) for k, v in out.items() if v is not None}
+
+
+class EventLog:
+    """One replica group's JSON-lines events file: written by the group, read by the launcher.
+
+    Records (every one has ``t``, wall time, and ``group``):
+
+    * step: ``step`` (the quorum's committed step after this one), ``committed``, ``participants``,
+      ``quorum_id``, ``healed``, ``step_s``, ``quorum_s``, ``commit_s``, ``pid`` and ``data_*`` (what the
+      step trained and missed: ``data_step``, ``data_missed_samples``, ``data_redistributed_samples``...);
+    * ``left``: the reason the group left the quorum;
+    * ``finished``: the committed step at the end of training (written before the slow teardown).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    # ------------------------------------------------------------------ writing (the group's rank 0)
+    def _append(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"t": time.time(), **record}) + "\n")
+
+    def write_step(self, group: int, step: int, committed: bool, **fields: Any) -> None:
+        """One optimizer step of this group (``fields``: see the class docstring)."""
+        self._append({"group": group, "step": step, "committed": committed, **fields})
+
+    def write_left(self, group: int, reason: str) -> None:
+        self._append({"group": group, "left": reason})
+
+    def write_finished(self, group: int, step: int) -> None:
+        self._append({"group": group, "finished": step})
+
+    # ------------------------------------------------------------------ reading (the launcher)
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every complete record (a line cut short by a kill is skipped)."""
+        try:
+            with self.path.open() as fh:
+                for line in fh:
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+        except OSError:
+            return
+
+    def last_committed_step(self, since: float = 0.0) -> int:
+        """Highest committed step in records written at or after ``since``; -1 if none."""
+        steps = [int(r.get("step", -1)) for r in self.records() if r.get("committed") and r.get("t", 0) >= since]
+        return max(steps, default=-1)
+
+    def finished(self) -> bool:
+        """Whether the group wrote its end-of-training record."""
+        return any("finished" in r for r in self.records())
+
+    @staticmethod
+    def data_summary(events_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """Samples the committed steps missed (``data_on_failure="skip"``) or took over from missing groups
+        (``"redistribute"``), merged over every ``group*.jsonl`` of ``events_dir``.
+
+        Each participating group reports, per committed step, the samples of the groups that were not in
+        the step; steps are merged over groups (a step's reporter may have died before writing it).
+        """
+        missed: dict[int, int] = {}
+        redistributed: dict[tuple[int, int], int] = {}
+        for path in sorted(Path(events_dir).glob("group*.jsonl")):
+            for rec in EventLog(path).records():
+                if rec.get("committed") and rec.get("data_missed_samples") is not None:
+                    missed[int(rec["data_step"])] = int(rec["data_missed_samples"])
+                    redistributed[int(rec["data_step"]), int(rec["group"])] = int(
+                        rec.get("data_redistributed_samples", 0))
+        if not missed:
+            return None
+        stretches: list[list[int]] = []  # [first step, last step, samples]
+        for step in sorted(missed):
+            if not missed[step]:
+                continue
+            if stretches and stretches[-1][1] == step - 1:
+                stretches[-1][1] = step
+                stretches[-1][2] += missed[step]
+            else:
+                stretches.append([step, step, missed[step]])
+        return {"committed_steps": len(missed), "missed_samples": sum(missed.values()), "missed_stretches": stretches,
+                "redistributed_samples": sum(redistributed.values())}

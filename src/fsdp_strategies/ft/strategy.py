@@ -1,0 +1,707 @@
+"""``ft_hsdp``: fault-tolerant HSDP on torchft -- replica groups are the unit of failure.
+
+Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards
+the model with FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter
+output is averaged by torchft's fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook``
+through ``torchft.process_group.ManagedProcessGroup``), whose membership is re-decided every
+step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others keep going
+(after the lighthouse's heartbeat timeout); the restarted group heals from a live peer through
+the manager's checkpoint transport instead of reloading a global checkpoint.
+
+Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
+
+* ``on_train_batch_start``: snapshot references to this rank's shards (the state a healing
+  peer may fetch) and ``Manager.start_quorum()`` (asynchronous).
+* the optimizer closure (forward + backward): the all-reduce hook waits for the quorum and
+  reduces across groups; errors are recorded by the manager, not raised.
+* ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes);
+  the optimizer steps only on commit. A discarded step leaves parameters, optimizer state and
+  LR schedulers untouched on every member and training goes on. Lightning's progress counters
+  are set to the manager's committed step, so ``Trainer.global_step`` is the quorum's step on
+  every group (it jumps forward on a group that just healed) and ``max_steps`` stops all groups
+  at the same committed step.
+
+Data: the sampler shards over ``num_replica_groups x ranks`` (the layout of
+``torchft.data.DistributedSampler``), and the data position follows the committed step: at committed
+step ``s`` every group trains batch ``s mod B`` of data epoch ``s // B`` of its own shard (``B`` =
+training batches per epoch), also right after a heal (the healed group receives the step with the
+heal state and derives its position from it) and after a discarded step (the same batch is trained
+again). See :mod:`fsdp_strategies.ft.data`. ``data_on_failure="skip"``: while a group is down (or
+healing, which contributes zeros), its shard's batches for those steps are not trained; each
+participating group reports how many samples the step missed (``ft/missed_samples`` metric, the
+events file, and a ``rank_zero_info`` line when a stretch of missed steps starts and ends).
+``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
+step, weighted so the step's gradient is the mean over the full global batch (see ``_redistribute``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+from urllib.parse import urlparse
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam
+from fsdp_strategies._mesh import HSDPDegrees
+from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies.ft.data import StepAlignedData
+from fsdp_strategies.ft.protocol import (
+    LEAVE_EXIT_CODE,
+    LIGHTHOUSE_ENV,
+    NUM_GROUPS_ENV,
+    REPLICA_GROUP_ENV,
+    EventLog,
+    FTEnvironment,
+)
+from fsdp_strategies.strategies.hsdp import HSDPStrategy
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["LEAVE_EXIT_CODE", "FTHSDPStrategy", "LighthouseUnreachableError"]
+
+Transport = Literal["pg", "http"]
+DataOnFailure = Literal["skip", "redistribute"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+#: valid values of ``data_on_failure``
+DATA_ON_FAILURE: tuple[str, ...] = get_args(DataOnFailure)
+
+_HOW_TO_START = (
+    "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
+    "TORCHFT_LIGHTHOUSE=http://<host>:29510), or launch the job through `fsdp-strategies-ft`, which "
+    "starts a lighthouse and the replica groups for you."
+)
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """The torchft lighthouse is not listening where the strategy was told to find it."""
+
+
+def _lighthouse_host_port(address: str) -> tuple[str, int]:
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(
+            f"lighthouse_addr={address!r} is not an address. Fix: give 'http://<host>:<port>' "
+            f"(e.g. http://localhost:29510) or set {LIGHTHOUSE_ENV}. {_HOW_TO_START}"
+        )
+    return parsed.hostname, parsed.port
+
+
+def _local(value: Any) -> Any:
+    """This rank's shard of a DTensor; other values unchanged (the heal transfer sends plain tensors)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class FTHSDPStrategy(HSDPStrategy):
+    """HSDP whose replication runs across jobs: FSDP2 inside a replica group, torchft's fault-tolerant
+    all-reduce across replica groups (``replicate_degree`` is 1 inside each group's job).
+
+    Args:
+        lighthouse_addr: ``http://host:port`` of the torchft lighthouse; default ``$TORCHFT_LIGHTHOUSE``.
+        replica_group_id: this group's id in ``[0, num_replica_groups)``; default ``$REPLICA_GROUP_ID``.
+            It names the manager (``ft_hsdp_<id>``, torchft appends a uuid) and picks the data shard.
+        num_replica_groups: the most groups that will ever train at once (data is sharded over
+            them); default ``$NUM_REPLICA_GROUPS``.
+        min_replica_size: fewest groups that must take part for a step to commit.
+        shard_degree: ranks per replica group (``"auto"`` = nodes x devices of this job); a number
+            is checked against that.
+        checkpoint_transport: how a healing group fetches the live state: ``"pg"`` (send/recv over
+            the cross-group process group) or ``"http"`` (torchft's HTTP server).
+        timeout_s: collectives, ``should_commit`` and checkpoint transfer.
+        quorum_timeout_s: longest wait for a quorum.
+        connect_timeout_s: connecting to the lighthouse and to peers' managers.
+        init_sync: at step 0 every group copies the weights of one group. With torchft 0.2.0 the copying
+            groups contribute zero gradients to that first step while the average still divides by every
+            group, so set ``False`` when all groups are seeded identically (``seed_everything``): no
+            transfer, and the first step equals ``hsdp``'s.
+        max_retries: raise after this many consecutive discarded steps (``None`` = never).
+        hostname: the address other groups use to reach this group's manager (default: this host).
+        events_file: JSON-lines file written by each group's rank 0, one line per step (default
+            ``$FSDP_STRATEGIES_FT_EVENTS``; ``{replica_group_id}`` is substituted).
+        data_on_failure: what happens to a down group's data. ``"skip"``: its shard's batches for the steps it
+            is down are not trained (reported as ``ft/missed_samples`` and in the events file); the other
+            groups' positions are unchanged and a healed group resumes at the committed step's batch.
+            ``"redistribute"``: in a step that some groups miss, the participating groups also train the
+            missing groups' batches of that step (split evenly), and each group's gradient is weighted by its
+            share of the step's samples, so the step averages over the same global batch as a fault-free
+            step. In this mode every step waits for its quorum before the forward pass (no overlap of the
+            quorum with compute), and a step with missing groups runs larger per-rank batches.
+        **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
+    """
+
+    strategy_name = "ft_hsdp"
+
+    def __init__(
+        self,
+        lighthouse_addr: str | None = None,
+        replica_group_id: int | None = None,
+        num_replica_groups: int | None = None,
+        min_replica_size: int = 1,
+        shard_degree: int | str = "auto",
+        checkpoint_transport: Transport = "pg",
+        timeout_s: float = 60.0,
+        quorum_timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        hostname: str | None = None,
+        events_file: str | None = None,
+        data_on_failure: DataOnFailure = "skip",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
+        env = FTEnvironment.from_env()
+        lighthouse_addr = lighthouse_addr or env.lighthouse_addr
+        if lighthouse_addr is None:
+            raise ValueError(
+                f"ft_hsdp needs a torchft lighthouse: lighthouse_addr is not set and {LIGHTHOUSE_ENV} is empty. "
+                f"Fix: set strategy.init_args.lighthouse_addr or {LIGHTHOUSE_ENV}=http://<host>:<port>. {_HOW_TO_START}"
+            )
+        _lighthouse_host_port(lighthouse_addr)
+        if replica_group_id is None:
+            replica_group_id = env.replica_group_id
+        if num_replica_groups is None:
+            num_replica_groups = env.num_replica_groups
+        if replica_group_id is None:
+            raise ValueError(
+                f"ft_hsdp: replica_group_id is missing. Fix: set strategy.init_args.replica_group_id or "
+                f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for each replica group (fsdp-strategies-ft sets it)."
+            )
+        fix_groups = (f"set strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica "
+                      "groups (>= 1).")
+        if num_replica_groups is None:
+            raise ValueError(f"ft_hsdp: num_replica_groups=None is invalid. Fix: {fix_groups}")
+        check_int("num_replica_groups", num_replica_groups, 1, fix=fix_groups, prefix="ft_hsdp: ")
+        if isinstance(replica_group_id, bool) or not 0 <= replica_group_id < num_replica_groups:
+            raise ValueError(
+                f"ft_hsdp: replica_group_id={replica_group_id!r} is out of range for num_replica_groups="
+                f"{num_replica_groups}. Fix: use an id in [0, {num_replica_groups - 1}]."
+            )
+        check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
+                  fix=f"1 <= min_replica_size <= num_replica_groups ({num_replica_groups}).")
+        check_choice("checkpoint_transport", checkpoint_transport, Transport)
+        for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
+                            ("connect_timeout_s", connect_timeout_s)):
+            check_number(name, value, fix="a positive number of seconds.")
+        check_choice("data_on_failure", data_on_failure, DataOnFailure, prefix="ft_hsdp: ")
+        self.data_on_failure = data_on_failure
+        self.lighthouse_addr = lighthouse_addr
+        self.replica_group_id = int(replica_group_id)
+        self.num_replica_groups = int(num_replica_groups)
+        self.min_replica_size = min_replica_size
+        self.checkpoint_transport = checkpoint_transport
+        self.timeout_s = timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.init_sync = init_sync
+        self.max_retries = max_retries
+        self.hostname = hostname
+        events_file = events_file or env.events_file
+        self.events_file = events_file.replace("{replica_group_id}", str(self.replica_group_id)) if events_file else None
+        self._events = EventLog(self.events_file) if self.events_file else None
+
+        self._manager: Any = None
+        self._managed_pg: Any = None
+        self._heal_state: dict[str, Any] | None = None
+        self._lighthouse_checked = False
+        self._quorum_started = False
+        self._pending_scheduler_restore: list[Any] | None = None
+        self._step_t0 = 0.0
+        self._quorum_wait_s = 0.0
+        self._waited_quorum = False
+        self._healed = False
+        self._after_discard = False
+        #: cumulative counters of this process (also logged as ``ft/*``)
+        self.ft_stats: dict[str, float] = {"committed": 0, "discarded": 0, "heals": 0, "recovery_s": 0.0,
+                                           "quorum_s": 0.0, "missed_samples": 0}
+        self.last_step_committed: bool | None = None
+        self._data: StepAlignedData | None = None
+        self._data_step: int | None = None
+        self._extra_samples = 0
+        self._grad_scale = 1.0
+        self._participating = True
+        self._missed_since: int | None = None
+        self._missed_run = 0
+        #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step`` when
+        #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``, ``samples``
+        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``redistributed_samples``
+        #: (of those, trained here), ``rebuilt`` (batch built from the dataset: the loader was not at the step)
+        self.last_step_data: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ validation (no process group yet)
+    @override
+    def _mesh_degrees(self) -> HSDPDegrees | None:
+        """A 1-D mesh over the group's ranks: the replication is torchft's, across groups (jobs)."""
+        return None
+
+    @override
+    def validate_options(self) -> None:
+        super().validate_options()
+        group_size = self.num_nodes * self.num_processes
+        if self.shard_degree != "auto" and self.shard_degree != group_size:
+            raise ValueError(
+                f"ft_hsdp: shard_degree={self.shard_degree} does not match the replica group's size {group_size} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}). Each replica group shards over all of "
+                f"its ranks. Fix: set shard_degree to {group_size} or 'auto', or run each group with "
+                f"{self.shard_degree} devices."
+            )
+        if not self._lighthouse_checked:  # once per process (a TCP connection)
+            self._check_lighthouse()
+            self._lighthouse_checked = True
+
+    def _check_lighthouse(self) -> None:
+        host, port = _lighthouse_host_port(self.lighthouse_addr)
+        try:
+            with socket.create_connection((host, port), timeout=self.connect_timeout_s):
+                pass
+        except OSError as err:
+            raise LighthouseUnreachableError(
+                f"ft_hsdp: no torchft lighthouse answers at {self.lighthouse_addr} (from lighthouse_addr / "
+                f"{LIGHTHOUSE_ENV}; {type(err).__name__}: {err}). {_HOW_TO_START}"
+            ) from None
+
+    # ------------------------------------------------------------------ process groups and the manager
+    @property
+    def manager(self) -> Any:
+        """The ``torchft.Manager`` of this replica group (``None`` before ``setup_environment``)."""
+        return self._manager
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # in-group process group + this group's 1-D mesh
+        self._manager = self._create_manager()
+        from torchft.process_group import ManagedProcessGroup
+
+        self._managed_pg = ManagedProcessGroup(self._manager)
+        rank_zero_info(
+            f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} ({self.world_size} ranks), "
+            f"lighthouse {self.lighthouse_addr}, min_replica_size={self.min_replica_size}, "
+            f"transport={self.checkpoint_transport}"
+        )
+
+    def _create_manager(self) -> Any:
+        from torchft.checkpointing import HTTPTransport
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        timeout = timedelta(seconds=self.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if self.root_device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        if self.checkpoint_transport == "pg":
+            transport: Any = PGTransport(pg, timeout=timeout, device=self.root_device)
+        else:
+            transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        kwargs: dict[str, Any] = {}
+        if self.hostname:
+            kwargs["hostname"] = self.hostname
+        return Manager(
+            pg=pg,
+            load_state_dict=self._load_heal_state,
+            state_dict=self._heal_state_dict,
+            min_replica_size=self.min_replica_size,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=self.connect_timeout_s),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=self.lighthouse_addr,
+            replica_id=f"ft_hsdp_{self.replica_group_id}",
+            checkpoint_transport=transport,
+            init_sync=self.init_sync,
+            max_retries=self.max_retries,
+            **kwargs,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # torchft.data.DistributedSampler's layout: shard = group_rank + group_size * replica_group_id.
+        return {"num_replicas": self.world_size * self.num_replica_groups,
+                "rank": self.global_rank + self.world_size * self.replica_group_id}
+
+    # ------------------------------------------------------------------ wrapping: cross-group all-reduce hook
+    @override
+    def shard_module(self, module: nn.Module) -> nn.Module:
+        module = super().shard_module(module)
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_all_reduce_hook(self._all_reduce_hook)
+        return module
+
+    def _all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        self._cross_group_all_reduce(reduce_output)
+
+    def _cross_group_all_reduce(self, reduce_output: torch.Tensor) -> None:
+        """Average one FSDP unit's reduce-scatter output over the replica groups of this quorum."""
+        if not self._waited_quorum:
+            t0 = time.perf_counter()
+            self._manager.wait_quorum()
+            self._quorum_wait_s += time.perf_counter() - t0
+            self._waited_quorum = True
+        if self._grad_scale != 1.0:  # redistribute: this group's share of the step's samples
+            reduce_output.mul_(self._grad_scale)
+        # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
+        self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
+
+    # ------------------------------------------------------------------ heal state (what a recovering group fetches)
+    def _capture_heal_state(self) -> dict[str, Any]:
+        """References (no copies) to this rank's shards; taken on the main thread while every unit is resharded."""
+        assert self.model is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return {
+            "model": {k: _local(v) for k, v in self.model.state_dict().items()},
+            "optimizers": [
+                {"state": {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()},
+                 "param_groups": sd["param_groups"]}
+                for sd in (opt.state_dict() for opt in self.optimizers)
+            ],
+            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        }
+
+    def _heal_state_dict(self) -> dict[str, Any]:
+        # called by torchft on its quorum thread when a peer must heal from us
+        assert self._heal_state is not None, "ft_hsdp: heal state requested before the first step"
+        return self._heal_state
+
+    @torch.no_grad()
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        """Apply a live peer's state (called by ``should_commit`` on the main thread)."""
+        assert self.model is not None and self.lightning_module is not None
+        t0 = time.perf_counter()
+        own = self.model.state_dict()
+        missing = set(own) ^ set(state["model"])
+        if missing:
+            raise RuntimeError(f"ft_hsdp: healed state does not match this model (keys differ: {sorted(missing)[:5]})")
+        for key, value in own.items():
+            _local(value).copy_(state["model"][key])
+        for opt, received in zip(self.optimizers, state["optimizers"]):
+            self._load_optimizer_shards(opt, received)
+        trainer = self.lightning_module.trainer
+        for cfg, sched_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+            cfg.scheduler.load_state_dict(sched_state)
+        self._healed = True
+        self.ft_stats["heals"] += 1
+        rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed from a live peer "
+                       f"in {time.perf_counter() - t0:.3f}s (apply)")
+
+    @staticmethod
+    def _load_optimizer_shards(opt: Optimizer, received: dict[str, Any]) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for idx, pstate in received["state"].items():
+            param = params[int(idx)]
+            entry = {}
+            for key, value in pstate.items():
+                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                        and value.shape == param.to_local().shape:
+                    value = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                               run_check=False, shape=param.shape, stride=param.stride())
+                entry[key] = value
+            state[int(idx)] = entry
+        opt.load_state_dict({"state": state, "param_groups": received["param_groups"]})
+
+    # ------------------------------------------------------------------ the step protocol
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            raise TypeError("ft_hsdp supports automatic optimization only (the optimizer step must follow "
+                            "should_commit). Fix: remove `self.automatic_optimization = False`.")
+        if self._manager is not None:
+            # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
+            step = self.lightning_module.trainer.global_step
+            self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
+            self._data = StepAlignedData.install(self.lightning_module.trainer)
+            if self._data is not None and self.data_on_failure == "redistribute" and not self._data.sharded:
+                rank_zero_warn("ft_hsdp: data_on_failure='redistribute' needs the groups' data sharded by a "
+                               "DistributedSampler; this loader is not, so a missing group's batches are skipped. "
+                               "Fix: keep Trainer(use_distributed_sampler=True).")
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Train the batch of the committed step (see :mod:`fsdp_strategies.ft.data`), then move it."""
+        module = self.lightning_module
+        if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
+            step = int(self._manager.current_step())
+            trainer = module.trainer
+
+            def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
+                raw = trainer.precision_plugin.convert_input(raw)
+                return seam.before_batch_transfer(module, raw, dataloader_idx)
+
+            batch, rebuilt = self._data.take(batch, step, prepare)
+            self._data_step = step
+            self._extra_samples = 0
+            self._grad_scale = 1.0
+            self.last_step_data = {"position": step, "rebuilt": rebuilt}
+            if self.data_on_failure == "redistribute" and self._data.sharded:
+                batch = self._redistribute(batch, step, prepare)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._manager is None:
+            return
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        """Snapshot the heal state and start the quorum, once per step (at batch start, or earlier for
+        ``redistribute``, which needs the quorum to build the batch)."""
+        if self._pending_scheduler_restore is not None:
+            self._restore_schedulers(self._pending_scheduler_restore)
+            self._pending_scheduler_restore = None
+        if not self._quorum_started:
+            self._step_t0 = time.perf_counter()
+            self._heal_state = self._capture_heal_state()
+            self._quorum_wait_s = 0.0
+            self._waited_quorum = False
+            self._healed = False
+            self._manager.start_quorum()
+            self._quorum_started = True
+
+    def _redistribute(self, batch: Any, step: int, prepare: Callable[[Any], Any]) -> Any:
+        """Add this rank's share of the missing groups' batches of ``step``; set the gradient weight.
+
+        The quorum is needed first. When some groups are missing, the members learn which ones with one
+        all-reduce of a participation mask (healing groups contribute zeros). Rank ``r`` of the ``j``-th
+        participating group takes the ``j``-th of ``p`` near-equal chunks of the missing groups' rank-``r``
+        batches. torchft averages over the ``p`` participants, so a group that trained ``n`` of the step's
+        ``N`` samples (per rank slot) scales its gradient by ``n * p / N``: the average is then the mean over
+        all ``N`` samples, as in a fault-free step (the loss must be a per-sample mean, as for DDP).
+        """
+        assert self._data is not None
+        self._begin_step()
+        t0 = time.perf_counter()
+        self._manager.wait_quorum()
+        self._quorum_wait_s += time.perf_counter() - t0
+        self._waited_quorum = True
+        groups = self.num_replica_groups
+        participants = int(self._manager.num_participants())
+        if participants >= groups or participants < 1:
+            return batch
+        mask = torch.zeros(groups, device=self.root_device)
+        mask[self.replica_group_id] = 1.0
+        self._manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()  # zeros from healing groups
+        live = [g for g in range(groups) if mask[g].item() > 0.5]
+        if self.replica_group_id not in live or not self._manager.is_participating():
+            return batch  # healing: contributes zeros, nothing to add
+        missing = [g for g in range(groups) if g not in live]
+        pool = [i for g in missing for i in self._data.indices_of(step, self.global_rank + self.world_size * g)]
+        j, p = live.index(self.replica_group_id), len(live)
+        lo, hi = (len(pool) * j) // p, (len(pool) * (j + 1)) // p
+        own = self._data.indices_of(step)
+        extra = pool[lo:hi]
+        self._extra_samples = len(extra)
+        self._grad_scale = (len(own) + len(extra)) * p / (len(own) * groups)
+        return prepare(self._data.collate(own + extra))
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
+            self.on_train_batch_start(None, -1)
+        loss = closure()  # forward + backward; the all-reduce hook reduces across groups
+        t0 = time.perf_counter()
+        if not self._waited_quorum:
+            self._manager.wait_quorum()
+            self._quorum_wait_s += time.perf_counter() - t0
+            self._waited_quorum = True
+        self._participating = bool(self._manager.is_participating())  # False while healing: zeros contributed
+        t1 = time.perf_counter()
+        committed = bool(self._manager.should_commit())  # applies a healed state first
+        commit_s = time.perf_counter() - t1
+        self._quorum_started = False
+        self._sync_lightning_progress()
+        if committed:
+            out = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        else:
+            self._pending_scheduler_restore = self._snapshot_schedulers()
+            out = loss
+        self._after_step(committed, commit_s)
+        return out
+
+    def _sync_lightning_progress(self) -> None:
+        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step."""
+        assert self.lightning_module is not None
+        seam.set_optimizer_step_count(self.lightning_module.trainer, int(self._manager.current_step()))
+
+    def _snapshot_schedulers(self) -> list[Any]:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return [
+            [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+            [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers],
+        ]
+
+    def _restore_schedulers(self, snapshot: list[Any]) -> None:
+        """Undo the LR-scheduler step Lightning took after a discarded optimizer step."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        for cfg, state in zip(trainer.lr_scheduler_configs, snapshot[0]):
+            cfg.scheduler.load_state_dict(state)
+        for opt, groups in zip(self.optimizers, snapshot[1]):
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
+
+    def _after_step(self, committed: bool, commit_s: float) -> None:
+        step_s = time.perf_counter() - self._step_t0
+        stats = self.ft_stats
+        stats["committed" if committed else "discarded"] += 1
+        stats["quorum_s"] += self._quorum_wait_s
+        in_recovery = (not committed) or self._healed or self._after_discard
+        if in_recovery:
+            stats["recovery_s"] += step_s
+        self._after_discard = not committed
+        self.last_step_committed = committed
+        participants = int(self._manager.num_participants())
+        quorum_id = _torch_seam.quorum_id(self._manager)
+        data = self._data_accounting(committed, participants)
+        metrics = {
+            "ft/participants": float(participants),
+            "ft/quorum_id": float(quorum_id),
+            "ft/committed": float(committed),
+            "ft/committed_steps": float(stats["committed"]),
+            "ft/discarded_steps": float(stats["discarded"]),
+            "ft/heal": float(self._healed),
+            "ft/heals": float(stats["heals"]),
+            "ft/quorum_s": float(self._quorum_wait_s),
+            "ft/commit_s": float(commit_s),
+            "ft/recovery_s": float(stats["recovery_s"]),
+        }
+        if data.get("missed_samples") is not None:
+            metrics["ft/missed_samples"] = float(data["missed_samples"])
+            metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
+        module = self.lightning_module
+        if seam.in_lightning_hook(module):
+            try:
+                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+            except Exception as err:  # never let logging break a committed step
+                rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+        if self._events is not None and self.global_rank == 0:
+            self._events.write_step(
+                self.replica_group_id, int(self._manager.current_step()), committed, participants=participants,
+                quorum_id=quorum_id, healed=self._healed, step_s=step_s, quorum_s=self._quorum_wait_s,
+                commit_s=commit_s, pid=os.getpid(), **{f"data_{k}": v for k, v in data.items()})
+
+    def _data_accounting(self, committed: bool, participants: int) -> dict[str, Any]:
+        """What this step trained and missed (``data_on_failure="skip"``); empty when the position is not aligned.
+
+        The layout is fixed (equal shards, the same position on every group), so the groups missing from the
+        step each missed exactly as many samples as this group trained.
+        """
+        if self._data is None or self._data_step is None:
+            return {}
+        position, self._data_step = self._data_step, None
+        samples = (self._data.batch_size_of(position) + self._extra_samples) * self.world_size
+        step = int(self._manager.current_step()) - int(committed)  # the quorum's step (a healing group's jumps)
+        data: dict[str, Any] = {"step": step, "position": position, "participating": self._participating,
+                                "rebuilt": self.last_step_data.get("rebuilt", False),
+                                "samples": samples if committed and self._participating else 0,
+                                "missed_samples": None}
+        data["redistributed_samples"] = self._extra_samples * self.world_size if committed else 0
+        if committed and self._participating:
+            absent = self.num_replica_groups - participants
+            redistribute = self.data_on_failure == "redistribute" and self._data.sharded
+            per_group = self._data.batch_size_of(position) * self.world_size
+            missed = 0 if redistribute else absent * per_group
+            data["missed_samples"] = missed
+            self.ft_stats["missed_samples"] += missed
+            what = "trained by the groups in the step" if redistribute else "skipped"
+            if absent and self._missed_since is None:
+                self._missed_since, self._missed_run = position, 0
+                rank_zero_info(f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
+                               f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
+                               f"{what} (data_on_failure={self.data_on_failure!r})")
+            if absent:
+                self._missed_run += absent * per_group
+            elif self._missed_since is not None:
+                rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica groups train again from step {position}; "
+                               f"in steps {self._missed_since}-{position - 1}, {self._missed_run} samples of the "
+                               f"missing groups' shards were {what}")
+                self._missed_since = None
+        self.last_step_data = data
+        return data
+
+    # ------------------------------------------------------------------ leaving and shutting down
+    def leave_quorum(self, reason: str) -> None:
+        """Make this replica group leave the job now (e.g. evicted as a straggler); the launcher restarts it.
+
+        Every rank of the group exits with :data:`LEAVE_EXIT_CODE` without waiting on peers, so the other
+        groups go on after the lighthouse's heartbeat timeout and the restarted group heals from them.
+        Call it on every rank of the group (a rank that stays would block in the group's collectives
+        until torchrun tears the group down, which also ends in a restart).
+        """
+        msg = f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum: {reason}"
+        print(msg, file=sys.stderr, flush=True)
+        if self._events is not None and self.global_rank == 0:
+            self._events.write_left(self.replica_group_id, reason)
+        if self._manager is not None:
+            try:
+                self._manager.shutdown(wait=False)
+            except Exception:
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(LEAVE_EXIT_CODE)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        # tell the launcher at once (teardown takes seconds): a group restarted now must not start over alone
+        if self._events is not None and self.global_rank == 0 and self._manager is not None:
+            self._events.write_finished(self.replica_group_id, int(self._manager.current_step()))
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+    # ------------------------------------------------------------------ checkpoints: one group writes
+    def _is_checkpoint_writer(self) -> bool:
+        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it.
+
+        A preemption checkpoint is written by every group that stops, each to its own file (groups may
+        stop at different steps), see :meth:`_preempt_checkpoint_path`.
+        """
+        if self._preempt_saving:
+            return True
+        if self._manager is None or not _torch_seam.quorum_started(self._manager):
+            return self.replica_group_id == 0
+        return self._manager.participating_rank() == 0
+
+    @override
+    def _preempt_checkpoint_path(self, trainer: Any) -> Path:
+        path = super()._preempt_checkpoint_path(trainer)
+        return path.with_name(f"{path.stem}-group{self.replica_group_id}{path.suffix}")
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
+        if self._is_checkpoint_writer():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: seam.PATH) -> None:
+        if self._is_checkpoint_writer():
+            super().remove_checkpoint(filepath)

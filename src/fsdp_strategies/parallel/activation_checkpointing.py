@@ -1,0 +1,299 @@
+"""Activation checkpointing of transformer blocks, as a transform on an ``nn.Module`` (no Lightning).
+
+Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the rest) and
+``selective_layer`` (every n-th block). :class:`fsdp_strategies.callbacks.ActivationCheckpointing`
+is the Lightning glue over :func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize`
+applies it first in the order checkpoint -> compile -> shard.
+
+* Blocks are found with :func:`fsdp_strategies._blocks.find_transformer_blocks`, the same rule the
+  sharding strategies use, so checkpoint regions and FSDP units coincide.
+* Nothing is replaced: each block *instance* gets a ``forward`` attribute that runs the class's
+  forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. The module tree,
+  classes and parameter names stay as they were (``state_dict`` keys are unchanged, old
+  checkpoints load), and a later ``fully_shard``/``torch.compile`` of the block wraps the very
+  same object: FSDP2's hooks stay *outside* the checkpoint region and a compiled block traces the
+  checkpointed forward (order: checkpoint -> compile -> shard).
+* Recomputation is observable: :func:`is_recomputing` is true (in the thread running backward)
+  while a checkpointed block re-runs its forward; a FLOP counter uses it to tell recomputed
+  (hardware) FLOPs from model FLOPs. Each block is marked, so applying twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fsdp_strategies import _torch_seam
+from fsdp_strategies._blocks import find_transformer_blocks
+from fsdp_strategies._options import check_choice, check_int
+
+__all__ = [
+    "DEFAULT_SAVE_OPS",
+    "MATMUL_OPS",
+    "MODES",
+    "CheckpointMismatchError",
+    "apply_activation_checkpointing",
+    "is_checkpointed",
+    "is_recomputing",
+    "resolve_ops",
+]
+
+Mode = Literal["full", "selective_op", "selective_layer"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+# Outputs worth keeping: expensive to recompute, cheap to store relative to their cost.
+DEFAULT_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.linear",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+    "_c10d_functional.reduce_scatter_tensor",
+)
+# Ops that count as one matmul for ``save_every_nth_matmul``. ``aten.linear`` only reaches the policy
+# where it is not decomposed, and then its inner mm/addmm is not seen separately: one linear = one matmul.
+MATMUL_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear", "aten.baddbmm")
+
+_MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
+_INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
+_CALL = "_fsdp_strategies_ac_call"  # on a block: checkpoint() with the plan's options bound
+
+
+class _RecomputeState(threading.local):
+    """Per thread (the autograd engine may run backward in its own threads): recomputation depth and
+    the class of the block recomputed last (named in mismatch errors)."""
+
+    depth = 0
+    last: str | None = None
+
+
+_RECOMPUTE = _RecomputeState()
+
+# Messages torch raises when a recomputation does not replay the forward (see torch.utils.checkpoint).
+_MISMATCH_MARKERS = ("not found in storage", "different metadata", "different number of tensors",
+                     "global state that changed")
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpointed block's recomputation in backward did not replay its forward."""
+
+
+def is_recomputing() -> bool:
+    """True while a block checkpointed by this module re-runs its forward during backward.
+
+    The FLOP monitor uses it to tell recomputed FLOPs (hardware FLOPs) from model FLOPs.
+    """
+    return _RECOMPUTE.depth > 0
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    _RECOMPUTE.depth += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTE.depth -= 1
+
+
+def _resolve_op(name: str, option: str) -> Any:
+    """``"aten.mm"`` -> ``torch.ops.aten.mm`` (all overloads); ``"aten.mm.default"`` -> that overload."""
+    text = name.strip()
+    if text.startswith("torch.ops."):
+        text = text[len("torch.ops.") :]
+    parts = text.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"{option}: {name!r} is not an op name. Fix: write 'namespace.op' or 'namespace.op.overload', "
+            "e.g. 'aten.mm' or '_c10d_functional.reduce_scatter_tensor.default'."
+        )
+    try:
+        namespace = getattr(torch.ops, parts[0])
+        packet = getattr(namespace, parts[1])
+        return getattr(packet, parts[2]) if len(parts) == 3 else packet
+    except (AttributeError, RuntimeError) as err:
+        raise ValueError(
+            f"{option}: {name!r} is not an operator of this PyTorch build ({torch.__version__}). Fix: check the "
+            "spelling against torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention')."
+        ) from err
+
+
+def resolve_ops(names: Sequence[str], option: str, *, strict: bool = True) -> tuple[frozenset[Any], frozenset[Any]]:
+    """Split op names into (overload packets, specific overloads). ``strict=False`` skips names unknown here."""
+    packets, overloads = set(), set()
+    for name in names:
+        try:
+            op = _resolve_op(name, option)
+        except ValueError:
+            if strict:
+                raise
+            continue
+        (overloads if _torch_seam.is_op_overload(op) else packets).add(op)
+    return frozenset(packets), frozenset(overloads)
+
+
+class _OpMatcher:
+    def __init__(self, packets: frozenset[Any], overloads: frozenset[Any]) -> None:
+        self.packets, self.overloads = packets, overloads
+
+    def __contains__(self, op: Any) -> bool:
+        return op in self.overloads or getattr(op, "overloadpacket", None) in self.packets
+
+
+class _SelectiveOpPolicy:
+    """Per checkpoint call: save listed ops' outputs; of the matmuls, every n-th only (n=1: all)."""
+
+    def __init__(self, save: _OpMatcher, matmuls: _OpMatcher, every_nth_matmul: int) -> None:
+        self.save, self.matmuls, self.every_nth_matmul = save, matmuls, every_nth_matmul
+        # Older PyTorch also calls the policy during recomputation (ctx.is_recompute=True): count
+        # forward and recompute separately so the decisions line up.
+        self.matmul_count = {False: 0, True: 0}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in self.matmuls:
+            index = self.matmul_count[ctx.is_recompute]
+            self.matmul_count[ctx.is_recompute] += 1
+            if op in self.save and index % self.every_nth_matmul == 0:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _BlockPlan:
+    """What to do inside a block's checkpoint; one instance is shared by the blocks of one call."""
+
+    def __init__(self, mode: str, save: _OpMatcher | None, matmuls: _OpMatcher | None, every_nth_matmul: int,
+                 preserve_rng_state: bool) -> None:
+        self.mode = mode
+        self.save, self.matmuls, self.every_nth_matmul = save, matmuls, every_nth_matmul
+        self.preserve_rng_state = preserve_rng_state
+
+    @property
+    def context_fn(self) -> Callable[[], Any]:
+        """``checkpoint(context_fn=...)``: torch's no-op for full checkpointing, else a fresh selective policy
+        per call. A plain function, not a bound method: ``torch.compile`` keeps the function it is given and
+        calls it without ``self``."""
+        if self.mode != "selective_op":
+            from torch.utils.checkpoint import noop_context_fn
+
+            return noop_context_fn
+        save, matmuls, nth = self.save, self.matmuls, self.every_nth_matmul
+        assert save is not None and matmuls is not None
+
+        def selective_contexts() -> Any:
+            return create_selective_checkpoint_contexts(_SelectiveOpPolicy(save, matmuls, nth))
+
+        return selective_contexts
+
+    def checkpoint_fn(self) -> Callable[..., Any]:
+        """``torch.utils.checkpoint.checkpoint`` with this plan's options bound (a ``functools.partial``, the
+        shape ``torch.compile`` traces through, as torch's own ``checkpoint_wrapper`` builds it)."""
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state}
+        if self.mode == "selective_op":  # full: torch's default context (passing noop_context_fn breaks compile)
+            options["context_fn"] = self.context_fn
+        return functools.partial(checkpoint, **options)
+
+
+def _run_inner(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = getattr(block, _INNER)
+    if not torch.compiler.is_compiling() and _torch_seam.inside_autograd_backward():
+        _RECOMPUTE.last = type(block).__name__
+        with _recomputing():  # called by the autograd engine: this is the recomputation
+            return inner(*args, **kwargs)
+    return inner(*args, **kwargs)
+
+
+def is_mismatch(err: BaseException) -> bool:
+    from torch.utils.checkpoint import CheckpointError
+
+    return isinstance(err, CheckpointError) or (
+        isinstance(err, RuntimeError) and any(marker in str(err) for marker in _MISMATCH_MARKERS)
+    )
+
+
+def mismatch_error(err: BaseException, mode: str) -> CheckpointMismatchError:
+    block = _RECOMPUTE.last or "a checkpointed block"
+    return CheckpointMismatchError(
+        f"ActivationCheckpointing(mode={mode!r}): recomputing {block} in backward did not replay its forward "
+        f"(torch: {str(err).splitlines()[0][:300]}). Likely cause: the block's forward depends on global state "
+        "that changed between forward and backward -- a cache that grows (a KV cache: use_cache=True), a "
+        "step counter, or a Python-side random choice. Fix: make the forward depend only on its inputs "
+        "during training (turn caches off, e.g. model.config.use_cache=False), or use mode='full', "
+        "or leave this block class out with block_class_names."
+    )
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
+
+
+def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
+    if getattr(block, _MARK, None) is not None:
+        return False  # applied already (setup runs again for validate/test)
+    object.__setattr__(block, _INNER, block.forward)  # bound method: deepcopy re-binds it to the copy
+    object.__setattr__(block, _MARK, plan)
+    object.__setattr__(block, _CALL, plan.checkpoint_fn())
+    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+    return True
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` is a block checkpointed by this module."""
+    return getattr(module, _MARK, None) is not None
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    mode: Mode = "selective_op",
+    *,
+    block_class_names: Sequence[str] | None = None,
+    layer_interval: int = 2,
+    save_ops: Sequence[str] | None = None,
+    save_every_nth_matmul: int = 1,
+    preserve_rng_state: bool = True,
+) -> list[nn.Module]:
+    """Checkpoint ``model``'s transformer blocks in place; returns the blocks newly checkpointed.
+
+    Idempotent: blocks already checkpointed are skipped. Usable without Lightning.
+    """
+    validate_options(mode, layer_interval, save_every_nth_matmul)
+    save = matmuls = None
+    if mode == "selective_op":
+        names = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
+        save = _OpMatcher(*resolve_ops(names, "save_ops", strict=save_ops is not None))
+        matmuls = _OpMatcher(*resolve_ops(MATMUL_OPS, "matmul ops", strict=False))
+    plan = _BlockPlan(mode, save, matmuls, save_every_nth_matmul, preserve_rng_state)
+    if any(is_checkpointed(m) for m in model.modules()):
+        return []  # applied already (setup runs again for validate/test, maybe after FSDP2 renamed the classes)
+    blocks = find_transformer_blocks(model, block_class_names)
+    if mode == "selective_layer":
+        blocks = [b for i, b in enumerate(blocks) if (i + 1) % layer_interval == 0]
+    return [b for b in blocks if _checkpoint_block(b, plan)]
+
+
+def validate_options(mode: str, layer_interval: int, save_every_nth_matmul: int) -> None:
+    """The checks of :func:`apply_activation_checkpointing`'s options (also run by the callback at ``__init__``)."""
+    check_choice("mode", mode, Mode)
+    for name, value in (("layer_interval", layer_interval), ("save_every_nth_matmul", save_every_nth_matmul)):
+        check_int(name, value, 1, fix="an integer >= 1 (1 = every block / every matmul).")
+
+
+def resolve_or_none(name: str) -> Any:
+    """The op named ``name``, or ``None`` when this torch build has no such op."""
+    try:
+        return _resolve_op(name, "save_ops")
+    except ValueError:
+        return None

@@ -1,0 +1,190 @@
+"""Helpers for tests and benchmarks -- public so they can be imported from both; not for production runs.
+
+* Memory a rank really holds (local shards): :func:`param_bytes`, :func:`grad_bytes`,
+  :func:`optimizer_state_bytes`, and :class:`KeptBytes` (activation memory kept for backward).
+* A stall model: :class:`StragglerInjection` (what to delay) and :class:`StallInjector` (a callback that
+  delays chosen ranks, nothing else). ``StragglerDetector(inject=...)`` uses the same injector, so a
+  detection test and a benchmark's stall share one implementation.
+* :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from typing_extensions import override
+
+from fsdp_strategies._torch_seam import TorchDispatchMode
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["KeptBytes", "StallInjector", "StragglerInjection", "grad_bytes", "optimizer_state_bytes", "param_bytes",
+           "state_digest"]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:  # dedupe on the (long-lived) tensor itself: to_local() returns fresh views
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if id(t) in seen or local.device.type == "meta":
+            continue
+        seen.add(id(t))
+        total += local.numel() * local.element_size()
+    return total
+
+
+def param_bytes(module: nn.Module) -> int:
+    return _bytes(module.parameters())
+
+
+def grad_bytes(module: nn.Module) -> int:
+    return _bytes(p.grad for p in module.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return _bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class KeptBytes(TorchDispatchMode):
+    """Bytes of every storage an op creates during forward that is still alive afterwards.
+
+    That is what is kept for backward: autograd's saved tensors *and* the outputs selective
+    checkpointing caches itself (those never pass through ``saved_tensors_hooks``). Used by the
+    activation-checkpointing tests and the ``sac`` benchmark.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def alive(self, exclude: set[int]) -> int:
+        """Bytes still alive, leaving out storages whose data pointers are in ``exclude`` (weights)."""
+        gc.collect()
+        return sum(n for ptr, (ref, n) in self.refs.items() if not ref.expired() and ptr not in exclude)
+
+
+# ---------------------------------------------------------------------------------------------- stalls
+InjectionKind = Literal["sleep", "busy_wait", "spin"]
+_INJECTION_KINDS: tuple[str, ...] = get_args(InjectionKind)
+
+
+@dataclass
+class StragglerInjection:
+    """Delays chosen ranks, for tests and benchmarks (configured from YAML).
+
+    Attributes:
+        ranks: ranks to delay; ``None`` = every rank independently (random stalls on random ranks).
+        delay_s: length of one delay in seconds.
+        probability: chance that a given step of a chosen rank is delayed (1.0 = persistent, every
+            step; e.g. 0.02 = rare transient stalls).
+        start_step / end_step: global steps ``[start_step, end_step)`` in which delays happen
+            (``end_step`` None = until the end).
+        kind: ``sleep`` (a host stall before the step: time the rank is away), ``busy_wait`` (the same
+            stall spent in a busy loop: on a CPU host shared by several ranks the stalled rank keeps its
+            share of the cores, so the others do not speed up while it is away, as on separate
+            machines) or ``spin`` (a busy loop of ``delay_s`` CPU time inside forward+backward: a slow
+            device that burns compute).
+        seed: random stream per rank is seeded with ``seed + rank``.
+    """
+
+    ranks: list[int] | None = None
+    delay_s: float = 0.0
+    probability: float = 1.0
+    start_step: int = 0
+    end_step: int | None = None
+    kind: InjectionKind = "sleep"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0:
+            raise ValueError(f"inject.delay_s={self.delay_s!r} is negative. Fix: seconds >= 0.")
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
+                             "or 0.02 (rare stalls).")
+        if self.kind not in _INJECTION_KINDS:
+            raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: one of {list(_INJECTION_KINDS)}.")
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise ValueError(f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}.")
+
+
+class StallInjector(Callback):
+    """Delays the ranks and steps a :class:`StragglerInjection` chooses; measures nothing, no collective.
+
+    A benchmark's stall model (e.g. the cost of stragglers under ``ddp`` vs local SGD), and the
+    injection behind ``StragglerDetector(inject=...)``. ``before_step`` runs at batch start (``sleep``
+    / ``busy_wait``: the rank is away before its step), ``in_step`` inside the step (``spin``: a slow
+    device burning compute).
+    """
+
+    def __init__(self, inject: StragglerInjection | dict[str, Any]) -> None:
+        super().__init__()
+        self.inject = StragglerInjection(**inject) if isinstance(inject, dict) else inject
+        self._rng: random.Random | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._rng = random.Random(self.inject.seed + trainer.global_rank)
+
+    def stall(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
+        """Delay now if this rank, step and draw say so (``where``: the point in the step being reached)."""
+        inj = self.inject
+        if inj.delay_s <= 0 or self._rng is None:
+            return
+        if (inj.kind == "spin") != (where == "in_step"):
+            return
+        step = trainer.global_step
+        chosen = inj.ranks is None or trainer.global_rank in inj.ranks
+        draw = self._rng.random()  # drawn every step so the stream does not depend on the schedule
+        if not chosen or step < inj.start_step or (inj.end_step is not None and step >= inj.end_step):
+            return
+        if draw >= inj.probability:
+            return
+        if inj.kind == "sleep":
+            time.sleep(inj.delay_s)
+        else:  # busy_wait: delay_s of wall time; spin: of CPU time (more work, however busy the host is)
+            clock = time.perf_counter if inj.kind == "busy_wait" else time.process_time
+            end = clock() + inj.delay_s
+            while clock() < end:
+                pass
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.stall(trainer, "before_step")
+        self.stall(trainer, "in_step")
+
+
+# ---------------------------------------------------------------------------------------------- states
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality checks."""
+    h = hashlib.sha1()
+    for key in sorted(tensors):
+        t = _local(tensors[key]).detach().contiguous().cpu().reshape(-1)
+        h.update(key.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,73 @@
+"""``fsdp_strategies.parallel.parallelize`` outside Lightning: checkpoint -> compile -> shard on one module.
+
+One process (gloo, world size 1, a file store): the composed model must compute exactly what the plain
+model computes (loss and gradients), with every transform applied once and ``state_dict`` keys unchanged.
+The multi-rank behaviour is covered through the strategies (tests/test_fsdp_hsdp.py) and the benchmarks'
+plain-torch FSDP2 loop (tests/test_benchmarks.py), which call the same function.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_strategies import _torch_seam
+from fsdp_strategies.parallel import parallelize
+from fsdp_strategies.parallel.activation_checkpointing import is_checkpointed
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective_op"])
+def test_parallelize_applies_checkpoint_compile_shard_once_and_computes_the_same(mode: str, tmp_path: Path) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = Net()
+        model = copy.deepcopy(plain)
+        keys = list(model.state_dict())
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        stacks = parallelize(model, mesh, ac={"mode": mode}, compile_blocks=True,
+                             compile_options={"backend": "eager"})
+        assert [len(s.blocks) for s in stacks] == [2]
+        for block in model.layers:
+            assert is_checkpointed(block) and _torch_seam.is_compiled_module(block) and isinstance(block, FSDPModule)
+        assert isinstance(model, FSDPModule)
+        parallelize(model, mesh, ac={"mode": mode}, compile_blocks=True)  # idempotent: nothing applied twice
+
+        x = torch.randn(3, 4)
+        plain(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+        assert list(model.state_dict()) == keys  # nothing replaced: the same names
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.allclose(p.grad, q.grad.full_tensor(), atol=1e-6), name
+    finally:
+        dist.destroy_process_group()
