@@ -135,6 +135,9 @@ class FTProbe(pl.Callback):
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
         self._allreduces_before = getattr(self, "allreduces", 0)
+        if getattr(trainer.strategy, "_outer", None) is not None:  # semi-sync: the state the step starts from
+            self._model_before = state_digest(dict(pl_module.state_dict()))
+            self._outer_before = state_digest(_outer_state(trainer.strategy))
         self._batch = int(batch.sum()) if isinstance(batch, torch.Tensor) else None
         self._epoch = trainer.current_epoch
 
@@ -154,6 +157,7 @@ class FTProbe(pl.Callback):
             if strategy.sync != "every_step":
                 model = {k: v for k, v in pl_module.state_dict().items()}
                 record.update(syncs=int(strategy.ft_stats["syncs"]), model=state_digest(model),
+                              model_before=self._model_before, outer_before=self._outer_before,
                               outer=state_digest(_outer_state(strategy)), healed=bool(strategy._outer.healed),
                               sync_participants=strategy._outer.last_participants)
         with (self.out / f"{self._tag(trainer)}.jsonl").open("a") as fh:

@@ -529,7 +529,11 @@ class FTHSDPStrategy(FSDP2Strategy):
                                     before_quorum=self._refresh_heal_state, stats=self.ft_stats)
             self._outer.committed = trainer.global_step  # a resumed checkpoint's step
         self._round_samples = 0
-        self._outer.initial_sync()
+        self._step_t0 = time.perf_counter()
+        self._healed = False
+        t0 = time.perf_counter()
+        committed = self._outer.initial_sync()
+        self._after_step(committed, time.perf_counter() - t0)  # the launcher sees the group live from here
         if self._outer.healed:
             # the peer's schedulers were captured inside its optimizer step, before Lightning stepped them
             for cfg in trainer.lr_scheduler_configs:
