@@ -170,3 +170,29 @@ def test_local_sgd_kill_between_outer_syncs(tmp_path: Path) -> None:
     assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
     counts = check_semi_sync_run(tmp_path / "local_sgd", 2, 32, 4)
     assert counts["heals"] >= 2 and counts["compared_syncs"] >= 6, counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not FULL, reason="full set only (FSDP_STRATEGIES_FULL=1): a chaos run takes minutes")
+@pytest.mark.parametrize("mode", ["diloco", "local_sgd"])
+def test_sync_mode_under_chaos(mode: str, tmp_path: Path) -> None:
+    # Issue 13's done-when: the example under fsdp-strategies-ft chaos (a random live group SIGKILLed every
+    # 20 s, >= 5 kills) with replicas identical after every outer sync both groups committed, and at the end.
+    steps = int(os.environ.get("FT_SYNC_CHAOS_STEPS", "160"))
+    events = _launch(tmp_path, mode, f"configs/ft_hsdp_{mode}.yaml",
+                     ["--trainer.strategy.init_args.sync_every", "4", "--trainer.max_steps", str(steps),
+                      "--data.num_train", "128"],
+                     ["--min-replicas", "1", "--kill-every", "20", "--max-restarts", "10", "--seed", "1"],
+                     {"FT_TEST_SLEEP": "0.2", "FT_TEST_SLEEP_ALONE": "1.0"}, timeout=1500)
+    launcher = _jsonl(events / "launcher.jsonl")
+    kills = [e for e in launcher if e["event"] == "kill" and e["why"].startswith("every")]
+    counts = check_semi_sync_run(tmp_path / mode, 2, steps, 4)
+    summary = {"mode": mode, "kills": len(kills), **counts,
+               "done": [e for e in launcher if e["event"] in ("data", "done")]}
+    print("FT_SYNC_CHAOS", json.dumps(summary))
+    report = os.environ.get("FT_SYNC_CHAOS_REPORT")
+    if report:
+        with open(report, "a") as fh:
+            fh.write(json.dumps(summary) + "\n")
+    assert len(kills) >= 5, summary
+    assert counts["compared_syncs"] >= 10, summary
