@@ -56,6 +56,20 @@ def test_strategy_rejects_bad_sync_before_any_process_group(monkeypatch: pytest.
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("name", ["ft_hsdp_diloco.yaml", "ft_hsdp_local_sgd.yaml"])
+def test_sync_configs_build_their_strategy(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the multi-process runs below train with these files; this checks both cheaply in CI
+    import yaml
+
+    from conftest import ROOT
+    from fsdp_strategies import FTHSDPStrategy
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:1")
+    init_args = yaml.safe_load((ROOT / "configs" / name).read_text())["trainer"]["strategy"]["init_args"]
+    strategy = FTHSDPStrategy(**{**init_args, "replica_group_id": 0, "num_replica_groups": 2})
+    assert strategy.sync == name.removeprefix("ft_hsdp_").removesuffix(".yaml") and strategy.sync_every > 1
+
+
 def test_fragments_partition_every_parameter_once() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
     for n in (1, 2, 3, 6):

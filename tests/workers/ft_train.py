@@ -181,7 +181,9 @@ class FTProbe(pl.Callback):
                 "incarnation": self.incarnation,
                 "manager_step": int(strategy.manager.current_step()) if isinstance(strategy, FTHSDPStrategy) else None,
                 "ft_stats": dict(strategy.ft_stats) if isinstance(strategy, FTHSDPStrategy) else None,
-                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")}}
+                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")},
+                "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
+                else None}
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
 

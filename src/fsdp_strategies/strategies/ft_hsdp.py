@@ -860,6 +860,7 @@ class FTHSDPStrategy(FSDP2Strategy):
     @override
     def teardown(self) -> None:
         super().teardown()
+        self._outer = None  # bound to this fit's manager
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
