@@ -533,7 +533,8 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._healed = False
         t0 = time.perf_counter()
         committed = self._outer.initial_sync()
-        self._after_step(committed, time.perf_counter() - t0)  # the launcher sees the group live from here
+        # an event line (the launcher sees the group live from here); no ft/* metrics inside on_train_start
+        self._after_step(committed, time.perf_counter() - t0, log=False)
         if self._outer.healed:
             # the peer's schedulers were captured inside its optimizer step, before Lightning stepped them
             for cfg in trainer.lr_scheduler_configs:
@@ -718,7 +719,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             for group, saved in zip(opt.param_groups, groups):
                 group.update(saved)
 
-    def _after_step(self, committed: bool, commit_s: float) -> None:
+    def _after_step(self, committed: bool, commit_s: float, log: bool = True) -> None:
         step_s = time.perf_counter() - self._step_t0
         stats = self.ft_stats
         stats["committed" if committed else "discarded"] += 1
@@ -747,7 +748,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             metrics["ft/missed_samples"] = float(data["missed_samples"])
             metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
         module = self.lightning_module
-        if module is not None and getattr(module, "_current_fx_name", None) is not None:
+        if log and module is not None and getattr(module, "_current_fx_name", None) is not None:
             try:
                 module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
             except Exception as err:  # never let logging break a committed step
