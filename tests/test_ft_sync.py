@@ -81,6 +81,79 @@ def test_fragments_partition_every_parameter_once() -> None:
         _fragments(model, 7)
 
 
+class _FakeManager:
+    """Single-process stand-in for ``torchft.Manager``: a peer group that did not move (zero pseudo-gradient)."""
+
+    _use_async_quorum = False
+
+    def __init__(self) -> None:
+        self.step, self.commit, self.quorums, self.allreduces = 0, True, 0, 0
+        self.fns: dict = {}
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: object = None) -> object:
+        self.allreduces += 1
+        tensor.div_(2)  # AVG with a peer whose pseudo-gradient is zero
+        return type("Done", (), {"wait": lambda self: True})()
+
+    def should_commit(self, timeout: object = None) -> bool:
+        self.step += int(self.commit)
+        return self.commit
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return 2
+
+    def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
+        self.fns[key] = (load, save)
+
+    def disallow_state_dict_read(self) -> None: ...
+    def allow_state_dict_read(self) -> None: ...
+
+
+def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> None:
+    from fsdp_strategies._ft_sync import STATE_KEY, OuterSync
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager, stats, refreshed = _FakeManager(), {}, []
+    outer = OuterSync(manager, model, inner, mode="local_sgd", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
+                      num_fragments=1, before_quorum=lambda: refreshed.append(1), stats=stats)
+    assert {"StreamingDiLoCoFragment_0", STATE_KEY} <= set(manager.fns)
+    backup = [p.detach().clone() for p in model.parameters()]
+
+    def inner_step() -> bool | None:
+        inner.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        inner.step()
+        return outer.after_inner_step()
+
+    assert inner_step() is None and manager.allreduces == 0 and manager.quorums == 0  # inner: no cross-group traffic
+    assert inner_step() is True and manager.quorums == 1 and manager.allreduces == 2 and refreshed == [1]
+    local = [b - 0.1 * 2 * g for b, g in zip(backup, (torch.full((1, 3), 4.0), torch.full((1,), 4.0)))]
+    for p, b, loc in zip(model.parameters(), backup, local):  # local SGD: the mean of own and peer's weights
+        torch.testing.assert_close(p.detach(), (b + loc) / 2)
+    assert (outer.step, outer.committed, outer.pending) == (2, 2, 0) and stats["cross_group_allreduces"] == 2
+    synced = [p.detach().clone() for p in model.parameters()]
+
+    manager.commit = False  # a discarded sync: every member rolls back to the last committed outer step
+    assert inner_step() is None and outer.step == 3
+    assert inner_step() is False and (outer.step, stats["syncs_discarded"]) == (2, 1)
+    for p, s in zip(model.parameters(), synced):
+        torch.testing.assert_close(p.detach(), s)
+
+    load, save = manager.fns[STATE_KEY]  # the step travels with the heal state
+    outer.pending = 1
+    assert save() == {"committed": 2, "pending": 1}
+    load({"committed": 8, "pending": 2})
+    assert outer.step == 10 and outer.healed
+
+
 # ---------------------------------------------------------------------------------------------- real processes
 def _launch(tmp: Path, name: str, config: str, args: list[str], launcher: list[str], env: dict[str, str],
             timeout: float = 400) -> Path:
