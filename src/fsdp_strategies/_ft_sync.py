@@ -133,13 +133,14 @@ def _fragments(model: nn.Module, n: int) -> list[nn.Module]:
                          f"Fix: num_fragments <= {len(params)}.")
     total = sum(p.numel() for p in params)
     holders = [nn.Module() for _ in range(n)]
+    sizes = [0] * n
     seen, k = 0, 0
     for i, p in enumerate(params):
         # move on when this fragment has its share (keep at least one tensor for each remaining fragment)
-        while k < n - 1 and (seen >= total * (k + 1) / n or len(params) - i <= n - 1 - k) \
-                and len(holders[k]._parameters) > 0:
+        while k < n - 1 and sizes[k] and (seen >= total * (k + 1) / n or len(params) - i <= n - 1 - k):
             k += 1
         holders[k].register_parameter(f"p{i}", p)
+        sizes[k] += 1
         seen += p.numel()
     return holders
 
