@@ -27,7 +27,7 @@ WORKER = ROOT / "tests" / "workers" / "ft_train.py"
 MODEL = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing",
          "false", "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
          "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "4",
-         "--data.num_train", "1024", "--data.num_val", "64", "--trainer.limit_val_batches", "8",
+         "--data.num_train", "4096", "--data.num_val", "64", "--trainer.limit_val_batches", "8",
          "--trainer.strategy.init_args.timeout_s", "30", "--trainer.strategy.init_args.init_sync", "false"]
 
 
