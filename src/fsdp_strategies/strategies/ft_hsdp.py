@@ -522,6 +522,9 @@ class FTHSDPStrategy(FSDP2Strategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"ft_hsdp: sync={self.sync!r} supports one optimizer, got {len(self.optimizers)}. Fix: "
                              "return a single optimizer from configure_optimizers.")
+        for sub in self.model.modules():  # a sanity-check validation leaves the root unsharded: DiLoCo needs shards
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
         if self._outer is None:
             self._outer = OuterSync(self._manager, self.model, self.optimizers[0], mode=self.sync,
                                     sync_every=self.sync_every, outer_lr=self.outer_lr,
