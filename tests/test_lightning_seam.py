@@ -417,6 +417,22 @@ def test_numpy__reconstruct() -> None:
 
 
 # ------------------------------------------------------------------------------ torchft
+def test_torchft_DiLoCo__fragments() -> None:
+    # _ft_sync drives each fragment's prepare_sync/perform_sync itself: the list and those methods must exist
+    import inspect
+
+    from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
+
+    assert "self._fragments" in inspect.getsource(DiLoCo.__init__)
+    for name in ("prepare_sync", "perform_sync"):
+        assert callable(getattr(_StreamingDiLoCoFragment, name))
+
+    class Fake:
+        _fragments = ("a", "b")
+
+    assert tseam.diloco_fragments(Fake()) == ["a", "b"]
+
+
 def test_torchft_Manager__quorum_id_and__quorum_future() -> None:
     from torchft.manager import Manager
 

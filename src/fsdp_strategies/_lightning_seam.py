@@ -156,22 +156,23 @@ def restart_training_iterators(trainer: pl.Trainer) -> None:
     iter(trainer.fit_loop._data_fetcher)
 
 
-def set_optimizer_step_count(trainer: pl.Trainer, target: int) -> None:
+def set_optimizer_step_count(trainer: pl.Trainer, target: int, pending: int = 1) -> None:
     """Make ``trainer.global_step`` become ``target`` when the running ``optimizer_step`` returns.
 
     Call from inside ``optimizer_step`` (automatic optimization): Lightning increments the step's
-    ``completed`` counters right after it returns, so they are set one below here; the logging step
-    (``TrainingEpochLoop._batches_that_stepped``, incremented after the batch) likewise.
+    ``completed`` counters right after it returns, so they are set ``pending`` (1) below here; the logging
+    step (``TrainingEpochLoop._batches_that_stepped``, incremented after the batch) likewise. ``pending=0``:
+    outside an optimizer step (e.g. in ``on_train_start``).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
-    delta = target - (progress.total.completed + 1)
+    delta = target - (progress.total.completed + pending)
     if delta:
         progress.total.completed += delta
         progress.current.completed += delta
-    progress.total.ready = progress.total.completed + 1
-    progress.current.ready = progress.current.completed + 1
-    epoch_loop._batches_that_stepped = target - 1
+    progress.total.ready = progress.total.completed + pending
+    progress.current.ready = progress.current.completed + pending
+    epoch_loop._batches_that_stepped = target - pending
 
 
 def replace_sigterm_broadcast(trainer: pl.Trainer, check: Callable[[], None]) -> Any:

@@ -153,6 +153,12 @@ def quorum_id(manager: Any) -> int:
     return int(getattr(manager, "_quorum_id", -1))
 
 
+def diloco_fragments(diloco: Any) -> list[Any]:
+    """The fragments of a ``torchft.local_sgd.DiLoCo`` (``DiLoCo._fragments``), to drive their
+    ``prepare_sync``/``perform_sync`` from the strategy and learn whether each outer step committed."""
+    return list(diloco._fragments)
+
+
 def quorum_started(manager: Any) -> bool:
     """Whether the manager has started a quorum yet (``torchft.Manager._quorum_future`` is set)."""
     return getattr(manager, "_quorum_future", None) is not None

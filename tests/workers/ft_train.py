@@ -9,6 +9,7 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_OUT        folder for records and dumps (required)
     FT_TEST_KILL       "GROUP:STEP:CALL": in its first incarnation, group GROUP kills itself (torchrun and
                        every rank) just before its CALL-th cross-group all-reduce of committed step STEP
+                       (sync="local_sgd"/"diloco": of the outer sync that ends at inner step STEP)
     FT_TEST_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
     FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
@@ -42,6 +43,22 @@ from fsdp_strategies.testing import state_digest
 from llama import LlamaLM, MarkovDataModule
 
 
+def _outer_state(strategy: Any) -> dict[str, torch.Tensor]:
+    """Semi-sync: this rank's DiLoCo backup parameters and outer-optimizer state (what a heal must carry)."""
+    out: dict[str, torch.Tensor] = {}
+    outer = getattr(strategy, "_outer", None)
+    if outer is None:
+        return out
+    for i, fragment in enumerate(outer._diloco._fragments):
+        for name, value in fragment.original_parameters.items():
+            out[f"backup{i}.{name}"] = value
+        for idx, state in fragment._outer_optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"outer{i}.{idx}.{key}"] = value
+    return out
+
+
 def _shards(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
     out = {f"model.{k}": v for k, v in pl_module.state_dict().items()}
     for i, opt in enumerate(trainer.optimizers):
@@ -71,7 +88,34 @@ class FTProbe(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._break_write(trainer)
         strategy = trainer.strategy
+        if isinstance(strategy, FTHSDPStrategy):  # count the manager's cross-group all-reduces (any mode)
+            manager, counted = strategy.manager, strategy.manager.allreduce
+            self.allreduces = 0
+
+            def counting_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                self.allreduces += 1
+                return counted(tensor, *args, **kwargs)
+
+            manager.allreduce = counting_allreduce
         if not (self.kill and isinstance(strategy, FTHSDPStrategy) and self.incarnation == 0):
+            return
+        if strategy.sync != "every_step":
+            group, step, call = (int(x) for x in self.kill.split(":"))
+            if group != strategy.replica_group_id:
+                return
+            inner, sync_calls = strategy.manager.allreduce, {"n": 0}
+
+            def killing_sync_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if strategy._outer is not None and strategy._committed_step() == step:
+                    sync_calls["n"] += 1
+                    if sync_calls["n"] == call:
+                        print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of the sync at {step}",
+                              flush=True)
+                        kill_tree(os.getppid())
+                        time.sleep(60)
+                return inner(tensor, *args, **kwargs)
+
+            strategy.manager.allreduce = killing_sync_allreduce
             return
         group, step, call = (int(x) for x in self.kill.split(":"))
         if group != strategy.replica_group_id:
@@ -116,6 +160,10 @@ class FTProbe(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
+        self._allreduces_before = getattr(self, "allreduces", 0)
+        if getattr(trainer.strategy, "_outer", None) is not None:  # semi-sync: the state the step starts from
+            self._model_before = state_digest(dict(pl_module.state_dict()))
+            self._outer_before = state_digest(_outer_state(trainer.strategy))
         self._batch = int(batch.sum()) if isinstance(batch, torch.Tensor) else None
         self._epoch = trainer.current_epoch
 
@@ -130,7 +178,14 @@ class FTProbe(pl.Callback):
         }
         if isinstance(strategy, FTHSDPStrategy):
             record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),
-                          participants=int(strategy.manager.num_participants()))
+                          participants=int(strategy.manager.num_participants()),
+                          allreduces=self.allreduces - self._allreduces_before)
+            if strategy.sync != "every_step":
+                model = {k: v for k, v in pl_module.state_dict().items()}
+                record.update(syncs=int(strategy.ft_stats["syncs"]), model=state_digest(model),
+                              model_before=self._model_before, outer_before=self._outer_before,
+                              outer=state_digest(_outer_state(strategy)), healed=bool(strategy._outer.healed),
+                              sync_participants=strategy._outer.last_participants)
         with (self.out / f"{self._tag(trainer)}.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         leave = os.environ.get("FT_TEST_LEAVE")
@@ -145,14 +200,16 @@ class FTProbe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                  for k, v in _shards(trainer, pl_module).items()}
+                  for k, v in {**_shards(trainer, pl_module), **_outer_state(trainer.strategy)}.items()}
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()}
         strategy = trainer.strategy
         dump = {"shards": shards, "full": full, "global_step": trainer.global_step,
                 "incarnation": self.incarnation,
                 "manager_step": int(strategy.manager.current_step()) if isinstance(strategy, FTHSDPStrategy) else None,
                 "ft_stats": dict(strategy.ft_stats) if isinstance(strategy, FTHSDPStrategy) else None,
-                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")}}
+                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")},
+                "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
+                else None}
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
 

@@ -56,6 +56,7 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies._ft_sync import OuterSync, SyncMode, validate_sync_options
 from fsdp_strategies._mesh import HSDPDegrees
 from fsdp_strategies._options import check_choice, check_int, check_number
 from fsdp_strategies.ft.data import StepAlignedData
@@ -140,6 +141,16 @@ class FTHSDPStrategy(HSDPStrategy):
             share of the step's samples, so the step averages over the same global batch as a fault-free
             step. In this mode every step waits for its quorum before the forward pass (no overlap of the
             quorum with compute), and a step with missing groups runs larger per-rank batches.
+        sync: how the groups combine their training. ``"every_step"``: gradients are averaged across groups every
+            step (fully synchronous). ``"local_sgd"``: each group takes ``sync_every`` inner steps alone, then the
+            groups average their parameters. ``"diloco"``: the same rounds, then an outer Nesterov SGD step on the
+            averaged pseudo-gradient (``outer_lr``, ``outer_momentum``). Built on torchft's ``DiLoCo``; an outer step
+            is committed or discarded (rolled back to the last one) on every group. See :mod:`fsdp_strategies._ft_sync`.
+        sync_every: inner steps per round (``local_sgd``/``diloco``); ``max_steps`` must be a multiple of it.
+        outer_lr: learning rate of the outer optimizer (``diloco``).
+        outer_momentum: Nesterov momentum of the outer optimizer (``diloco``; 0 = plain SGD).
+        num_fragments: streaming DiLoCo: the parameters are split into this many fragments and one fragment syncs
+            every ``sync_every / num_fragments`` steps (1 = all at once).
         **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
@@ -161,6 +172,11 @@ class FTHSDPStrategy(HSDPStrategy):
         hostname: str | None = None,
         events_file: str | None = None,
         data_on_failure: DataOnFailure = "skip",
+        sync: SyncMode = "every_step",
+        sync_every: int = 1,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        num_fragments: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
@@ -198,6 +214,12 @@ class FTHSDPStrategy(HSDPStrategy):
                             ("connect_timeout_s", connect_timeout_s)):
             check_number(name, value, fix="a positive number of seconds.")
         check_choice("data_on_failure", data_on_failure, DataOnFailure, prefix="ft_hsdp: ")
+        validate_sync_options(sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure)
+        self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
+        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        self._outer: OuterSync | None = None
+        self._round_schedulers: list[Any] | None = None
+        self._round_samples = 0
         self.data_on_failure = data_on_failure
         self.lighthouse_addr = lighthouse_addr
         self.replica_group_id = int(replica_group_id)
@@ -227,7 +249,8 @@ class FTHSDPStrategy(HSDPStrategy):
         self._after_discard = False
         #: cumulative counters of this process (also logged as ``ft/*``)
         self.ft_stats: dict[str, float] = {"committed": 0, "discarded": 0, "heals": 0, "recovery_s": 0.0,
-                                           "quorum_s": 0.0, "missed_samples": 0}
+                                           "quorum_s": 0.0, "missed_samples": 0, "cross_group_allreduces": 0,
+                                           "cross_group_bytes": 0}
         self.last_step_committed: bool | None = None
         self._data: StepAlignedData | None = None
         self._data_step: int | None = None
@@ -313,7 +336,7 @@ class FTHSDPStrategy(HSDPStrategy):
             load_state_dict=self._load_heal_state,
             state_dict=self._heal_state_dict,
             min_replica_size=self.min_replica_size,
-            use_async_quorum=True,
+            use_async_quorum=self.sync == "every_step",  # torchft's DiLoCo needs the synchronous quorum
             timeout=timeout,
             quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
             connect_timeout=timedelta(seconds=self.connect_timeout_s),
@@ -340,6 +363,8 @@ class FTHSDPStrategy(HSDPStrategy):
     @override
     def shard_module(self, module: nn.Module) -> nn.Module:
         module = super().shard_module(module)
+        if self.sync != "every_step":  # inner steps: only the group's own FSDP collectives
+            return module
         for sub in module.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_all_reduce_hook(self._all_reduce_hook)
@@ -357,6 +382,8 @@ class FTHSDPStrategy(HSDPStrategy):
             self._waited_quorum = True
         if self._grad_scale != 1.0:  # redistribute: this group's share of the step's samples
             reduce_output.mul_(self._grad_scale)
+        self.ft_stats["cross_group_allreduces"] += 1
+        self.ft_stats["cross_group_bytes"] += reduce_output.numel() * reduce_output.element_size()
         # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
         self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
 
@@ -434,13 +461,63 @@ class FTHSDPStrategy(HSDPStrategy):
                 rank_zero_warn("ft_hsdp: data_on_failure='redistribute' needs the groups' data sharded by a "
                                "DistributedSampler; this loader is not, so a missing group's batches are skipped. "
                                "Fix: keep Trainer(use_distributed_sampler=True).")
+            if self.sync != "every_step":
+                self._start_outer_sync()
+
+    def _start_outer_sync(self) -> None:
+        """``local_sgd``/``diloco``: wrap the optimizer in torchft's DiLoCo and sync once before the first inner step
+        (a restarted group heals here from a live peer and continues at the quorum's position)."""
+        assert self.lightning_module is not None and self.model is not None
+        trainer = self.lightning_module.trainer
+        if trainer.max_steps > 0 and trainer.max_steps % self.sync_every:
+            raise ValueError(f"ft_hsdp: max_steps={trainer.max_steps} is not a multiple of sync_every={self.sync_every}: "
+                             "the last round would end without an outer sync and the groups would differ. Fix: set "
+                             f"trainer.max_steps to a multiple of {self.sync_every}.")
+        if trainer.max_steps <= 0:
+            rank_zero_warn(f"ft_hsdp: sync={self.sync!r} without max_steps: the inner steps after the last outer sync "
+                           "are not averaged across groups. Fix: stop with a max_steps multiple of sync_every.")
+        if len(self.optimizers) != 1:
+            raise ValueError(f"ft_hsdp: sync={self.sync!r} supports one optimizer, got {len(self.optimizers)}. Fix: "
+                             "return a single optimizer from configure_optimizers.")
+        for sub in self.model.modules():  # a sanity-check validation leaves the root unsharded: DiLoCo needs shards
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        if self._outer is None:
+            self._outer = OuterSync(self._manager, self.model, self.optimizers[0], mode=self.sync,
+                                    sync_every=self.sync_every, outer_lr=self.outer_lr,
+                                    outer_momentum=self.outer_momentum, num_fragments=self.num_fragments,
+                                    before_quorum=self._refresh_heal_state, stats=self.ft_stats)
+            self._outer.committed = trainer.global_step  # a resumed checkpoint's step
+        self._round_samples = 0
+        self._step_t0 = time.perf_counter()
+        self._healed = False
+        t0 = time.perf_counter()
+        committed = self._outer.initial_sync()
+        # an event line (the launcher sees the group live from here); no ft/* metrics inside on_train_start
+        self._after_step(committed, time.perf_counter() - t0, log=False)
+        if self._outer.healed:
+            # the peer's schedulers were captured inside its optimizer step, before Lightning stepped them
+            for cfg in trainer.lr_scheduler_configs:
+                if cfg.interval == "step":
+                    cfg.scheduler.step()
+        self._sync_lightning_progress(self._outer.step, pending=0)
+        rank_zero_info(f"ft_hsdp: sync={self.sync!r} every {self.sync_every} inner steps"
+                       f"{f' ({self.num_fragments} fragments)' if self.num_fragments > 1 else ''}; starting at "
+                       f"step {self._outer.step} ({self._outer.last_participants} groups in the first sync)")
+
+    def _refresh_heal_state(self) -> None:
+        self._heal_state = self._capture_heal_state()
+
+    def _committed_step(self) -> int:
+        """The step every group agrees on: the quorum's (``every_step``) or the inner-step position (semi-sync)."""
+        return self._outer.step if self._outer is not None else int(self._manager.current_step())
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Train the batch of the committed step (see :mod:`fsdp_strategies.ft.data`), then move it."""
         module = self.lightning_module
         if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
-            step = int(self._manager.current_step())
+            step = self._committed_step()
             trainer = module.trainer
 
             def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
@@ -469,6 +546,13 @@ class FTHSDPStrategy(HSDPStrategy):
         if self._pending_scheduler_restore is not None:
             self._restore_schedulers(self._pending_scheduler_restore)
             self._pending_scheduler_restore = None
+        if self._outer is not None:  # semi-sync: no quorum in inner steps
+            if self._outer.pending == 0:
+                self._round_schedulers = self._snapshot_schedulers()
+            self._step_t0 = time.perf_counter()
+            self._quorum_wait_s = 0.0
+            self._healed = False
+            return
         if not self._quorum_started:
             self._step_t0 = time.perf_counter()
             self._heal_state = self._capture_heal_state()
@@ -518,6 +602,8 @@ class FTHSDPStrategy(HSDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._outer is not None:
+            return self._inner_step(optimizer, closure, model, **kwargs)
         if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
             self.on_train_batch_start(None, -1)
         loss = closure()  # forward + backward; the all-reduce hook reduces across groups
@@ -540,10 +626,14 @@ class FTHSDPStrategy(HSDPStrategy):
         self._after_step(committed, commit_s)
         return out
 
-    def _sync_lightning_progress(self) -> None:
-        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step."""
+    def _sync_lightning_progress(self, target: int | None = None, pending: int = 1) -> None:
+        """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step.
+
+        ``pending``: 1 inside ``optimizer_step`` (Lightning increments after it returns), 0 outside a step.
+        """
         assert self.lightning_module is not None
-        seam.set_optimizer_step_count(self.lightning_module.trainer, int(self._manager.current_step()))
+        target = int(self._manager.current_step()) if target is None else target
+        seam.set_optimizer_step_count(self.lightning_module.trainer, target, pending=pending)
 
     def _snapshot_schedulers(self) -> list[Any]:
         assert self.lightning_module is not None
@@ -563,7 +653,7 @@ class FTHSDPStrategy(HSDPStrategy):
             for group, saved in zip(opt.param_groups, groups):
                 group.update(saved)
 
-    def _after_step(self, committed: bool, commit_s: float) -> None:
+    def _after_step(self, committed: bool, commit_s: float, log: bool = True) -> None:
         step_s = time.perf_counter() - self._step_t0
         stats = self.ft_stats
         stats["committed" if committed else "discarded"] += 1
@@ -592,14 +682,14 @@ class FTHSDPStrategy(HSDPStrategy):
             metrics["ft/missed_samples"] = float(data["missed_samples"])
             metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
         module = self.lightning_module
-        if seam.in_lightning_hook(module):
+        if log and seam.in_lightning_hook(module):
             try:
                 module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
             except Exception as err:  # never let logging break a committed step
                 rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
         if self._events is not None and self.global_rank == 0:
             self._events.write_step(
-                self.replica_group_id, int(self._manager.current_step()), committed, participants=participants,
+                self.replica_group_id, self._committed_step(), committed, participants=participants,
                 quorum_id=quorum_id, healed=self._healed, step_s=step_s, quorum_s=self._quorum_wait_s,
                 commit_s=commit_s, pid=os.getpid(), **{f"data_{k}": v for k, v in data.items()})
 
@@ -609,6 +699,8 @@ class FTHSDPStrategy(HSDPStrategy):
         The layout is fixed (equal shards, the same position on every group), so the groups missing from the
         step each missed exactly as many samples as this group trained.
         """
+        if self._outer is not None:
+            return self._round_accounting(committed, participants)
         if self._data is None or self._data_step is None:
             return {}
         position, self._data_step = self._data_step, None
@@ -642,6 +734,28 @@ class FTHSDPStrategy(HSDPStrategy):
         self.last_step_data = data
         return data
 
+    def _round_accounting(self, committed: bool, participants: int) -> dict[str, Any]:
+        """Semi-sync: what an outer sync's round trained and missed (the groups absent from it, whole round).
+
+        A group that healed in this sync contributed its source peer's pseudo-gradient (torchft's synchronous
+        heal), not its own batches: it reports ``participating=False`` and no samples.
+        """
+        assert self._outer is not None
+        if self._data is None:
+            return {}
+        own = self._round_samples
+        participating = not self._outer.healed
+        done = committed and participating
+        absent = self.num_replica_groups - participants
+        data: dict[str, Any] = {"step": self._outer.committed - (self._outer.last_round if committed else 0),
+                                "round_steps": self._outer.last_round, "participating": participating,
+                                "samples": own if done else 0, "missed_samples": absent * own if done else None,
+                                "redistributed_samples": 0, "rebuilt": self.last_step_data.get("rebuilt", False)}
+        if done:
+            self.ft_stats["missed_samples"] += absent * own
+        self.last_step_data = data
+        return data
+
     # ------------------------------------------------------------------ leaving and shutting down
     def leave_quorum(self, reason: str) -> None:
         """Make this replica group leave the job now (e.g. evicted as a straggler); the launcher restarts it.
@@ -669,11 +783,12 @@ class FTHSDPStrategy(HSDPStrategy):
         super().on_train_end()
         # tell the launcher at once (teardown takes seconds): a group restarted now must not start over alone
         if self._events is not None and self.global_rank == 0 and self._manager is not None:
-            self._events.write_finished(self.replica_group_id, int(self._manager.current_step()))
+            self._events.write_finished(self.replica_group_id, self._committed_step())
 
     @override
     def teardown(self) -> None:
         super().teardown()
+        self._outer = None  # bound to this fit's manager
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
