@@ -626,6 +626,23 @@ class FTHSDPStrategy(HSDPStrategy):
         self._after_step(committed, commit_s)
         return out
 
+    def _inner_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """``local_sgd``/``diloco``: a local optimizer step, then the outer sync when the round ends."""
+        assert self._outer is not None
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._data is not None and self._data_step is not None:
+            self._round_samples += self._data.batch_size_of(self._data_step) * self.world_size
+        t0 = time.perf_counter()
+        committed = self._outer.after_inner_step()
+        self._sync_lightning_progress(self._outer.step)
+        if committed is not None:
+            if not committed:  # the round's inner steps are rolled back: so are the LR schedulers
+                self._pending_scheduler_restore = self._round_schedulers
+            self._after_step(committed, time.perf_counter() - t0)
+            self._round_samples = 0
+        self._data_step = None
+        return out
+
     def _sync_lightning_progress(self, target: int | None = None, pending: int = 1) -> None:
         """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step.
 
