@@ -495,6 +495,18 @@ def _pyplot() -> Any:
     return plt
 
 
+def bars_with_points(ax: Any, names: Sequence[str], medians: Sequence[float | None],
+                     points: Sequence[Sequence[float | None]], colors: Sequence[str], *, ylabel: str,
+                     rotation: int = 0, fontsize: float | None = None) -> None:
+    """One bar per contender (its median) with every round's value drawn over it as a dot."""
+    ax.bar(range(len(names)), [m or 0 for m in medians], color=list(colors))
+    for i, pts in enumerate(points):
+        vals = [v for v in pts if v is not None]
+        ax.scatter([i] * len(vals), vals, s=10, color="black", zorder=3)
+    ax.set_xticks(range(len(names)), names, rotation=rotation, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+
+
 def plot_timing(result: dict[str, Any], path: Path) -> Path:
     """Per size: median step time per contender vs ranks (round medians as dots), and the ratios."""
     plt = _pyplot()

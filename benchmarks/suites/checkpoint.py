@@ -270,21 +270,14 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     names = [n for n in per if per[n]["runs"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     stalled = [n for n in names if n != "none"]
-    meds = [per[n]["stall_s"] or 0 for n in stalled]
-    axes[0].bar(range(len(stalled)), meds, color=["C1" if n in ASYNC else "C0" for n in stalled])
-    for i, n in enumerate(stalled):
-        pts = [s for r in per[n]["runs"] for s in r["stalls_s"]]
-        axes[0].scatter([i] * len(pts), pts, s=10, color="black", zorder=3)
-    axes[0].set_xticks(range(len(stalled)), stalled)
-    axes[0].set_ylabel("training stall per checkpoint (s)")
-    meds = [per[n]["median_elapsed_s"] or 0 for n in names]
-    axes[1].bar(range(len(names)), meds, color=["C2" if n == "none" else "C1" if n in ASYNC else "C0" for n in names])
-    for i, n in enumerate(names):
-        pts = [v for v in per[n]["elapsed_s"] if v is not None]
-        axes[1].scatter([i] * len(pts), pts, s=10, color="black", zorder=3)
-    axes[1].set_xticks(range(len(names)), names)
+    common.bars_with_points(axes[0], stalled, [per[n]["stall_s"] for n in stalled],
+                            [[s for r in per[n]["runs"] for s in r["stalls_s"]] for n in stalled],
+                            ["C1" if n in ASYNC else "C0" for n in stalled], ylabel="training stall per checkpoint (s)")
     cfg = result["config"]
-    axes[1].set_ylabel(f"wall time of {cfg['steps']} steps, checkpoint every {cfg['every']} (s)")
+    common.bars_with_points(axes[1], names, [per[n]["median_elapsed_s"] for n in names],
+                            [per[n]["elapsed_s"] for n in names],
+                            ["C2" if n == "none" else "C1" if n in ASYNC else "C0" for n in names],
+                            ylabel=f"wall time of {cfg['steps']} steps, checkpoint every {cfg['every']} (s)")
     run = next((r for n in names for r in per[n]["runs"] if r.get("checkpoint_bytes")), {})
     fig.suptitle(f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
                  f"{run.get('checkpoint_bytes', 0) / 1e6:.0f} MB checkpoint), {result['device_name']}", fontsize=9)

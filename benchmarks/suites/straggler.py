@@ -315,13 +315,8 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     names = [n for n in per if per[n]["runs"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "samples_per_s", "throughput (samples/s)"), (axes[1], "val_loss", "final val loss")):
-        meds = [common.median(per[n][key]) or 0 for n in names]
-        ax.bar(range(len(names)), meds, color=["C1" if n in STALLED else "C0" for n in names])
-        for i, n in enumerate(names):
-            pts = [v for v in per[n][key] if v is not None]
-            ax.scatter([i] * len(pts), pts, s=10, color="black", zorder=3)
-        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-        ax.set_ylabel(label)
+        common.bars_with_points(ax, names, [common.median(per[n][key]) for n in names], [per[n][key] for n in names],
+                                ["C1" if n in STALLED else "C0" for n in names], ylabel=label, rotation=20, fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"straggler: {cfg['ranks']} ranks, stalls p={cfg['stall_probability_per_rank_step']} x"
                  f"{cfg['stall_factor']} step, {cfg['steps']} steps, {result['device_name']}", fontsize=9)
