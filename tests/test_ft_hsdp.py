@@ -201,9 +201,9 @@ def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
 def test_straggler_evict_makes_the_whole_group_leave_and_heal(tmp_path: Path) -> None:
     # Rank 1 of group 1 sleeps 0.5 s per step; StragglerDetector(action="evict") in group 1 names it after one
     # window; both ranks of group 1 leave at the same step with LEAVE_EXIT_CODE, group 0 goes on, the restarted
-    # group 1 (no injection) heals and both finish.
+    # group 1 (no injection) heals and both finish (group 0 sleeps 1.5 s per step while alone so the restart overlaps).
     events = _launch(tmp_path, "evict", [*FT, "--trainer.max_steps", "24", "--trainer.enable_checkpointing", "false"],
-                     ["--min-replicas", "1", "--max-restarts", "1"], {"FT_TEST_STRAGGLER": "1:1:0.5"})
+                     ["--min-replicas", "1", "--max-restarts", "1"], {"FT_TEST_STRAGGLER": "1:1:0.5", "FT_TEST_SLEEP_ALONE": "1.5"})
     out = tmp_path / "evict"
     launcher = _jsonl(events / "launcher.jsonl")
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
