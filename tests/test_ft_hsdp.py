@@ -197,6 +197,32 @@ def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
     assert _jsonl(tmp_path / "events-1.jsonl")[-1]["left"] == "slow rank 3"
 
 
+@pytest.mark.multiprocess
+def test_straggler_evict_makes_the_whole_group_leave_and_heal(tmp_path: Path) -> None:
+    # Rank 1 of group 1 sleeps 0.5 s per step; StragglerDetector(action="evict") in group 1 names it after one
+    # window; both ranks of group 1 leave at the same step with LEAVE_EXIT_CODE, group 0 goes on, the restarted
+    # group 1 (no injection) heals and both finish (group 0 sleeps 1.5 s per step while alone so the restart overlaps).
+    events = _launch(tmp_path, "evict", [*FT, "--trainer.max_steps", "24", "--trainer.enable_checkpointing", "false"],
+                     ["--min-replicas", "1", "--max-restarts", "1"], {"FT_TEST_STRAGGLER": "1:1:0.5", "FT_TEST_SLEEP_ALONE": "1.5"})
+    out = tmp_path / "evict"
+    launcher = _jsonl(events / "launcher.jsonl")
+    exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
+    assert exits[0][0] == 1 and exits[0][1] != 0 and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
+    log = (events / "group1.log").read_text()
+    left = {}
+    for rank in (0, 1):
+        lines = [ln for ln in log.splitlines() if f"replica group 1 rank {rank} leaves the quorum at committed step" in ln]
+        assert len(lines) == 1, log[-3000:]
+        left[rank] = int(lines[0].split("committed step ")[1].split(":")[0])
+        last = max(r["step_after"] for r in _records(out, 1, rank) if r["incarnation"] == 0)
+        assert last == left[rank]
+    assert left[0] == left[1] and left[0] < 24
+    assert next(r for r in _jsonl(events / "group1.jsonl") if "left" in r)["step_left"] == left[0]
+    report = json.loads((out / "straggler.json").read_text())
+    assert report["events"][-1]["event"] == "evict" and report["events"][-1]["ranks"] == [1]
+    assert _dump(out, "group0_rank0")["global_step"] == 24 and _dump(out, "group1_rank1")["global_step"] == 24
+
+
 def test_launcher_kill_plan_parsing() -> None:
     assert _parse_kill_at("1@8, 0@20", 2) == [(1, 8), (0, 20)]
     assert _parse_kill_at("12,5", 2) == [(None, 5), (None, 12)]

@@ -78,12 +78,14 @@ def test_actions_check_the_strategy_at_setup() -> None:
         StragglerDetector(action="hierarchical_sgd").setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 
-def test_evict_asks_the_straggling_rank_to_leave_the_quorum(tmp_path: Path) -> None:
+def test_evict_makes_every_rank_of_the_group_leave_the_quorum(tmp_path: Path) -> None:
+    # every rank of the group scores the same gathered window, so all of them leave at the same step
     calls: dict[int, list[str]] = {0: [], 1: []}
     for rank in (0, 1):
         strategy = SimpleNamespace(root_device=SimpleNamespace(type="cpu"),
                                    leave_quorum=lambda reason, rank=rank: calls[rank].append(reason))
-        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_rank=rank, log_dir=str(tmp_path))
+        trainer = SimpleNamespace(strategy=strategy, world_size=1, global_rank=rank, log_dir=str(tmp_path),
+                                  is_global_zero=rank == 0, global_step=9)
         det = StragglerDetector(action="evict", window=4)
         det.setup(trainer, None, "fit")  # type: ignore[arg-type]
         det.hosts = ["a", "b"]
@@ -92,7 +94,11 @@ def test_evict_asks_the_straggling_rank_to_leave_the_quorum(tmp_path: Path) -> N
         result = det.scorer.update(*_window(rng, 2, 4, 0.05, {1: 0.2}), step=8)
         det.history.append(result)
         det._act(trainer, result)  # type: ignore[arg-type]
-    assert calls[0] == [] and len(calls[1]) == 1 and "rank 1 on b" in calls[1][0]
+        assert det.events[-1] == {"step": 8, "event": "evict", "ranks": [1], "left_at_step": 9}
+        det._act(trainer, {**result, "newly_persistent": []})  # type: ignore[arg-type]  # no new straggler
+    assert calls[0] == calls[1] and len(calls[1]) == 1 and "rank 1 on b" in calls[1][0] and "step 9" in calls[0][0]
+    # rank 0 wrote the report before leaving (the process ends inside leave_quorum)
+    assert json.loads((tmp_path / "straggler_report.json").read_text())["events"][-1]["event"] == "evict"
 
 
 # ---------------------------------------------------------------------- 2 ranks

@@ -31,7 +31,8 @@ class LocalAveragingSwitch(Protocol):
 class QuorumMember(Protocol):
     """A strategy whose replica group can leave a fault-tolerant quorum and be restarted (``ft_hsdp``).
 
-    Protocol: call :meth:`leave_quorum` on every rank of the group; it does not return.
+    Protocol: call :meth:`leave_quorum` on every rank of the group at the same step (decided from data all
+    of them share, e.g. a window gathered over the group's own process group); it does not return.
     """
 
     def leave_quorum(self, reason: str) -> None:

@@ -12,6 +12,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
                        (sync="local_sgd"/"diloco": of the outer sync that ends at inner step STEP)
     FT_TEST_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
     FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
+    FT_TEST_STRAGGLER  "GROUP:RANK:DELAY": the first incarnation of GROUP runs StragglerDetector(action="evict") with
+                       rank RANK stalled DELAY s per step (the whole group must leave the quorum together)
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
     FT_TEST_BREAK_WRITE  "GROUP:N": the first incarnation of GROUP dies right after its N-th DCP shard write
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
@@ -239,6 +241,15 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
                                          every_n_train_steps=int(os.environ.get("FT_TEST_CKPT_EVERY", "4")),
                                          save_on_train_epoch_end=False, auto_insert_metric_name=False))
+    straggler = os.environ.get("FT_TEST_STRAGGLER")
+    if straggler and os.environ.get("FT_RESTART_COUNT", "0") == "0" and \
+            straggler.split(":")[0] == os.environ.get("REPLICA_GROUP_ID"):
+        from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection
+
+        _, rank, delay = straggler.split(":")
+        callbacks.append(StragglerDetector(action="evict", window=4, skip_first=1, patience=1,
+                                           report_path=os.path.join(os.environ["FT_TEST_OUT"], "straggler.json"),
+                                           inject=StragglerInjection(ranks=[int(rank)], delay_s=float(delay))))
     LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks},
                  save_config_kwargs={"overwrite": True})
 

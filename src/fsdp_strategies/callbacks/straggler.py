@@ -193,7 +193,9 @@ class StragglerDetector(Callback):
             ``comm_hook: post_local_sgd | hierarchical_sgd``: train synchronously, switch to local
             averaging once the estimated straggler loss exceeds ``switch_threshold`` for ``patience``
             windows, switch back after ``patience`` windows below half of it), ``evict`` (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``:
-            the straggling rank asks to leave the quorum), ``stop`` (save a checkpoint, write the
+            when a rank becomes a persistent straggler, every rank of its replica group leaves the quorum
+            at the same step, deciding from the same gathered window; the launcher restarts the group,
+            which heals from the others), ``stop`` (save a checkpoint, write the
             straggling hosts to ``hosts_file`` and exit with ``stop_exit_code``).
         switch_threshold: fraction of the step time lost to stragglers that triggers the switch.
         report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``).
@@ -479,14 +481,30 @@ class StragglerDetector(Callback):
         if self.action == "hierarchical_sgd":
             if not final:  # no step is left to switch for
                 self._maybe_switch(trainer, trainer.global_step)
-        elif self.action == "evict":
-            for r in result["newly_persistent"]:
-                if r == trainer.global_rank:
-                    assert isinstance(trainer.strategy, QuorumMember)
-                    trainer.strategy.leave_quorum(
-                        f"persistent straggler: rank {r} on {self.hosts[r]}, relative score {result['relative'][r]:.2f}")
+        elif self.action == "evict" and result["newly_persistent"] and not final:
+            self._evict(trainer, result)
         elif self.action == "stop" and result["persistent"]:
             self._stop(trainer, result)
+
+    def _evict(self, trainer: pl.Trainer, result: dict[str, Any]) -> None:
+        """Every rank of the group leaves the quorum at this step, not only the straggling one.
+
+        Why no extra collective: the detector's world is the strategy's own process group, which under
+        ``ft_hsdp`` is one replica group; every rank of it scored the same gathered window with the same
+        code, so every rank reaches this point at the same step with the same ``newly_persistent`` list.
+        A rank left behind would block in the group's next FSDP collective until torchrun tore the group
+        down; leaving together makes the exit immediate and its cause visible (``LEAVE_EXIT_CODE``).
+        """
+        step = result["step"]
+        named = ", ".join(f"rank {r} on {self.hosts[r]} (relative score {result['relative'][r]:.2f})"
+                          for r in result["newly_persistent"])
+        self.events.append({"step": step, "event": "evict", "ranks": list(result["newly_persistent"]),
+                            "left_at_step": trainer.global_step})
+        if trainer.is_global_zero:  # the report would be lost with the process otherwise
+            self._write_report(trainer)
+        strategy = trainer.strategy
+        assert isinstance(strategy, QuorumMember)
+        strategy.leave_quorum(f"persistent straggler in this group at step {trainer.global_step}: {named}")
 
     def _maybe_switch(self, trainer: pl.Trainer, step: int) -> None:
         assert self.scorer is not None

@@ -118,8 +118,8 @@ class EventLog:
         """One optimizer step of this group (``fields``: see the class docstring)."""
         self._append({"group": group, "step": step, "committed": committed, **fields})
 
-    def write_left(self, group: int, reason: str) -> None:
-        self._append({"group": group, "left": reason})
+    def write_left(self, group: int, reason: str, step: int | None = None) -> None:
+        self._append({"group": group, "left": reason, **({"step_left": step} if step is not None else {})})
 
     def write_finished(self, group: int, step: int) -> None:
         self._append({"group": group, "finished": step})

@@ -779,13 +779,16 @@ class FTHSDPStrategy(HSDPStrategy):
 
         Every rank of the group exits with :data:`LEAVE_EXIT_CODE` without waiting on peers, so the other
         groups go on after the lighthouse's heartbeat timeout and the restarted group heals from them.
-        Call it on every rank of the group (a rank that stays would block in the group's collectives
-        until torchrun tears the group down, which also ends in a restart).
+        Call it on every rank of the group at the same step (a rank that stays would block in the group's
+        collectives until torchrun tears the group down, which also ends in a restart):
+        ``StragglerDetector(action="evict")`` does, from the window all ranks of the group gathered.
         """
-        msg = f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum: {reason}"
+        step = self._committed_step() if self._manager is not None else None
+        msg = (f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum"
+               f"{'' if step is None else f' at committed step {step}'}: {reason}")
         print(msg, file=sys.stderr, flush=True)
         if self._events is not None and self.global_rank == 0:
-            self._events.write_left(self.replica_group_id, reason)
+            self._events.write_left(self.replica_group_id, reason, step)
         if self._manager is not None:
             try:
                 self._manager.shutdown(wait=False)
