@@ -507,6 +507,15 @@ def bars_with_points(ax: Any, names: Sequence[str], medians: Sequence[float | No
     ax.set_ylabel(ylabel)
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a results figure; returns its path."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_timing(result: dict[str, Any], path: Path) -> Path:
     """Per size: median step time per contender vs ranks (round medians as dots), and the ratios."""
     plt = _pyplot()
@@ -554,10 +563,7 @@ def plot_timing(result: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"{result['suite']} on {result['device_name']} "
                  f"(torch {result['versions'].get('torch')}, lightning {result['versions'].get('lightning')})",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_summary(result: dict[str, Any]) -> str:
@@ -650,6 +656,17 @@ def suite_main(run: Callable[..., dict[str, Any]], description: str,
     result = run(quick=ns.quick, out_dir=ns.out_dir, **suite_options(ns), **own)
     print(format_summary(result))
     print(f"wrote {result.get('json_path')} and {result.get('png_path')}")
+
+
+def parse_worker_args(flags: Sequence[tuple[str, type]]) -> Any:
+    """The arguments of a suite's ``--worker`` job (the suite passes every flag, so each is required)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    for flag, kind in flags:
+        parser.add_argument(flag, type=kind, required=True)
+    parser.add_argument("--worker", action="store_true")
+    return parser.parse_args()
 
 
 def select(suite: str, names: Sequence[str], wanted: Sequence[str] | None) -> list[Contender]:

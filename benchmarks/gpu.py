@@ -806,10 +806,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"gpu harness on {result['device_name']}: {cfg['model_source']} ({_fmt_params(cfg['params']['total'])} "
                  f"params), batch {cfg['batch_per_device']}x{cfg['seq_len']}, {cfg['precision']}, torch "
                  f"{result['versions'].get('torch')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def plot_sac(result: dict[str, Any], path: Path) -> Path | None:
@@ -829,10 +826,7 @@ def plot_sac(result: dict[str, Any], path: Path) -> Path | None:
     ax.set_xlabel("throughput (tokens/s, forward + backward)")
     ax.set_ylabel("peak CUDA memory over the weights (MiB)" if gpu else "bytes kept for backward (MiB)")
     ax.set_title(f"activation checkpointing on {result['device_name']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -281,19 +281,12 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     run = next((r for n in names for r in per[n]["runs"] if r.get("checkpoint_bytes")), {})
     fig.suptitle(f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
                  f"{run.get('checkpoint_bytes', 0) / 1e6:.0f} MB checkpoint), {result['device_name']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        parser = argparse.ArgumentParser()
-        for flag, kind in (("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
-                           ("--every", int), ("--seed", int), ("--out", str)):
-            parser.add_argument(flag, type=kind, required=True)
-        parser.add_argument("--worker", action="store_true")
-        _worker(parser.parse_args())
+        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
+                                          ("--every", int), ("--seed", int), ("--out", str))))
     else:
         common.suite_main(run, __doc__ or "", add_options=_add_options)

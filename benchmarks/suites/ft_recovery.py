@@ -238,11 +238,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
     axes[1].set_ylabel("participating groups")
     axes[1].set_xlabel("wall time since the first step [s]")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,

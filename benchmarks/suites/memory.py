@@ -86,10 +86,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_xticks(sorted({c["ranks"] for c in cases}))
         ax.legend(fontsize=7)
     fig.suptitle(f"memory per rank on {result['device_name']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,

@@ -143,10 +143,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"{case['size']} ({params / 1e6:.1f}M params)")
         ax.legend(fontsize=7)
     fig.suptitle(f"MFU of the example with fsdp2 on {result['device_name']} ({result['config']['precision']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

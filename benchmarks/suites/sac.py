@@ -177,10 +177,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("forward+backward time (ms), median")
         ax.tick_params(axis="x", labelrotation=20, labelsize=7)
     fig.suptitle(f"activation checkpointing on {result['device_name']} ({result['config']['precision']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -320,20 +320,13 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     cfg = result["config"]
     fig.suptitle(f"straggler: {cfg['ranks']} ranks, stalls p={cfg['stall_probability_per_rank_step']} x"
                  f"{cfg['stall_factor']} step, {cfg['steps']} steps, {result['device_name']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        parser = argparse.ArgumentParser()
-        for flag, kind in (("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
-                           ("--p", float), ("--factor", float), ("--seed", int), ("--stall-s", float), ("--out", str),
-                           ("--period", int), ("--stall-kind", str)):
-            parser.add_argument(flag, type=kind, required=True)
-        parser.add_argument("--worker", action="store_true")
-        _worker(parser.parse_args())
+        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
+                                     ("--p", float), ("--factor", float), ("--seed", int), ("--stall-s", float),
+                                     ("--out", str), ("--period", int), ("--stall-kind", str))))
     else:
         common.suite_main(run, __doc__ or "", add_options=_add_options)
