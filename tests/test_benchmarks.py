@@ -179,6 +179,26 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     assert _one("memory-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None:
+    # the async-checkpoint benchmark (issue 14): 2 ranks, a sync and a thread job of 4 steps, a save every 2
+    proc = run_python(["benchmarks/suites/checkpoint.py", "--quick", "--contenders", "sync", "thread",
+                       "--out-dir", str(tmp_path)], timeout=600)
+    assert "stall sync/thread" in proc.stdout
+    result = json.loads(_one("checkpoint-*.json", tmp_path).read_text())
+    assert result["config"]["contenders"] == ["sync", "thread"] and result["config"]["ranks"] == 2
+    for name in ("sync", "thread"):
+        rec = result["contenders"][name]
+        assert rec["errors"] == []
+        [run] = rec["runs"]
+        assert run["checkpoints"] == 2 and run["checkpoint_bytes"] > 12 * run["params"]  # weights + AdamW moments
+        assert len(run["stalls_s"]) == 2 and _positive_floats(run["stalls_s"]) and _positive_floats([run["cpu_s"]])
+        assert run["median_stall_s"] == pytest.approx(statistics.median(run["stalls_s"]))
+    ratio = next(r for r in result["summary"] if r["ratio"] == "stall sync/thread (x shorter)")
+    sync, thread = (result["contenders"][c]["runs"][0]["median_stall_s"] for c in ("sync", "thread"))
+    assert ratio["value"] == pytest.approx(sync / thread) and ratio["met"] == (ratio["value"] >= 5.0)
+    assert _one("checkpoint-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
+
+
 # ---------------------------------------------------------------------------------------------- benchmarks/gpu.py
 
 
