@@ -32,6 +32,17 @@ participating group reports how many samples the step missed (``ft/missed_sample
 events file, and a ``rank_zero_info`` line when a stretch of missed steps starts and ends).
 ``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
 step, weighted so the step's gradient is the mean over the full global batch (see ``_redistribute``).
+
+``straggler_sync="local_sgd"|"diloco"`` (with ``sync="every_step"`` and ``StragglerDetector(action="semi_sync")``):
+the manager uses the synchronous quorum (started in ``batch_to_device``, so a healing group has the peer's state
+and step before it picks its batch) and the outer sync of :mod:`fsdp_strategies._ft_sync` is built at train start
+in every mode, dormant while the groups reduce every step (its heal-state keys exist on every group). Every
+``sync_every`` committed steps the groups' costs are all-reduced inside the step (after backward, before
+``should_commit``; in rounds: inside the outer sync) and the agreed decision applies only if that step commits:
+every-step -> rounds at that step (DiLoCo's backup = the current, identical, parameters; the FSDP hook stays
+registered and skips the cross-group all-reduce), rounds -> every-step after a committed outer sync (the inner
+optimizer states are averaged in the same sync). Mode, streak and step offset are heal state; a group restarted
+during rounds heals in the others' outer sync and joins it (``_join_outer_sync``). See :mod:`fsdp_strategies._ft_switch`.
 """
 
 from __future__ import annotations
