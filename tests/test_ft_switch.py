@@ -232,3 +232,22 @@ def test_group_killed_in_a_diloco_phase_heals_into_it(tmp_path: Path) -> None:
     res = check_switch_run(tmp_path, 40)
     assert res["switches"][-1][0] == "every_step", res["switches"]
     assert sum(int(d["ft_stats"]["heals"]) for d in res["dumps"]) >= 1
+
+
+def test_slow_link_delays_only_its_groups_and_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_strategies.testing import SLOW_LINK_ENV, SlowLink, SlowLinkInjector
+
+    link = SlowLink(groups=[1], seconds_per_mb=2.0, latency_s=0.01, start_step=4, end_step=8)
+    assert link.delay_s(500_000, 3) == 0.0 and link.delay_s(500_000, 8) == 0.0
+    assert link.delay_s(500_000, 4) == pytest.approx(1.01)
+    with pytest.raises(ValueError, match=r"end_step=2 must be after start_step=4.*Fix"):
+        SlowLink(groups=[0], start_step=4, end_step=2)
+    assert SlowLinkInjector().link is None  # off by default
+    monkeypatch.setenv(SLOW_LINK_ENV, json.dumps({"groups": [1], "seconds_per_mb": 1e-6}))
+    injector = SlowLinkInjector()
+    for group, hooked in ((0, False), (1, True)):
+        strategy = SimpleNamespace(replica_group_id=group, cross_group_delay=None)
+        injector.setup(SimpleNamespace(strategy=strategy, global_step=0), None, "fit")  # type: ignore[arg-type]
+        assert (strategy.cross_group_delay is not None) == hooked
+    strategy.cross_group_delay(1_000_000)
+    assert injector.delayed_s == pytest.approx(1e-6)
