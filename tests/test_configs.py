@@ -12,7 +12,7 @@ from conftest import ROOT, run_python
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # Configs that need more than one Lightning job (a lighthouse + replica groups) run in their own tests.
 COVERED_ELSEWHERE = {"ft_hsdp.yaml": "test_ft_hsdp.py", "ft_hsdp_diloco.yaml": "test_ft_sync.py",
-                     "ft_hsdp_local_sgd.yaml": "test_ft_sync.py"}
+                     "ft_hsdp_local_sgd.yaml": "test_ft_sync.py", "ft_hsdp_straggler_sync.yaml": "test_ft_switch.py"}
 
 
 def test_configs_exist() -> None:

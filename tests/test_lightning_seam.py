@@ -418,13 +418,14 @@ def test_numpy__reconstruct() -> None:
 
 # ------------------------------------------------------------------------------ torchft
 def test_torchft_DiLoCo__fragments() -> None:
-    # _ft_sync drives each fragment's prepare_sync/perform_sync itself: the list and those methods must exist
+    # _ft_sync drives each fragment's prepare_sync/perform_sync itself (and save_parameters when straggler_sync
+    # starts rounds from the current weights): the list and those methods must exist
     import inspect
 
     from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
 
     assert "self._fragments" in inspect.getsource(DiLoCo.__init__)
-    for name in ("prepare_sync", "perform_sync"):
+    for name in ("prepare_sync", "perform_sync", "save_parameters"):
         assert callable(getattr(_StreamingDiLoCoFragment, name))
 
     class Fake:

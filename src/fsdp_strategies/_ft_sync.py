@@ -54,6 +54,7 @@ alone.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -113,9 +114,11 @@ def validate_sync_options(sync: str, sync_every: int, outer_lr: float, outer_mom
 class _CountingManager:
     """The manager as torchft's ``DiLoCo`` sees it: every ``allreduce`` is counted (calls and bytes) in ``stats``."""
 
-    def __init__(self, manager: Any, stats: dict[str, float]) -> None:
+    def __init__(self, manager: Any, stats: dict[str, float],
+                 before_allreduce: Callable[[int], None] | None = None) -> None:
         self._manager = manager
         self._stats = stats
+        self._before_allreduce = before_allreduce
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
@@ -123,6 +126,8 @@ class _CountingManager:
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
         self._stats["cross_group_allreduces"] += 1
         self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
+        if self._before_allreduce is not None:  # a test/benchmark's slow-link model
+            self._before_allreduce(tensor.numel() * tensor.element_size())
         return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
 
 
@@ -154,12 +159,17 @@ class OuterSync:
     Protocol: build it in ``on_train_start`` (after the optimizer exists, before any inner step) with the
     manager created with ``use_async_quorum=False``; call :meth:`initial_sync` once, then
     :meth:`after_inner_step` after every inner optimizer step, on every rank of the group.
-    ``before_quorum`` is called right before each quorum (refresh the strategy's heal state).
+    ``before_quorum`` is called right before each quorum (refresh the strategy's heal state),
+    ``after_quorum`` (optional) right after it, before the fragment's all-reduces (the strategy's switch vote:
+    inside the sync, so the sync's commit decides whether the vote applies), ``before_allreduce(nbytes)``
+    (optional) before each cross-group all-reduce (a test's slow-link model).
     """
 
     def __init__(self, manager: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str,
                  sync_every: int, outer_lr: float, outer_momentum: float, num_fragments: int,
-                 before_quorum: Callable[[], None], stats: dict[str, float]) -> None:
+                 before_quorum: Callable[[], None], stats: dict[str, float],
+                 after_quorum: Callable[[], None] | None = None,
+                 before_allreduce: Callable[[int], None] | None = None) -> None:
         from torchft.local_sgd import DiLoCo
 
         self.mode = mode
@@ -173,7 +183,8 @@ class OuterSync:
         fragments = _fragments(model, num_fragments)
         lr, momentum = (1.0, 0.0) if mode == "local_sgd" else (outer_lr, outer_momentum)
         outer = [torch.optim.SGD(f.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0) for f in fragments]
-        self._view = _CountingManager(manager, stats)
+        self._after_quorum = after_quorum
+        self._view = _CountingManager(manager, stats, before_allreduce)
         # DiLoCo backs up this rank's shards now and registers each fragment's state with the manager
         self._diloco = DiLoCo(self._view, fragments, optimizer, outer, sync_every=sync_every, pin_memory=False)
         #: inner steps covered by committed outer steps, and inner steps since the last sync
@@ -184,9 +195,15 @@ class OuterSync:
         #: participants of the last sync and whether this group healed in it
         self.last_participants = 0
         self.healed = False
-        #: inner steps the last committed sync covered
+        #: inner steps the last committed sync covered; seconds its quorum took (the wait for the other groups)
         self.last_round = 0
+        self.last_quorum_s = 0.0
         manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
+
+    @property
+    def counted_manager(self) -> Any:
+        """The manager whose ``allreduce`` is counted in ``stats`` (and delayed by ``before_allreduce``)."""
+        return self._view
 
     # -------------------------------------------------------------- heal state
     def _save(self) -> dict[str, int]:
@@ -213,11 +230,30 @@ class OuterSync:
         """Sync before the first inner step of this process: heal from a live peer / agree on the start."""
         return self.sync()
 
-    def sync(self) -> bool:
-        """One outer step of the fragment whose turn it is; committed or discarded on every member."""
-        self._before_quorum()
+    def rebase(self, step: int) -> None:
+        """Start rounds from the current parameters at committed inner step ``step`` (``straggler_sync``: the
+        switch from every-step reduction, where every group holds the same parameters): they become DiLoCo's
+        backup (the point a discarded sync rolls back to and the pseudo-gradient's origin)."""
+        for fragment in _torch_seam.diloco_fragments(self._diloco):
+            fragment.save_parameters()
+        self.committed, self.pending = step, 0
         self.healed = False
-        self._manager.start_quorum()  # synchronous: a healing group has applied the peer's state on return
+
+    def sync(self, quorum: bool = True) -> bool:
+        """One outer step of the fragment whose turn it is; committed or discarded on every member.
+
+        ``quorum=False``: the caller already formed this sync's quorum (``straggler_sync``: a group that healed
+        in its every-step quorum from groups that are in a semi-synchronous phase joins their outer sync).
+        """
+        self.last_quorum_s = 0.0
+        if quorum:
+            self._before_quorum()
+            self.healed = False
+            t0 = time.perf_counter()
+            self._manager.start_quorum()  # synchronous: a healing group has applied the peer's state on return
+            self.last_quorum_s = time.perf_counter() - t0
+        if self._after_quorum is not None:
+            self._after_quorum()
         fragments = _torch_seam.diloco_fragments(self._diloco)
         fragment = fragments[self._manager.current_step() % len(fragments)]
         fragment.prepare_sync()

@@ -4,9 +4,9 @@ concrete strategy class. Any strategy (this package's or a user's) that has the 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["LocalAveragingSwitch", "QuorumMember"]
+__all__ = ["LocalAveragingSwitch", "QuorumMember", "SyncModeSwitch"]
 
 
 @runtime_checkable
@@ -37,4 +37,45 @@ class QuorumMember(Protocol):
 
     def leave_quorum(self, reason: str) -> None:
         """Make this replica group leave the job now; the others go on without it."""
+        ...
+
+
+@runtime_checkable
+class SyncModeSwitch(Protocol):
+    """A strategy that switches, by itself, between every-step cross-group reduction and semi-synchronous rounds
+    while stragglers cost too much (``ft_hsdp(straggler_sync=...)``). The decision is the strategy's: it is
+    agreed across replica groups inside a step that commits; the callback supplies the policy and the measurement.
+
+    Protocol: call :meth:`configure_sync_switch` once before training (``setup``) on every rank; then, after each
+    measurement window, :meth:`report_sync_cost` with a value that is identical on every rank of the group (e.g.
+    computed from a window all ranks gathered), derived from :meth:`sync_cost_counters`.
+    """
+
+    @property
+    def sync_switch_available(self) -> bool:
+        """Whether this instance is configured to switch."""
+        ...
+
+    @property
+    def semi_sync_active(self) -> bool:
+        """Whether a semi-synchronous phase is active now."""
+        ...
+
+    @property
+    def sync_switch_events(self) -> list[dict[str, Any]]:
+        """Every switch so far (``step``, ``to``, ``cost``)."""
+        ...
+
+    def configure_sync_switch(self, threshold: float, patience: int) -> None:
+        """Switch to rounds above ``threshold`` (fraction of the step time) for ``patience`` boundaries, back below
+        half of it for ``patience`` boundaries."""
+        ...
+
+    def sync_cost_counters(self) -> tuple[float, float]:
+        """Cumulative ``(cross_s, extra_s)`` of this rank: every-step-equivalent cross-group seconds, and seconds to
+        add to the wall time for the every-step-equivalent wall time."""
+        ...
+
+    def report_sync_cost(self, cost: float) -> None:
+        """This group's latest window cost (fraction of the step time)."""
         ...

@@ -5,6 +5,8 @@
 * A stall model: :class:`StragglerInjection` (what to delay) and :class:`StallInjector` (a callback that
   delays chosen ranks, nothing else). ``StragglerDetector(inject=...)`` uses the same injector, so a
   detection test and a benchmark's stall share one implementation.
+* A slow link between replica groups: :class:`SlowLink` (which groups, how slow, when) and
+  :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp``).
 * :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across processes.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
+import os
 import random
 import time
 from collections.abc import Iterable
@@ -30,8 +34,12 @@ from fsdp_strategies._torch_seam import TorchDispatchMode
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["KeptBytes", "StallInjector", "StragglerInjection", "grad_bytes", "optimizer_state_bytes", "param_bytes",
-           "state_digest"]
+__all__ = ["SLOW_LINK_ENV", "KeptBytes", "SlowLink", "SlowLinkInjector", "StallInjector", "StragglerInjection",
+           "grad_bytes", "optimizer_state_bytes", "param_bytes", "state_digest"]
+
+#: JSON of a :class:`SlowLink` (e.g. ``{"groups": [1], "seconds_per_mb": 2.0, "start_step": 8, "end_step": 40}``),
+#: read by ``SlowLinkInjector()`` when it is given no link
+SLOW_LINK_ENV = "FSDP_STRATEGIES_SLOW_LINK"
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -173,6 +181,75 @@ class StallInjector(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.stall(trainer, "before_step")
         self.stall(trainer, "in_step")
+
+
+# ---------------------------------------------------------------------------------------------- slow links
+@dataclass
+class SlowLink:
+    """A persistently slow replica group, modelled as a slow link: every cross-group all-reduce of a chosen group
+    is delayed by ``latency_s + seconds_per_mb * MB`` (a host that sleeps: the link is slow, not the CPU).
+
+    Attributes:
+        groups: replica group ids whose link is slow.
+        seconds_per_mb: delay per MB (1e6 bytes) sent; FSDP's per-step gradient all-reduces and an outer sync's
+            pseudo-gradient all-reduces move the same bytes, so the model charges both alike.
+        latency_s: delay per all-reduce call.
+        start_step / end_step: committed steps ``[start_step, end_step)`` (``Trainer.global_step`` during the step)
+            in which the link is slow (``end_step`` None = until the end).
+    """
+
+    groups: list[int]
+    seconds_per_mb: float = 0.0
+    latency_s: float = 0.0
+    start_step: int = 0
+    end_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seconds_per_mb < 0 or self.latency_s < 0:
+            raise ValueError(f"slow_link: seconds_per_mb={self.seconds_per_mb!r}, latency_s={self.latency_s!r} must be "
+                             ">= 0. Fix: e.g. seconds_per_mb=2.0.")
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise ValueError(f"slow_link.end_step={self.end_step} must be after start_step={self.start_step}. Fix: a "
+                             "larger end_step, or null.")
+
+    def delay_s(self, nbytes: int, step: int) -> float:
+        if step < self.start_step or (self.end_step is not None and step >= self.end_step):
+            return 0.0
+        return self.latency_s + self.seconds_per_mb * nbytes / 1e6
+
+
+class SlowLinkInjector(Callback):
+    """Installs a :class:`SlowLink` on the strategy (``ft_hsdp``'s ``cross_group_delay`` hook) of the chosen groups.
+
+    ``link=None`` reads :data:`SLOW_LINK_ENV`; when that is unset too, it does nothing (off by default). The delay
+    happens on every rank of the group, before each cross-group all-reduce (so the other groups wait for it).
+    ``delayed_s`` sums this rank's delays.
+    """
+
+    def __init__(self, link: SlowLink | dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if link is None and os.environ.get(SLOW_LINK_ENV):
+            link = json.loads(os.environ[SLOW_LINK_ENV])
+        self.link = SlowLink(**link) if isinstance(link, dict) else link
+        self.delayed_s = 0.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if self.link is None or getattr(strategy, "replica_group_id", None) not in self.link.groups:
+            return
+        if not hasattr(strategy, "cross_group_delay"):
+            raise ValueError(f"SlowLinkInjector needs ft_hsdp (a cross_group_delay hook); the strategy is "
+                             f"{type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove the callback.")
+        link = self.link
+
+        def delay(nbytes: int) -> None:
+            seconds = link.delay_s(nbytes, trainer.global_step)
+            if seconds > 0:
+                self.delayed_s += seconds
+                time.sleep(seconds)
+
+        strategy.cross_group_delay = delay
 
 
 # ---------------------------------------------------------------------------------------------- states

@@ -163,6 +163,8 @@ class FTProbe(pl.Callback):
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
         self._allreduces_before = getattr(self, "allreduces", 0)
+        switchable = getattr(trainer.strategy, "_switch", None) is not None
+        self._semi_before = bool(trainer.strategy._semi_active()) if switchable else None
         if getattr(trainer.strategy, "_outer", None) is not None:  # semi-sync: the state the step starts from
             self._model_before = state_digest(dict(pl_module.state_dict()))
             self._outer_before = state_digest(_outer_state(trainer.strategy))
@@ -182,12 +184,14 @@ class FTProbe(pl.Callback):
             record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),
                           participants=int(strategy.manager.num_participants()),
                           allreduces=self.allreduces - self._allreduces_before)
-            if strategy.sync != "every_step":
+            if getattr(strategy, "_outer", None) is not None:  # sync local_sgd/diloco, or straggler_sync
                 model = {k: v for k, v in pl_module.state_dict().items()}
                 record.update(syncs=int(strategy.ft_stats["syncs"]), model=state_digest(model),
                               model_before=self._model_before, outer_before=self._outer_before,
                               outer=state_digest(_outer_state(strategy)), healed=bool(strategy._outer.healed),
-                              sync_participants=strategy._outer.last_participants)
+                              sync_participants=strategy._outer.last_participants,
+                              semi_before=self._semi_before, semi=bool(strategy._semi_active()),
+                              switches=int(strategy.ft_stats.get("switches", 0)))
         with (self.out / f"{self._tag(trainer)}.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         leave = os.environ.get("FT_TEST_LEAVE")

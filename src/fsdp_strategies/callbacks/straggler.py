@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from fsdp_strategies._options import check_choice, check_int
-from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
+from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember, SyncModeSwitch
 from fsdp_strategies.testing import StallInjector, StragglerInjection
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StragglerDetector", "StragglerInjection", "StragglerScorer"]
 
-Action = Literal["warn", "hierarchical_sgd", "evict", "stop"]
+Action = Literal["warn", "hierarchical_sgd", "semi_sync", "evict", "stop"]
 ACTIONS: tuple[str, ...] = get_args(Action)
 _HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
 
@@ -192,13 +192,21 @@ class StragglerDetector(Callback):
         action: ``warn`` (default), ``hierarchical_sgd`` (with the ``ddp_hooks`` strategy and
             ``comm_hook: post_local_sgd | hierarchical_sgd``: train synchronously, switch to local
             averaging once the estimated straggler loss exceeds ``switch_threshold`` for ``patience``
-            windows, switch back after ``patience`` windows below half of it), ``evict`` (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``:
+            windows, switch back after ``patience`` windows below half of it), ``semi_sync`` (``ft_hsdp`` with
+            ``straggler_sync: local_sgd | diloco``, a :class:`~fsdp_strategies.protocols.SyncModeSwitch`: every window,
+            this group's cost -- the largest fraction of the every-step-equivalent wall time a rank of the group
+            spent in cross-group operations, from the strategy's ``sync_cost_counters`` -- is reported to the
+            strategy, which switches every group to its semi-synchronous mode at the same committed step once the
+            maximum over groups exceeds ``switch_threshold`` for ``patience`` boundaries, and back below half of it;
+            switches are listed in the report's ``events``), ``evict`` (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``:
             when a rank becomes a persistent straggler, every rank of its replica group leaves the quorum
             at the same step, deciding from the same gathered window; the launcher restarts the group,
             which heals from the others), ``stop`` (save a checkpoint, write the
             straggling hosts to ``hosts_file`` and exit with ``stop_exit_code``).
-        switch_threshold: fraction of the step time lost to stragglers that triggers the switch.
-        report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``).
+        switch_threshold: fraction of the step time lost to stragglers (``hierarchical_sgd``) or spent in
+            cross-group operations (``semi_sync``) that triggers the switch.
+        report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``; under ``ft_hsdp``
+            ``straggler_report_group<id>.json``, and ``{replica_group_id}`` in the path is replaced).
         hosts_file: file with straggling host names for ``stop`` (default next to the report).
         stop_exit_code: exit status of the ``stop`` action.
         inject: delay chosen ranks (tests, demos), see :class:`fsdp_strategies.testing.StragglerInjection`; the
@@ -246,6 +254,8 @@ class StragglerDetector(Callback):
         self.events: list[dict[str, Any]] = []
         self.switched = False
         self._switch_streak = 0
+        self._seen_switches = 0
+        self._cost_base: tuple[float, float, float] | None = None  # semi_sync: (wall, cross_s, extra_s) at window start
         self._reset_window()
         self._t_prev_end: float | None = None
         self._skip_next = True
@@ -281,6 +291,16 @@ class StragglerDetector(Callback):
                 f"{' with comm_hook=' + repr(comm_hook) if comm_hook is not None else ''}. "
                 "Fix: strategy: {class_path: fsdp_strategies.DDPHooksStrategy, init_args: {comm_hook: "
                 "hierarchical_sgd}}, or another action.")
+        if self.action == "semi_sync":
+            if not (isinstance(strategy, SyncModeSwitch) and strategy.sync_switch_available):
+                mode = getattr(strategy, "straggler_sync", None)
+                raise ValueError(
+                    f"action='semi_sync' needs ft_hsdp with straggler_sync local_sgd or diloco (a SyncModeSwitch), but "
+                    f"the strategy is {type(strategy).__name__}"
+                    f"{'' if mode is None else f' with straggler_sync={mode!r}'}. "
+                    "Fix: strategy: {class_path: fsdp_strategies.FTHSDPStrategy, init_args: {straggler_sync: diloco}}, "
+                    "or another action.")
+            strategy.configure_sync_switch(self.switch_threshold, self._scorer_kwargs["patience"])
         if self.action == "evict" and not isinstance(strategy, QuorumMember):
             raise ValueError(
                 f"action='evict' needs a fault-tolerant strategy with leave_quorum(reason) (e.g. ft_hsdp), but the "
@@ -308,6 +328,8 @@ class StragglerDetector(Callback):
             strategy.set_local_sgd(False, average=False)
         self._t_prev_end = None
         self._t_train_start = time.perf_counter()
+        if self.action == "semi_sync":
+            self._cost_base = (time.perf_counter(), *trainer.strategy.sync_cost_counters())
 
     # ------------------------------------------------------------------ timing
     def _stall(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
@@ -369,6 +391,10 @@ class StragglerDetector(Callback):
         self._hook_s += t0 - t_end
         if self._pending is not None:  # the previous window's gather ran during this step: score it now
             self._finish_window(trainer)
+        if self.action == "semi_sync":
+            self._collect_switches(trainer)
+            if self._batches == self.skip_first:  # warm-up (the first quorum waits for every group to start)
+                self._cost_base = (time.perf_counter(), *trainer.strategy.sync_cost_counters())
         if self._batches % self.window == 0:
             self._end_window(trainer)
         self._gather_s += time.perf_counter() - t0
@@ -427,7 +453,7 @@ class StragglerDetector(Callback):
     def _end_window(self, trainer: pl.Trainer) -> None:
         if self._cuda:
             self._resolve_cuda()
-        local = np.concatenate([self._sums, self._self_steps])
+        local = np.concatenate([self._sums, self._self_steps, self._cost_window(trainer)])
         self._reset_window()
         self._pending = (self._start_gather(trainer, local), trainer.global_step)
 
@@ -437,9 +463,18 @@ class StragglerDetector(Callback):
         wait, step = self._pending
         self._pending = None
         gathered = wait()
+        if self.action == "semi_sync":
+            gathered, cost = gathered[:, :-2], gathered[:, -2:]
+            # the group's cost: its worst rank (every rank computes the same number from the same gathered window)
+            sync_cost = float(np.max(cost[:, 0] / np.maximum(cost[:, 1], 1e-9)))
+            strategy = trainer.strategy
+            assert isinstance(strategy, SyncModeSwitch)
+            strategy.report_sync_cost(sync_cost)
         result = self.scorer.update(gathered[:, :_HEADER], gathered[:, _HEADER:], step)
         if not result["measured"]:
             return
+        if self.action == "semi_sync":
+            result["sync_cost"] = sync_cost
         result["worst"] = self._worst(result)
         self.history.append(result)
         self._log(trainer, result)
@@ -506,6 +541,25 @@ class StragglerDetector(Callback):
         assert isinstance(strategy, QuorumMember)
         strategy.leave_quorum(f"persistent straggler in this group at step {trainer.global_step}: {named}")
 
+    def _cost_window(self, trainer: pl.Trainer) -> np.ndarray:
+        """``semi_sync``: this rank's (cross-group seconds, every-step-equivalent wall seconds) of the window ending now."""
+        if self.action != "semi_sync":
+            return np.zeros(0)
+        now, (cross, extra) = time.perf_counter(), trainer.strategy.sync_cost_counters()
+        base = self._cost_base or (now, cross, extra)
+        self._cost_base = (now, cross, extra)
+        return np.array([cross - base[1], (now - base[0]) + (extra - base[2])])
+
+    def _collect_switches(self, trainer: pl.Trainer) -> None:
+        """``semi_sync``: copy the strategy's switches (decided and logged there) into this report."""
+        strategy = trainer.strategy
+        assert isinstance(strategy, SyncModeSwitch)
+        events = strategy.sync_switch_events
+        for event in events[self._seen_switches:]:
+            self.events.append(dict(event))
+        self._seen_switches = len(events)
+        self.switched = strategy.semi_sync_active
+
     def _maybe_switch(self, trainer: pl.Trainer, step: int) -> None:
         assert self.scorer is not None
         strategy = trainer.strategy
@@ -540,10 +594,11 @@ class StragglerDetector(Callback):
 
     # ------------------------------------------------------------------ report and state
     def _report_path(self, trainer: pl.Trainer) -> Path:
+        group = getattr(trainer.strategy, "replica_group_id", None)  # ft_hsdp: one report per replica group
         if self.report_path:
-            return Path(self.report_path)
+            return Path(self.report_path.replace("{replica_group_id}", str(group)))
         base = trainer.log_dir or trainer.default_root_dir
-        return Path(base) / "straggler_report.json"
+        return Path(base) / ("straggler_report.json" if group is None else f"straggler_report_group{group}.json")
 
     def report(self) -> dict[str, Any]:
         """Everything measured in this run (written as JSON by rank 0 at the end)."""
@@ -563,6 +618,7 @@ class StragglerDetector(Callback):
             "detector_cpu_s": self._cpu_s,
             "detector_cpu_frac": self._cpu_s / self._train_s if self._train_s else None,
             "local_sgd_switched_on": self.switched,
+            "sync_switches": [e for e in self.events if e.get("event") == "switch"],
         }
 
     def _write_report(self, trainer: pl.Trainer) -> None:

@@ -102,7 +102,9 @@ class EventLog:
       ``quorum_id``, ``healed``, ``step_s``, ``quorum_s``, ``commit_s``, ``pid`` and ``data_*`` (what the
       step trained and missed: ``data_step``, ``data_missed_samples``, ``data_redistributed_samples``...);
     * ``left``: the reason the group left the quorum;
-    * ``finished``: the committed step at the end of training (written before the slow teardown).
+    * ``finished``: the committed step at the end of training (written before the slow teardown);
+    * ``switch``: ``straggler_sync`` changed mode (``every_step`` or the fallback) at committed step ``switch_step``,
+      with the agreed ``cost`` (max over groups) and the per-group ``costs``.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -123,6 +125,9 @@ class EventLog:
 
     def write_finished(self, group: int, step: int) -> None:
         self._append({"group": group, "finished": step})
+
+    def write_switch(self, group: int, step: int, to: str, cost: float, costs: list[float]) -> None:
+        self._append({"group": group, "switch": to, "switch_step": step, "cost": cost, "costs": costs})
 
     # ------------------------------------------------------------------ reading (the launcher)
     def records(self) -> Iterator[dict[str, Any]]:

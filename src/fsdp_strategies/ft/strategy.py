@@ -32,6 +32,17 @@ participating group reports how many samples the step missed (``ft/missed_sample
 events file, and a ``rank_zero_info`` line when a stretch of missed steps starts and ends).
 ``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
 step, weighted so the step's gradient is the mean over the full global batch (see ``_redistribute``).
+
+``straggler_sync="local_sgd"|"diloco"`` (with ``sync="every_step"`` and ``StragglerDetector(action="semi_sync")``):
+the manager uses the synchronous quorum (started in ``batch_to_device``, so a healing group has the peer's state
+and step before it picks its batch) and the outer sync of :mod:`fsdp_strategies._ft_sync` is built at train start
+in every mode, dormant while the groups reduce every step (its heal-state keys exist on every group). Every
+``sync_every`` committed steps the groups' costs are all-reduced inside the step (after backward, before
+``should_commit``; in rounds: inside the outer sync) and the agreed decision applies only if that step commits:
+every-step -> rounds at that step (DiLoCo's backup = the current, identical, parameters; the FSDP hook stays
+registered and skips the cross-group all-reduce), rounds -> every-step after a committed outer sync (the inner
+optimizer states are averaged in the same sync). Mode, streak and step offset are heal state; a group restarted
+during rounds heals in the others' outer sync and joins it (``_join_outer_sync``). See :mod:`fsdp_strategies._ft_switch`.
 """
 
 from __future__ import annotations
@@ -56,6 +67,8 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies._ft_switch import STATE_KEY as SWITCH_STATE_KEY
+from fsdp_strategies._ft_switch import CostClock, StragglerSync, SwitchState, decide, validate_straggler_sync
 from fsdp_strategies._ft_sync import OuterSync, SyncMode, validate_sync_options
 from fsdp_strategies._mesh import HSDPDegrees
 from fsdp_strategies._options import check_choice, check_int, check_number
@@ -151,6 +164,11 @@ class FTHSDPStrategy(HSDPStrategy):
         outer_momentum: Nesterov momentum of the outer optimizer (``diloco``; 0 = plain SGD).
         num_fragments: streaming DiLoCo: the parameters are split into this many fragments and one fragment syncs
             every ``sync_every / num_fragments`` steps (1 = all at once).
+        straggler_sync: ``"off"``, or the semi-synchronous mode (``"local_sgd"``/``"diloco"``) to fall back to while
+            stragglers cost more than ``StragglerDetector(action="semi_sync", switch_threshold=...)`` allows; the run
+            starts with ``sync="every_step"`` and comes back to it. ``sync_every``/``outer_lr``/``outer_momentum``
+            describe the fallback. Needs that callback, ``num_fragments=1``, ``data_on_failure="skip"`` and a
+            ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies._ft_switch`.
         **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
@@ -177,6 +195,7 @@ class FTHSDPStrategy(HSDPStrategy):
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         num_fragments: int = 1,
+        straggler_sync: StragglerSync = "off",
         **kwargs: Any,
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
@@ -214,7 +233,25 @@ class FTHSDPStrategy(HSDPStrategy):
                             ("connect_timeout_s", connect_timeout_s)):
             check_number(name, value, fix="a positive number of seconds.")
         check_choice("data_on_failure", data_on_failure, DataOnFailure, prefix="ft_hsdp: ")
-        validate_sync_options(sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure)
+        validate_straggler_sync(straggler_sync, sync, sync_every, outer_lr, outer_momentum, num_fragments,
+                                data_on_failure)
+        if straggler_sync == "off":
+            validate_sync_options(sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure)
+        self.straggler_sync = straggler_sync
+        #: the agreed switch state (``straggler_sync`` on), the vote settings from the detector, the last cost
+        #: this group's detector reported, the vote of the step in flight (applied only if it commits)
+        self._switch: SwitchState | None = SwitchState() if straggler_sync != "off" else None
+        self._switch_cfg: tuple[float, int] | None = None
+        self._reported_cost = 0.0
+        self._pending_vote: dict[str, Any] | None = None
+        self._pending_opt_avg: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._cost = CostClock()
+        self._step_cross_s = 0.0
+        #: every switch of this process: ``{"step", "event": "switch", "to", "cost", "costs"}``
+        self.sync_switch_events: list[dict[str, Any]] = []
+        #: tests/benchmarks: called with the byte count before each cross-group all-reduce of this group (a slow
+        #: link), see :class:`fsdp_strategies.testing.SlowLinkInjector`; ``None`` in production
+        self.cross_group_delay: Callable[[int], None] | None = None
         self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self._outer: OuterSync | None = None
@@ -336,7 +373,8 @@ class FTHSDPStrategy(HSDPStrategy):
             load_state_dict=self._load_heal_state,
             state_dict=self._heal_state_dict,
             min_replica_size=self.min_replica_size,
-            use_async_quorum=self.sync == "every_step",  # torchft's DiLoCo needs the synchronous quorum
+            # torchft's DiLoCo needs the synchronous quorum (straggler_sync builds it in every mode)
+            use_async_quorum=self.sync == "every_step" and self._switch is None,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
             connect_timeout=timedelta(seconds=self.connect_timeout_s),
@@ -375,6 +413,9 @@ class FTHSDPStrategy(HSDPStrategy):
 
     def _cross_group_all_reduce(self, reduce_output: torch.Tensor) -> None:
         """Average one FSDP unit's reduce-scatter output over the replica groups of this quorum."""
+        if self._semi_active():  # straggler_sync in a semi-synchronous phase: the hook stays, the traffic stops
+            return
+        t_cross = time.perf_counter()
         if not self._waited_quorum:
             t0 = time.perf_counter()
             self._manager.wait_quorum()
@@ -384,8 +425,11 @@ class FTHSDPStrategy(HSDPStrategy):
             reduce_output.mul_(self._grad_scale)
         self.ft_stats["cross_group_allreduces"] += 1
         self.ft_stats["cross_group_bytes"] += reduce_output.numel() * reduce_output.element_size()
+        if self.cross_group_delay is not None:
+            self.cross_group_delay(reduce_output.numel() * reduce_output.element_size())
         # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
         self._managed_pg.allreduce([reduce_output], ReduceOp.AVG).wait()
+        self._step_cross_s += time.perf_counter() - t_cross
 
     # ------------------------------------------------------------------ heal state (what a recovering group fetches)
     def _capture_heal_state(self) -> dict[str, Any]:
@@ -463,6 +507,8 @@ class FTHSDPStrategy(HSDPStrategy):
                                "Fix: keep Trainer(use_distributed_sampler=True).")
             if self.sync != "every_step":
                 self._start_outer_sync()
+            elif self._switch is not None:
+                self._start_switchable()
 
     def _start_outer_sync(self) -> None:
         """``local_sgd``/``diloco``: wrap the optimizer in torchft's DiLoCo and sync once before the first inner step
@@ -508,15 +554,184 @@ class FTHSDPStrategy(HSDPStrategy):
     def _refresh_heal_state(self) -> None:
         self._heal_state = self._capture_heal_state()
 
+    def _semi_active(self) -> bool:
+        """Whether this step is an inner step of a semi-synchronous round (``sync`` or a ``straggler_sync`` phase)."""
+        return self._outer is not None and (self._switch is None or self._switch.semi)
+
     def _committed_step(self) -> int:
-        """The step every group agrees on: the quorum's (``every_step``) or the inner-step position (semi-sync)."""
-        return self._outer.step if self._outer is not None else int(self._manager.current_step())
+        """The step every group agrees on: the quorum's (``every_step``; plus the inner steps of earlier
+        ``straggler_sync`` phases) or the inner-step position (semi-sync)."""
+        if self._semi_active():
+            assert self._outer is not None
+            return self._outer.step
+        return int(self._manager.current_step()) + (self._switch.offset if self._switch is not None else 0)
+
+    # ------------------------------------------------------------------ straggler_sync: the SyncModeSwitch protocol
+    @property
+    def sync_switch_available(self) -> bool:
+        """Whether ``straggler_sync`` is on (``StragglerDetector(action="semi_sync")`` drives the switch)."""
+        return self._switch is not None
+
+    @property
+    def semi_sync_active(self) -> bool:
+        """Whether a semi-synchronous phase is active now (the same on every rank of every group)."""
+        return self._switch is not None and self._switch.semi
+
+    def configure_sync_switch(self, threshold: float, patience: int) -> None:
+        """Vote thresholds (from the detector, the same on every group: the same config). Call before training."""
+        self._switch_cfg = (float(threshold), int(patience))
+
+    def sync_cost_counters(self) -> tuple[float, float]:
+        """Cumulative ``(cross_s, extra_s)`` of this rank; see :class:`fsdp_strategies._ft_switch.CostClock`."""
+        return self._cost.counters()
+
+    def report_sync_cost(self, cost: float) -> None:
+        """This group's latest window cost (identical on every rank of the group: the detector computes it from
+        the window all ranks gathered). The next vote boundary uses it."""
+        self._reported_cost = float(cost)
+
+    def _start_switchable(self) -> None:
+        """``straggler_sync``: build the outer sync now, dormant, so that every group registers the same heal-state
+        keys whatever its mode (torchft loads the receiver's keys from the sender's state)."""
+        assert self.lightning_module is not None and self.model is not None and self._switch is not None
+        trainer = self.lightning_module.trainer
+        if self._switch_cfg is None:
+            raise ValueError(f"ft_hsdp: straggler_sync={self.straggler_sync!r} needs a StragglerDetector with "
+                             "action='semi_sync' (it measures the cost and sets the threshold). Fix: add "
+                             "{class_path: fsdp_strategies.callbacks.StragglerDetector, init_args: {action: semi_sync}} "
+                             "to trainer.callbacks, or straggler_sync='off'.")
+        if trainer.max_steps <= 0 or trainer.max_steps % self.sync_every:
+            raise ValueError(f"ft_hsdp: max_steps={trainer.max_steps} with straggler_sync={self.straggler_sync!r}: a "
+                             f"semi-synchronous phase must end with an outer sync. Fix: set trainer.max_steps to a "
+                             f"multiple of sync_every={self.sync_every}.")
+        if len(self.optimizers) != 1:
+            raise ValueError(f"ft_hsdp: straggler_sync={self.straggler_sync!r} supports one optimizer, got "
+                             f"{len(self.optimizers)}. Fix: return a single optimizer from configure_optimizers.")
+        for sub in self.model.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        if self._outer is None:
+            self._outer = OuterSync(self._manager, self.model, self.optimizers[0], mode=self.straggler_sync,
+                                    sync_every=self.sync_every, outer_lr=self.outer_lr,
+                                    outer_momentum=self.outer_momentum, num_fragments=1,
+                                    before_quorum=self._refresh_heal_state, stats=self.ft_stats,
+                                    after_quorum=self._vote, before_allreduce=self._delay_link)
+            self._manager.register_state_dict_fn(SWITCH_STATE_KEY, self._switch.load, self._switch.save)
+        self._switch.offset = trainer.global_step - int(self._manager.current_step())
+        self.ft_stats.setdefault("switch_votes", 0)
+        self.ft_stats.setdefault("switches", 0)
+        threshold, patience = self._switch_cfg
+        rank_zero_info(f"ft_hsdp: straggler_sync={self.straggler_sync!r}: every-step reduction, switching to rounds of "
+                       f"{self.sync_every} steps while the cross-group cost > {threshold:.0%} of the step time for "
+                       f"{patience} boundaries (every {self.sync_every} committed steps), back below {threshold / 2:.0%}")
+
+    def _delay_link(self, nbytes: int) -> None:
+        if self.cross_group_delay is not None:
+            self.cross_group_delay(nbytes)
+
+    def _vote_due(self) -> bool:
+        """Every-step phase: the step that ends at a multiple of ``sync_every`` (decided after the quorum, so a
+        group that just healed has the quorum's step)."""
+        return self._switch is not None and self._outer is not None and \
+            (self._committed_step() + 1) % self.sync_every == 0
+
+    def _vote(self) -> None:
+        """One boundary's vote, inside a step (every-step: after backward, before ``should_commit``; semi: the outer
+        sync, after its quorum): the groups' costs are all-reduced through the manager (a vector indexed by replica
+        group; a healing group's zeros), every member derives the same decision from the same vector and the heal
+        state's streak. Applied by :meth:`_apply_vote` only when the step/sync commits."""
+        assert self._switch is not None and self._switch_cfg is not None and self._outer is not None
+        t0 = time.perf_counter()
+        costs = torch.zeros(self.num_replica_groups, dtype=torch.float32, device=self.root_device)
+        costs[self.replica_group_id] = self._reported_cost
+        self._outer.counted_manager.allreduce(costs, reduce_op=ReduceOp.SUM).wait()
+        self.ft_stats["switch_votes"] += 1
+        values = [float(c) for c in costs.cpu()]
+        cost = max(values)
+        threshold, patience = self._switch_cfg
+        semi, streak = decide(self._switch.semi, self._switch.streak, cost, threshold, patience)
+        self._pending_vote = {"semi": semi, "streak": streak, "cost": cost, "costs": values}
+        if self._switch.semi and not semi:
+            # back to every-step: the groups' inner-optimizer states diverged in the rounds; average them in this
+            # sync too (applied with it), so that identical parameters stay identical under the same gradients
+            self._pending_opt_avg = self._average_optimizer_state()
+        self._step_cross_s += time.perf_counter() - t0
+
+    def _average_optimizer_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """All-reduce (average) copies of this rank's inner-optimizer state shards across the groups."""
+        assert self._outer is not None
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        works = []
+        opt = self.optimizers[0]
+        for group in opt.param_groups:
+            for param in group["params"]:
+                for key in sorted(opt.state.get(param, {})):
+                    value = _local(opt.state[param][key])
+                    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not value.is_floating_point():
+                        continue  # step counters are equal on every group
+                    copy = value.detach().clone()
+                    works.append(self._outer.counted_manager.allreduce(copy, reduce_op=ReduceOp.AVG))
+                    pairs.append((value, copy))
+        for work in works:
+            work.wait()
+        return pairs
+
+    def _apply_vote(self, committed: bool) -> None:
+        """Apply the vote of the step/sync that just ended, if it committed (identical on every member)."""
+        vote, self._pending_vote = self._pending_vote, None
+        averaged, self._pending_opt_avg = self._pending_opt_avg, None
+        if vote is None or not committed:
+            return
+        assert self._switch is not None and self._outer is not None
+        self._switch.streak = vote["streak"]
+        if vote["semi"] == self._switch.semi:
+            return
+        step = self._committed_step()
+        if vote["semi"]:  # every-step -> rounds: the parameters are identical on every group after this step
+            self._outer.rebase(step)
+        else:  # rounds -> every-step, after a committed outer sync: replicas identical
+            with torch.no_grad():
+                for value, avg in averaged or []:
+                    value.copy_(avg)
+            self._switch.offset = step - int(self._manager.current_step())
+        self._switch.semi = vote["semi"]
+        self._switch.switches += 1
+        self.ft_stats["switches"] += 1
+        to = self.straggler_sync if vote["semi"] else "every_step"
+        event = {"step": step, "event": "switch", "to": to, "cost": vote["cost"], "costs": vote["costs"]}
+        self.sync_switch_events.append(event)
+        assert self._switch_cfg is not None
+        rank_zero_info(f"ft_hsdp: switch to {to} at committed step {step}: cross-group cost {vote['cost']:.0%} of the "
+                       f"step time (max over groups; threshold {self._switch_cfg[0]:.0%})")
+        if self._events is not None and self.global_rank == 0:
+            self._events.write_switch(self.replica_group_id, step, to, vote["cost"], vote["costs"])
+
+    def _join_outer_sync(self) -> None:
+        """A group that healed, in its every-step quorum, from groups in a semi-synchronous phase: that quorum was
+        their outer sync's. Finish the sync with them as a healing participant, then continue in rounds."""
+        assert self._outer is not None and self.lightning_module is not None
+        self._quorum_started = False
+        self._waited_quorum = False
+        t0 = time.perf_counter()
+        committed = self._outer.sync(quorum=False)
+        self._after_step(committed, time.perf_counter() - t0, log=False)
+        self._apply_vote(committed)
+        # the peer's schedulers were captured inside its optimizer step, before Lightning stepped them
+        for cfg in self.lightning_module.trainer.lr_scheduler_configs:
+            if cfg.interval == "step":
+                cfg.scheduler.step()
+        self._sync_lightning_progress(self._committed_step(), pending=0)
+        rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed into a {self.straggler_sync} phase and "
+                       f"joined its outer sync ({'committed' if committed else 'discarded'}); continuing at step "
+                       f"{self._committed_step()}")
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Train the batch of the committed step (see :mod:`fsdp_strategies.ft.data`), then move it."""
         module = self.lightning_module
         if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
+            if self._switch is not None:  # synchronous quorum: heal (and learn the mode) before picking the batch
+                self._begin_step()
             step = self._committed_step()
             trainer = module.trainer
 
@@ -546,21 +761,30 @@ class FTHSDPStrategy(HSDPStrategy):
         if self._pending_scheduler_restore is not None:
             self._restore_schedulers(self._pending_scheduler_restore)
             self._pending_scheduler_restore = None
-        if self._outer is not None:  # semi-sync: no quorum in inner steps
-            if self._outer.pending == 0:
-                self._round_schedulers = self._snapshot_schedulers()
-            self._step_t0 = time.perf_counter()
-            self._quorum_wait_s = 0.0
-            self._healed = False
-            return
-        if not self._quorum_started:
+        if not self._semi_active() and not self._quorum_started:
             self._step_t0 = time.perf_counter()
             self._heal_state = self._capture_heal_state()
             self._quorum_wait_s = 0.0
             self._waited_quorum = False
             self._healed = False
-            self._manager.start_quorum()
+            self._step_cross_s = 0.0
+            self._manager.start_quorum()  # straggler_sync: synchronous (a healing group has the peer's state now)
             self._quorum_started = True
+            if self._switch is not None:
+                self._step_cross_s += time.perf_counter() - self._step_t0
+                if self._semi_active():  # healed from groups in a semi-synchronous phase: at their outer sync
+                    self._join_outer_sync()
+                    if not self._semi_active():  # that sync switched back to every-step: this step is one
+                        self._begin_step()
+                        return
+        if self._semi_active():  # semi-sync: no quorum in inner steps
+            assert self._outer is not None
+            if self._outer.pending == 0:
+                self._round_schedulers = self._snapshot_schedulers()
+            self._step_t0 = time.perf_counter()
+            self._quorum_wait_s = 0.0
+            self._healed = False
+            self._step_cross_s = 0.0
 
     def _redistribute(self, batch: Any, step: int, prepare: Callable[[Any], Any]) -> Any:
         """Add this rank's share of the missing groups' batches of ``step``; set the gradient weight.
@@ -602,7 +826,7 @@ class FTHSDPStrategy(HSDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._outer is not None:
+        if self._semi_active():
             return self._inner_step(optimizer, closure, model, **kwargs)
         if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
             self.on_train_batch_start(None, -1)
@@ -613,6 +837,8 @@ class FTHSDPStrategy(HSDPStrategy):
             self._quorum_wait_s += time.perf_counter() - t0
             self._waited_quorum = True
         self._participating = bool(self._manager.is_participating())  # False while healing: zeros contributed
+        if self._vote_due():  # straggler_sync: between the quorum and should_commit, so it commits with the step
+            self._vote()
         t1 = time.perf_counter()
         committed = bool(self._manager.should_commit())  # applies a healed state first
         commit_s = time.perf_counter() - t1
@@ -624,6 +850,9 @@ class FTHSDPStrategy(HSDPStrategy):
             self._pending_scheduler_restore = self._snapshot_schedulers()
             out = loss
         self._after_step(committed, commit_s)
+        if self._switch is not None:
+            self._cost.synchronous_step(self._step_cross_s + commit_s)
+            self._apply_vote(committed)
         return out
 
     def _inner_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -634,6 +863,7 @@ class FTHSDPStrategy(HSDPStrategy):
             self._round_samples += self._data.batch_size_of(self._data_step) * self.world_size
         t0 = time.perf_counter()
         committed = self._outer.after_inner_step()
+        sync_s = time.perf_counter() - t0
         self._sync_lightning_progress(self._outer.step)
         if committed is not None:
             if not committed:  # the round's inner steps are rolled back: so are the LR schedulers
@@ -641,6 +871,12 @@ class FTHSDPStrategy(HSDPStrategy):
             self._after_step(committed, time.perf_counter() - t0)
             self._round_samples = 0
         self._data_step = None
+        if self._switch is not None:
+            if committed is None:
+                self._cost.inner_step()
+            else:
+                self._cost.sync_step(sync_s, self._outer.last_quorum_s, self.sync_every)
+                self._apply_vote(committed)
         return out
 
     def _sync_lightning_progress(self, target: int | None = None, pending: int = 1) -> None:
@@ -649,7 +885,7 @@ class FTHSDPStrategy(HSDPStrategy):
         ``pending``: 1 inside ``optimizer_step`` (Lightning increments after it returns), 0 outside a step.
         """
         assert self.lightning_module is not None
-        target = int(self._manager.current_step()) if target is None else target
+        target = self._committed_step() if target is None else target
         seam.set_optimizer_step_count(self.lightning_module.trainer, target, pending=pending)
 
     def _snapshot_schedulers(self) -> list[Any]:
@@ -716,13 +952,13 @@ class FTHSDPStrategy(HSDPStrategy):
         The layout is fixed (equal shards, the same position on every group), so the groups missing from the
         step each missed exactly as many samples as this group trained.
         """
-        if self._outer is not None:
+        if self._semi_active():
             return self._round_accounting(committed, participants)
         if self._data is None or self._data_step is None:
             return {}
         position, self._data_step = self._data_step, None
         samples = (self._data.batch_size_of(position) + self._extra_samples) * self.world_size
-        step = int(self._manager.current_step()) - int(committed)  # the quorum's step (a healing group's jumps)
+        step = self._committed_step() - int(committed)  # the quorum's step (a healing group's jumps)
         data: dict[str, Any] = {"step": step, "position": position, "participating": self._participating,
                                 "rebuilt": self.last_step_data.get("rebuilt", False),
                                 "samples": samples if committed and self._participating else 0,
