@@ -167,6 +167,7 @@ class LaunchOptions:
     seed: int = 0
     timeout: float | None = None
     grace: float = 30.0
+    pin_cores: str = "none"
     python: str = sys.executable
     env: dict[str, str] | None = None
 
@@ -178,6 +179,56 @@ class LaunchOptions:
         if not command:
             raise SystemExit("give the training script and its arguments after the options (e.g. -- "
                              "examples/train_llama.py fit ...)")
+        core_sets(self.pin_cores, self.groups)  # a bad --pin-cores fails here, before anything starts
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the kernel's cpu-list syntax)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first:
+            raise ValueError(part)
+        cpus.extend(range(first, last + 1))
+    return cpus
+
+
+def core_sets(spec: str, groups: int) -> list[list[int]] | None:
+    """The CPUs of each replica group for ``--pin-cores`` (``None``: no pinning).
+
+    Why pin: a replica group that trains alone after a peer died would otherwise also run on the dead
+    group's cores, so goodput under faults would be measured against a machine the fault-free run
+    shared. ``auto`` splits this process's allowed CPUs into ``groups`` equal contiguous blocks; an
+    explicit value lists each group's CPUs, groups separated by ``;`` (``"0-3;4-7"``; a CPU may repeat).
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "none":
+        return None
+    if spec == "auto":
+        per = len(allowed) // groups
+        if per < 1:
+            raise SystemExit(f"--pin-cores auto: {groups} replica groups but this process may use only {len(allowed)} "
+                             f"CPUs {allowed}. Fix: fewer --groups, or give each group its CPUs explicitly, e.g. "
+                             f"--pin-cores '{';'.join(str(allowed[i % len(allowed)]) for i in range(groups))}' "
+                             "(groups may share a CPU).")
+        return [allowed[i * per:(i + 1) * per] for i in range(groups)]
+    fix = (f"Fix: 'none', 'auto', or {groups} CPU lists separated by ';' (e.g. "
+           f"'{';'.join(str(allowed[i % len(allowed)]) for i in range(groups))}'), using the allowed CPUs {allowed}.")
+    parts = spec.split(";")
+    if len(parts) != groups:
+        raise SystemExit(f"--pin-cores {spec!r}: {len(parts)} CPU lists for {groups} replica groups. {fix}")
+    sets: list[list[int]] = []
+    for part in parts:
+        try:
+            cpus = _parse_cpu_list(part)
+        except ValueError:
+            raise SystemExit(f"--pin-cores {spec!r}: {part!r} is not a CPU list. {fix}") from None
+        outside = sorted(set(cpus) - set(allowed))
+        if outside:
+            raise SystemExit(f"--pin-cores {spec!r}: CPUs {outside} are not available to this process. {fix}")
+        sets.append(sorted(set(cpus)))
+    return sets
 
 
 class FTLauncher:
@@ -213,6 +264,7 @@ class FTLauncher:
         self.t_start = time.time()
         self.next_kill = 0.0
         self.victim_rr = 0
+        self.cores = core_sets(options.pin_cores, options.groups)
 
     # ------------------------------------------------------------------ records
     def events(self, g: _Group) -> EventLog:
@@ -270,10 +322,13 @@ class FTLauncher:
         g.log = (self.logs / f"group{g.gid}.log").open("ab")
         g.log.write(f"\n===== start #{g.restarts}: {' '.join(cmd)}\n".encode())
         g.log.flush()
+        cores = self.cores[g.gid] if self.cores is not None else None
+        # the group's processes (torchrun and its ranks) inherit the affinity; a restart gets the same CPUs
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores is not None else None
         g.proc = subprocess.Popen(cmd, env=self.group_env(g, master_port), stdout=g.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=pin)
         g.started_at = time.time()
-        self.note({"event": "start", "group": g.gid, "restart": g.restarts, "pid": g.proc.pid})
+        self.note({"event": "start", "group": g.gid, "restart": g.restarts, "pid": g.proc.pid, "cores": cores})
 
     def kill(self, g: _Group, why: str) -> None:
         if g.proc is None or g.proc.poll() is not None:
@@ -501,6 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM: how long the groups may take to stop (and checkpoint) before SIGKILL; "
                              "more than the strategy's preempt_grace_s")
+    parser.add_argument("--pin-cores", default="none", metavar="none|auto|CPUS;CPUS;...",
+                        help="pin each replica group's processes to its own CPUs (os.sched_setaffinity; kept across "
+                             "restarts): 'auto' splits the allowed CPUs evenly, or one cpu-list per group, e.g. '0-3;4-7'")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -511,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms, kill_every=args.kill_every,
         kill_at_steps=args.kill_at_steps, first_kill_after=args.first_kill_after, max_restarts=args.max_restarts,
         restart_delay=args.restart_delay, events_dir=args.events_dir, log_dir=args.log_dir, seed=args.seed,
-        timeout=args.timeout, grace=args.grace,
+        timeout=args.timeout, grace=args.grace, pin_cores=args.pin_cores,
     )
     raise SystemExit(result.returncode)
 
