@@ -199,6 +199,26 @@ def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None
     assert _one("checkpoint-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+def test_ft_recovery_goodput_counts_committed_samples_not_steps() -> None:
+    from suites.ft_recovery import REFERENCE, _goodput
+
+    # 2 groups, 4 samples each per step; group 1 is down for steps 3-4: those steps commit only group 0's samples
+    def rec(t: float, group: int, step: int, samples: int) -> dict:
+        return {"t": t, "group": group, "step": step, "committed": True, "data_samples": samples}
+
+    g0 = [rec(float(i), 0, i, 4) for i in range(1, 7)]
+    g1 = [rec(float(i), 1, i, 4) for i in (1, 2, 5, 6)]
+    good = _goodput({"timelines": {"0": g0, "1": g1}}, global_batch=8)
+    assert good["steps"] == 5 and good["seconds"] == 5.0
+    assert good["samples"] == 4 * 5 + 4 * 3  # the first record's samples precede the span
+    assert good["samples_per_s"] == pytest.approx(32 / 5) and good["steps_per_s"] == pytest.approx(1.0)
+    # hsdp's step log has no per-step samples: committed steps x the global batch
+    hsdp = _goodput({"timelines": {"job": [{"t": float(i), "step": i, "committed": True} for i in range(1, 7)]}},
+                    global_batch=8)
+    assert hsdp["samples"] == 5 * 8
+    assert set(REFERENCE) == {"ft_faults", "diloco_faults", "hsdp_restart"}
+
+
 # ---------------------------------------------------------------------------------------------- benchmarks/gpu.py
 
 
