@@ -58,7 +58,7 @@ def test_literal_on_a_strategy_through_the_script(tmp_path: Path) -> None:
      r"value; valid values: 'full', 'selective_op', 'selective_layer'\. Fix: did you mean mode: selective_op\?"),
     (lambda tmp: ["--config", _yaml(tmp, "straggler.yaml", "  action: hierarchical_sgd ", "  action: evict_all ")],
      r"\(fsdp_strategies\.callbacks\.StragglerDetector\): action='evict_all' is not a valid value; valid values: "
-     r"'warn', 'hierarchical_sgd', 'evict', 'stop'\. Fix: did you mean action: evict\?"),
+     r"'warn', 'hierarchical_sgd', 'semi_sync', 'evict', 'stop'\. Fix: did you mean action: evict\?"),
     (lambda tmp: ["--trainer.callbacks+=fsdp_strategies.MFUMonitor", "--trainer.callbacks.peak_dtype", "bf61"],
      r"\(fsdp_strategies\.MFUMonitor\): peak_dtype='bf61' is not a valid value; valid values: 'bf16', 'fp16', "
      r"'tf32', 'fp8', 'fp32' or null\. Fix: did you mean peak_dtype: bf16\?"),
