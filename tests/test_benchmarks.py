@@ -216,7 +216,21 @@ def test_ft_recovery_goodput_counts_committed_samples_not_steps() -> None:
     hsdp = _goodput({"timelines": {"job": [{"t": float(i), "step": i, "committed": True} for i in range(1, 7)]}},
                     global_batch=8)
     assert hsdp["samples"] == 5 * 8
-    assert set(REFERENCE) == {"ft_faults", "diloco_faults", "hsdp_restart"}
+    assert REFERENCE == {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "diloco_faults": "diloco_nofault",
+                         "diloco_faults_warm": "diloco_nofault", "hsdp_restart": "hsdp_nofault"}
+
+
+def test_ft_recovery_downtime_is_kill_to_the_killed_groups_next_commit() -> None:
+    from suites.ft_recovery import _downtimes
+
+    def rec(t: float, group: int, step: int) -> dict:
+        return {"t": t, "group": group, "step": step, "committed": True}
+
+    g0 = [rec(float(i), 0, i) for i in range(1, 11)]
+    g1 = [rec(1.0, 1, 1), rec(2.0, 1, 2), rec(5.5, 1, 6), rec(6.0, 1, 7)]  # killed at 2.5, back at 5.5
+    run = {"kills": [{"t": 2.5, "group": 1}, {"t": 8.2, "group": 1}], "timelines": {"0": g0, "1": g1}}
+    down = _downtimes(run)
+    assert [d["down_s"] for d in down] == [3.0, None]  # the second fault: never committed again
 
 
 # ---------------------------------------------------------------------------------------------- benchmarks/gpu.py

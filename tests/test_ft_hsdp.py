@@ -102,6 +102,57 @@ def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
         assert a["ft_stats"]["heals"] >= 1 and b["ft_stats"]["heals"] >= 1
 
 
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multiprocess
+def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
+    # --warm-spares: each group gets a standby incarnation once it has committed a step (imports done, Trainer
+    # built, no process group). Both groups wait after step 6 until both spares are ready, then the launcher
+    # SIGKILLs group 1 at step 8: its spare -- the very process started before the kill -- is activated in its
+    # place, joins the quorum and heals from group 0. While on standby a spare never joins: at most 2 participants.
+    max_steps = 40
+    events = _launch(
+        tmp_path, "spare", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        ["--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1", "--warm-spares"],
+        {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5"},
+    )
+    out = tmp_path / "spare"
+    launcher = _jsonl(events / "launcher.jsonl")
+    kinds = [e["event"] for e in launcher]
+    [kill] = [e for e in launcher if e["event"] == "kill"]
+    assert kill["group"] == 1 and kill["why"] == "at step 8", kill
+    spare = next(e for e in launcher if e["event"] == "spare" and e["group"] == 1 and e["restart"] == 1)
+    ready = next(e for e in launcher if e["event"] == "spare_ready" and e["group"] == 1)
+    [restart] = [e for e in launcher if e["event"] == "start" and e["restart"] == 1]
+    assert launcher.index(spare) < launcher.index(ready) < launcher.index(kill) < launcher.index(restart), kinds
+    assert restart["group"] == 1 and restart["warm_spare"] is True and restart["spare_ready"] is True
+    assert restart["pid"] == spare["pid"], (restart, spare)  # the spare itself, not a new process
+    assert "ft_hsdp: warm spare of replica group 1 activated after" in (events / "group1.log").read_text()
+    # group 0's unused spare was stopped when it finished (group 1, out of restarts, got no second one); no spare
+    # process is left behind
+    stopped = [(e["group"], e["why"]) for e in launcher if e["event"] == "spare_stopped"]
+    assert stopped == [(0, "the group finished")], stopped
+    assert not [e["pid"] for e in launcher if e["event"] == "spare" and _alive(e["pid"])]
+
+    for rank in (0, 1):
+        g0, g1 = _records(out, 0, rank), _records(out, 1, rank)
+        assert max(r["participants"] for r in g0 + g1) <= 2
+        healed = next(r for r in g1 if r["incarnation"] == 1)
+        assert healed["step_before"] == 0 and healed["committed"] and healed["step_after"] > 8, healed
+        a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
+        assert (a["incarnation"], b["incarnation"]) == (0, 1)
+        assert a["global_step"] == b["global_step"] == max_steps
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+        assert b["ft_stats"]["heals"] >= 1
+
+
 @pytest.mark.multiprocess
 def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
     # 2 groups x 2 ranks x batch 2 = global batch 8 = hsdp on 4 ranks with the same data layout.

@@ -3,18 +3,28 @@ one class reads and writes the environment (fast, no processes)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from fsdp_strategies.ft.protocol import (
     EVENTS_ENV,
+    LAUNCHER_PID_ENV,
     LIGHTHOUSE_ENV,
     NUM_GROUPS_ENV,
     REPLICA_GROUP_ENV,
     RESTART_COUNT_ENV,
+    STANDBY_ENV,
     EventLog,
     FTEnvironment,
+    standby_ready_file,
+    wait_for_activation,
 )
 
 
@@ -26,6 +36,38 @@ def test_environment_round_trip_and_bad_numbers() -> None:
     assert FTEnvironment.from_env({}) == FTEnvironment()
     with pytest.raises(ValueError, match=r"REPLICA_GROUP_ID='one' is not an integer. Fix"):
         FTEnvironment.from_env({REPLICA_GROUP_ENV: "one"})
+    spare = FTEnvironment(replica_group_id=0, standby_file="/tmp/g0.spare1.go", launcher_pid=123, restart_count=1)
+    assert {STANDBY_ENV, LAUNCHER_PID_ENV} <= set(spare.to_env())
+    assert FTEnvironment.from_env(spare.to_env()) == spare
+
+
+def test_a_warm_spare_waits_until_activated_and_says_it_is_ready(tmp_path: Path) -> None:
+    assert wait_for_activation(FTEnvironment()) == 0.0  # not a spare: no wait
+    go = tmp_path / "group1.spare1.go"
+    env = FTEnvironment(standby_file=str(go), launcher_pid=None)
+    ready_seen: list[bool] = []
+
+    def activate() -> None:
+        deadline = time.monotonic() + 10
+        while not standby_ready_file(go).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ready_seen.append(standby_ready_file(go).exists())
+        time.sleep(0.3)
+        go.touch()
+
+    t = threading.Thread(target=activate)
+    t.start()
+    waited = wait_for_activation(env)
+    t.join()
+    assert ready_seen == [True] and go.exists() and waited >= 0.3
+
+
+def test_a_warm_spare_whose_launcher_is_gone_exits(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid names no process any more
+    env = FTEnvironment(standby_file=str(tmp_path / "never.go"), launcher_pid=dead.pid)
+    with pytest.raises(SystemExit, match=rf"its launcher \(pid {dead.pid}\) is gone before activating it"):
+        wait_for_activation(env)
 
 
 def test_events_written_by_the_group_are_what_the_launcher_reads(tmp_path: Path) -> None:
@@ -47,3 +89,27 @@ def test_events_written_by_the_group_are_what_the_launcher_reads(tmp_path: Path)
     summary = EventLog.data_summary(tmp_path)
     assert summary == {"committed_steps": 2, "missed_samples": 16, "missed_stretches": [[0, 1, 16]],
                        "redistributed_samples": 4}
+
+
+def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
+    # the launcher starts a spare under SCHED_IDLE; activation puts every thread (those started before too) back to
+    # SCHED_OTHER -- or, without the privilege to do so, warns with the fix
+    code = (
+        "import os, threading, time, warnings, json\n"
+        "from fsdp_strategies.ft.protocol import restore_normal_scheduling\n"
+        "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start()\n"
+        "before = [os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')]\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always'); restore_normal_scheduling()\n"
+        "after = [os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')]\n"
+        "stop.set(); t.join()\n"
+        "print(json.dumps({'before': before, 'after': after, 'warnings': [str(x.message) for x in w]}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(seen["before"]) >= 2 and set(seen["before"]) == {os.SCHED_IDLE}, seen
+    if os.geteuid() == 0:
+        assert set(seen["after"]) == {os.SCHED_OTHER} and not seen["warnings"], seen
+    else:
+        assert seen["warnings"] and "ulimit -e 20" in seen["warnings"][0], seen

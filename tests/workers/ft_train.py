@@ -17,6 +17,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
     FT_TEST_BREAK_WRITE  "GROUP:N": the first incarnation of GROUP dies right after its N-th DCP shard write
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
+    FT_TEST_AWAIT_SPARES  "STEP:N": after committed step STEP, the first incarnation waits until N warm spares are
+                       ready (``*.ready`` files beside the events file): a kill after STEP then hits a ready spare
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -199,10 +201,27 @@ class FTProbe(pl.Callback):
             group, incarnation, step = (int(x) for x in leave.split(":"))
             if (group, incarnation) == (strategy.replica_group_id, self.incarnation) and trainer.global_step >= step:
                 strategy.leave_quorum(f"test eviction at step {trainer.global_step}")
+        self._await_spares(trainer)
         if self.sleep:
             time.sleep(self.sleep)
         if self.sleep_alone and record.get("participants", self.groups) < self.groups:
             time.sleep(self.sleep_alone)
+
+    def _await_spares(self, trainer: pl.Trainer) -> None:
+        spec = os.environ.get("FT_TEST_AWAIT_SPARES")
+        if not spec or self.incarnation != 0:
+            return
+        step, count = (int(x) for x in spec.split(":"))
+        if trainer.global_step != step:
+            return
+        from fsdp_strategies.ft.protocol import FTEnvironment
+
+        events = Path(FTEnvironment.from_env().events_file or "").parent
+        deadline = time.monotonic() + 240
+        while len(list(events.glob("*.spare*.go.ready"))) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} warm spares never became ready in {events}")
+            time.sleep(0.1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()

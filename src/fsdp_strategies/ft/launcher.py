@@ -8,6 +8,9 @@ takes its group down, which is what fault tolerance needs) or a plain ``python S
 Lightning's own launcher start the ranks (``--runner lightning``). Every group gets its own OS
 session, so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``) is a SIGKILL of the whole
 group, and a group that exits non-zero is restarted; the restarted group heals from a live peer.
+With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has already
+started Python, imported everything and built its Trainer, and waits (no process group, no quorum seat) to
+be activated: a failure then costs the group its process-group set-up and heal, not a cold start.
 Groups learn their place from the environment (:class:`~fsdp_strategies.ft.protocol.FTEnvironment`:
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``FSDP_STRATEGIES_FT_EVENTS`` -- a
 per-group JSON-lines step log (:class:`~fsdp_strategies.ft.protocol.EventLog`), which the launcher also
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, FTEnvironment
+from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, FTEnvironment, standby_ready_file
 
 __all__ = ["FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
 
@@ -94,6 +97,13 @@ class _Group:
     succeeded: bool = False  # exited 0: its training finished
     gave_up: str | None = None  # why, once it exhausted --max-restarts
     exit_codes: list[int] = field(default_factory=list)
+    # --warm-spares: the standby incarnation (its processes, activation file, log) and whether spares failed
+    spare: subprocess.Popen[bytes] | None = None
+    spare_go: Path | None = None
+    spare_log: Any = None
+    spare_started: float = 0.0
+    spare_ready: bool = False
+    spare_failed: bool = False
 
 
 @dataclass
@@ -168,6 +178,7 @@ class LaunchOptions:
     timeout: float | None = None
     grace: float = 30.0
     pin_cores: str = "none"
+    warm_spares: bool = False
     python: str = sys.executable
     env: dict[str, str] | None = None
 
@@ -236,8 +247,8 @@ class FTLauncher:
 
     :meth:`run` is the supervision loop; each pass asks, in order: preempted? (:meth:`_preempt_step`),
     past the timeout?, has training finished somewhere (:meth:`_stop_groups_that_cannot_join`)?, which
-    groups exited (:meth:`_handle_exits`: restart, or give up after ``max_restarts``)?, all done?, and
-    is a fault due (:meth:`_inject_faults`)? Groups talk to it only through the protocol of
+    groups exited (:meth:`_handle_exits`: restart, or give up after ``max_restarts``)?, all done?, does a group
+    need a warm spare (:meth:`_tend_spares`)?, and is a fault due (:meth:`_inject_faults`)? Groups talk to it only through the protocol of
     :mod:`fsdp_strategies.ft.protocol` (environment, exit codes, events files).
     """
 
@@ -294,15 +305,19 @@ class FTLauncher:
                    "heartbeat_timeout_ms": o.heartbeat_timeout_ms, "join_timeout_ms": o.join_timeout_ms})
 
     # ------------------------------------------------------------------ one group: start and kill
-    def group_env(self, g: _Group, master_port: int) -> dict[str, str]:
-        """The group's environment: the protocol's variables, its own rendezvous, nothing of a parent's ranks."""
+    def group_env(self, g: _Group, master_port: int, restart_count: int | None = None,
+                  standby_file: Path | None = None) -> dict[str, str]:
+        """The group's environment: the protocol's variables, its own rendezvous, nothing of a parent's ranks
+        (a warm spare: its future restart count, its activation file and this launcher's pid)."""
         genv = dict(os.environ)
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
             genv.pop(key, None)
         genv.update(self.opts.env or {})
         genv.update(FTEnvironment(lighthouse_addr=self.lighthouse_addr, replica_group_id=g.gid,
                                   num_replica_groups=self.opts.groups, events_file=str(self.events(g).path),
-                                  restart_count=g.restarts).to_env())
+                                  restart_count=g.restarts if restart_count is None else restart_count,
+                                  standby_file=str(standby_file) if standby_file else None,
+                                  launcher_pid=os.getpid() if standby_file else None).to_env())
         genv.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                      "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"})
         return genv
@@ -314,21 +329,99 @@ class FTLauncher:
                     "--master_addr=127.0.0.1", f"--master_port={master_port}", "--max_restarts=0", *self.command]
         return [o.python, *self.command]
 
-    def start(self, g: _Group) -> None:
+    def _spawn(self, g: _Group, header: str, restart_count: int | None = None,
+               standby_file: Path | None = None) -> tuple[subprocess.Popen[bytes], Any]:
+        """Start one incarnation of the group (its own session, its CPUs, its log appended); returns it and its log.
+
+        A spare (``standby_file``) starts under ``SCHED_IDLE``: its start-up uses only CPU time the group's
+        training leaves idle, and it returns to normal scheduling once activated
+        (:func:`~fsdp_strategies.ft.protocol.restore_normal_scheduling`)."""
         master_port = _free_port()
         cmd = self.group_command(master_port)
+        log = (self.logs / f"group{g.gid}.log").open("ab")
+        log.write(f"\n===== {header}: {' '.join(cmd)}\n".encode())
+        log.flush()
+        cores = self.cores[g.gid] if self.cores is not None else None
+        idle = standby_file is not None and hasattr(os, "SCHED_IDLE")
+
+        def setup_child() -> None:
+            # the group's processes (torchrun and its ranks) inherit the affinity; a restart gets the same CPUs
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            if idle:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+        proc = subprocess.Popen(cmd, env=self.group_env(g, master_port, restart_count, standby_file), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=setup_child if cores is not None or idle else None)
+        return proc, log
+
+    def start(self, g: _Group) -> bool:
+        """Start the group's next incarnation: activate its warm spare if one is waiting (returns True), else a
+        cold start."""
         if g.log is not None:
             g.log.close()
-        g.log = (self.logs / f"group{g.gid}.log").open("ab")
-        g.log.write(f"\n===== start #{g.restarts}: {' '.join(cmd)}\n".encode())
-        g.log.flush()
         cores = self.cores[g.gid] if self.cores is not None else None
-        # the group's processes (torchrun and its ranks) inherit the affinity; a restart gets the same CPUs
-        pin = (lambda: os.sched_setaffinity(0, cores)) if cores is not None else None
-        g.proc = subprocess.Popen(cmd, env=self.group_env(g, master_port), stdout=g.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True, preexec_fn=pin)
+        if g.spare is not None and g.spare.poll() is None and g.spare_go is not None:
+            g.spare_go.touch()  # the spare's ranks leave wait_for_activation
+            g.proc, g.log, g.spare, g.spare_log = g.spare, g.spare_log, None, None
+            g.log.write(f"\n===== start #{g.restarts}: warm spare activated (ready: {g.spare_ready})\n".encode())
+            g.log.flush()
+            warm = True
+        else:
+            self.stop_spare(g, "replaced by a cold start")
+            g.proc, g.log = self._spawn(g, f"start #{g.restarts}")
+            warm = False
         g.started_at = time.time()
-        self.note({"event": "start", "group": g.gid, "restart": g.restarts, "pid": g.proc.pid, "cores": cores})
+        self.note({"event": "start", "group": g.gid, "restart": g.restarts, "pid": g.proc.pid, "cores": cores,
+                   "warm_spare": warm, **({"spare_ready": g.spare_ready} if warm else {})})
+        return warm
+
+    # ------------------------------------------------------------------ warm spares
+    def start_spare(self, g: _Group) -> None:
+        """Start the group's standby incarnation (restart ``g.restarts + 1``): it waits for :meth:`start`."""
+        n = g.restarts + 1
+        g.spare_go = self.events_dir / f"group{g.gid}.spare{n}.go"
+        g.spare_go.unlink(missing_ok=True)
+        standby_ready_file(g.spare_go).unlink(missing_ok=True)
+        g.spare, g.spare_log = self._spawn(g, f"spare #{n} (on standby)", restart_count=n, standby_file=g.spare_go)
+        g.spare_started, g.spare_ready = time.time(), False
+        self.note({"event": "spare", "group": g.gid, "restart": n, "pid": g.spare.pid})
+
+    def stop_spare(self, g: _Group, why: str) -> None:
+        if g.spare is None:
+            return
+        if g.spare.poll() is None:
+            kill_tree(g.spare.pid)
+            try:
+                g.spare.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.note({"event": "spare_stopped", "group": g.gid, "why": why})
+        if g.spare_log is not None:
+            g.spare_log.close()
+        g.spare, g.spare_log = None, None
+
+    def _tend_spares(self) -> None:
+        """``--warm-spares``: each running group gets a spare once its current incarnation has committed a step
+        (so a spare's start-up never competes with a start or a heal); a spare that dies on standby is reported
+        and not replaced for that group (its cold restarts still work)."""
+        if not self.opts.warm_spares:
+            return
+        for g in self.groups:
+            if g.spare is not None and g.spare.poll() is not None:
+                self.note({"event": "spare_exit", "group": g.gid, "code": g.spare.returncode,
+                           "log": str(self.logs / f"group{g.gid}.log")})
+                self.stop_spare(g, "exited on standby")
+                g.spare_failed = True
+            if g.spare is not None and not g.spare_ready and g.spare_go is not None \
+                    and standby_ready_file(g.spare_go).exists():
+                g.spare_ready = True
+                self.note({"event": "spare_ready", "group": g.gid, "after_s": round(time.time() - g.spare_started, 3)})
+            if g.spare is None and not g.spare_failed and not g.finished and g.restarts < self.opts.max_restarts \
+                    and g.proc is not None and g.proc.poll() is None \
+                    and self.events(g).last_committed_step(g.started_at) >= 0:
+                self.start_spare(g)
 
     def kill(self, g: _Group, why: str) -> None:
         if g.proc is None or g.proc.poll() is not None:
@@ -350,6 +443,7 @@ class FTLauncher:
     def _on_sigint(self, *_: Any) -> None:
         for g in self.groups:
             self.kill(g, "launcher stopping")
+            self.stop_spare(g, "launcher stopping")
         self.lighthouse.shutdown()
         raise SystemExit(130)
 
@@ -360,6 +454,8 @@ class FTLauncher:
             self.preempted_at = time.time()
             for g in self.running():
                 kill_tree(g.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+            for g in self.groups:  # a spare holds no state: nothing to save
+                self.stop_spare(g, "preempted")
 
     def _preempt_step(self, now: float) -> bool:
         """After a SIGTERM: True once every group stopped or the grace period ran out (the loop ends)."""
@@ -400,11 +496,13 @@ class FTLauncher:
             self.note({"event": "exit", "group": g.gid, "code": code})
             if code == 0:
                 g.finished = g.succeeded = True
+                self.stop_spare(g, "the group finished")
                 continue
             kill_tree(g.proc.pid)  # leftovers of the group (a rank that survived its peers)
             if training_finished:
                 self.note({"event": "not_restarted", "group": g.gid, "why": "another group already finished"})
                 g.finished, g.proc = True, None
+                self.stop_spare(g, "another group already finished")
                 continue
             if g.restarts >= o.max_restarts:
                 log = self.logs / f"group{g.gid}.log"
@@ -416,12 +514,13 @@ class FTLauncher:
                       f"(log: {log})", file=sys.stderr, flush=True)
                 self.returncode = 1
                 g.finished, g.proc = True, None
+                self.stop_spare(g, "the group gave up")
                 continue
             if o.restart_delay:
                 time.sleep(o.restart_delay)
             g.restarts += 1
-            self.restarts.append({"t": time.time(), "group": g.gid, "restart": g.restarts})
-            self.start(g)
+            warm = self.start(g)
+            self.restarts.append({"t": time.time(), "group": g.gid, "restart": g.restarts, "warm_spare": warm})
 
     def _all_done(self) -> bool:
         if not all(g.finished for g in self.groups):
@@ -498,6 +597,7 @@ class FTLauncher:
                 self._handle_exits(finished)
                 if self._all_done():
                     break
+                self._tend_spares()
                 self._inject_faults(now, finished)
                 time.sleep(0.05)
         finally:
@@ -506,6 +606,7 @@ class FTLauncher:
             for g in self.groups:
                 if g.proc is not None and g.proc.poll() is None:
                     self.kill(g, "launcher exit")
+                self.stop_spare(g, "launcher exit")
                 if g.log is not None:
                     g.log.close()
             self.lighthouse.shutdown()
@@ -559,6 +660,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pin-cores", default="none", metavar="none|auto|CPUS;CPUS;...",
                         help="pin each replica group's processes to its own CPUs (os.sched_setaffinity; kept across "
                              "restarts): 'auto' splits the allowed CPUs evenly, or one cpu-list per group, e.g. '0-3;4-7'")
+    parser.add_argument("--warm-spares", action="store_true",
+                        help="keep a standby incarnation per replica group (started once the group has committed a "
+                             "step: Python, imports and Trainer built, then waiting without a process group or "
+                             "quorum seat); a failed group is replaced by it instead of a cold start. Costs one idle "
+                             "copy of the group's processes (their memory, no CPU); helps process failures, not the "
+                             "loss of the host the spare runs on")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -569,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms, kill_every=args.kill_every,
         kill_at_steps=args.kill_at_steps, first_kill_after=args.first_kill_after, max_restarts=args.max_restarts,
         restart_delay=args.restart_delay, events_dir=args.events_dir, log_dir=args.log_dir, seed=args.seed,
-        timeout=args.timeout, grace=args.grace, pin_cores=args.pin_cores,
+        timeout=args.timeout, grace=args.grace, pin_cores=args.pin_cores, warm_spares=args.warm_spares,
     )
     raise SystemExit(result.returncode)
 

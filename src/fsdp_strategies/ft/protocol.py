@@ -5,6 +5,10 @@ Written once, here, and used by both sides:
 * **Environment** (:class:`FTEnvironment`): what a replica group learns from whoever started it
   (``fsdp-strategies-ft``, SLURM, torchx). ``TORCHFT_LIGHTHOUSE`` is torchft's own variable; the
   others are this package's launcher convention.
+* **Warm spares** (:func:`wait_for_activation`): a group the launcher starts ahead of a failure
+  (``STANDBY_ENV``) imports, parses its config and builds its Trainer, then waits before any process
+  group or lighthouse contact until the launcher creates its activation file; it exits if the launcher
+  is gone (``LAUNCHER_PID_ENV``).
 * **Exit codes**: :data:`LEAVE_EXIT_CODE` (a group left the quorum on purpose, e.g. evicted as a
   straggler) and :data:`PREEMPT_EXIT_CODE` (stopped by SIGTERM, requeue). The launcher restarts any
   non-zero exit; it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +33,18 @@ from fsdp_strategies._exit import PREEMPT_EXIT_CODE
 
 __all__ = [
     "EVENTS_ENV",
+    "LAUNCHER_PID_ENV",
     "LEAVE_EXIT_CODE",
     "LIGHTHOUSE_ENV",
     "NUM_GROUPS_ENV",
     "PREEMPT_EXIT_CODE",
     "REPLICA_GROUP_ENV",
     "RESTART_COUNT_ENV",
+    "STANDBY_ENV",
     "EventLog",
     "FTEnvironment",
+    "standby_ready_file",
+    "wait_for_activation",
 ]
 
 #: torchft's own variable: ``http://host:port`` of the lighthouse.
@@ -48,6 +57,10 @@ NUM_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 EVENTS_ENV = "FSDP_STRATEGIES_FT_EVENTS"
 #: how many times the launcher has restarted this group (0 on the first start).
 RESTART_COUNT_ENV = "FT_RESTART_COUNT"
+#: set on a warm spare only: the file whose creation (by the launcher) activates it.
+STANDBY_ENV = "FSDP_STRATEGIES_FT_STANDBY"
+#: set on a warm spare only: the launcher's pid; a waiting spare exits once it is gone.
+LAUNCHER_PID_ENV = "FSDP_STRATEGIES_FT_LAUNCHER_PID"
 #: exit status of a replica group that left the quorum on purpose (``leave_quorum``); the
 #: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
 LEAVE_EXIT_CODE = 75
@@ -72,6 +85,8 @@ class FTEnvironment:
     num_replica_groups: int | None = None
     events_file: str | None = None
     restart_count: int = 0
+    standby_file: str | None = None
+    launcher_pid: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FTEnvironment:
@@ -83,14 +98,83 @@ class FTEnvironment:
             num_replica_groups=_env_int(env, NUM_GROUPS_ENV),
             events_file=env.get(EVENTS_ENV) or None,
             restart_count=_env_int(env, RESTART_COUNT_ENV) or 0,
+            standby_file=env.get(STANDBY_ENV) or None,
+            launcher_pid=_env_int(env, LAUNCHER_PID_ENV),
         )
 
     def to_env(self) -> dict[str, str]:
         """The variables to set for a group (what the launcher passes; unset fields are left out)."""
         out = {LIGHTHOUSE_ENV: self.lighthouse_addr, REPLICA_GROUP_ENV: self.replica_group_id,
                NUM_GROUPS_ENV: self.num_replica_groups, EVENTS_ENV: self.events_file,
-               RESTART_COUNT_ENV: self.restart_count}
+               RESTART_COUNT_ENV: self.restart_count, STANDBY_ENV: self.standby_file,
+               LAUNCHER_PID_ENV: self.launcher_pid}
         return {k: str(v) for k, v in out.items() if v is not None}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def standby_ready_file(standby_file: str | os.PathLike[str]) -> Path:
+    """The file a warm spare's ranks create once they wait for activation (all imports and set-up done)."""
+    return Path(f"{os.fspath(standby_file)}.ready")
+
+
+def wait_for_activation(env: FTEnvironment, poll_s: float = 0.02) -> float:
+    """A warm spare's pause: return once ``env.standby_file`` exists (at once where none is set).
+
+    Why: a restarted replica group spends most of its downtime starting Python, importing torch and
+    Lightning and building its Trainer; a spare has done all that before the failure, so its activation
+    costs only the process group, the quorum and the heal. Called before any process group or lighthouse
+    contact, so a waiting spare holds no rendezvous and no quorum seat. Raises ``SystemExit`` (with the
+    reason) if ``env.launcher_pid`` is set and that process is gone: nobody is left to activate it.
+    Returns the seconds waited.
+    """
+    if not env.standby_file:
+        return 0.0
+    path, t0 = Path(env.standby_file), time.monotonic()
+    standby_ready_file(path).touch()  # the launcher reports the spare as ready (every rank touches it)
+    while not path.exists():
+        if env.launcher_pid is not None and not _alive(env.launcher_pid):
+            raise SystemExit(f"ft_hsdp warm spare: its launcher (pid {env.launcher_pid}) is gone before activating "
+                             f"it ({STANDBY_ENV}={path}); exiting without training.")
+        time.sleep(poll_s)
+    restore_normal_scheduling()
+    return time.monotonic() - t0
+
+
+def restore_normal_scheduling() -> None:
+    """Put every thread of this process back from ``SCHED_IDLE`` to ``SCHED_OTHER``.
+
+    The launcher starts a spare under ``SCHED_IDLE`` so that its start-up uses only CPU time the training
+    processes leave idle (a spare shares its group's cores); once activated it must train at normal priority.
+    Threads created later inherit the policy of the thread that creates them. Leaving ``SCHED_IDLE`` needs
+    ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20 (``ulimit -e 20``); without either this warns and the group
+    trains at idle priority (harmless only where nothing else runs on its cores). No-op elsewhere.
+    """
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is None or os.sched_getscheduler(0) != idle:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+    except PermissionError:
+        warnings.warn("ft_hsdp warm spare: cannot leave SCHED_IDLE after activation (needs CAP_SYS_NICE or "
+                      "RLIMIT_NICE >= 20); this replica group trains at idle CPU priority. Fix: `ulimit -e 20` in "
+                      "the launcher's shell, or run without --warm-spares.", stacklevel=2)
 
 
 class EventLog:

@@ -80,6 +80,7 @@ from fsdp_strategies.ft.protocol import (
     REPLICA_GROUP_ENV,
     EventLog,
     FTEnvironment,
+    wait_for_activation,
 )
 from fsdp_strategies.strategies.hsdp import HSDPStrategy
 
@@ -342,6 +343,13 @@ class FTHSDPStrategy(HSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # a warm spare (fsdp-strategies-ft --warm-spares) has imported and built everything up to here; it joins
+        # nothing (no process group, no lighthouse) until the launcher activates it
+        env = FTEnvironment.from_env()
+        if env.standby_file:
+            waited = wait_for_activation(env)
+            rank_zero_info(f"ft_hsdp: warm spare of replica group {self.replica_group_id} activated after "
+                           f"{waited:.1f} s on standby (incarnation {env.restart_count})")
         super().setup_environment()  # in-group process group + this group's 1-D mesh
         self._manager = self._create_manager()
         from torchft.process_group import ManagedProcessGroup
