@@ -27,6 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def as_torchrun_rank0(monkeypatch: pytest.MonkeyPatch, world_size: int, local_world_size: int) -> None:
+    """Make this process look like rank 0 of a torchrun job (``world_size`` ranks, ``local_world_size`` per node).
+
+    Why: a Trainer with ``devices > 1`` inside pytest would otherwise start Lightning's subprocess launcher, whose
+    rank 1 re-runs the current command -- the whole test session -- and is orphaned when rank 0's test ends. Under
+    torchrun's variables the processes are created externally, so ``fit`` runs in this process alone.
+    """
+    for key, value in {"TORCHELASTIC_RUN_ID": "pytest", "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0",
+                       "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": str(local_world_size),
+                       "GROUP_WORLD_SIZE": str(world_size // local_world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+
+
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"):

@@ -41,7 +41,7 @@ from _multinode import (
     start_lighthouse,
     torchrun_args,
 )
-from conftest import ROOT, WORKERS, _env, free_port
+from conftest import ROOT, WORKERS, _env, as_torchrun_rank0, free_port
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 WORKER = str(WORKERS / "multinode_train.py")
@@ -366,10 +366,7 @@ def test_a_trainer_split_other_than_torchruns_nodes_is_refused(monkeypatch: pyte
 
     from fsdp_strategies import DDPHooksStrategy, HSDPStrategy
 
-    for key, value in {"TORCHELASTIC_RUN_ID": "mn", "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(key, value)
+    as_torchrun_rank0(monkeypatch, world_size=4, local_world_size=2)
     refused = r"num_nodes=1 x devices=4 does not match torchrun's 2 node\(s\) x 2 rank\(s\) per node.*" \
               r"Fix: set trainer.num_nodes=2 and trainer.devices=2"
     with pytest.raises(ValueError, match=refused):

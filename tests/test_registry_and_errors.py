@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import fsdp_strategies
+from conftest import as_torchrun_rank0
 from fsdp_strategies import FSDP2Strategy, HSDPStrategy
 from fsdp_strategies._blocks import BlockNotFoundError, find_transformer_blocks
 from fsdp_strategies._mesh import resolve_hsdp_degrees
@@ -89,9 +90,12 @@ class Plain(pl.LightningModule):
         self.head = nn.Linear(4, 1)
 
 
-def test_unknown_block_class_fails_at_fit_before_process_group() -> None:
+def test_unknown_block_class_fails_at_fit_before_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 of a 2-rank torchrun job: Lightning's own launcher would start a rank 1 that re-runs this pytest session
+    as_torchrun_rank0(monkeypatch, world_size=2, local_world_size=2)
     trainer = pl.Trainer(strategy=FSDP2Strategy(block_class_names=["TransformerBlock"]), accelerator="cpu",
                          devices=2, logger=False)
+    assert trainer.strategy.cluster_environment.creates_processes_externally  # no child process is started
     with pytest.raises(BlockNotFoundError, match=r"block_class_names=\['TransformerBlock'\] matches no submodule.*'Block'"):
         trainer.fit(Plain())
     assert not torch.distributed.is_initialized()
