@@ -74,7 +74,15 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: fl
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``make test-lightning-range``: refuse to run against another Lightning than the one it installed."""
+    """Refuse a pytest session started from inside a test, and (``make test-lightning-range``) one that runs
+    against another Lightning than the one it installed."""
+    if os.environ.get("PYTEST_CURRENT_TEST"):
+        # a test ran Trainer(devices>1).fit in-process: Lightning's subprocess launcher re-ran this command (the
+        # pytest session) as rank 1, which would run every test again, orphaned once rank 0's test ends
+        pytest.exit(f"this pytest session was started by the test {os.environ['PYTEST_CURRENT_TEST']!r} (LOCAL_RANK="
+                    f"{os.environ.get('LOCAL_RANK')}): a Trainer with devices > 1 was fit inside pytest. Fix: in that "
+                    "test, call conftest.as_torchrun_rank0(monkeypatch, ...) first, or run the job in a worker script.",
+                    returncode=3)
     expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")
     if not expected:
         return
