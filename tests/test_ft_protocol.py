@@ -113,3 +113,32 @@ def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
         assert set(seen["after"]) == {os.SCHED_OTHER} and not seen["warnings"], seen
     else:
         assert seen["warnings"] and "ulimit -e 20" in seen["warnings"][0], seen
+
+
+def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path: Path) -> None:
+    # the launcher keeps one EventLog per group and asks it several times per 50 ms loop: it must read only what
+    # was appended, hold back a line still being written, skip a line cut short by a kill, and start over on a
+    # new job's (shorter) file
+    path = tmp_path / "group0.jsonl"
+    writer, reader = EventLog(path), EventLog(path)
+    assert reader.last_committed_step() == -1 and not reader.finished()  # no file yet
+    for step in (1, 2):
+        writer.write_step(0, step, committed=True)
+    writer.write_step(0, 3, committed=False)
+    assert reader.last_committed_step() == 2
+    started = time.time()
+    with path.open("a") as fh:  # a line in the middle of being written: not a record yet
+        fh.write(json.dumps({"t": started, "group": 0, "step": 9})[:-1] + ', "comm')
+    assert reader.last_committed_step() == 2 and len(list(reader.records())) == 3
+    with path.open("a") as fh:  # its writer was killed; the next incarnation's line lands on the same line
+        fh.write(json.dumps({"t": started, "group": 0, "step": 10, "committed": True}) + "\n")
+    writer.write_step(0, 11, committed=True)
+    assert reader.last_committed_step() == 11
+    assert [r["step"] for r in reader.records()] == [1, 2, 3, 11]  # the broken line is skipped, as a fresh reader does
+    assert [r["step"] for r in EventLog(path).records()] == [1, 2, 3, 11]
+    assert reader.last_committed_step(since=started) == 11 and reader.last_committed_step(since=time.time() + 60) == -1
+    writer.write_finished(0, 11)
+    assert reader.finished()
+    path.write_text("")  # a new job's file
+    writer.write_step(0, 1, committed=True)
+    assert reader.last_committed_step() == 1 and not reader.finished()

@@ -266,6 +266,8 @@ class FTLauncher:
             stale.unlink(missing_ok=True)
         self.rng = random.Random(options.seed)
         self.groups = [_Group(gid=i) for i in range(options.groups)]
+        # one reader per group, kept: each reads only what was appended since it last looked
+        self._event_logs = {g.gid: EventLog(self.events_dir / f"group{g.gid}.jsonl") for g in self.groups}
         self.kills: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
         self.lighthouse: Any = None
@@ -279,7 +281,7 @@ class FTLauncher:
 
     # ------------------------------------------------------------------ records
     def events(self, g: _Group) -> EventLog:
-        return EventLog(self.events_dir / f"group{g.gid}.jsonl")
+        return self._event_logs[g.gid]
 
     def note(self, record: dict[str, Any]) -> None:
         """One launcher event: appended to ``launcher.jsonl`` and printed to stderr."""

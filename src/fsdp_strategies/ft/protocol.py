@@ -193,6 +193,17 @@ class EventLog:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._reset()
+
+    def _reset(self) -> None:
+        # reading is incremental: the launcher asks several times per 50 ms loop, and re-parsing a growing file
+        # each time cost it a whole core after a few thousand steps (on the cores the groups train on)
+        self._offset = 0
+        self._partial = b""  # an unfinished last line (its writer may still be writing it)
+        self._records: list[dict[str, Any]] = []
+        self._committed: list[tuple[float, int]] = []  # (t, step) of committed step records, in file order
+        self._max_since: dict[float, tuple[int, int]] = {}  # since -> (committed records scanned, max step)
+        self._finished = False
 
     # ------------------------------------------------------------------ writing (the group's rank 0)
     def _append(self, record: dict[str, Any]) -> None:
@@ -214,26 +225,53 @@ class EventLog:
         self._append({"group": group, "switch": to, "switch_step": step, "cost": cost, "costs": costs})
 
     # ------------------------------------------------------------------ reading (the launcher)
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Every complete record (a line cut short by a kill is skipped)."""
+    def _refresh(self) -> None:
+        """Parse what was appended since the last call (the whole file again if it shrank: a new job's file)."""
         try:
-            with self.path.open() as fh:
-                for line in fh:
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
+            size = self.path.stat().st_size
+            if size < self._offset:
+                self._reset()
+            if size == self._offset:
+                return
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
         except OSError:
             return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue  # a line cut short by a kill (and whatever the next writer appended to it)
+            if not isinstance(record, dict):
+                continue
+            self._records.append(record)
+            if record.get("committed"):
+                self._committed.append((float(record.get("t", 0)), int(record.get("step", -1))))
+            self._finished = self._finished or "finished" in record
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every complete record (a line cut short by a kill is skipped)."""
+        self._refresh()
+        yield from list(self._records)
 
     def last_committed_step(self, since: float = 0.0) -> int:
         """Highest committed step in records written at or after ``since``; -1 if none."""
-        steps = [int(r.get("step", -1)) for r in self.records() if r.get("committed") and r.get("t", 0) >= since]
-        return max(steps, default=-1)
+        self._refresh()
+        scanned, best = self._max_since.get(since, (0, -1))
+        for t, step in self._committed[scanned:]:
+            if t >= since:
+                best = max(best, step)
+        self._max_since[since] = (len(self._committed), best)
+        return best
 
     def finished(self) -> bool:
         """Whether the group wrote its end-of-training record."""
-        return any("finished" in r for r in self.records())
+        self._refresh()
+        return self._finished
 
     @staticmethod
     def data_summary(events_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
