@@ -29,7 +29,7 @@ global batch.
 
     python benchmarks/suites/ft_recovery.py --quick          # ~6 contenders x 1-3 min on 2 CPU cores
     python benchmarks/suites/ft_recovery.py --quick --steps 2400 --kill-every 10
-    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 45 s between faults (~40 min)
+    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 45 s between faults (~35 min)
     python benchmarks/run.py ft_recovery
 """
 
