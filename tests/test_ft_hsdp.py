@@ -7,7 +7,9 @@ no-fault run is compared with ``hsdp`` and with a resumed job.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -151,6 +153,89 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
         for key in a["shards"]:
             assert torch.equal(a["shards"][key], b["shards"][key]), key
         assert b["ft_stats"]["heals"] >= 1
+
+
+@pytest.mark.multiprocess
+def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path) -> None:
+    # --runner forkserver: every incarnation's ranks are forked (through a group leader) from one server that
+    # imported torch, Lightning and torchft. The launcher SIGKILLs group 0 (leader and ranks) at step 12 and group 1
+    # at step 24, once group 0 is live again; each restart is forked again, heals, and the groups end identical.
+    max_steps = 40
+    events = _launch(
+        tmp_path, "fork", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        ["--runner", "forkserver", "--min-replicas", "1", "--kill-at-steps", "0@12,1@24", "--max-restarts", "1"],
+        {"FT_TEST_SLEEP_ALONE": "0.5"},
+    )
+    out = tmp_path / "fork"
+    launcher = _jsonl(events / "launcher.jsonl")
+    assert [(e["group"], e["why"]) for e in launcher if e["event"] == "kill"] == [(0, "at step 12"), (1, "at step 24")]
+    exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
+    assert exits[:2] == [(0, -9), (1, -9)] and sorted(exits[2:]) == [(0, 0), (1, 0)], exits
+    starts = [e for e in launcher if e["event"] == "start"]
+    assert sorted((e["group"], e["restart"]) for e in starts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    leader = {e["group"]: e["pid"] for e in starts if e["restart"] == 1}
+    assert "(forked from the forkserver: 2 rank(s))" in (events / "group0.log").read_text()
+    assert not [e["pid"] for e in starts if _alive(e["pid"])]  # no leader left behind
+
+    for rank in (0, 1):
+        for group in (0, 1):
+            healed = next(r for r in _records(out, group, rank) if r["incarnation"] == 1)
+            assert healed["step_before"] == 0 and healed["committed"] and healed["step_after"] > 12, healed
+        a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
+        # the ranks started with Lightning imported, as children of their group's leader
+        assert a["preimported"] and b["preimported"]
+        assert (a["ppid"], b["ppid"]) == (leader[0], leader[1]) and not _alive(a["pid"]) and not _alive(b["pid"])
+        assert (a["incarnation"], b["incarnation"]) == (1, 1)
+        assert a["global_step"] == b["global_step"] == max_steps
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+        assert a["ft_stats"]["heals"] >= 1 and b["ft_stats"]["heals"] >= 1
+
+
+def test_forkserver_group_fails_as_a_whole_like_torchrun(tmp_path: Path) -> None:
+    # One rank exits 3 while the other would sleep a minute: the leader kills it and exits 3; each rank had
+    # torchrun's environment, its argv, and the modules preloaded.
+    from fsdp_strategies.ft.forkserver import start_group
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "preimported = 'torch' in sys.modules\n"
+        "rank = int(os.environ['RANK'])\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_PORT', 'EXTRA')\n"
+        "info = {'argv': sys.argv, 'env': {k: os.environ.get(k) for k in keys}, 'pid': os.getpid(),\n"
+        "        'preimported': preimported, 'threads': __import__('torch').get_num_threads()}\n"
+        "open(os.path.join(os.environ['OUT'], f'{rank}.json'), 'w').write(json.dumps(info))\n"
+        "print('rank', rank, 'says hello', flush=True)\n"
+        "sys.exit(3) if rank == 1 else time.sleep(60)\n"
+    )
+    env = {**os.environ, "OUT": str(tmp_path), "EXTRA": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12345",
+           "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "group.log"
+    leader = start_group(command=[str(script), "--flag", "v"], ranks=2, env=env, log_path=str(log), cores=None)
+    assert leader.wait(timeout=45) == 3 and leader.returncode == 3
+    infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    for rank, info in enumerate(infos):
+        assert info["argv"] == [str(script), "--flag", "v"] and info["preimported"] and info["threads"] == 1
+        assert info["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                               "GROUP_RANK": "0", "MASTER_PORT": "12345", "EXTRA": "x"}
+    deadline = time.time() + 10
+    while _alive(infos[0]["pid"]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(infos[0]["pid"]), "the surviving rank was left running"
+    text = log.read_text()
+    assert "rank 0 says hello" in text and "rank exited with 3" in text
+
+
+def test_forkserver_runner_rejects_warm_spares_and_another_python() -> None:
+    from fsdp_strategies.ft.launcher import LaunchOptions
+
+    with pytest.raises(SystemExit, match="--runner forkserver with --warm-spares: pick one"):
+        LaunchOptions(runner="forkserver", warm_spares=True).validate(["train.py"])
+    with pytest.raises(SystemExit, match="forks from this Python"):
+        LaunchOptions(runner="forkserver", python="/usr/bin/false").validate(["train.py"])
+    with pytest.raises(SystemExit, match="--runner 'slurm': use one of torchrun, lightning, forkserver"):
+        LaunchOptions(runner="slurm").validate(["train.py"])
 
 
 @pytest.mark.multiprocess

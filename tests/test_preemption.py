@@ -101,10 +101,12 @@ _GROUP = textwrap.dedent("""
 """)
 
 
-def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runner", ["lightning", "forkserver"])
+def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp_path: Path, runner: str) -> None:
+    # forkserver: the SIGTERM reaches the forked ranks; their leader waits for them instead of dying first
     script = tmp_path / "group.py"
     script.write_text(_GROUP)
-    cmd = [sys.executable, "-m", "fsdp_strategies.ft_launch", "--groups", "2", "--runner", "lightning",
+    cmd = [sys.executable, "-m", "fsdp_strategies.ft_launch", "--groups", "2", "--runner", runner,
            "--events-dir", str(tmp_path / "events"), "--grace", "20", "--", str(script), str(tmp_path)]
     proc = subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -7,8 +7,11 @@ Runs of the example model, one after another, each for the same number of commit
   Python, imports, Trainer; it heals from a live peer while the others keep going);
 * ``ft_faults_warm`` -- the same faults with ``--warm-spares``: the killed group is replaced by its standby
   incarnation (already imported and built, waiting without a process group), which heals from a peer;
-* ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` -- the same with ``sync: diloco``
-  (``sync_every`` 8);
+* ``ft_faults_fork`` -- the same faults with ``--runner forkserver``: every incarnation's ranks are forked from a
+  server that imported torch, Lightning and torchft once, so a restart skips the imports (and nothing runs
+  between faults);
+* ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_faults_fork`` -- the same with
+  ``sync: diloco`` (``sync_every`` 8);
 * ``hsdp_nofault`` / ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing every C
   steps; with faults, K seconds after each (re)start has taken its first step the whole job is SIGKILLed and
   restarted from its last checkpoint.
@@ -51,14 +54,15 @@ import common
 ROOT = common.ROOT
 THIS = Path(__file__).resolve()
 STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
-CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "diloco_nofault", "diloco_faults", "diloco_faults_warm",
-              "hsdp_nofault", "hsdp_restart")
+CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_faults_fork", "diloco_nofault", "diloco_faults",
+              "diloco_faults_warm", "diloco_faults_fork", "hsdp_nofault", "hsdp_restart")
 #: the fault-free run each faulty one is compared with
-REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "diloco_faults": "diloco_nofault",
-             "diloco_faults_warm": "diloco_nofault", "hsdp_restart": "hsdp_nofault"}
+REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault",
+             "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
+             "diloco_faults_fork": "diloco_nofault", "hsdp_restart": "hsdp_nofault"}
 FAULTY = tuple(REFERENCE)
 #: the contenders the >= 0.95 goodput target applies to (ft_hsdp every-step training)
-TARGETED = ("ft_faults", "ft_faults_warm")
+TARGETED = ("ft_faults", "ft_faults_warm", "ft_faults_fork")
 
 
 # ---------------------------------------------------------------------------------------------- worker mode
@@ -126,7 +130,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
             heartbeat_ms: int, timeout: float, sync: str = "every_step", pin_cores: str = "auto",
-            warm_spares: bool = False) -> dict[str, Any]:
+            warm_spares: bool = False, runner: str = "torchrun") -> dict[str, Any]:
     from fsdp_strategies.ft.launcher import run as ft_run
 
     events = work / "events"
@@ -138,7 +142,7 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
     result = ft_run(command, groups=groups, ranks_per_group=ranks, min_replicas=1 if kill_every else groups,
                     heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=min(heartbeat_ms, 1000),
                     kill_every=kill_every, max_restarts=50 if kill_every else 0, events_dir=events, timeout=timeout,
-                    pin_cores=pin_cores, warm_spares=warm_spares, env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
+                    pin_cores=pin_cores, warm_spares=warm_spares, runner=runner, env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
     timelines = {g: _read(events / f"group{g}.jsonl") for g in range(groups)}
     faults = [k for k in result.kills if str(k.get("why", "")).startswith(("every", "at step"))]
     launcher = _read(events / "launcher.jsonl")
@@ -269,7 +273,9 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     colors = {"ft_nofault": "tab:gray", "ft_faults": "tab:blue", "diloco_nofault": "tab:olive",
               "diloco_faults": "tab:green", "hsdp_nofault": "tab:pink", "hsdp_restart": "tab:red",
-              "ft_faults_warm": "tab:cyan", "diloco_faults_warm": "tab:purple"}
+              "ft_faults_warm": "tab:cyan", "diloco_faults_warm": "tab:purple", "ft_faults_fork": "tab:orange",
+              "diloco_faults_fork": "tab:brown"}
+    shown = next((n for n in ("ft_faults_fork", "ft_faults_warm", "ft_faults") if n in runs), "ft_faults")
     t0s = {name: min((r["t"] for tl in run["timelines"].values() for r in tl if "t" in r), default=0.0)
            for name, run in runs.items()}
     for name, run in runs.items():
@@ -283,7 +289,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
                          alpha=0.5 + 0.5 * (int(gid) == 0 if str(gid).isdigit() else 1), label=label)
         for kill in run["kills"]:
             axes[0].axvline(kill["t"] - t0, color=colors.get(name), ls="--", lw=0.8, alpha=0.6)
-        if name == ("ft_faults_warm" if "ft_faults_warm" in runs else "ft_faults"):
+        if name == shown:
             rows = sorted((r["t"] - t0, r.get("participants", 0), r["group"]) for tl in run["timelines"].values()
                           for r in tl if r.get("committed"))
             for gid in run["timelines"]:
@@ -295,8 +301,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
     axes[0].set_ylabel("committed step")
     axes[0].legend(fontsize=7, markerscale=4)
     axes[0].set_title("Recovery timeline (dashed: SIGKILL of a replica group / of the whole hsdp job)")
-    axes[1].set_ylabel("participating groups\n(" + ("ft_faults_warm" if "ft_faults_warm" in runs else "ft_faults")
-                       + ")")
+    axes[1].set_ylabel(f"participating groups\n({shown})")
     axes[1].set_xlabel("wall time since the first step [s]")
     axes[1].legend(fontsize=7)
     return common.save_figure(fig, path)
@@ -331,7 +336,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
         else:
             runs[name] = _run_ft(wdir, size, steps, groups, rpg, faults, heartbeat_ms, timeout,
                                  sync="diloco" if name.startswith("diloco") else "every_step", pin_cores=pin_cores,
-                                 warm_spares=name.endswith("_warm"))
+                                 warm_spares=name.endswith("_warm"),
+                                 runner="forkserver" if name.endswith("_fork") else "torchrun")
     global_batch = _global_batch(size, groups, rpg)
     figures: dict[str, Any] = {}
     for name, r in runs.items():
@@ -360,7 +366,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                                                "per_fault": _downtimes(runs[name])}
                 summary.append({"ratio": f"{name} killed group's downtime per fault, median [s]",
                                 "value": statistics.median(down), "met": None})
-    for name in ("ft_faults", "ft_faults_warm"):
+    for name in TARGETED:
         stalls = _stalls(runs[name]) if name in runs else []
         if stalls:
             worst = max(s["stall_s"] for s in stalls)

@@ -33,18 +33,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+# whether this process started with Lightning already imported (``--runner forkserver`` forks it from a server
+# that preloaded it; torchrun starts a fresh interpreter)
+PREIMPORTED = "lightning.pytorch" in sys.modules
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
-import fsdp_strategies  # noqa: F401
-from fsdp_strategies.ft import FTHSDPStrategy
-from fsdp_strategies.ft.launcher import kill_tree
-from fsdp_strategies.testing import state_digest
-from llama import LlamaLM, MarkovDataModule
+import fsdp_strategies  # noqa: F401, E402
+from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402
+from fsdp_strategies.ft.launcher import kill_tree  # noqa: E402
+from fsdp_strategies.testing import state_digest  # noqa: E402
+from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 
 def _outer_state(strategy: Any) -> dict[str, torch.Tensor]:
@@ -229,7 +233,7 @@ class FTProbe(pl.Callback):
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()}
         strategy = trainer.strategy
         dump = {"shards": shards, "full": full, "global_step": trainer.global_step,
-                "incarnation": self.incarnation,
+                "incarnation": self.incarnation, "preimported": PREIMPORTED, "pid": os.getpid(), "ppid": os.getppid(),
                 "manager_step": int(strategy.manager.current_step()) if isinstance(strategy, FTHSDPStrategy) else None,
                 "ft_stats": dict(strategy.ft_stats) if isinstance(strategy, FTHSDPStrategy) else None,
                 "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")},

@@ -36,9 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_strategies.ft.forkserver import ForkServerGroup, start_group
 from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, FTEnvironment, standby_ready_file
 
-__all__ = ["FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
+#: how a replica group's ranks are started (see ``--runner``)
+RUNNERS = ("torchrun", "lightning", "forkserver")
+
+__all__ = ["RUNNERS", "FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
 
 
 def _process_tree(root: int) -> list[int]:
@@ -87,7 +91,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class _Group:
     gid: int
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkServerGroup | None = None
     restarts: int = 0
     started_at: float = 0.0
     finished: bool = False
@@ -185,8 +189,14 @@ class LaunchOptions:
     def validate(self, command: list[str]) -> None:
         if self.groups < 1 or self.ranks_per_group < 1:
             raise SystemExit("--groups and --ranks-per-group must be >= 1")
-        if self.runner not in ("torchrun", "lightning"):
-            raise SystemExit(f"--runner {self.runner!r}: use 'torchrun' or 'lightning'")
+        if self.runner not in RUNNERS:
+            raise SystemExit(f"--runner {self.runner!r}: use one of {', '.join(RUNNERS)}")
+        if self.runner == "forkserver" and self.warm_spares:
+            raise SystemExit("--runner forkserver with --warm-spares: pick one (both shorten a restart; the forkserver "
+                             "already starts every incarnation with its imports done, at no CPU cost between faults)")
+        if self.runner == "forkserver" and os.path.realpath(self.python) != os.path.realpath(sys.executable):
+            raise SystemExit(f"--runner forkserver forks from this Python ({sys.executable}), not {self.python!r}: "
+                             "run the launcher with that interpreter, or use --runner torchrun")
         if not command:
             raise SystemExit("give the training script and its arguments after the options (e.g. -- "
                              "examples/train_llama.py fit ...)")
@@ -326,13 +336,15 @@ class FTLauncher:
 
     def group_command(self, master_port: int) -> list[str]:
         o = self.opts
+        if o.runner == "forkserver":  # what each forked rank runs as __main__ (see ft/forkserver.py)
+            return list(self.command)
         if o.runner == "torchrun":
             return [o.python, "-m", "torch.distributed.run", f"--nproc_per_node={o.ranks_per_group}", "--nnodes=1",
                     "--master_addr=127.0.0.1", f"--master_port={master_port}", "--max_restarts=0", *self.command]
         return [o.python, *self.command]
 
     def _spawn(self, g: _Group, header: str, restart_count: int | None = None,
-               standby_file: Path | None = None) -> tuple[subprocess.Popen[bytes], Any]:
+               standby_file: Path | None = None) -> tuple[subprocess.Popen[bytes] | ForkServerGroup, Any]:
         """Start one incarnation of the group (its own session, its CPUs, its log appended); returns it and its log.
 
         A spare (``standby_file``) starts under ``SCHED_IDLE``: its start-up uses only CPU time the group's
@@ -345,6 +357,11 @@ class FTLauncher:
         log.flush()
         cores = self.cores[g.gid] if self.cores is not None else None
         idle = standby_file is not None and hasattr(os, "SCHED_IDLE")
+        if self.opts.runner == "forkserver":
+            log.write(f"(forked from the forkserver: {self.opts.ranks_per_group} rank(s))\n".encode())
+            log.flush()
+            return start_group(command=cmd, ranks=self.opts.ranks_per_group, log_path=log.name,
+                               env=self.group_env(g, master_port, restart_count, standby_file), cores=cores), log
 
         def setup_child() -> None:
             # the group's processes (torchrun and its ranks) inherit the affinity; a restart gets the same CPUs
@@ -634,8 +651,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--groups", type=int, default=2, help="number of replica groups")
     parser.add_argument("--ranks-per-group", type=int, default=1, help="processes per replica group (torchrun nproc)")
-    parser.add_argument("--runner", choices=("torchrun", "lightning"), default="torchrun",
-                        help="start each group with torchrun, or as `python SCRIPT` (Lightning's launcher)")
+    parser.add_argument("--runner", choices=RUNNERS, default="torchrun",
+                        help="start each group with torchrun, as `python SCRIPT` (Lightning's launcher), or "
+                             "'forkserver': fork its ranks from one process that has already imported torch, Lightning "
+                             "and torchft (a restart skips the imports; the server costs memory, not CPU)")
     parser.add_argument("--min-replicas", type=int, default=1, help="lighthouse: fewest groups to form a quorum")
     parser.add_argument("--bind", default="127.0.0.1", help="lighthouse bind host (loopback by default)")
     parser.add_argument("--lighthouse-port", type=int, default=0, help="0 = any free port")
