@@ -141,6 +141,7 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
     stopped = [(e["group"], e["why"]) for e in launcher if e["event"] == "spare_stopped"]
     assert stopped == [(0, "the group finished")], stopped
     assert not [e["pid"] for e in launcher if e["event"] == "spare" and _alive(e["pid"])]
+    assert not list(events.glob("*.go*")), "spare activation files left in the events folder"
 
     for rank in (0, 1):
         g0, g1 = _records(out, 0, rank), _records(out, 1, rank)

@@ -4,8 +4,10 @@
         examples/train_llama.py fit --config configs/ft_hsdp.yaml
 
 Each replica group is one ``torchrun`` job (``--runner torchrun``, the default: a rank that dies
-takes its group down, which is what fault tolerance needs) or a plain ``python SCRIPT`` that lets
-Lightning's own launcher start the ranks (``--runner lightning``). Every group gets its own OS
+takes its group down, which is what fault tolerance needs), a plain ``python SCRIPT`` that lets
+Lightning's own launcher start the ranks (``--runner lightning``), or ranks forked from one server process that
+has imported torch, Lightning and torchft once, with torchrun's semantics (``--runner forkserver``, see
+:mod:`fsdp_strategies.ft.forkserver`: a restart skips the imports). Every group gets its own OS
 session, so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``) is a SIGKILL of the whole
 group, and a group that exits non-zero is restarted; the restarted group heals from a live peer.
 With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has already
@@ -628,6 +630,8 @@ class FTLauncher:
                 self.stop_spare(g, "launcher exit")
                 if g.log is not None:
                     g.log.close()
+            for activation in self.events_dir.glob("group*.spare*.go*"):  # no spare is left to read them
+                activation.unlink(missing_ok=True)
             self.lighthouse.shutdown()
         return self._summarize()
 
