@@ -447,6 +447,26 @@ def test_torchft_Manager__quorum_id_and__quorum_future() -> None:
     assert tseam.quorum_id(Fake()) == 4 and tseam.quorum_started(Fake()) is False
 
 
+def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
+    """A process that ends with ``os._exit`` runs its atexit handlers only through the seam."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    code = (
+        "import atexit, os\n"
+        "from fsdp_strategies._torch_seam import run_exit_handlers\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('x'))\n"
+        "import sys\n"
+        "if sys.argv[1] == 'seam':\n"
+        "    run_exit_handlers()\n"
+        "os._exit(0)\n"
+    )
+    for mode, expected in (("skip", False), ("seam", True)):
+        subprocess.run([sys.executable, "-c", code, mode], check=True, timeout=120)
+        assert marker.exists() is expected, mode
+
+
 # ------------------------------------------------------------------------------ the seam is the only place
 _SRC = Path(__file__).resolve().parents[1] / "src" / "fsdp_strategies"
 _SEAMS = {"_lightning_seam.py", "_torch_seam.py"}

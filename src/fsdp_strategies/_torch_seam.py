@@ -1,4 +1,4 @@
-"""The torch / torchft / numpy seam: every private name of those packages this package relies on.
+"""The torch / torchft / numpy / stdlib seam: every private name of those this package relies on.
 
 The same rule as :mod:`fsdp_strategies._lightning_seam`: one small function or constant per
 access, its docstring naming the private name; ``tests/test_lightning_seam.py`` checks each one
@@ -7,6 +7,7 @@ against the installed versions (torch >= 2.7, tested on 2.11 and 2.13; torchft 0
 
 from __future__ import annotations
 
+import atexit
 import collections
 import pathlib
 from collections.abc import Callable
@@ -30,6 +31,7 @@ __all__ = [
     "quorum_id",
     "quorum_started",
     "raw_tensor_formula",
+    "run_exit_handlers",
     "shutdown_loader_workers",
     "tree_leaves",
 ]
@@ -162,3 +164,13 @@ def diloco_fragments(diloco: Any) -> list[Any]:
 def quorum_started(manager: Any) -> bool:
     """Whether the manager has started a quorum yet (``torchft.Manager._quorum_future`` is set)."""
     return getattr(manager, "_quorum_future", None) is not None
+
+
+# ------------------------------------------------------------------------------ stdlib
+def run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now (``atexit._run_exitfuncs``).
+
+    A process forked from the forkserver ends with ``os._exit``, which skips them; torch,
+    Lightning and the user's script register cleanup there that a normal interpreter exit runs.
+    """
+    atexit._run_exitfuncs()

@@ -16,7 +16,6 @@ down. Like ``--warm-spares`` it helps against process failures; losing the host 
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import os
 import runpy
@@ -162,8 +161,10 @@ def _run_rank(command: list[str], local_rank: int, ranks: int, run_id: str) -> i
     except BaseException:
         traceback.print_exc()
         code = 1
+    from fsdp_strategies._torch_seam import run_exit_handlers
+
     try:
-        atexit._run_exitfuncs()  # what a normal interpreter exit runs (os._exit below does not)
+        run_exit_handlers()  # what a normal interpreter exit runs (os._exit below does not)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
