@@ -217,9 +217,9 @@ def test_ft_recovery_goodput_counts_committed_samples_not_steps() -> None:
                     global_batch=8)
     assert hsdp["samples"] == 5 * 8
     # each faulty run is compared with the fault-free run of its own sync mode (any restart mechanism)
-    assert REFERENCE == {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault",
+    assert REFERENCE == {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault_fork",
                          "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
-                         "diloco_faults_fork": "diloco_nofault", "hsdp_restart": "hsdp_nofault"}
+                         "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}
 
 
 def test_ft_recovery_downtime_is_kill_to_the_killed_groups_next_commit() -> None:
@@ -233,6 +233,42 @@ def test_ft_recovery_downtime_is_kill_to_the_killed_groups_next_commit() -> None
     run = {"kills": [{"t": 2.5, "group": 1}, {"t": 8.2, "group": 1}], "timelines": {"0": g0, "1": g1}}
     down = _downtimes(run)
     assert [d["down_s"] for d in down] == [3.0, None]  # the second fault: never committed again
+
+
+def test_ft_recovery_local_loss_is_measured_against_the_rate_around_each_fault() -> None:
+    from suites.ft_recovery import _local_losses
+
+    # one group committing 10 samples every 0.1 s for 200 s (100 samples/s); a fault at 60 s stops it for 3 s,
+    # and the host runs 20% faster after 100 s: the fault at 150 s costs nothing but sits in the faster part
+    rows = [{"t": round(0.1 * i, 1), "step": i, "committed": True, "data_samples": 10 if i < 1000 else 12}
+            for i in range(1, 2000) if not 600 < i <= 630]
+    run = {"kills": [{"t": 60.0, "group": 0}, {"t": 150.0, "group": 0}, {"t": 195.0, "group": 0}],
+           "timelines": {"0": rows}}
+    losses = _local_losses(run, global_batch=10)
+    assert [x["fault_t"] for x in losses] == [60.0, 150.0]  # the last one's windows pass the end of the run
+    assert losses[0]["rate"] == pytest.approx(100.0, rel=0.01) and losses[0]["lost_s"] == pytest.approx(3.0, abs=0.11)
+    assert losses[1]["rate"] == pytest.approx(120.0, rel=0.01) and losses[1]["lost_s"] == pytest.approx(0.0, abs=0.11)
+    # hsdp: steps redone after a restart (back to the checkpoint at step 500) add no samples
+    job = [{"t": 0.1 * i, "step": i, "committed": True} for i in range(1, 601)]
+    job += [{"t": 60.0 + 0.1 * k, "step": 500 + k, "committed": True} for k in range(1, 1001)]
+    hsdp = _local_losses({"kills": [{"t": 60.0}], "timelines": {"job": job}}, global_batch=10)
+    assert hsdp[0]["lost_s"] == pytest.approx(10.0, abs=0.11)  # 100 redone steps at 10 steps/s
+
+
+def test_ft_recovery_keep_other_runs_reuses_only_a_same_config_result(tmp_path: Path) -> None:
+    from suites.ft_recovery import _kept_runs
+
+    config = {"size": "small", "groups": 2, "ranks_per_group": 2, "steps": 3000, "kill_every_s": 45.0,
+              "heartbeat_timeout_ms": 1000, "hsdp_ckpt_every": 50, "quick": False, "pin_cores": "auto"}
+    with pytest.raises(SystemExit, match="no earlier result"):
+        _kept_runs(tmp_path, config, ["ft_faults_fork"])
+    stored = {"config": {**config, "global_batch": 16}, "runs": {"ft_nofault": {"kills": []},
+                                                                "ft_faults_fork": {"kills": [1]}}}
+    common.result_path("ft_recovery", tmp_path).write_text(json.dumps(stored))
+    # the contenders rerun now are dropped from what is kept; the others come back as stored
+    assert _kept_runs(tmp_path, config, ["ft_faults_fork"]) == {"ft_nofault": {"kills": []}}
+    with pytest.raises(SystemExit, match=r"kill_every_s.*\(45.0, 30.0\)"):
+        _kept_runs(tmp_path, {**config, "kill_every_s": 30.0}, ["ft_faults_fork"])
 
 
 # ---------------------------------------------------------------------------------------------- benchmarks/gpu.py

@@ -7,10 +7,13 @@ Runs of the example model, one after another, each for the same number of commit
   Python, imports, Trainer; it heals from a live peer while the others keep going);
 * ``ft_faults_warm`` -- the same faults with ``--warm-spares``: the killed group is replaced by its standby
   incarnation (already imported and built, waiting without a process group), which heals from a peer;
-* ``ft_faults_fork`` -- the same faults with ``--runner forkserver``: every incarnation's ranks are forked from a
-  server that imported torch, Lightning and torchft once, so a restart skips the imports (and nothing runs
-  between faults);
-* ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_faults_fork`` -- the same with
+* ``ft_nofault_fork`` / ``ft_faults_fork`` -- the same with ``--runner forkserver``: every incarnation's ranks are
+  forked from a server that imported torch, Lightning and torchft once, so a restart skips the imports (and
+  nothing runs between faults). Compared with each other only: forked ranks share their group's session, torchrun
+  starts each rank in its own, and with Linux's autogroup scheduling two ranks sharing a core then step at
+  different speeds (see the README);
+* ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_nofault_fork`` /
+  ``diloco_faults_fork`` -- the same with
   ``sync: diloco`` (``sync_every`` 8);
 * ``hsdp_nofault`` / ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing every C
   steps; with faults, K seconds after each (re)start has taken its first step the whole job is SIGKILLed and
@@ -24,7 +27,9 @@ Reported: goodput = committed **samples** per second (from the first committed s
 / the same mode without faults (target >= 0.95 for ``ft_hsdp``), with the restart's figure next to it; the
 seconds of fault-free training each fault cost (``lost_s_per_fault`` = (1 - goodput) x span / faults, so
 goodput at another fault interval T is about 1 - lost_s_per_fault / T); the killed group's downtime per fault
-(SIGKILL to its first committed step after it); survivors' stall per fault (the gap between a survivor's committed steps around a kill, minus its median step
+(SIGKILL to its first committed step after it); the seconds each fault cost against the rate just before and
+after it (``local_loss``: robust to a host whose speed drifts between runs) and the goodput that implies at the
+fault interval; survivors' stall per fault (the gap between a survivor's committed steps around a kill, minus its median step
 time); a recovery timeline PNG (committed step and participating groups over wall time, fault marks).
 Committed samples come from the groups' events (``data_samples``: what each group trained in each committed
 step or outer round; a step without a dead group's shard counts fewer samples); for hsdp, committed steps x the
@@ -32,7 +37,9 @@ global batch.
 
     python benchmarks/suites/ft_recovery.py --quick          # ~6 contenders x 1-3 min on 2 CPU cores
     python benchmarks/suites/ft_recovery.py --quick --steps 2400 --kill-every 10
-    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 45 s between faults (~35 min)
+    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 45 s between faults (~60 min)
+    python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork --keep-other-runs
+    python benchmarks/suites/ft_recovery.py --reanalyse     # figures from the stored runs, nothing rerun
     python benchmarks/run.py ft_recovery
 """
 
@@ -54,12 +61,14 @@ import common
 ROOT = common.ROOT
 THIS = Path(__file__).resolve()
 STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
-CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_faults_fork", "diloco_nofault", "diloco_faults",
-              "diloco_faults_warm", "diloco_faults_fork", "hsdp_nofault", "hsdp_restart")
+CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_faults_fork", "diloco_nofault",
+              "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork", "hsdp_nofault",
+              "hsdp_restart")
 #: the fault-free run each faulty one is compared with
-REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault",
+#: (forkserver runs against forkserver runs: forked ranks step faster than torchrun's, see the README)
+REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault_fork",
              "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
-             "diloco_faults_fork": "diloco_nofault", "hsdp_restart": "hsdp_nofault"}
+             "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}
 FAULTY = tuple(REFERENCE)
 #: the contenders the >= 0.95 goodput target applies to (ft_hsdp every-step training)
 TARGETED = ("ft_faults", "ft_faults_warm", "ft_faults_fork")
@@ -249,6 +258,55 @@ def _downtimes(run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: around each fault: the window whose samples count ([-5 s, +30 s]) and the two that give its local rate
+LOCAL_WINDOW = (-5.0, 30.0)
+LOCAL_BASELINE = ((-20.0, -5.0), (30.0, 40.0))
+
+
+def _progress_points(run: dict[str, Any], global_batch: int) -> list[tuple[float, int]]:
+    """(time, samples) of every commit that advanced training: a group's ``data_samples``; for hsdp, the global
+    batch of each step beyond the furthest step reached so far (steps redone after a restart add nothing)."""
+    rows = sorted((r for tl in run["timelines"].values() for r in tl if r.get("committed") and "t" in r),
+                  key=lambda r: r["t"])
+    if any("data_samples" in r for r in rows):
+        return [(r["t"], int(r.get("data_samples") or 0)) for r in rows]
+    points, furthest = [], None
+    for r in rows:
+        if furthest is None or r["step"] > furthest:
+            if furthest is not None:
+                points.append((r["t"], (r["step"] - furthest) * global_batch))
+            furthest = r["step"]
+    return points
+
+
+def _local_losses(run: dict[str, Any], global_batch: int) -> list[dict[str, Any]]:
+    """Per fault: the seconds of training it cost against the rate just before and after it (``LOCAL_BASELINE``),
+    not against a separate fault-free run, so a host whose speed drifts by several percent over minutes (as this
+    VM's does) does not swamp a loss of a few seconds. Faults whose windows overlap another fault or the run's
+    ends are left out."""
+    points = _progress_points(run, global_batch)
+    if not points:
+        return []
+    start, end = points[0][0], points[-1][0]
+    kills = sorted(k["t"] for k in run["kills"])
+    lo, hi = LOCAL_WINDOW
+    reach = (min(a for a, _ in LOCAL_BASELINE), max(b for _, b in LOCAL_BASELINE))
+
+    def samples(a: float, b: float) -> int:
+        return sum(n for t, n in points if a < t <= b)
+
+    out = []
+    for k in kills:
+        if k + reach[0] < start or k + reach[1] > end or any(o != k and k + reach[0] < o < k + reach[1] for o in kills):
+            continue
+        base_s = sum(b - a for a, b in LOCAL_BASELINE)
+        rate = sum(samples(k + a, k + b) for a, b in LOCAL_BASELINE) / base_s
+        if rate <= 0:
+            continue
+        out.append({"fault_t": k, "rate": rate, "lost_s": (hi - lo) - samples(k + lo, k + hi) / rate})
+    return out
+
+
 def _stalls(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Per fault and per surviving group: extra time between its committed steps around the kill."""
     out = []
@@ -310,7 +368,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
         steps: int | None = None, kill_every: float | None = None, heartbeat_ms: int | None = None,
         ckpt_every: int | None = None, contenders: list[str] | None = None, pin_cores: str = "auto",
-        **_: Any) -> dict[str, Any]:
+        keep_other_runs: bool = False, reanalyse: bool = False, **_: Any) -> dict[str, Any]:
     size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
     rpg = common.pick(ranks, quick, [1], [2])[0]
     groups = 2
@@ -319,9 +377,13 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     heartbeat_ms = common.pick(heartbeat_ms, quick, 1000, 1000)
     ckpt_every = common.pick(ckpt_every, quick, 20, 50)
     timeout = 900.0 if quick else 3600.0
-    names = [n for n in CONTENDERS if not contenders or n in contenders]
+    names = [] if reanalyse else [n for n in CONTENDERS if not contenders or n in contenders]
     work = Path(out_dir) / "ft_recovery-work"
-    runs: dict[str, dict[str, Any]] = {}
+    config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps, "kill_every_s": kill_every,
+              "heartbeat_timeout_ms": heartbeat_ms, "hsdp_ckpt_every": ckpt_every, "quick": quick,
+              "pin_cores": pin_cores}
+    keep = keep_other_runs or reanalyse
+    runs: dict[str, dict[str, Any]] = _kept_runs(Path(out_dir), config, names) if keep else {}
     for name in names:
         wdir = work / name
         if wdir.exists():
@@ -338,6 +400,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                                  sync="diloco" if name.startswith("diloco") else "every_step", pin_cores=pin_cores,
                                  warm_spares=name.endswith("_warm"),
                                  runner="forkserver" if name.endswith("_fork") else "torchrun")
+        runs[name]["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    runs = {n: runs[n] for n in CONTENDERS if n in runs}
     global_batch = _global_batch(size, groups, rpg)
     figures: dict[str, Any] = {}
     for name, r in runs.items():
@@ -359,6 +423,17 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                 lost = (1 - value) * good["seconds"] / figures[name]["faults"]
                 figures[name]["lost_s_per_fault"] = lost
                 summary.append({"ratio": f"{name} fault-free seconds lost per fault", "value": lost, "met": None})
+        local = _local_losses(runs[name], global_batch) if name in runs else []
+        if local:
+            lost_local = statistics.median(x["lost_s"] for x in local)
+            estimate = 1 - lost_local / kill_every
+            figures[name]["local_loss"] = {"median_lost_s": lost_local, "faults_measured": len(local),
+                                           "goodput_at_kill_every": estimate, "per_fault": local}
+            summary.append({"ratio": f"{name} seconds lost per fault vs the local rate, median of {len(local)}",
+                            "value": lost_local, "met": None})
+            summary.append({"ratio": f"{name} goodput at one fault per {kill_every:g} s, from that loss",
+                            "value": estimate, "target_min": 0.95 if name in TARGETED else None,
+                            "met": estimate >= 0.95 if name in TARGETED else None})
         if name.startswith(("ft", "diloco")) and name in runs:
             down = [d["down_s"] for d in _downtimes(runs[name]) if d["down_s"] is not None]
             if down:
@@ -373,9 +448,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             figures[name]["stall_s"] = {"median": statistics.median(s["stall_s"] for s in stalls), "max": worst,
                                         "per_fault": stalls}
             summary.append({"ratio": f"{name} survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0})
-    config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps, "kill_every_s": kill_every,
-              "heartbeat_timeout_ms": heartbeat_ms, "hsdp_ckpt_every": ckpt_every, "quick": quick,
-              "pin_cores": pin_cores, "global_batch": global_batch, "contenders": names}
+    config = {**config, "global_batch": global_batch, "contenders": list(runs), "measured_now": names}
     result = {**common.header("ft_recovery", config), "figures": figures, "summary": summary,
               "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()}}
     png = _plot(runs, Path(out_dir) / f"ft_recovery-{common.device_slug()}.png")
@@ -385,12 +458,32 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     return result
 
 
+def _kept_runs(out_dir: Path, config: dict[str, Any], rerun: list[str]) -> dict[str, dict[str, Any]]:
+    """``--keep-other-runs``: the stored runs of the contenders not run now, from this suite's last result in
+    ``out_dir`` -- only if it was measured with the same configuration (else the ratios would mix setups)."""
+    path = common.result_path("ft_recovery", out_dir)
+    if not path.exists():
+        raise SystemExit(f"--keep-other-runs: no earlier result at {path}; run the suite without it first")
+    old = json.loads(path.read_text())
+    differs = {k: (old.get("config", {}).get(k), v) for k, v in config.items() if old.get("config", {}).get(k) != v}
+    if differs:
+        raise SystemExit(f"--keep-other-runs: {path} was measured with another configuration "
+                         f"(option: (stored, now)) {differs}; rerun every contender instead")
+    return {n: r for n, r in old.get("runs", {}).items() if n in CONTENDERS and n not in rerun}
+
+
 def _add_options(parser: Any) -> None:
     """This suite's own flags (``run``'s keyword arguments of the same names)."""
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between faults")
     parser.add_argument("--heartbeat-ms", type=int, default=None, help="lighthouse heartbeat timeout")
     parser.add_argument("--ckpt-every", type=int, default=None, help="hsdp_restart: steps between checkpoints")
     parser.add_argument("--pin-cores", default="auto", help="fsdp-strategies-ft --pin-cores for the replica groups")
+    parser.add_argument("--keep-other-runs", action="store_true",
+                        help="rerun only --contenders and keep the other contenders' runs from the last result in "
+                             "--out-dir (same configuration only); ratios are recomputed over all of them")
+    parser.add_argument("--reanalyse", action="store_true",
+                        help="run nothing: recompute the figures, summary and plot from the runs stored in the last "
+                             "result in --out-dir (same configuration only)")
 
 
 if __name__ == "__main__":
