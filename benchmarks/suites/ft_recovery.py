@@ -332,7 +332,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
     colors = {"ft_nofault": "tab:gray", "ft_faults": "tab:blue", "diloco_nofault": "tab:olive",
               "diloco_faults": "tab:green", "hsdp_nofault": "tab:pink", "hsdp_restart": "tab:red",
               "ft_faults_warm": "tab:cyan", "diloco_faults_warm": "tab:purple", "ft_faults_fork": "tab:orange",
-              "diloco_faults_fork": "tab:brown"}
+              "diloco_faults_fork": "tab:brown", "ft_nofault_fork": "gold", "diloco_nofault_fork": "black"}
     shown = next((n for n in ("ft_faults_fork", "ft_faults_warm", "ft_faults") if n in runs), "ft_faults")
     t0s = {name: min((r["t"] for tl in run["timelines"].values() for r in tl if "t" in r), default=0.0)
            for name, run in runs.items()}
@@ -357,7 +357,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
             for kill in run["kills"]:
                 axes[1].axvline(kill["t"] - t0, color="k", ls="--", lw=0.8)
     axes[0].set_ylabel("committed step")
-    axes[0].legend(fontsize=7, markerscale=4)
+    axes[0].legend(fontsize=6, markerscale=4, ncol=2, loc="upper left")
     axes[0].set_title("Recovery timeline (dashed: SIGKILL of a replica group / of the whole hsdp job)")
     axes[1].set_ylabel(f"participating groups\n({shown})")
     axes[1].set_xlabel("wall time since the first step [s]")
