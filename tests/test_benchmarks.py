@@ -255,6 +255,29 @@ def test_ft_recovery_local_loss_is_measured_against_the_rate_around_each_fault()
     assert hsdp[0]["lost_s"] == pytest.approx(10.0, abs=0.11)  # 100 redone steps at 10 steps/s
 
 
+def test_ft_recovery_step_time_and_what_a_fault_leaves_behind() -> None:
+    from suites.ft_recovery import _post_fault_step_ratios, _step_time
+
+    # 2 groups stepping in 60 ms with both in the quorum; around the fault at 50 s one group is alone for 2 s
+    # (those steps do not count), and after the fault at 100 s the steps take 72 ms until the end
+    def rows(gid: int) -> list[dict]:
+        out, t = [], 0.0
+        while t < 150.0:
+            alone = 50.0 <= t < 52.0
+            step_s = 0.072 if t >= 100.0 else 0.060
+            out.append({"t": t, "step_s": 0.5 if alone else step_s, "participants": 1 if alone else 2,
+                        "committed": True})
+            t += step_s
+        return out
+
+    run = {"kills": [{"t": 50.0, "group": 1}, {"t": 100.0, "group": 1}], "timelines": {"0": rows(0), "1": rows(1)}}
+    assert _step_time(run, groups=2) == pytest.approx(0.060)  # the lone steps are left out
+    post = _post_fault_step_ratios(run, groups=2)
+    assert [x["fault_t"] for x in post] == [50.0, 100.0]
+    assert post[0]["ratio"] == pytest.approx(1.0) and post[1]["ratio"] == pytest.approx(1.2)
+    assert _step_time({"kills": [], "timelines": {"job": [{"t": 1.0, "step": 1}]}}, groups=2) is None  # hsdp
+
+
 def test_ft_recovery_keep_other_runs_reuses_only_a_same_config_result(tmp_path: Path) -> None:
     from suites.ft_recovery import _kept_runs
 
@@ -269,6 +292,58 @@ def test_ft_recovery_keep_other_runs_reuses_only_a_same_config_result(tmp_path: 
     assert _kept_runs(tmp_path, config, ["ft_faults_fork"]) == {"ft_nofault": {"kills": []}}
     with pytest.raises(SystemExit, match=r"kill_every_s.*\(45.0, 30.0\)"):
         _kept_runs(tmp_path, {**config, "kill_every_s": 30.0}, ["ft_faults_fork"])
+
+
+def test_ft_recovery_pool_combines_rounds_of_one_configuration(tmp_path: Path) -> None:
+    from suites.ft_recovery import _pool
+
+    config = {"size": "small", "groups": 2, "ranks_per_group": 2, "steps": 3000, "kill_every_s": 45.0,
+              "heartbeat_timeout_ms": 300, "hsdp_ckpt_every": 50, "quick": False, "pin_cores": "auto",
+              "global_batch": 16}
+
+    def round_dir(name: str, ratio: float | None, lost: list[float], cfg: dict | None = None,
+                  valid: bool = True) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        fig = {"local_loss": {"per_fault": [{"lost_s": v} for v in lost]}, "downtime_s": {"median": 1.5},
+               "stall_s": {"max": 0.4}}
+        if ratio is not None:
+            fig["goodput_vs_nofault"] = ratio
+            fig["goodput_vs_nofault_step_normalised"] = ratio + 0.05
+            fig["step_normalised_valid"] = valid
+        stored = {"config": cfg or config, "figures": {"ft_faults_fork": fig, "ft_nofault_fork": {}},
+                  "runs": {"ft_faults_fork": {"measured_utc": name}}}
+        common.result_path("ft_recovery", d).write_text(json.dumps(stored))
+        return str(d)
+
+    # a round without its fault-free reference adds faults but no ratio
+    dirs = [round_dir("a", 0.92, [0.8, 0.6, 1.0, 1.8]), round_dir("b", 0.97, [1.4, 0.7, 2.2]),
+            round_dir("c", None, [1.7, 3.1, -0.1])]
+    result = _pool(dirs, tmp_path / "out")
+    fig = result["figures"]["ft_faults_fork"]
+    assert fig["separate_run_ratios"] == [0.92, 0.97] and fig["separate_run_ratio_median"] == pytest.approx(0.945)
+    assert fig["step_normalised_ratios"] == pytest.approx([0.97, 1.02])
+    assert fig["step_normalised_ratio_median"] == pytest.approx(0.995)
+    assert fig["local_lost_s_pooled"] == sorted([0.8, 0.6, 1.0, 1.8, 1.4, 0.7, 2.2, 1.7, 3.1, -0.1])
+    assert fig["local_lost_s_median"] == pytest.approx(1.2)
+    assert fig["goodput_at_kill_every"] == pytest.approx(1 - 1.2 / 45)
+    assert fig["goodput_at_kill_every_range"] == pytest.approx([1 - 3.1 / 45, 1 + 0.1 / 45])
+    assert [r["measured_utc"] for r in fig["rounds"]] == ["a", "b", "c"]
+    met = {row["ratio"]: row["met"] for row in result["summary"]}
+    assert met["ft_faults_fork goodput / fault-free, median of 2 rounds"] is False
+    assert met["ft_faults_fork goodput / fault-free at equal step time, median of 2 rounds"] is True
+    assert met["ft_faults_fork goodput at one fault per 45 s, from that loss"] is True
+    assert Path(result["json_path"]).exists() and Path(result["png_path"]).stat().st_size > 0
+    # a round whose faults changed the step time keeps its plain ratio but not its step-normalised one
+    slowed = _pool([dirs[0], round_dir("e", 0.80, [5.0], valid=False)], tmp_path / "out")
+    assert slowed["figures"]["ft_faults_fork"]["separate_run_ratios"] == [0.92, 0.80]
+    assert slowed["figures"]["ft_faults_fork"]["step_normalised_ratios"] == pytest.approx([0.97])
+    # rounds of another configuration are refused, naming the option
+    other = round_dir("d", 0.99, [0.1], {**config, "heartbeat_timeout_ms": 1000})
+    with pytest.raises(SystemExit, match=r"heartbeat_timeout_ms.*\(300, 1000\)"):
+        _pool([dirs[0], other], tmp_path / "out")
+    with pytest.raises(SystemExit, match="no ft_recovery result"):
+        _pool([str(tmp_path / "missing")], tmp_path / "out")
 
 
 # ---------------------------------------------------------------------------------------------- benchmarks/gpu.py
