@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,12 +40,12 @@ MODEL_CFG = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_
 DATA_CFG = {"vocab_size": 64, "seq_len": 32, "num_train": 4096, "batch_size": 4}
 
 
-def evaluate(full: dict[str, torch.Tensor], num_val: int) -> float:
+def evaluate(full: dict[str, torch.Tensor], num_val: int, seed: int = 0) -> float:
     """Mean next-token loss of a model with parameters ``full`` over every validation sequence (one process)."""
     sys.path.insert(0, str(ROOT / "examples"))
     from llama import LlamaLM, MarkovDataModule
 
-    data = MarkovDataModule(**DATA_CFG, num_val=num_val)
+    data = MarkovDataModule(**DATA_CFG, num_val=num_val, seed=seed)
     data.setup("fit")
     lm = LlamaLM(**MODEL_CFG)
     lm.configure_model()
@@ -59,14 +60,14 @@ def evaluate(full: dict[str, torch.Tensor], num_val: int) -> float:
     return total / tokens
 
 
-def bayes_floor(num_val: int) -> float:
+def bayes_floor(num_val: int, seed: int = 0) -> float:
     """The loss of the true chain on the same held-out tokens: ``-mean log p(x_t | x_{t-1})`` over every predicted
     token (order-1 chain; a successor listed twice counts with both probabilities). No model can do better on
     this set in expectation, so it is the floor the modes' excess loss is measured from."""
     sys.path.insert(0, str(ROOT / "examples"))
     from llama import MarkovDataModule, markov_chain
 
-    data = MarkovDataModule(**DATA_CFG, num_val=num_val)
+    data = MarkovDataModule(**DATA_CFG, num_val=num_val, seed=seed)
     data.setup("fit")
     h = data.hparams
     if h.order != 1:
@@ -78,9 +79,14 @@ def bayes_floor(num_val: int) -> float:
     return float(-p.clamp_min(1e-12).log().mean())
 
 
-def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int) -> dict:
+def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int, seed: int = 0) -> dict:
+    """One mode on one seed: ``seed`` picks the Markov chain and its sequences (``--data.seed``) and offsets the
+    configs' ``seed_everything`` (model initialisation, shuffling); seed 0 is the configs as they are."""
     config = {"every_step": "ft_hsdp", "diloco": "ft_hsdp_diloco", "local_sgd": "ft_hsdp_local_sgd"}[mode]
-    args = [*MODEL, "--data.num_val", str(num_val), "--trainer.max_steps", str(steps)]
+    args = [*MODEL, "--data.num_val", str(num_val), "--trainer.max_steps", str(steps), "--data.seed", str(seed)]
+    if seed:
+        args += ["--seed_everything", str(1234 + seed)]
+    out = out / f"seed{seed}"
     if mode != "every_step":
         args += ["--trainer.strategy.init_args.sync_every", str(sync_every)]
     env = {**os.environ, "FT_TEST_OUT": str(out / mode),
@@ -103,13 +109,13 @@ def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int) -> dict
     bytes_rank = [d["ft_stats"]["cross_group_bytes"] for d in dumps.values()]
     group_diff = max(float((dumps["g0r0"]["full"][k] - dumps["g1r0"]["full"][k]).abs().max())
                      for k in dumps["g0r0"]["full"])
-    return {"mode": mode, "steps": steps, "sync_every": sync_every if mode != "every_step" else 1,
+    return {"mode": mode, "seed": seed, "steps": steps, "sync_every": sync_every if mode != "every_step" else 1,
             "cross_group_bytes_per_step_per_rank": sum(bytes_rank) / len(bytes_rank) / steps,
             "cross_group_bytes_per_step_group": sum(d["ft_stats"]["cross_group_bytes"] for k, d in dumps.items()
                                                     if k.startswith("g0")) / steps,
             "manager_allreduces_rank0": sum(r.get("allreduces", 0) for r in records),
             "inner_steps_with_traffic": sum(1 for r in records if r.get("allreduces", 0) > 0),
-            "heldout_loss": evaluate(dumps["g0r0"]["full"], num_val),
+            "heldout_loss": evaluate(dumps["g0r0"]["full"], num_val, seed),
             "groups_max_abs_param_diff": group_diff,
             "final_train_loss_mean_last32": sum(r["loss"] for r in records[-32:]) / len(records[-32:]),
             "train_loss_group0": [r["loss"] for r in records], "wall_s": wall}
@@ -146,24 +152,38 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--modes", default="every_step,diloco,local_sgd")
     parser.add_argument("--num-val", type=int, default=512, help="held-out sequences every mode is evaluated on")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated data/initialisation seeds; every mode runs on each (0: the configs as is)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ft_sync-cpu.json"))
     ns = parser.parse_args()
+    seeds = [int(x) for x in ns.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run(m, ns.steps, ns.sync_every, Path(tmp), ns.num_val) for m in ns.modes.split(",")]
-    floor = bayes_floor(ns.num_val)
-    base = next((r for r in results if r["mode"] == "every_step"), None)
+        results = [run(m, ns.steps, ns.sync_every, Path(tmp), ns.num_val, seed) for seed in seeds
+                   for m in ns.modes.split(",")]
+    floors = {seed: bayes_floor(ns.num_val, seed) for seed in seeds}
     for r in results:
+        base = next((b for b in results if b["mode"] == "every_step" and b["seed"] == r["seed"]), None)
         if base is not None:
             r["bytes_ratio_vs_every_step"] = r["cross_group_bytes_per_step_per_rank"] / base[
                 "cross_group_bytes_per_step_per_rank"]
             r["heldout_loss_vs_every_step"] = r["heldout_loss"] / base["heldout_loss"] - 1
+            floor = floors[r["seed"]]
             r["excess_over_floor_vs_every_step"] = (r["heldout_loss"] - floor) / (base["heldout_loss"] - floor) - 1
         print(json.dumps({k: v for k, v in r.items() if k != "train_loss_group0"}))
+    by_mode = {}
+    for m in ns.modes.split(","):
+        rel = [r["heldout_loss_vs_every_step"] for r in results if r["mode"] == m and "heldout_loss_vs_every_step" in r]
+        if rel and m != "every_step":
+            by_mode[m] = {"heldout_loss_vs_every_step_per_seed": rel, "median": statistics.median(rel), "max": max(rel),
+                          "within_2pct_seeds": sum(1 for v in rel if v <= 0.02)}
+            print(f"{m}: held-out loss vs every_step per seed {[f'{v:+.2%}' for v in rel]} "
+                  f"(median {statistics.median(rel):+.2%}, {by_mode[m]['within_2pct_seeds']}/{len(rel)} within 2%)")
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    png = plot(results, floor, Path(ns.out).with_suffix(".png"))
+    png = plot([r for r in results if r["seed"] == seeds[0]], floors[seeds[0]], Path(ns.out).with_suffix(".png"))
     Path(ns.out).write_text(json.dumps({"suite": "ft_sync", "device": "cpu", "groups": 2, "ranks_per_group": 2,
-                                        "command": " ".join(sys.argv), "bayes_floor": floor, "num_val": ns.num_val,
-                                        "png_path": png.name, "results": results}) + "\n")
+                                        "command": " ".join(sys.argv), "seeds": seeds, "bayes_floor": floors[seeds[0]],
+                                        "bayes_floor_per_seed": floors, "num_val": ns.num_val,
+                                        "png_path": png.name, "by_mode": by_mode, "results": results}) + "\n")
 
 
 if __name__ == "__main__":

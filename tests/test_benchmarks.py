@@ -278,6 +278,30 @@ def test_ft_recovery_step_time_and_what_a_fault_leaves_behind() -> None:
     assert _step_time({"kills": [], "timelines": {"job": [{"t": 1.0, "step": 1}]}}, groups=2) is None  # hsdp
 
 
+def test_ft_sync_compare_seeds_pick_the_chain_and_the_initialisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    import ft_sync_compare
+
+    # the floor is the true chain's loss on the seed's held-out set: below uniform guessing, different per seed
+    floors = [ft_sync_compare.bayes_floor(64, seed) for seed in (0, 1)]
+    assert all(0 < f < math.log(64) for f in floors) and floors[0] != floors[1]
+    # the launched job gets the seed's data and a shifted seed_everything (seed 0: the configs as they are)
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped by the test")
+
+    monkeypatch.setattr(ft_sync_compare.subprocess, "run", fake_run)
+    for seed in (0, 3):
+        with pytest.raises(SystemExit, match="the diloco run failed"):
+            ft_sync_compare.run("diloco", 8, 4, Path("/nonexistent"), 16, seed)
+    zero, three = seen
+    assert zero[zero.index("--data.seed") + 1] == "0" and "--seed_everything" not in zero
+    assert three[three.index("--data.seed") + 1] == "3" and three[three.index("--seed_everything") + 1] == "1237"
+
+
 def test_ft_recovery_keep_other_runs_reuses_only_a_same_config_result(tmp_path: Path) -> None:
     from suites.ft_recovery import _kept_runs
 
