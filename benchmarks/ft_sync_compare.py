@@ -79,13 +79,17 @@ def bayes_floor(num_val: int, seed: int = 0) -> float:
     return float(-p.clamp_min(1e-12).log().mean())
 
 
-def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int, seed: int = 0) -> dict:
+def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int, seed: int = 0,
+        outer: dict[str, float] | None = None) -> dict:
     """One mode on one seed: ``seed`` picks the Markov chain and its sequences (``--data.seed``) and offsets the
     configs' ``seed_everything`` (model initialisation, shuffling); seed 0 is the configs as they are."""
     config = {"every_step": "ft_hsdp", "diloco": "ft_hsdp_diloco", "local_sgd": "ft_hsdp_local_sgd"}[mode]
     args = [*MODEL, "--data.num_val", str(num_val), "--trainer.max_steps", str(steps), "--data.seed", str(seed)]
     if seed:
         args += ["--seed_everything", str(1234 + seed)]
+    for key, value in (outer or {}).items():  # diloco's outer optimizer, when not the config's
+        if mode == "diloco":
+            args += [f"--trainer.strategy.init_args.{key}", str(value)]
     out = out / f"seed{seed}"
     if mode != "every_step":
         args += ["--trainer.strategy.init_args.sync_every", str(sync_every)]
@@ -154,11 +158,15 @@ def main() -> None:
     parser.add_argument("--num-val", type=int, default=512, help="held-out sequences every mode is evaluated on")
     parser.add_argument("--seeds", default="0",
                         help="comma-separated data/initialisation seeds; every mode runs on each (0: the configs as is)")
+    parser.add_argument("--outer-lr", type=float, default=None, help="diloco's outer_lr (default: the config's)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="diloco's outer_momentum (default: the config's)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ft_sync-cpu.json"))
     ns = parser.parse_args()
     seeds = [int(x) for x in ns.seeds.split(",")]
+    outer = {k: v for k, v in (("outer_lr", ns.outer_lr), ("outer_momentum", ns.outer_momentum)) if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run(m, ns.steps, ns.sync_every, Path(tmp), ns.num_val, seed) for seed in seeds
+        results = [run(m, ns.steps, ns.sync_every, Path(tmp), ns.num_val, seed, outer) for seed in seeds
                    for m in ns.modes.split(",")]
     floors = {seed: bayes_floor(ns.num_val, seed) for seed in seeds}
     for r in results:
@@ -181,7 +189,8 @@ def main() -> None:
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     png = plot([r for r in results if r["seed"] == seeds[0]], floors[seeds[0]], Path(ns.out).with_suffix(".png"))
     Path(ns.out).write_text(json.dumps({"suite": "ft_sync", "device": "cpu", "groups": 2, "ranks_per_group": 2,
-                                        "command": " ".join(sys.argv), "seeds": seeds, "bayes_floor": floors[seeds[0]],
+                                        "command": " ".join(sys.argv), "seeds": seeds, "outer_overrides": outer,
+                                        "bayes_floor": floors[seeds[0]],
                                         "bayes_floor_per_seed": floors, "num_val": ns.num_val,
                                         "png_path": png.name, "by_mode": by_mode, "results": results}) + "\n")
 

@@ -297,9 +297,15 @@ def test_ft_sync_compare_seeds_pick_the_chain_and_the_initialisation(monkeypatch
     for seed in (0, 3):
         with pytest.raises(SystemExit, match="the diloco run failed"):
             ft_sync_compare.run("diloco", 8, 4, Path("/nonexistent"), 16, seed)
-    zero, three = seen
+    # --outer-lr / --outer-momentum reach diloco only
+    for mode in ("diloco", "every_step"):
+        with pytest.raises(SystemExit, match=f"the {mode} run failed"):
+            ft_sync_compare.run(mode, 8, 4, Path("/nonexistent"), 16, 0, {"outer_momentum": 0.5})
+    zero, three, diloco, every = seen
     assert zero[zero.index("--data.seed") + 1] == "0" and "--seed_everything" not in zero
     assert three[three.index("--data.seed") + 1] == "3" and three[three.index("--seed_everything") + 1] == "1237"
+    assert diloco[diloco.index("--trainer.strategy.init_args.outer_momentum") + 1] == "0.5"
+    assert not any("outer_momentum" in a for a in every + zero)
 
 
 def test_ft_recovery_keep_other_runs_reuses_only_a_same_config_result(tmp_path: Path) -> None:
