@@ -87,8 +87,8 @@ def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int, seed: i
     args = [*MODEL, "--data.num_val", str(num_val), "--trainer.max_steps", str(steps), "--data.seed", str(seed)]
     if seed:
         args += ["--seed_everything", str(1234 + seed)]
-    for key, value in (outer or {}).items():  # diloco's outer optimizer, when not the config's
-        if mode == "diloco":
+    if mode == "diloco":
+        for key, value in (outer or {}).items():  # its outer optimizer, when not the config's
             args += [f"--trainer.strategy.init_args.{key}", str(value)]
     out = out / f"seed{seed}"
     if mode != "every_step":

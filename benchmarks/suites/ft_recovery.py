@@ -80,6 +80,17 @@ REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faul
 FAULTY = tuple(REFERENCE)
 #: the contenders the >= 0.95 goodput target applies to (ft_hsdp every-step training)
 TARGETED = ("ft_faults", "ft_faults_warm", "ft_faults_fork")
+GOODPUT_TARGET = 0.95
+
+
+def _target(value: float, targeted: bool) -> dict[str, Any]:
+    """A summary row's target fields: the goodput target and whether ``value`` meets it, where it applies."""
+    return {"target_min": GOODPUT_TARGET if targeted else None, "met": value >= GOODPUT_TARGET if targeted else None}
+
+
+def _config_differences(stored: dict[str, Any], now: dict[str, Any], keys: Any) -> dict[str, tuple[Any, Any]]:
+    """``{option: (stored, now)}`` for every key of ``keys`` whose value differs between two results' configs."""
+    return {k: (stored.get(k), now.get(k)) for k in keys if stored.get(k) != now.get(k)}
 
 
 # ---------------------------------------------------------------------------------------------- worker mode
@@ -457,16 +468,15 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     for name in FAULTY:
         ref_name = REFERENCE[name]
         good = figures.get(name, {}).get("goodput", {})
+        post = _post_fault_step_ratios(runs[name], groups) if name in runs else []
+        post_median = statistics.median(x["ratio"] for x in post) if post else None
         sps, ref = good.get("samples_per_s"), figures.get(ref_name, {}).get("goodput", {}).get("samples_per_s")
         if ref and sps:
             value = sps / ref
             figures[name]["goodput_vs_nofault"] = value
             summary.append({"ratio": f"{name} goodput / {ref_name} (committed samples/s)", "value": value,
-                            "target_min": 0.95 if name in TARGETED else None,
-                            "met": value >= 0.95 if name in TARGETED else None})
+                            **_target(value, name in TARGETED)})
             step_f, step_ref = _step_time(runs[name], groups), _step_time(runs[ref_name], groups)
-            post = _post_fault_step_ratios(runs[name], groups) if name in runs else []
-            post_median = statistics.median(x["ratio"] for x in post) if post else None
             if step_f and step_ref and post_median is not None:
                 # the same ratio had both runs stepped at one speed: the host's speed moves by 5-10% between
                 # separate runs here. Only a stand-in for the host's speed where faults leave step times as they
@@ -479,9 +489,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                 label = f"{name} goodput / {ref_name} at equal full-quorum step time"
                 if not valid:
                     label += f" (not comparable: steps after faults {post_median - 1:+.1%})"
-                summary.append({"ratio": label, "value": normalised,
-                                "target_min": 0.95 if name in TARGETED and valid else None,
-                                "met": normalised >= 0.95 if name in TARGETED and valid else None})
+                summary.append({"ratio": label, "value": normalised, **_target(normalised, name in TARGETED and valid)})
             if figures[name]["faults"]:
                 # the fault-free seconds each fault cost: at interval T, goodput ~ 1 - lost / T
                 lost = (1 - value) * good["seconds"] / figures[name]["faults"]
@@ -496,14 +504,11 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             summary.append({"ratio": f"{name} seconds lost per fault vs the local rate, median of {len(local)}",
                             "value": lost_local, "met": None})
             summary.append({"ratio": f"{name} goodput at one fault per {kill_every:g} s, from that loss",
-                            "value": estimate, "target_min": 0.95 if name in TARGETED else None,
-                            "met": estimate >= 0.95 if name in TARGETED else None})
-        post = _post_fault_step_ratios(runs[name], groups) if name in runs else []
+                            "value": estimate, **_target(estimate, name in TARGETED)})
         if post:
-            figures[name]["post_fault_step_ratio"] = {"median": statistics.median(x["ratio"] for x in post),
-                                                      "per_fault": post}
+            figures[name]["post_fault_step_ratio"] = {"median": post_median, "per_fault": post}
             summary.append({"ratio": f"{name} step time after a fault / before it, median of {len(post)}",
-                            "value": statistics.median(x["ratio"] for x in post), "met": None})
+                            "value": post_median, "met": None})
         if name.startswith(("ft", "diloco")) and name in runs:
             down = [d["down_s"] for d in _downtimes(runs[name]) if d["down_s"] is not None]
             if down:
@@ -546,8 +551,7 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
         rounds.append((path, json.loads(path.read_text())))
     first = rounds[0][1].get("config", {})
     for path, r in rounds[1:]:
-        differs = {k: (first.get(k), r.get("config", {}).get(k)) for k in POOL_KEYS
-                   if first.get(k) != r.get("config", {}).get(k)}
+        differs = _config_differences(first, r.get("config", {}), POOL_KEYS)
         if differs:
             raise SystemExit(f"--pool: {path} was measured with another configuration than {rounds[0][0]} "
                              f"(option: (first, this)) {differs}; pool rounds of one configuration only")
@@ -570,7 +574,7 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
                               "stall_max_s": fig.get("stall_s", {}).get("max")})
         if not per_round:
             continue
-        target = 0.95 if name in TARGETED else None
+        targeted = name in TARGETED
         ratios = [x["goodput_vs_nofault"] for x in per_round if x["goodput_vs_nofault"] is not None]
         lost = sorted(v for x in per_round for v in x["local_lost_s"])
         normalised = [x["goodput_vs_nofault_step_normalised"] for x in per_round
@@ -583,8 +587,7 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
             if values:
                 fig_out[f"{key}_median"] = statistics.median(values)
                 summary.append({"ratio": f"{name} {label}, median of {len(values)} rounds",
-                                "value": statistics.median(values), "target_min": target,
-                                "met": statistics.median(values) >= 0.95 if target else None})
+                                "value": statistics.median(values), **_target(statistics.median(values), targeted)})
         if lost and kill_every:
             median_lost = statistics.median(lost)
             fig_out.update(local_lost_s_median=median_lost, goodput_at_kill_every=1 - median_lost / kill_every,
@@ -592,8 +595,7 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
             summary.append({"ratio": f"{name} seconds lost per fault, median of {len(lost)} faults "
                                      f"in {len(per_round)} rounds", "value": median_lost, "met": None})
             summary.append({"ratio": f"{name} goodput at one fault per {kill_every:g} s, from that loss",
-                            "value": 1 - median_lost / kill_every, "target_min": target,
-                            "met": 1 - median_lost / kill_every >= 0.95 if target else None})
+                            "value": 1 - median_lost / kill_every, **_target(1 - median_lost / kill_every, targeted)})
         figures[name] = fig_out
     if not figures:
         raise SystemExit(f"--pool: none of {dirs} holds a faulty contender's figures")
@@ -606,7 +608,8 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
 
 
 def _plot_pool(figures: dict[str, Any], kill_every: float | None, path: Path) -> Path:
-    """Left: each round's separate-run ratio; right: each fault's local loss, one column per contender."""
+    """Left: each round's separate-run ratio and its step-normalised ratio; right: each fault's local loss
+    (one colour a round) with the pooled median, one column per contender."""
     plt = common._pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     names = list(figures)
@@ -622,11 +625,11 @@ def _plot_pool(figures: dict[str, Any], kill_every: float | None, path: Path) ->
                             label=f"round {j + 1}" if i == 0 else None, zorder=3)
         if figures[name].get("local_lost_s_median") is not None:
             axes[1].hlines(figures[name]["local_lost_s_median"], i - 0.3, i + 0.3, color="k")
-    axes[0].axhline(0.95, color="tab:red", ls="--", lw=0.8, label="target 0.95")
+    axes[0].axhline(GOODPUT_TARGET, color="tab:red", ls="--", lw=0.8, label=f"target {GOODPUT_TARGET:g}")
     axes[0].set_ylabel("goodput / fault-free run (one dot a round)")
     if kill_every:
-        axes[1].axhline(0.05 * kill_every, color="tab:red", ls="--", lw=0.8,
-                        label=f"0.95 at one fault per {kill_every:g} s")
+        axes[1].axhline((1 - GOODPUT_TARGET) * kill_every, color="tab:red", ls="--", lw=0.8,
+                        label=f"{GOODPUT_TARGET:g} at one fault per {kill_every:g} s")
     axes[1].set_ylabel("seconds lost per fault vs the local rate\n(black: pooled median)")
     for ax in axes:
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
@@ -644,7 +647,7 @@ def _kept_runs(out_dir: Path, config: dict[str, Any], rerun: list[str]) -> dict[
     if not path.exists():
         raise SystemExit(f"--keep-other-runs: no earlier result at {path}; run the suite without it first")
     old = json.loads(path.read_text())
-    differs = {k: (old.get("config", {}).get(k), v) for k, v in config.items() if old.get("config", {}).get(k) != v}
+    differs = _config_differences(old.get("config", {}), config, config)
     if differs:
         raise SystemExit(f"--keep-other-runs: {path} was measured with another configuration "
                          f"(option: (stored, now)) {differs}; rerun every contender instead")
