@@ -97,7 +97,7 @@ def run(mode: str, steps: int, sync_every: int, out: Path, num_val: int, seed: i
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])}
     t0 = time.time()
     # no restarts: a group that fails makes the comparison invalid, and says why
-    proc = subprocess.run([sys.executable, "-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group",
+    proc = subprocess.run([sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group",
                            "2", "--join-timeout-ms", "30000", "--max-restarts", "0", "--events-dir",
                            str(out / f"{mode}-events"), "--timeout", "1800", "--", str(WORKER), "fit", "--config",
                            f"configs/{config}.yaml", *args], cwd=ROOT, env=env, capture_output=True, text=True)

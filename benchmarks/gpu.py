@@ -236,7 +236,7 @@ class Plan:
             "job_timeout_s": self.timeout, "worker_env": self.env,
             "peak_flops_note": (f"--quick: nominal {QUICK_PEAK_FLOPS:g} FLOP/s via FSDP_STRATEGIES_PEAK_FLOPS, not "
                                 "this CPU's peak; the MFU figures only show that the arithmetic runs")
-            if self.quick else "dense bf16 peak from fsdp_strategies._peak_flops by device name",
+            if self.quick else "dense bf16 peak from fsdp_strategies.flops.peaks by device name",
             "step_time": "wall time between consecutive optimizer-step ends (CUDA-synchronised), warm-up excluded",
         }
 

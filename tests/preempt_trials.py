@@ -44,9 +44,9 @@ ROOT = TESTS.parent
 WORKER = TESTS / "workers" / "preempt_train.py"
 sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
-from fsdp_strategies._checkpoint import export_consolidated  # noqa: E402
-from fsdp_strategies._preemption import PREEMPT_EXIT_CODE  # noqa: E402
+from fsdp_strategies.checkpoint.atomic import export_consolidated  # noqa: E402
 from fsdp_strategies.ft.launcher import _process_tree  # noqa: E402
+from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")
 MODES = ("all", "one", "launcher")
@@ -82,7 +82,7 @@ def command(strategy: str, root: Path, *, resume: bool = False, steps: int = STE
     if strategy == "hsdp":
         return [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
                 f"--master_port={job_env()['MASTER_PORT']}", "--shutdown-timeout", str(int(grace) + 5), *worker]
-    return [py, "-m", "fsdp_strategies.ft_launch", "--groups", "1", "--ranks-per-group", "2", "--max-restarts", "0",
+    return [py, "-m", "fsdp_strategies.ft", "--groups", "1", "--ranks-per-group", "2", "--max-restarts", "0",
             "--events-dir", str(root / "ft_events"), "--grace", str(grace + 5), "--", *worker]
 
 
@@ -130,7 +130,7 @@ def _ranks(proc_pid: int, strategy: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        launcher = b"torch.distributed.run" in cmd or b"fsdp_strategies.ft_launch" in cmd
+        launcher = b"torch.distributed.run" in cmd or b"fsdp_strategies.ft" in cmd
         if any(c.endswith(b"preempt_train.py") for c in cmd) and not launcher:
             workers.append(pid)
     return sorted(workers)

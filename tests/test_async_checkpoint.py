@@ -22,12 +22,12 @@ import torch
 
 from conftest import WORKERS, run_python
 from fsdp_strategies import FSDP2Strategy, verify_checkpoint
-from fsdp_strategies._async_checkpoint import (
+from fsdp_strategies.checkpoint.async_writer import (
     AsyncCheckpointer,
     AsyncCheckpointError,
     validate_async_checkpoint,
 )
-from fsdp_strategies._checkpoint import export_main
+from fsdp_strategies.checkpoint.atomic import export_main
 from fsdp_strategies.strategies import DDPHooksStrategy, HSDPStrategy
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
@@ -75,7 +75,7 @@ def test_process_type_needs_a_sharded_checkpoint() -> None:
 def test_full_file_writer_commits_in_background_and_defers_removals(tmp_path: Path, monkeypatch) -> None:
     """One process: the save returns before the file exists; a removal waits for the commit; a second save
     waits for the first; the written file is the state at save time."""
-    import fsdp_strategies._async_checkpoint as engine
+    import fsdp_strategies.checkpoint.async_writer as engine
 
     gate = threading.Event()
     real_save = torch.save
@@ -109,7 +109,7 @@ def test_full_file_writer_commits_in_background_and_defers_removals(tmp_path: Pa
 
 
 def test_background_error_is_raised_at_the_next_poll_and_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:
-    import fsdp_strategies._async_checkpoint as engine
+    import fsdp_strategies.checkpoint.async_writer as engine
 
     def failing_save(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device (injected)")

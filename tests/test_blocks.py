@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from fsdp_strategies._blocks import (
+from fsdp_strategies.parallel.blocks import (
     BlockNotFoundError,
     describe_stacks,
     find_block_stacks,

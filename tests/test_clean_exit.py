@@ -3,7 +3,7 @@
 The CI cut of ``tests/exit_trials.py`` (the full check: ``python tests/exit_trials.py --runs 50``, and the
 control ``--mode collectives --without-fix``): 5 jobs of the pattern that aborts without the fix (4-6 times in
 10 here) -- 200 gloo all-reduces, then the end of the script -- with ``import fsdp_strategies``, which installs
-the exit handling (see ``fsdp_strategies._exit``).
+the exit handling (see ``fsdp_strategies.runtime.clean_exit``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from exit_trials import run_once
-from fsdp_strategies._exit import quiesce_collective_threads
+from fsdp_strategies.runtime.clean_exit import quiesce_collective_threads
 
 
 @pytest.mark.multiprocess

@@ -52,7 +52,7 @@ def _run(tmp: Path, mode: str, steps: int, kill_at: str, heal_kill: str, timeout
     # overlap training; the lighthouse's join timeout (2 s) stays above the pause, so a restarted group never
     # forms a quorum of its own while the survivor sleeps.
     events = tmp / "events"
-    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", str(GROUPS), "--ranks-per-group", "1",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", str(GROUPS), "--ranks-per-group", "1",
                 "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "2000", "--events-dir", str(events),
                 "--timeout", str(timeout - 20), "--min-replicas", "1", "--kill-at-steps", kill_at,
                 "--max-restarts", "8", "--", WORKER],

@@ -32,7 +32,7 @@ FT = ["--config", "configs/ft_hsdp.yaml", *TINY, "--trainer.strategy.init_args.t
 
 def _launch(tmp: Path, name: str, args: list[str], launcher: list[str], env: dict[str, str], timeout: float = 400) -> Path:
     events = tmp / f"{name}-events"
-    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", str(timeout - 20),
                 *launcher, "--", WORKER, "fit", *args], env={"FT_TEST_OUT": str(tmp / name), **env}, timeout=timeout)
     return events

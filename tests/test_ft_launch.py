@@ -18,7 +18,7 @@ from fsdp_strategies.ft.launcher import _last_error_line, core_sets
 
 def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> None:
     events = tmp_path / "events"
-    proc = run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--max-restarts", "1", "--runner",
+    proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "1", "--runner",
                        "lightning", "--events-dir", str(events), "--timeout", "200", "--",
                        str(WORKERS / "ft_fail.py")],
                       env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "6"}, timeout=300, check=False)
@@ -60,7 +60,7 @@ def test_pin_cores_gives_each_group_its_cpus_and_a_restart_the_same_ones(tmp_pat
     if spec == "auto":  # the groups' CPUs do not overlap
         assert not set(expected[0]) & set(expected[1])
     events = tmp_path / "events"
-    proc = run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--max-restarts", "1", "--runner",
+    proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "1", "--runner",
                        "lightning", "--pin-cores", spec, "--events-dir", str(events), "--timeout", "200", "--",
                        str(WORKERS / "ft_fail.py")],
                       env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "2", "FT_AFFINITY_DIR": str(tmp_path)}, timeout=300,

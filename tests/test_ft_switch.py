@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from conftest import WORKERS, run_python
-from fsdp_strategies._ft_switch import CostClock, SwitchState, decide, validate_straggler_sync
 from fsdp_strategies.callbacks import StragglerDetector
+from fsdp_strategies.ft.straggler_switch import CostClock, SwitchState, decide, validate_straggler_sync
 
 WORKER = str(WORKERS / "ft_train.py")
 CONFIG = "configs/ft_hsdp_straggler_sync.yaml"
@@ -131,7 +131,7 @@ def _launch(tmp: Path, slow_link: dict[str, Any], steps: int, launcher: list[str
                        "report_path": str(tmp / "straggler_{replica_group_id}.json")}},
         {"class_path": "fsdp_strategies.testing.SlowLinkInjector"}]}}))
     events = tmp / "events"
-    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--quorum-tick-ms", "10", "--events-dir", str(events),
                 "--timeout", str(timeout - 20), *launcher, "--", WORKER, "fit", "--config", CONFIG, "--config",
                 str(override), *TINY, "--trainer.max_steps", str(steps)],

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import WORKERS, run_python
-from fsdp_strategies._ft_sync import _fragments, validate_sync_options
+from fsdp_strategies.ft.outer_sync import _fragments, validate_sync_options
 
 WORKER = str(WORKERS / "ft_train.py")
 TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
@@ -116,7 +116,7 @@ class _FakeManager:
 
 
 def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> None:
-    from fsdp_strategies._ft_sync import STATE_KEY, OuterSync
+    from fsdp_strategies.ft.outer_sync import STATE_KEY, OuterSync
 
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
@@ -158,7 +158,7 @@ def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> Non
 def _launch(tmp: Path, name: str, config: str, args: list[str], launcher: list[str], env: dict[str, str],
             timeout: float = 400) -> Path:
     events = tmp / f"{name}-events"
-    run_python(["-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout", str(timeout - 20),
                 *launcher, "--", WORKER, "fit", "--config", config, *TINY, *args],
                env={"FT_TEST_OUT": str(tmp / name), **env}, timeout=timeout)

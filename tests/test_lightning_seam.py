@@ -391,7 +391,7 @@ def test__iterator_and__shutdown_workers() -> None:
 def test__metadata_fn_and_dcp_metadata_classes(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from fsdp_strategies._safe_load import load_dcp_metadata
+    from fsdp_strategies.checkpoint.safe_load import load_dcp_metadata
 
     dcp.save({"w": torch.arange(4.0), "step": 3}, checkpoint_id=str(tmp_path))
     assert (tmp_path / tseam.DCP_METADATA_FILE).is_file() and tseam.DCP_METADATA_FILE == ".metadata"

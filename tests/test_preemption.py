@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT, run_python
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
-from fsdp_strategies._preemption import PREEMPT_EXIT_CODE, Preempted
+from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE, Preempted
 from preempt_trials import job_env, ok, trial
 
 # A stop must end within this bound. Generous on purpose: the machine is shared and slow. The stop itself takes
@@ -106,7 +106,7 @@ def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp
     # forkserver: the SIGTERM reaches the forked ranks; their leader waits for them instead of dying first
     script = tmp_path / "group.py"
     script.write_text(_GROUP)
-    cmd = [sys.executable, "-m", "fsdp_strategies.ft_launch", "--groups", "2", "--runner", runner,
+    cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--runner", runner,
            "--events-dir", str(tmp_path / "events"), "--grace", "20", "--", str(script), str(tmp_path)]
     proc = subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

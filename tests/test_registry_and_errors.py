@@ -14,8 +14,8 @@ from torch import nn
 import fsdp_strategies
 from conftest import as_torchrun_rank0
 from fsdp_strategies import FSDP2Strategy, HSDPStrategy
-from fsdp_strategies._blocks import BlockNotFoundError, find_transformer_blocks
-from fsdp_strategies._mesh import resolve_hsdp_degrees
+from fsdp_strategies.parallel.blocks import BlockNotFoundError, find_transformer_blocks
+from fsdp_strategies.parallel.mesh import resolve_hsdp_degrees
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BUILT_IN = {"ddp", "ddp_spawn", "fsdp", "deepspeed", "single_device", "xla"}

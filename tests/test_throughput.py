@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 
 from conftest import ROOT, WORKERS, run_python
-from fsdp_strategies import _peak_flops
 from fsdp_strategies.callbacks import ActivationCheckpointing, MFUMonitor
 from fsdp_strategies.callbacks.mfu import analytic_transformer_flops, count_step_flops
+from fsdp_strategies.flops import peaks as _peak_flops
 from llama import Llama, LlamaLM, MarkovDataModule
 
 V, D, L, H, M, S = 64, 64, 2, 4, 128, 32

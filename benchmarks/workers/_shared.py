@@ -255,9 +255,9 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
     """Dense peak FLOP/s of this device for the run's compute dtype, and where it came from.
 
     The same sources as ``MFUMonitor``: ``FSDP_STRATEGIES_PEAK_FLOPS``, else the table of
-    ``fsdp_strategies._peak_flops`` by device name; CPUs have no entry (``None``).
+    ``fsdp_strategies.flops.peaks`` by device name; CPUs have no entry (``None``).
     """
-    from fsdp_strategies._peak_flops import PEAK_FLOPS_ENV, lookup_peak_flops, peak_flops_from_env
+    from fsdp_strategies.flops.peaks import PEAK_FLOPS_ENV, lookup_peak_flops, peak_flops_from_env
 
     env = peak_flops_from_env()
     if env is not None:
@@ -267,4 +267,4 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
     name = torch.cuda.get_device_name(device)
     dtype = "bf16" if precision.startswith("bf16") else "fp32"
     value = lookup_peak_flops(name, dtype)
-    return value, f"fsdp_strategies._peak_flops table, {name!r}, {dtype}"
+    return value, f"fsdp_strategies.flops.peaks table, {name!r}, {dtype}"

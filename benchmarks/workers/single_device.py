@@ -254,8 +254,8 @@ def smoke_straggler(quick: bool, precision: str) -> dict[str, Any]:
 
 def smoke_mfu_peak(quick: bool, precision: str) -> dict[str, Any]:
     """Table lookup on the real device name, and what MFUMonitor resolves on its own for a short run."""
-    from fsdp_strategies._peak_flops import DTYPES, PEAK_FLOPS_ENV, device_key, lookup_peak_flops
     from fsdp_strategies.callbacks import MFUMonitor
+    from fsdp_strategies.flops.peaks import DTYPES, PEAK_FLOPS_ENV, device_key, lookup_peak_flops
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from fsdp_strategies._checkpoint import export_consolidated
-from fsdp_strategies._exit import register_clean_exit
-from fsdp_strategies._integrity import verify_checkpoint
-from fsdp_strategies._preemption import PREEMPT_EXIT_CODE
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
 from fsdp_strategies.callbacks.mfu import MFUMonitor
 from fsdp_strategies.callbacks.straggler import StragglerDetector
+from fsdp_strategies.checkpoint.atomic import export_consolidated
+from fsdp_strategies.checkpoint.integrity import verify_checkpoint
+from fsdp_strategies.ft.strategy import FTHSDPStrategy
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
-from fsdp_strategies.strategies import DDPHooksStrategy, FSDP2Strategy, FTHSDPStrategy, HSDPStrategy
+from fsdp_strategies.runtime.clean_exit import register_clean_exit
+from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE
+from fsdp_strategies.strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 
 __version__ = "0.1.0"
 
@@ -40,7 +41,7 @@ def _register(name: str, cls: type, description: str) -> None:
 for _name, (_cls, _description) in _REGISTERED.items():
     _register(_name, _cls, _description)
 
-# gloo's worker threads must finish before the interpreter finalizes (see fsdp_strategies._exit)
+# gloo's worker threads must finish before the interpreter finalizes (see fsdp_strategies.runtime.clean_exit)
 register_clean_exit()
 
 __all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",

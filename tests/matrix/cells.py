@@ -126,7 +126,7 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
     out, events = work / f"ft-{model}-{precision}", work / f"ft-{model}-{precision}-events"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])}
-    cmd = [sys.executable, "-m", "fsdp_strategies.ft_launch", "--groups", "2", "--ranks-per-group", "1",
+    cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1",
            "--min-replicas", "1", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "500",
            "--kill-at-steps", f"1@{kill_at}", "--max-restarts", "2", "--events-dir", str(events),
            "--timeout", str(timeout - 20), "--", str(HERE / "ft_worker.py"), "--model", model, "--precision", precision,

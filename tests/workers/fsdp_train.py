@@ -110,7 +110,7 @@ class CrashOnSave(pl.Callback):
     """Kill the process in the middle of the N-th checkpoint write (after the shards, before commit)."""
 
     def __init__(self, nth: int) -> None:
-        import fsdp_strategies._checkpoint as ckpt
+        import fsdp_strategies.checkpoint.atomic as ckpt
 
         self.count = 0
         real_save = ckpt.dcp.save

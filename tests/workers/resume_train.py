@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset  # 
 from typing_extensions import override  # noqa: E402
 
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy  # noqa: E402
-from fsdp_strategies._resume import skip_consumed_batches  # noqa: E402
+from fsdp_strategies.runtime.resume_position import skip_consumed_batches  # noqa: E402
 from llama import LlamaLM, MarkovDataModule, MarkovSequences  # noqa: E402
 
 TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}

@@ -33,7 +33,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from fsdp_strategies._blocks import class_names
 from fsdp_strategies.parallel.activation_checkpointing import (
     DEFAULT_SAVE_OPS,
     CheckpointMismatchError,
@@ -47,6 +46,7 @@ from fsdp_strategies.parallel.activation_checkpointing import (
     resolve_or_none,
     validate_options,
 )
+from fsdp_strategies.parallel.blocks import class_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

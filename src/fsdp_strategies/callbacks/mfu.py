@@ -34,10 +34,15 @@ from torch import nn
 from typing_extensions import override
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._blocks import find_transformer_blocks
 from fsdp_strategies._options import check_choice, check_int, check_number
-from fsdp_strategies._peak_flops import PeakDType, lookup_peak_flops, peak_flops_from_env
-from fsdp_strategies.flops import StepFlopCounter, StepFlops, analytic_transformer_flops, count_step_flops
+from fsdp_strategies.flops.counter import (
+    StepFlopCounter,
+    StepFlops,
+    analytic_transformer_flops,
+    count_step_flops,
+)
+from fsdp_strategies.flops.peaks import PeakDType, lookup_peak_flops, peak_flops_from_env
+from fsdp_strategies.parallel.blocks import find_transformer_blocks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,7 +114,7 @@ class MFUMonitor(Callback):
         flops_source: ``count`` (FlopCounterMode on the first batch) or ``analytic``.
         causal_discount: count half the attention FLOPs of causal SDPA calls / of the analytic term.
         peak_flops: dense peak FLOP/s of one device; default: ``FSDP_STRATEGIES_PEAK_FLOPS`` or the
-            table in :mod:`fsdp_strategies._peak_flops`. Needed on CPUs; without it MFU/HFU are not logged.
+            table in :mod:`fsdp_strategies.flops.peaks`. Needed on CPUs; without it MFU/HFU are not logged.
         peak_dtype: column of the peak table (bf16/fp16/tf32/fp8/fp32); default from the Trainer's precision.
         tokens_per_sample: tokens one sample contributes; default: the size of the first integer tensor
             of the batch divided by the batch size (token ids).

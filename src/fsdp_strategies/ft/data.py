@@ -57,7 +57,7 @@ from torch.utils.data import (
 )
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._resume import _install, _SkipFirstIterationSampler
+from fsdp_strategies.runtime.resume_position import _install, _SkipFirstIterationSampler
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

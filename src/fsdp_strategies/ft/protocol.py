@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies._exit import PREEMPT_EXIT_CODE
+from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE
 
 __all__ = [
     "EVENTS_ENV",

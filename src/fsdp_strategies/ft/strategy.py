@@ -35,14 +35,14 @@ step, weighted so the step's gradient is the mean over the full global batch (se
 
 ``straggler_sync="local_sgd"|"diloco"`` (with ``sync="every_step"`` and ``StragglerDetector(action="semi_sync")``):
 the manager uses the synchronous quorum (started in ``batch_to_device``, so a healing group has the peer's state
-and step before it picks its batch) and the outer sync of :mod:`fsdp_strategies._ft_sync` is built at train start
+and step before it picks its batch) and the outer sync of :mod:`fsdp_strategies.ft.outer_sync` is built at train start
 in every mode, dormant while the groups reduce every step (its heal-state keys exist on every group). Every
 ``sync_every`` committed steps the groups' costs are all-reduced inside the step (after backward, before
 ``should_commit``; in rounds: inside the outer sync) and the agreed decision applies only if that step commits:
 every-step -> rounds at that step (DiLoCo's backup = the current, identical, parameters; the FSDP hook stays
 registered and skips the cross-group all-reduce), rounds -> every-step after a committed outer sync (the inner
 optimizer states are averaged in the same sync). Mode, streak and step offset are heal state; a group restarted
-during rounds heals in the others' outer sync and joins it (``_join_outer_sync``). See :mod:`fsdp_strategies._ft_switch`.
+during rounds heals in the others' outer sync and joins it (``_join_outer_sync``). See :mod:`fsdp_strategies.ft.straggler_switch`.
 """
 
 from __future__ import annotations
@@ -67,12 +67,9 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._ft_switch import STATE_KEY as SWITCH_STATE_KEY
-from fsdp_strategies._ft_switch import CostClock, StragglerSync, SwitchState, decide, validate_straggler_sync
-from fsdp_strategies._ft_sync import OuterSync, SyncMode, validate_sync_options
-from fsdp_strategies._mesh import HSDPDegrees
 from fsdp_strategies._options import check_choice, check_int, check_number
 from fsdp_strategies.ft.data import StepAlignedData
+from fsdp_strategies.ft.outer_sync import OuterSync, SyncMode, validate_sync_options
 from fsdp_strategies.ft.protocol import (
     LEAVE_EXIT_CODE,
     LIGHTHOUSE_ENV,
@@ -82,6 +79,15 @@ from fsdp_strategies.ft.protocol import (
     FTEnvironment,
     wait_for_activation,
 )
+from fsdp_strategies.ft.straggler_switch import STATE_KEY as SWITCH_STATE_KEY
+from fsdp_strategies.ft.straggler_switch import (
+    CostClock,
+    StragglerSync,
+    SwitchState,
+    decide,
+    validate_straggler_sync,
+)
+from fsdp_strategies.parallel.mesh import HSDPDegrees
 from fsdp_strategies.strategies.hsdp import HSDPStrategy
 
 if TYPE_CHECKING:
@@ -159,7 +165,7 @@ class FTHSDPStrategy(HSDPStrategy):
             step (fully synchronous). ``"local_sgd"``: each group takes ``sync_every`` inner steps alone, then the
             groups average their parameters. ``"diloco"``: the same rounds, then an outer Nesterov SGD step on the
             averaged pseudo-gradient (``outer_lr``, ``outer_momentum``). Built on torchft's ``DiLoCo``; an outer step
-            is committed or discarded (rolled back to the last one) on every group. See :mod:`fsdp_strategies._ft_sync`.
+            is committed or discarded (rolled back to the last one) on every group. See :mod:`fsdp_strategies.ft.outer_sync`.
         sync_every: inner steps per round (``local_sgd``/``diloco``); ``max_steps`` must be a multiple of it.
         outer_lr: learning rate of the outer optimizer (``diloco``).
         outer_momentum: Nesterov momentum of the outer optimizer (``diloco``; 0 = plain SGD).
@@ -169,7 +175,7 @@ class FTHSDPStrategy(HSDPStrategy):
             stragglers cost more than ``StragglerDetector(action="semi_sync", switch_threshold=...)`` allows; the run
             starts with ``sync="every_step"`` and comes back to it. ``sync_every``/``outer_lr``/``outer_momentum``
             describe the fallback. Needs that callback, ``num_fragments=1``, ``data_on_failure="skip"`` and a
-            ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies._ft_switch`.
+            ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies.ft.straggler_switch`.
         **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
@@ -590,7 +596,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._switch_cfg = (float(threshold), int(patience))
 
     def sync_cost_counters(self) -> tuple[float, float]:
-        """Cumulative ``(cross_s, extra_s)`` of this rank; see :class:`fsdp_strategies._ft_switch.CostClock`."""
+        """Cumulative ``(cross_s, extra_s)`` of this rank; see :class:`fsdp_strategies.ft.straggler_switch.CostClock`."""
         return self._cost.counters()
 
     def report_sync_cost(self, cost: float) -> None:

@@ -5,7 +5,7 @@ Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the
 is the Lightning glue over :func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize`
 applies it first in the order checkpoint -> compile -> shard.
 
-* Blocks are found with :func:`fsdp_strategies._blocks.find_transformer_blocks`, the same rule the
+* Blocks are found with :func:`fsdp_strategies.parallel.blocks.find_transformer_blocks`, the same rule the
   sharding strategies use, so checkpoint regions and FSDP units coincide.
 * Nothing is replaced: each block *instance* gets a ``forward`` attribute that runs the class's
   forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. The module tree,
@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._blocks import find_transformer_blocks
 from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies.parallel.blocks import find_transformer_blocks
 
 __all__ = [
     "DEFAULT_SAVE_OPS",

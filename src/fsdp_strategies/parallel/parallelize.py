@@ -32,8 +32,8 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._blocks import BlockStack, find_block_stacks
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing
+from fsdp_strategies.parallel.blocks import BlockStack, find_block_stacks
 
 __all__ = ["apply_compile", "apply_fsdp", "parallelize"]
 

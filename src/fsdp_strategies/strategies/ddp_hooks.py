@@ -39,21 +39,21 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from fsdp_strategies._async_checkpoint import AsyncCheckpointMixin, AsyncCheckpointMode
-from fsdp_strategies._checkpoint import load_full_file, resolve_checkpoint_path
-from fsdp_strategies._convert import (
+from fsdp_strategies._lightning_seam import PATH
+from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
+from fsdp_strategies.checkpoint.atomic import load_full_file, resolve_checkpoint_path
+from fsdp_strategies.checkpoint.integrity import embed_digest
+from fsdp_strategies.checkpoint.load_into_fsdp import (
     FULL_FORMAT,
     PARAM_NAMES_KEY,
     SHARDED_FORMAT,
     CheckpointMismatchError,
     optimizer_param_names,
 )
-from fsdp_strategies._integrity import embed_digest
-from fsdp_strategies._lightning_seam import PATH
-from fsdp_strategies._mesh import check_torchrun_layout
-from fsdp_strategies._options import check_choice, check_int, check_number
-from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
-from fsdp_strategies._resume import skip_consumed_batches
+from fsdp_strategies.parallel.mesh import check_torchrun_layout
+from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
+from fsdp_strategies.runtime.resume_position import skip_consumed_batches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -191,7 +191,7 @@ class DDPHooksStrategy(PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
             the first global averaging after the signal (the ranks meet only there).
         async_checkpoint: ``"off"`` (synchronous) or ``"thread"``: rank 0 copies the checkpoint to CPU memory
             and a background thread writes the file (digest, ``torch.save``, atomic rename); see
-            :mod:`fsdp_strategies._async_checkpoint`. ``"process"`` needs a sharded checkpoint (fsdp2/hsdp).
+            :mod:`fsdp_strategies.checkpoint.async_writer`. ``"process"`` needs a sharded checkpoint (fsdp2/hsdp).
     """
 
     strategy_name = "ddp_hooks"

@@ -24,15 +24,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._async_checkpoint import AsyncCheckpointMixin, AsyncCheckpointMode
-from fsdp_strategies._blocks import describe_stacks, find_block_stacks
-from fsdp_strategies._checkpoint import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
-from fsdp_strategies._convert import PARAM_NAMES_KEY, load_into_sharded_model, optimizer_param_names
-from fsdp_strategies._mesh import HSDPDegrees, build_mesh
 from fsdp_strategies._options import check_int
-from fsdp_strategies._preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
-from fsdp_strategies._resume import skip_consumed_batches
+from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
+from fsdp_strategies.checkpoint.atomic import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
+from fsdp_strategies.checkpoint.load_into_fsdp import (
+    PARAM_NAMES_KEY,
+    load_into_sharded_model,
+    optimizer_param_names,
+)
 from fsdp_strategies.parallel import parallelize
+from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
+from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh
+from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
+from fsdp_strategies.runtime.resume_position import skip_consumed_batches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,12 +112,12 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         timeout: collective timeout.
         checkpoint_on_preempt: on SIGTERM, write an atomic checkpoint (``last-preempt.ckpt`` in the
             ``ModelCheckpoint`` folder) before stopping; every rank stops at the same step either way
-            and exits with status 75 (requeue). See :mod:`fsdp_strategies._preemption`.
+            and exits with status 75 (requeue). See :mod:`fsdp_strategies.runtime.preemption`.
         preempt_grace_s: the most seconds from the first SIGTERM to the exit (the scheduler's SIGTERM
             to SIGKILL time, minus a margin); a save that cannot finish in time is abandoned (atomic).
         async_checkpoint: ``"off"`` (synchronous saves), ``"thread"`` or ``"process"``: stage this rank's
             shards in CPU memory and write them in the background with DCP's ``async_save`` (a thread, or
-            DCP's checkpoint process); still atomic, see :mod:`fsdp_strategies._async_checkpoint`.
+            DCP's checkpoint process); still atomic, see :mod:`fsdp_strategies.checkpoint.async_writer`.
     """
 
     strategy_name = "fsdp2"

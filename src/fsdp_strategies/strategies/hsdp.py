@@ -11,8 +11,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from fsdp_strategies._mesh import HSDPDegrees, check_torchrun_layout, resolve_hsdp_degrees
 from fsdp_strategies._options import check_degree
+from fsdp_strategies.parallel.mesh import HSDPDegrees, check_torchrun_layout, resolve_hsdp_degrees
 from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
 __all__ = ["HSDPStrategy"]

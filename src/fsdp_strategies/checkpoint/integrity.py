@@ -11,7 +11,7 @@ atomic save (so a checkpoint and its checksums appear together or not at all):
   missing, extra, truncated or swapped files are named.
 * a single-file checkpoint carries its digest inside: key ``fsdp_strategies_integrity`` holds the
   SHA-256 of a canonical walk over every other entry (tensor bytes, shapes, dtypes, keys and plain
-  values). The file is read with ``torch.load(weights_only=True)`` (see :mod:`._safe_load`) and
+  values). The file is read with ``torch.load(weights_only=True)`` (see :mod:`fsdp_strategies.checkpoint.safe_load`) and
   then checked, so the digest travels with the file through any ``CheckpointIO``.
 
 Checkpoints without either (older ones, Lightning's own strategies) load with a warning; the
@@ -248,7 +248,7 @@ def verify_loaded(checkpoint: Any, source: str | os.PathLike[str]) -> VerifyResu
 
 def load_file_checkpoint(path: pathlib.Path, *, mmap: bool = True) -> Any:
     """Read a single-file checkpoint with the restricted loader; wrap 'not a torch file' errors in one line."""
-    from fsdp_strategies._safe_load import UnsafeCheckpointError, safe_torch_load
+    from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 
     try:
         return safe_torch_load(path, mmap=mmap)
@@ -264,8 +264,8 @@ def load_file_checkpoint(path: pathlib.Path, *, mmap: bool = True) -> Any:
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
     """Single-process check of a checkpoint folder or file (what ``fsdp-strategies-verify`` runs)."""
-    from fsdp_strategies._checkpoint import resolve_checkpoint_path
-    from fsdp_strategies._safe_load import UnsafeCheckpointError
+    from fsdp_strategies.checkpoint.atomic import resolve_checkpoint_path
+    from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError
 
     p = resolve_checkpoint_path(path)
     if p.is_dir():
@@ -287,7 +287,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
 
 def _structural_problems(folder: pathlib.Path) -> list[str]:
     """After the manifest matched: ``.metadata`` parses (restricted) and every byte range it names exists."""
-    from fsdp_strategies._safe_load import DCP_METADATA_FILE, UnsafeCheckpointError, load_dcp_metadata
+    from fsdp_strategies.checkpoint.safe_load import (
+        DCP_METADATA_FILE,
+        UnsafeCheckpointError,
+        load_dcp_metadata,
+    )
 
     if not (folder / DCP_METADATA_FILE).is_file():
         return [f"{DCP_METADATA_FILE}: missing (not a DCP checkpoint folder)"]

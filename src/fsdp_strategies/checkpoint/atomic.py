@@ -6,7 +6,7 @@ so the old one is first renamed to ``<path>.old``; if a crash lands between the 
 :func:`resolve_checkpoint_path` finds ``<path>.old`` and the next save restores it before
 writing. At no moment is the last complete checkpoint missing from disk.
 
-Integrity (:mod:`._integrity`): a folder gets a SHA-256 manifest of every file, written before
+Integrity (:mod:`fsdp_strategies.checkpoint.integrity`): a folder gets a SHA-256 manifest of every file, written before
 the rename; a single file carries a digest of its contents. Both are part of the atomic write.
 
 Stale temps: while rank 0 writes ``<name>.tmp`` it holds an exclusive ``flock`` on
@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._integrity import (
+from fsdp_strategies.checkpoint.integrity import (
     CheckpointIntegrityError,
     VerifyResult,
     embed_digest,
@@ -45,7 +45,7 @@ from fsdp_strategies._integrity import (
     verify_loaded,
     write_manifest,
 )
-from fsdp_strategies._safe_load import (
+from fsdp_strategies.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     UnsafeCheckpointError,

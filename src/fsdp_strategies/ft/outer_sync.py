@@ -34,7 +34,7 @@ What this module adds around it (torchft#171 -- DiLoCo with several ranks in a g
   the last sync are gone from the parameters, so :attr:`step` falls back by that much and those batches
   are trained again (the strategy also rolls the LR schedulers back to the round's start). The inner
   optimizer's moments are not rolled back (as in torchft).
-* **Preemption.** The per-step SIGTERM agreement of :mod:`fsdp_strategies._preemption` is an all-reduce on
+* **Preemption.** The per-step SIGTERM agreement of :mod:`fsdp_strategies.runtime.preemption` is an all-reduce on
   the group's *own* gloo group (each replica group is its own ``torch.distributed`` world), not cross-group
   traffic, so it keeps running every inner step (no ``_preempt_check_due`` override): every rank of a group
   stops at the same inner step; for the other groups that group is then absent, as after a kill.

@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategies._checkpoint import LIGHTNING_META_FILE, load_full_file, verify_folder_before_load
-from fsdp_strategies._integrity import CheckpointIntegrityError
-from fsdp_strategies._safe_load import (
+from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE, load_full_file, verify_folder_before_load
+from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
+from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,

@@ -2,7 +2,7 @@
 
 Why: with ``sync="every_step"`` every step waits for the slowest replica group's cross-group traffic; a
 persistently slow group (or the link to it) costs every group that wait on every step. Semi-synchronous
-rounds (:mod:`fsdp_strategies._ft_sync`) pay it once per ``sync_every`` steps. ``straggler_sync`` starts
+rounds (:mod:`fsdp_strategies.ft.outer_sync`) pay it once per ``sync_every`` steps. ``straggler_sync`` starts
 synchronous and falls back to the configured semi-synchronous mode only while the stragglers cost more
 than ``switch_threshold`` of the step time, then comes back (synchronous training converges per step as a
 single large-batch job; rounds of local steps do not).
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from fsdp_strategies._ft_sync import validate_sync_options
+from fsdp_strategies.ft.outer_sync import validate_sync_options
 
 __all__ = ["STATE_KEY", "STRAGGLER_SYNC_MODES", "CostClock", "StragglerSync", "SwitchState", "decide",
            "validate_straggler_sync"]

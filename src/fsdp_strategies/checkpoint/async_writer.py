@@ -17,7 +17,7 @@ How each guarantee of the synchronous save is kept:
   collective after the coordinator's metadata write). Then, still in the background, each rank hashes
   its share of the files, the hashes are gathered (on the same dedicated group), rank 0 writes the
   checksum manifest and renames ``<name>.tmp`` to ``<name>`` (the atomic commit of
-  :mod:`fsdp_strategies._checkpoint`), and broadcasts the outcome: every rank's background job ends
+  :mod:`fsdp_strategies.checkpoint.atomic`), and broadcasts the outcome: every rank's background job ends
   with the same result. A checkpoint therefore appears under its final name only when every rank's
   write is complete; a crash or SIGKILL before that leaves ``<name>.tmp`` (removed by a later save)
   and the previous checkpoint, untouched.
@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from fsdp_strategies._checkpoint import (
+from fsdp_strategies.checkpoint.atomic import (
     LIGHTNING_META_FILE,
     TMP_SUFFIX,
     _release_save_lock,
@@ -71,7 +71,7 @@ from fsdp_strategies._checkpoint import (
     commit_save,
     prepare_save,
 )
-from fsdp_strategies._integrity import embed_digest, hash_files, write_manifest
+from fsdp_strategies.checkpoint.integrity import embed_digest, hash_files, write_manifest
 
 __all__ = [
     "ASYNC_CHECKPOINT_MODES",

@@ -55,8 +55,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._exit import PREEMPT_EXIT_CODE, register_clean_exit
 from fsdp_strategies._options import check_bool, check_number
+from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
