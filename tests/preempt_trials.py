@@ -44,7 +44,7 @@ ROOT = TESTS.parent
 WORKER = TESTS / "workers" / "preempt_train.py"
 sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
-from fsdp_strategies.checkpoint.atomic import export_consolidated  # noqa: E402
+from fsdp_strategies.checkpoint.export import export_consolidated  # noqa: E402
 from fsdp_strategies.ft.launcher import _process_tree  # noqa: E402
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
 

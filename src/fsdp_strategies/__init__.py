@@ -11,8 +11,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
 from fsdp_strategies.callbacks.mfu import MFUMonitor
 from fsdp_strategies.callbacks.straggler import StragglerDetector
-from fsdp_strategies.checkpoint.atomic import export_consolidated
-from fsdp_strategies.checkpoint.integrity import verify_checkpoint
+from fsdp_strategies.checkpoint.export import export_consolidated
+from fsdp_strategies.checkpoint.verify import verify_checkpoint
 from fsdp_strategies.ft.strategy import FTHSDPStrategy
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember

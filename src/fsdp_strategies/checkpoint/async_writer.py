@@ -9,28 +9,31 @@ How each guarantee of the synchronous save is kept:
 * Sharded checkpoints (``fsdp2``, ``hsdp``, ``ft_hsdp``): :func:`torch.distributed.checkpoint.async_save`
   with DCP's own ``DefaultStager`` (kept for the run, so the CPU copies are allocated once; pinned
   memory on CUDA, shared memory for ``"process"``) writes every rank's shards into ``<name>.tmp``.
-  Its collectives (planning, and the coordinator's ``.metadata`` write) run on a dedicated gloo group,
-  never on the training group, so they cannot interleave with the training collectives.
+  Its collectives (planning, and the coordinator's ``.metadata`` write) run on the writer's own gloo
+  group (:mod:`~fsdp_strategies.checkpoint.agreement`: the background group), never on the training group,
+  so they cannot interleave with the training collectives.
   ``"thread"`` writes from a thread of the training process; ``"process"`` hands the staged copy to
   DCP's checkpoint daemon process (started at the first save, it lives as long as the process).
 * When a rank's DCP write returns, every rank's shards and the metadata are on disk (DCP ends with a
   collective after the coordinator's metadata write). Then, still in the background, each rank hashes
-  its share of the files, the hashes are gathered (on the same dedicated group), rank 0 writes the
-  checksum manifest and renames ``<name>.tmp`` to ``<name>`` (the atomic commit of
-  :mod:`fsdp_strategies.checkpoint.atomic`), and broadcasts the outcome: every rank's background job ends
+  its share of the files, the hashes are gathered (on the same background group), rank 0 writes the
+  checksum manifest and renames ``<name>.tmp`` to ``<name>`` (the same :func:`~.atomic.hash_share` and
+  :func:`~.atomic.commit_sharded` as the synchronous save), and broadcasts the outcome: every rank's background job ends
   with the same result. A checkpoint therefore appears under its final name only when every rank's
   write is complete; a crash or SIGKILL before that leaves ``<name>.tmp`` (removed by a later save)
   and the previous checkpoint, untouched.
 * Full-file checkpoints (``ddp_hooks``, ``fsdp2`` with ``save_distributed_checkpoint=False``): rank 0
-  stages the checkpoint dict the same way, and a background thread embeds the digest, ``torch.save``-s
-  it to the temp file and renames it into place. ``"process"`` is refused there (no DCP writer).
+  stages the checkpoint dict the same way, and a background thread runs the synchronous
+  :func:`~.atomic.atomic_save_full` on it (digest, ``torch.save`` to the temp file, rename into place).
+  ``"process"`` is refused there (no DCP writer).
 * ``ModelCheckpoint`` bookkeeping: a ``remove_checkpoint`` that arrives while a write is in flight (the
   previous ``last`` or the k+1-th best, which Lightning removes right after the new save returns) is
   deferred until that write has committed, and dropped if it fails. ``save_last="link"`` is not covered:
   Lightning creates that link itself, to a name that appears only at the commit.
 * At most one write in flight: a save that finds one still running waits for it (and says so once).
 * Errors: at one fixed point of every training step (the strategy's ``on_train_batch_start``) while a
-  write is in flight, one all-reduce on a second dedicated gloo group tells every rank whether every
+  write is in flight, one all-reduce on the strategy's training-thread agreement group (shared with
+  preemption's per-step check, see :mod:`~fsdp_strategies.checkpoint.agreement`) tells every rank whether every
   rank's job has finished and whether any failed. A failure raises :class:`AsyncCheckpointError` on
   every rank at that same step; nothing is lost silently. With ``ddp_hooks`` under local SGD the check
   runs only on the steps where the ranks meet anyway (``_preempt_check_due``).
@@ -63,15 +66,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from fsdp_strategies._distributed import is_multi_rank, rank_and_world
+from fsdp_strategies.checkpoint.agreement import AgreementGroup, AgreementMixin, all_gather_object
 from fsdp_strategies.checkpoint.atomic import (
     LIGHTNING_META_FILE,
-    TMP_SUFFIX,
-    _release_save_lock,
-    _remove,
-    commit_save,
+    abandon_save,
+    atomic_save_full,
+    commit_sharded,
+    hash_share,
     prepare_save,
+    remove_path,
+    temp_path,
 )
-from fsdp_strategies.checkpoint.integrity import embed_digest, hash_files, write_manifest
 
 __all__ = [
     "ASYNC_CHECKPOINT_MODES",
@@ -124,15 +130,6 @@ def _describe(err: BaseException, rank: int | None = None) -> str:
     return f"{where}{type(err).__name__}: {text[:400]}" if text else f"{where}{type(err).__name__}"
 
 
-def _abandon(tmp: Path) -> None:
-    """Rank 0, after a failed write: remove the partial temp and release its lock (the final name is untouched)."""
-    try:
-        _remove(tmp)
-    except OSError:
-        pass  # a later save removes it (its lock is free)
-    _release_save_lock(tmp)
-
-
 @dataclass
 class _Write:
     """One checkpoint write in flight on this rank (every rank of the group has one, symmetric)."""
@@ -162,18 +159,19 @@ class AsyncCheckpointer:
 
     Protocol: every rank of the strategy's (default) process group calls :meth:`save_sharded` /
     :meth:`save_full`, :meth:`poll` and :meth:`finish` at the same points; :meth:`defer_removal` and
-    :meth:`close` are local.
+    :meth:`close` are local. ``agreement``: the training-thread group of the per-step check (the strategy's
+    own, shared with preemption); the background collectives get a group of their own.
     """
 
-    def __init__(self, mode: str, name: str = "fsdp_strategies", timeout: timedelta | None = None) -> None:
+    def __init__(self, mode: str, name: str = "fsdp_strategies", timeout: timedelta | None = None,
+                 agreement: AgreementGroup | None = None) -> None:
         self.mode = mode
         self.name = name
         self.timeout = timeout
         self._write: _Write | None = None
         self._stager: Any = None
-        self._bg_group: Any = None  # DCP's and the background job's collectives
-        self._main_group: Any = None  # the per-step agreement (training thread only)
-        self._world: Any = None
+        self._background = AgreementGroup(timeout)  # DCP's and the background job's collectives
+        self._agreement = agreement if agreement is not None else AgreementGroup(timeout)
         self._told_wait = False
         #: seconds the training thread spent in each save call (staging included), for the benchmark
         self.last_save_s = 0.0
@@ -186,23 +184,6 @@ class AsyncCheckpointer:
     @property
     def in_flight(self) -> bool:
         return self._write is not None
-
-    # ------------------------------------------------------------------ process groups
-    @staticmethod
-    def _distributed() -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    def _groups(self) -> tuple[Any, Any]:
-        """The two gloo groups, created on first use (a save: the same point on every rank)."""
-        world = dist.group.WORLD
-        if self._bg_group is None or self._world is not world:
-            kwargs: dict[str, Any] = {"backend": "gloo"}
-            if self.timeout is not None:
-                kwargs["timeout"] = self.timeout
-            self._bg_group = dist.new_group(**kwargs)
-            self._main_group = dist.new_group(**kwargs)
-            self._world = world
-        return self._bg_group, self._main_group
 
     def _get_stager(self) -> Any:
         """DCP's ``DefaultStager``, kept for the run: its CPU copies are allocated at the first save and reused
@@ -243,14 +224,14 @@ class AsyncCheckpointer:
 
         t0 = time.perf_counter()
         self._before_save()
-        tmp = path.with_name(path.name + TMP_SUFFIX)
+        tmp = temp_path(path)
         if is_rank_zero:
             prepare_save(path)
             tmp.mkdir(parents=True, exist_ok=True)
             torch.save(metadata, tmp / LIGHTNING_META_FILE)  # small; part of the manifest like the shards
         barrier()
-        distributed = self._distributed()
-        bg_group = self._groups()[0] if distributed else None
+        distributed = is_multi_rank()
+        bg_group = self._background.group()  # on the training thread: every rank creates it at this point
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=bg_group,
                                 async_checkpointer_type=kind, async_stager=self._get_stager(), no_dist=not distributed)
@@ -270,28 +251,20 @@ class AsyncCheckpointer:
         share: dict[str, tuple[int, str]] = {}
         rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
         try:
-            written = future.result()
-            storage = getattr(written, "storage_data", None) or {}
-            names = sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")})
-            share = hash_files(tmp, names[rank::world])
+            share = hash_share(tmp, future.result(), rank, world)
         except BaseException as err:
             error = _describe(err, rank)
         try:
-            if group is not None:
-                gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, (share, error), group=group)
-            else:
-                gathered = [(share, error)]
+            gathered = all_gather_object((share, error), group)
             errors = sorted({e for _, e in gathered if e})
             outcome: list[Any] = [None]
             if is_rank_zero:
                 if errors:
                     outcome = ["; ".join(errors)]
-                    _abandon(tmp)
+                    abandon_save(write.path)
                 else:
                     try:
-                        write_manifest(tmp, {n: e for s, _ in gathered for n, e in s.items()})
-                        commit_save(write.path)
+                        commit_sharded(write.path, (s for s, _ in gathered))
                     except BaseException as err:
                         outcome = [f"commit: {_describe(err, rank)}"]
             if group is not None:
@@ -318,12 +291,10 @@ class AsyncCheckpointer:
     @staticmethod
     def _finish_full(write: _Write, staged: dict[str, Any]) -> None:
         try:
-            tmp = prepare_save(write.path)
-            torch.save(embed_digest(staged), tmp)
-            commit_save(write.path)
+            atomic_save_full(staged, write.path)
         except BaseException as err:
             write.error = _describe(err, 0)
-            _abandon(write.path.with_name(write.path.name + TMP_SUFFIX))
+            abandon_save(write.path)
 
     # ------------------------------------------------------------------ ModelCheckpoint bookkeeping
     def defer_removal(self, filepath: Any) -> bool:
@@ -336,19 +307,12 @@ class AsyncCheckpointer:
         return True
 
     # ------------------------------------------------------------------ agreement points
-    def _agree(self, running: bool, failed: bool) -> tuple[int, int]:
-        if not self._distributed():
-            return int(running), int(failed)
-        flags = torch.tensor([int(running), int(failed)], dtype=torch.int64)
-        dist.all_reduce(flags, group=self._groups()[1])
-        return int(flags[0]), int(flags[1])
-
     def poll(self) -> None:
         """Every rank, at the same point of a step: finish the bookkeeping of a completed write, raise its error."""
         write = self._write
         if write is None:
             return
-        running, failed = self._agree(write.running(), write.error is not None)
+        running, failed = self._agreement.agree_any(write.running(), write.error is not None)
         if failed:
             self._fail(write)
         if not running:
@@ -364,10 +328,7 @@ class AsyncCheckpointer:
         self.poll()
 
     def _fail(self, write: _Write) -> None:
-        errors: list[Any] = [write.error]
-        if self._distributed():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, write.error, group=self._groups()[1])
+        errors = self._agreement.all_gather_object(write.error)
         first = next((e for e in errors if e), "unknown error")
         self._write = None  # the deferred removals are dropped: the previous checkpoints stay
         raise AsyncCheckpointError(
@@ -379,13 +340,9 @@ class AsyncCheckpointer:
     def _completed(self, write: _Write) -> None:
         self._write = None
         self.last_write_s = time.perf_counter() - write.started
-        if write.removals and self._is_rank_zero():
+        if write.removals and rank_and_world()[0] == 0:
             for old in write.removals:
-                _remove(old)
-
-    @staticmethod
-    def _is_rank_zero() -> bool:
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+                remove_path(old)
 
     def close(self, reason: str = "teardown") -> None:
         """Local, no collective: wait for a job still running (bounded by the group timeout); report a failure."""
@@ -413,7 +370,7 @@ class AsyncCheckpointer:
             self._stager = None
 
 
-class AsyncCheckpointMixin:
+class AsyncCheckpointMixin(AgreementMixin):
     """Strategy mixin: the ``async_checkpoint`` option's hooks (listed before the Lightning base class).
 
     The strategy calls :meth:`_init_async_checkpoint` from ``__init__`` and routes its save through
@@ -434,7 +391,7 @@ class AsyncCheckpointMixin:
         """The engine of this strategy (created on first use)."""
         if self._async_checkpointer is None:
             self._async_checkpointer = AsyncCheckpointer(self.async_checkpoint, getattr(self, "strategy_name", ""),
-                                                         getattr(self, "_timeout", None))
+                                                         getattr(self, "_timeout", None), agreement=self.agreement)
         return self._async_checkpointer
 
     def _async_check_due(self) -> bool:

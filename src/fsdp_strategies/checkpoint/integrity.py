@@ -18,17 +18,22 @@ Checkpoints without either (older ones, Lightning's own strategies) load with a 
 ``fsdp-strategies-verify`` command reports them as "no manifest". A checksum detects accidents
 (bit rot, torn copies, truncation), not an attacker who rewrites the manifest too: see the README's
 trust model.
+
+This module imports nothing from the package (it only hashes bytes and compares records); reading
+files with the restricted loader and the ``fsdp-strategies-verify`` command are in
+:mod:`fsdp_strategies.checkpoint.verify`. What a verification found is a :class:`VerifyResult`; every
+caller decides what to do with it through :meth:`VerifyResult.require_intact` (load / export) or
+:class:`VerifyStatus`'s tag and exit status (the command), never by comparing status strings.
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
 import hashlib
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +44,12 @@ __all__ = [
     "MANIFEST_FILE",
     "CheckpointIntegrityError",
     "VerifyResult",
+    "VerifyStatus",
     "embed_digest",
-    "verify_checkpoint",
-    "verify_main",
+    "hash_files",
+    "verify_folder",
+    "verify_loaded",
+    "write_manifest",
 ]
 
 MANIFEST_FILE = "fsdp_strategies_manifest.json"
@@ -49,24 +57,59 @@ INTEGRITY_KEY = "fsdp_strategies_integrity"
 ALGORITHM = "sha256"
 MANIFEST_VERSION = 1
 _CHUNK = 8 << 20
-_FIX_CORRUPT = "Fix: resume from another checkpoint (e.g. the previous one); this one cannot be trusted."
+FIX_CORRUPT = "Fix: resume from another checkpoint (e.g. the previous one); this one cannot be trusted."
 
 
 class CheckpointIntegrityError(RuntimeError):
     """A checkpoint's bytes do not match the checksums written when it was saved."""
 
 
+class VerifyStatus(enum.StrEnum):
+    """What a verification found, least to most severe. The values are the strings the package has always
+    reported (``result.status == "corrupt"`` holds); each status carries its command-line tag and exit status."""
+
+    OK = "ok"
+    NO_MANIFEST = "no_manifest"  # no checksums to compare with: cannot be verified
+    CORRUPT = "corrupt"
+
+    @property
+    def tag(self) -> str:
+        """The prefix of a ``fsdp-strategies-verify`` line: ``OK``, ``NO MANIFEST``, ``CORRUPT``."""
+        return self.value.replace("_", " ").upper()
+
+    @property
+    def exit_code(self) -> int:
+        """``fsdp-strategies-verify``'s exit status: 0 verified, 1 corrupted/unreadable, 2 no manifest."""
+        return _EXIT_CODES[self]
+
+    @classmethod
+    def worst(cls, statuses: Iterable[VerifyStatus]) -> VerifyStatus:
+        """The most severe of ``statuses`` (``OK`` for none)."""
+        order = list(cls)
+        return max(statuses, key=order.index, default=cls.OK)
+
+
+_EXIT_CODES = {VerifyStatus.OK: 0, VerifyStatus.CORRUPT: 1, VerifyStatus.NO_MANIFEST: 2}
+
+
 @dataclass(frozen=True)
 class VerifyResult:
-    """``status``: ``"ok"``, ``"no_manifest"`` (cannot be verified) or ``"corrupt"``; ``message``: one line."""
+    """``status``: a :class:`VerifyStatus`; ``message``: one line; ``problems``: every problem found."""
 
-    status: str
+    status: VerifyStatus
     message: str
     problems: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status is VerifyStatus.OK
+
+    def require_intact(self) -> str | None:
+        """Before a checkpoint is used: raise :class:`CheckpointIntegrityError` when it is corrupt; return the
+        message of one that cannot be verified (no checksums: the caller warns and goes on); None when verified."""
+        if self.status is VerifyStatus.CORRUPT:
+            raise CheckpointIntegrityError(self.message)
+        return self.message if self.status is VerifyStatus.NO_MANIFEST else None
 
 
 def file_digest(path: pathlib.Path) -> str:
@@ -170,15 +213,15 @@ def verify_folder(folder: pathlib.Path, *, rank: int = 0, world_size: int = 1,
             local = _hash_problems(folder, files, sorted(files)[rank::world_size])
     gathered = all_gather(local)
     if any(g is None for g in gathered):
-        return VerifyResult("no_manifest", f"{folder}: no manifest ({MANIFEST_FILE}); written by an older version or "
+        return VerifyResult(VerifyStatus.NO_MANIFEST, f"{folder}: no manifest ({MANIFEST_FILE}); written by an older version or "
                             "another tool, so it cannot be verified")
     problems = tuple(sorted({p for g in gathered for p in g}))
     if problems:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        return VerifyResult("corrupt", f"checkpoint {folder} is corrupted: {problems[0]}{more}. {_FIX_CORRUPT}",
+        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {folder} is corrupted: {problems[0]}{more}. {FIX_CORRUPT}",
                             problems)
     assert files is not None
-    return VerifyResult("ok", f"{folder}: {len(files)} files match the manifest ({ALGORITHM})")
+    return VerifyResult(VerifyStatus.OK, f"{folder}: {len(files)} files match the manifest ({ALGORITHM})")
 
 
 # ------------------------------------------------------------------------------ single-file checkpoints
@@ -232,103 +275,15 @@ def embed_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
 def verify_loaded(checkpoint: Any, source: str | os.PathLike[str]) -> VerifyResult:
     """Check a single-file checkpoint already read with the restricted loader against its embedded digest."""
     if not isinstance(checkpoint, Mapping):
-        return VerifyResult("corrupt", f"{source} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
+        return VerifyResult(VerifyStatus.CORRUPT, f"{source} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
                             "not a dict")
     record = checkpoint.get(INTEGRITY_KEY)
     if record is None:
-        return VerifyResult("no_manifest", f"{source}: no integrity digest ({INTEGRITY_KEY}); written by an older "
+        return VerifyResult(VerifyStatus.NO_MANIFEST, f"{source}: no integrity digest ({INTEGRITY_KEY}); written by an older "
                             "version or another tool (e.g. Lightning's own strategies), so it cannot be verified")
     if not isinstance(record, Mapping) or record.get("algorithm") != ALGORITHM or "digest" not in record:
-        return VerifyResult("corrupt", f"checkpoint {source} is corrupted: unreadable integrity record. {_FIX_CORRUPT}")
+        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {source} is corrupted: unreadable integrity record. {FIX_CORRUPT}")
     if content_digest(checkpoint) != record["digest"]:
-        return VerifyResult("corrupt", f"checkpoint {source} is corrupted: {ALGORITHM} of its contents does not match "
-                            f"the digest written with it. {_FIX_CORRUPT}", ("contents: digest mismatch",))
-    return VerifyResult("ok", f"{source}: contents match the embedded digest ({ALGORITHM})")
-
-
-def load_file_checkpoint(path: pathlib.Path, *, mmap: bool = True) -> Any:
-    """Read a single-file checkpoint with the restricted loader; wrap 'not a torch file' errors in one line."""
-    from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
-
-    try:
-        return safe_torch_load(path, mmap=mmap)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
-        raise CheckpointIntegrityError(
-            f"{path} is not a readable checkpoint (torch.load failed: {type(err).__name__}: {first}). It is truncated, "
-            "corrupted or not a file written by torch.save. " + _FIX_CORRUPT
-        ) from None
-
-
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
-    """Single-process check of a checkpoint folder or file (what ``fsdp-strategies-verify`` runs)."""
-    from fsdp_strategies.checkpoint.atomic import resolve_checkpoint_path
-    from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError
-
-    p = resolve_checkpoint_path(path)
-    if p.is_dir():
-        result = verify_folder(p)
-        if result.ok:  # the bytes are the ones written; now check they parse and reference existing files
-            structural = _structural_problems(p)
-            if structural:
-                fix = "" if "Fix:" in structural[0] else f". {_FIX_CORRUPT}"
-                return VerifyResult("corrupt", f"checkpoint {p} is inconsistent: {structural[0]}{fix}", tuple(structural))
-        return result
-    if p.is_file():
-        try:
-            loaded = load_file_checkpoint(p)
-        except (CheckpointIntegrityError, UnsafeCheckpointError) as err:
-            return VerifyResult("corrupt", str(err))
-        return verify_loaded(loaded, p)
-    return VerifyResult("corrupt", f"{p}: no such checkpoint file or folder")
-
-
-def _structural_problems(folder: pathlib.Path) -> list[str]:
-    """After the manifest matched: ``.metadata`` parses (restricted) and every byte range it names exists."""
-    from fsdp_strategies.checkpoint.safe_load import (
-        DCP_METADATA_FILE,
-        UnsafeCheckpointError,
-        load_dcp_metadata,
-    )
-
-    if not (folder / DCP_METADATA_FILE).is_file():
-        return [f"{DCP_METADATA_FILE}: missing (not a DCP checkpoint folder)"]
-    try:
-        metadata = load_dcp_metadata(folder)
-    except UnsafeCheckpointError as err:
-        return [str(err)]
-    except Exception as err:
-        return [f"{DCP_METADATA_FILE}: unreadable ({type(err).__name__}: {err})"]
-    problems = []
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        target = folder / rel
-        if not target.is_file():
-            problems.append(f"{rel}: referenced by {DCP_METADATA_FILE} but missing")
-        elif info.offset + info.length > target.stat().st_size:
-            problems.append(f"{rel}: {DCP_METADATA_FILE} reads bytes beyond its end")
-    return sorted(set(problems))
-
-
-_TAGS = {"ok": "OK", "no_manifest": "NO MANIFEST", "corrupt": "CORRUPT"}
-
-
-def verify_main(argv: list[str] | None = None) -> int:
-    """Console script ``fsdp-strategies-verify PATH...``: rc 0 verified, 2 no manifest, 1 corrupt or unreadable."""
-    parser = argparse.ArgumentParser(
-        prog="fsdp-strategies-verify",
-        description="Check checkpoints written by fsdp_strategies against the checksums saved with them, without "
-                    "unpickling anything first. Exit status: 0 verified, 1 corrupted/unreadable, 2 no manifest.",
-    )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint folder (sharded) or file")
-    args = parser.parse_args(argv)
-    statuses = []
-    for path in args.paths:
-        result = verify_checkpoint(path)
-        statuses.append(result.status)
-        print(f"{_TAGS[result.status]}: {result.message}")
-    return 1 if "corrupt" in statuses else 2 if "no_manifest" in statuses else 0
+        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {source} is corrupted: {ALGORITHM} of its contents does not match "
+                            f"the digest written with it. {FIX_CORRUPT}", ("contents: digest mismatch",))
+    return VerifyResult(VerifyStatus.OK, f"{source}: contents match the embedded digest ({ALGORITHM})")

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE, load_full_file, verify_folder_before_load
+from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
@@ -48,6 +48,7 @@ from fsdp_strategies.checkpoint.safe_load import (
     load_dcp_metadata,
     safe_torch_load,
 )
+from fsdp_strategies.checkpoint.verify import load_full_file, verify_folder_before_load
 
 __all__ = ["PARAM_NAMES_KEY", "CheckpointMismatchError", "load_into_sharded_model", "optimizer_param_names"]
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from fsdp_strategies import _torch_seam
+from fsdp_strategies.checkpoint.integrity import FIX_CORRUPT, CheckpointIntegrityError
 
 __all__ = [
     "CHECKPOINT_SAFE_GLOBALS",
@@ -44,6 +45,7 @@ __all__ = [
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "load_dcp_metadata",
+    "load_file_checkpoint",
     "safe_globals",
     "safe_torch_load",
 ]
@@ -115,6 +117,21 @@ def safe_torch_load(source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = F
         if "GLOBAL" in str(err) or "Unsupported global" in str(err):
             raise _refusal(label, err) from None
         raise
+
+
+def load_file_checkpoint(path: pathlib.Path, *, mmap: bool = True) -> Any:
+    """Read a single-file checkpoint with :func:`safe_torch_load`; a file torch cannot read at all (truncated,
+    not a torch file) raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` in one line."""
+    try:
+        return safe_torch_load(path, mmap=mmap)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
+        raise CheckpointIntegrityError(
+            f"{path} is not a readable checkpoint (torch.load failed: {type(err).__name__}: {first}). It is truncated, "
+            "corrupted or not a file written by torch.save. " + FIX_CORRUPT
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------- DCP metadata

@@ -16,7 +16,8 @@ The mechanism here:
   torn down.
 * Agreement: at one fixed point of every training step on every rank -- before the next batch,
   after the previous optimizer step; Lightning's per-step SIGTERM broadcast, replaced -- one
-  all-reduce on a dedicated gloo group tells every rank whether any rank got the signal, so every
+  all-reduce on the strategy's gloo agreement group (:mod:`fsdp_strategies.checkpoint.agreement`, shared
+  with the async checkpoint writer's per-step check) tells every rank whether any rank got the signal, so every
   rank stops at the same step and a rank that got no signal learns it there. Validation and test
   batches have the same agreement point (Lightning's samplers give every rank the same number of
   evaluation batches); prediction (whose sampler may give ranks different batch counts) stops at
@@ -49,13 +50,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies._distributed import rank_and_world
 from fsdp_strategies._options import check_bool, check_number
+from fsdp_strategies.checkpoint.agreement import AgreementMixin
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
@@ -113,19 +115,18 @@ def _is_ours(handler: Any) -> bool:
     return isinstance(getattr(handler, "__self__", None), PreemptionMixin)
 
 
-class PreemptionMixin:
+class PreemptionMixin(AgreementMixin):
     """Strategy mixin: SIGTERM agreement, preemption checkpoint, requeue exit status.
 
     Protocol with the strategy class: it lists the mixin before its Lightning base, calls
     :meth:`_init_preemption` from ``__init__``, and its own overrides of the hooks below (``connect``,
-    ``barrier``, ``on_*_start``, ``batch_to_device``, ``on_exception``, ``teardown``) call ``super()``. A strategy that must skip the per-step agreement on some steps (local SGD) overrides
+    ``barrier``, ``on_*_start``, ``batch_to_device``, ``on_exception``, ``teardown``) call ``super()``. A
+    strategy that must skip the per-step agreement on some steps (local SGD) overrides
     :meth:`_preempt_check_due` -- it must answer the same on every rank.
     """
 
     checkpoint_on_preempt: bool = False
     preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S
-    _preempt_group: Any = None
-    _preempt_world: Any = None
     _preempt_armed: bool = False
     _preempt_loop: Any = None
     _preempt_decided: Preempted | None = None
@@ -236,32 +237,16 @@ class PreemptionMixin:
         """Whether the per-step agreement runs before this training step (every step by default)."""
         return True
 
-    def _agreement_group(self) -> Any:
-        """The gloo group of the agreement all-reduce, created on first use (the same point on every rank)."""
-        world = dist.group.WORLD
-        if self._preempt_group is None or self._preempt_world is not world:
-            self._preempt_group = dist.new_group(backend="gloo")
-            self._preempt_world = world
-        return self._preempt_group
-
-    def _agree(self, value: int) -> int:
-        """Sum of ``value`` over the ranks: one all-reduce on the gloo group (``value`` without one)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return value
-        total = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(total, group=self._agreement_group())
-        return int(total.item())
-
     def _preempt_agreement(self, where: str) -> None:
         """The agreement point: raise :class:`Preempted` on every rank if any rank got SIGTERM."""
         self._install_sigterm_handler()
-        signalled = self._agree(int(_STATE.requested_at is not None))
+        (signalled,) = self.agreement.agree_sum(int(_STATE.requested_at is not None))
         if not signalled:
             return
         if _STATE.requested_at is None:  # this rank got no signal: the same bound on its stop
             _STATE.requested_at = time.monotonic()
             self._start_watchdog()
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = rank_and_world()[1]
         self._preempt_decided = Preempted(f"SIGTERM reached {signalled} of {world} ranks; every rank stops {where}.")
         rank_zero_info(f"fsdp_strategies: {self._preempt_decided}")
         raise self._preempt_decided
@@ -346,7 +331,7 @@ class PreemptionMixin:
     def _write_preempt_checkpoint(self, trainer: pl.Trainer) -> None:
         """All ranks together: agree that there is time left, then the strategy's atomic save."""
         started = _STATE.requested_at if _STATE.requested_at is not None else time.monotonic()
-        late = self._agree(int(time.monotonic() - started >= self.preempt_grace_s))
+        (late,) = self.agreement.agree_any(time.monotonic() - started >= self.preempt_grace_s)
         if late:
             rank_zero_warn(f"fsdp_strategies: preempt_grace_s={self.preempt_grace_s:g}s already passed on some rank; "
                            "no preemption checkpoint (the last complete checkpoint stays the resume point).")

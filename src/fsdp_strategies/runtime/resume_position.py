@@ -7,7 +7,7 @@ again from its first batch: batches already trained are replayed and the epoch's
 are never seen, so "stop and resume" does not give the run that "never stopped" would have.
 
 :func:`skip_consumed_batches` fixes this for the common case. The strategies of this package call
-it from ``Strategy.on_train_start``, which Lightning runs after the checkpoint restore and after
+it from ``Strategy.on_train_start`` (:class:`ResumePositionMixin`), which Lightning runs after the checkpoint restore and after
 ``FitLoop.setup_data()``, and before the first batch of the resumed epoch is fetched. It swaps each
 training DataLoader for a copy (rebuilt the way Lightning injects its distributed sampler) whose
 sampler skips, for its next iteration only, the indices of the batches the epoch already
@@ -39,7 +39,7 @@ from fsdp_strategies import _torch_seam
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["skip_consumed_batches"]
+__all__ = ["ResumePositionMixin", "skip_consumed_batches"]
 
 _FIX_HINT = (
     "To resume exactly, return a stateful loader from `train_dataloader()` (e.g. torchdata's "
@@ -95,10 +95,6 @@ def _why_not_skippable(dl: object) -> str | None:
         # a user batch sampler may group indices in any way: the indices of N batches are unknown
         return f"it uses a custom `batch_sampler` ({type(dl.batch_sampler).__qualname__})"
     return None
-
-
-def _shutdown_iterator(iterator: object) -> None:
-    _torch_seam.shutdown_loader_workers(iterator)
 
 
 def skip_consumed_batches(trainer: pl.Trainer) -> int:
@@ -221,11 +217,22 @@ def _install(trainer: pl.Trainer, combined: Any, replaced: dict[int, DataLoader]
     if in_place:
         mode_iterator.iterables = flattened  # `max_size_cycle` restarts exhausted loaders from here
         for i, dl in replaced.items():
-            _shutdown_iterator(iterators[i])  # type: ignore[index]
-            _shutdown_iterator(_torch_seam.loader_iterator(old[i]))  # persistent workers
+            _torch_seam.shutdown_loader_workers(iterators[i])  # type: ignore[index]
+            _torch_seam.shutdown_loader_workers(_torch_seam.loader_iterator(old[i]))  # persistent workers
             iterators[i] = iter(dl)  # type: ignore[index]
         return True
     for dl in old:  # no stateful loader: restarting every iterator loses nothing
-        _shutdown_iterator(_torch_seam.loader_iterator(dl))
+        _torch_seam.shutdown_loader_workers(_torch_seam.loader_iterator(dl))
     seam.restart_training_iterators(trainer)
     return True
+
+
+class ResumePositionMixin:
+    """Strategy mixin (listed before the Lightning base class): a mid-epoch resume continues with the next
+    unseen batch instead of replaying the epoch (:func:`skip_consumed_batches` in ``on_train_start``)."""
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        module = getattr(self, "lightning_module", None)
+        assert module is not None
+        skip_consumed_batches(module.trainer)

@@ -36,7 +36,7 @@ from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
-from fsdp_strategies.runtime.resume_position import skip_consumed_batches
+from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,7 +85,7 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
-class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
+class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
     Args:
@@ -312,13 +312,6 @@ class FSDP2Strategy(PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        assert self.lightning_module is not None
-        # A mid-epoch resume continues with the next unseen batch instead of replaying the epoch.
-        skip_consumed_batches(self.lightning_module.trainer)
 
     # ------------------------------------------------------------------ steps: run through the root's hooks
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,103 @@
+"""Agreement between ranks on a gloo side group: "did any rank ...?" answered identically on every rank.
+
+Preemption (:mod:`fsdp_strategies.runtime.preemption`: did any rank get SIGTERM?) and the background
+checkpoint writer (:mod:`fsdp_strategies.checkpoint.async_writer`: has every rank's write finished, did one
+fail?) each need a small collective at a fixed point of every training step. It runs on an
+:class:`AgreementGroup`, a gloo group beside the training group: a few-byte all-reduce on the CPU that
+cannot interleave with the training collectives (NCCL or gloo) and needs no device.
+
+Groups per strategy instance:
+
+* **One training-thread group** (:attr:`AgreementMixin.agreement`), shared by preemption and the async
+  writer's per-step check. Sharing is safe: both run on the training thread at points every rank reaches
+  in the same order, and a process group matches collectives by the order they are issued.
+* **One background group**, owned by the async writer, for DCP's collectives (planning, the metadata
+  write) and the writer's hash gather / outcome broadcast. These run on the writer's thread while the
+  training thread goes on, so on a shared group the two threads' collectives would be issued in a
+  different order on different ranks and pair the wrong tensors (gloo aborts or hangs). It must not be the
+  training-thread group, nor the training group.
+
+Creation: ``dist.new_group`` is itself a collective over the default group, so a group is created at its
+first use, which every rank reaches at the same point; it is created again when the default group was
+replaced (a new fit in the same process). Outside a multi-rank process group nothing is created and every
+call answers for this rank alone.
+
+Why this lives in ``checkpoint/``: the async writer (``checkpoint``) and preemption (``runtime``) both use
+it, and ``checkpoint`` may not import ``runtime``; ``checkpoint`` is the lowest layer that needs it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_strategies._distributed import is_multi_rank
+
+__all__ = ["AgreementGroup", "AgreementMixin", "all_gather_object"]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, over ``group`` (the default group when None);
+    ``[obj]`` outside a multi-rank process group."""
+    if not is_multi_rank():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class AgreementGroup:
+    """A gloo group over every rank of the default group, created at its first use (see the module docstring)."""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout
+        self._group: Any = None
+        self._world: Any = None
+
+    def group(self) -> Any:
+        """The gloo group (created now if needed: call it at the same point on every rank); None without peers."""
+        if not is_multi_rank():
+            return None
+        world = dist.group.WORLD
+        if self._group is None or self._world is not world:
+            kwargs: dict[str, Any] = {"backend": "gloo"}
+            if self.timeout is not None:
+                kwargs["timeout"] = self.timeout
+            self._group = dist.new_group(**kwargs)
+            self._world = world
+        return self._group
+
+    def agree_sum(self, *values: int) -> tuple[int, ...]:
+        """Each of ``values`` summed over the ranks: one all-reduce."""
+        group = self.group()
+        if group is None:
+            return tuple(int(v) for v in values)
+        total = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        return tuple(int(v) for v in total.tolist())
+
+    def agree_any(self, *flags: bool) -> tuple[bool, ...]:
+        """For each of ``flags``: whether it is set on any rank (one all-reduce)."""
+        return tuple(total > 0 for total in self.agree_sum(*(int(bool(f)) for f in flags)))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, over this group."""
+        return all_gather_object(obj, self.group())
+
+
+class AgreementMixin:
+    """Strategy mixin: the one training-thread :class:`AgreementGroup` of a strategy instance, shared by
+    :class:`~fsdp_strategies.runtime.preemption.PreemptionMixin` and
+    :class:`~fsdp_strategies.checkpoint.async_writer.AsyncCheckpointMixin`. Uses the strategy's collective
+    timeout (``_timeout``, as Lightning's strategies name it) when it has one."""
+
+    _agreement_group: AgreementGroup | None = None
+
+    @property
+    def agreement(self) -> AgreementGroup:
+        if self._agreement_group is None:
+            self._agreement_group = AgreementGroup(getattr(self, "_timeout", None))
+        return self._agreement_group

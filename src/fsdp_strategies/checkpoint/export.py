@@ -1,0 +1,119 @@
+"""Export: any checkpoint of this package as one plain ``state_dict`` file (the ``fsdp-strategies-export`` command).
+
+A sharded (DCP) folder or a full single file is verified against its checksums, read without running
+code from it (restricted unpicklers, in one process with no process group: DCP's ``no_dist`` load into
+full-size tensors), and its ``state_dict`` is written with ``torch.save`` to a temp file renamed into place.
+The result loads into the plain model with ``model.load_state_dict(torch.load(output))``, no package needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from fsdp_strategies.checkpoint.atomic import remove_path, resolve_checkpoint_path, temp_path
+from fsdp_strategies.checkpoint.integrity import verify_folder, verify_loaded
+from fsdp_strategies.checkpoint.safe_load import (
+    DCP_METADATA_FILE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_dcp_metadata,
+    load_file_checkpoint,
+)
+
+__all__ = ["export_consolidated", "export_main", "read_sharded_state_dict"]
+
+
+def read_sharded_state_dict(folder: Path, key: str = "state_dict") -> dict[str, Any]:
+    """Single process: the full tensors under ``key`` of a DCP folder, read with the restricted reader/planner."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = load_dcp_metadata(folder)
+    target: dict[str, Any] = {}
+    for flat, meta in metadata.state_dict_metadata.items():
+        where = tuple((metadata.planner_data or {}).get(flat) or flat.split(".", 1))
+        if not where or where[0] != key:
+            continue
+        node = target
+        for part in where[:-1]:
+            node = node.setdefault(part, {})
+        node[where[-1]] = (torch.empty(meta.size, dtype=meta.properties.dtype)
+                           if isinstance(meta, TensorStorageMetadata) else None)
+    if key not in target:
+        raise ValueError(f"{folder} holds no {key!r} entry: not a checkpoint written by a Lightning strategy.")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(target, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+    return target[key]
+
+
+def _warn_unverified(unverified: str | None) -> None:
+    if unverified is not None:
+        rank_zero_warn(f"{unverified}. Exporting it unverified.")
+
+
+def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], strip_prefix: str = "") -> Path:
+    """Turn a sharded (DCP) or full checkpoint into one plain ``state_dict`` file.
+
+    Runs in a single process without a process group. The result loads with
+    ``model.load_state_dict(torch.load(output))`` into the plain model, no package needed.
+    ``strip_prefix`` (e.g. ``"model."``) drops a LightningModule attribute prefix. The checkpoint is
+    verified against its checksums first and read without running code from it (restricted
+    unpicklers); on any failure nothing is left at ``output`` or ``<output>.tmp``.
+    """
+    src = resolve_checkpoint_path(checkpoint)
+    if src.is_dir():
+        unverified = verify_folder(src).require_intact()
+        if unverified is not None and not (src / DCP_METADATA_FILE).is_file():
+            raise ValueError(f"{src} is a folder but not a checkpoint: it has no DCP '{DCP_METADATA_FILE}' file.")
+        _warn_unverified(unverified)
+        state = read_sharded_state_dict(src)
+    elif src.is_file():
+        loaded = load_file_checkpoint(src)
+        unverified = verify_loaded(loaded, src).require_intact()
+        if not isinstance(loaded.get("state_dict"), dict):
+            raise ValueError(f"{src} has no 'state_dict' entry: not a checkpoint written by a Lightning strategy.")
+        _warn_unverified(unverified)
+        state = loaded["state_dict"]
+    else:
+        raise FileNotFoundError(f"{src}: no such checkpoint file or folder.")
+    plain = {
+        (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): (
+            v.full_tensor() if hasattr(v, "full_tensor") else v
+        )
+        for k, v in state.items()
+    }
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(out)
+    try:
+        torch.save(plain, tmp)
+        os.replace(tmp, out)
+    finally:
+        remove_path(tmp)
+    return out
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """Console script ``fsdp-strategies-export CHECKPOINT OUTPUT [--strip-prefix model.]``: rc 0 written, 1 failed."""
+    parser = argparse.ArgumentParser(prog="fsdp-strategies-export", description=export_consolidated.__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint written by an fsdp_strategies strategy (folder or file)")
+    parser.add_argument("output", help="where to write the consolidated state_dict (.pt)")
+    parser.add_argument("--strip-prefix", default="", help="drop this prefix from every key, e.g. 'model.'")
+    args = parser.parse_args(argv)
+    try:
+        out = export_consolidated(args.checkpoint, args.output, args.strip_prefix)
+    except Exception as err:  # one line for the user, not a traceback
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"fsdp-strategies-export: error: {message}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
