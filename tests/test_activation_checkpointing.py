@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies.callbacks import ActivationCheckpointing
-from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing, is_checkpointed
+from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing, is_checkpointed
 from fsdp_strategies.parallel.blocks import BlockNotFoundError
 from fsdp_strategies.testing import KeptBytes
 from llama import Llama, LlamaLM, MarkovDataModule

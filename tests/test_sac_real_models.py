@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fsdp_strategies.callbacks import ActivationCheckpointing
-from fsdp_strategies.callbacks.activation_checkpointing import (
-    CheckpointMismatchError,
+from fsdp_strategies.parallel.activation_checkpointing import (
+    RecomputationMismatchError,
     apply_activation_checkpointing,
 )
 from fsdp_strategies.testing import KeptBytes
@@ -125,6 +125,6 @@ class CounterModule(pl.LightningModule):
 def test_a_forward_that_changes_between_forward_and_recompute_gets_a_clear_error() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[ActivationCheckpointing()], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(CheckpointMismatchError, match=r"recomputing Counter in backward did not replay its forward.*"
+    with pytest.raises(RecomputationMismatchError, match=r"recomputing Counter in backward did not replay its forward.*"
                                                       r"global state.*Fix:"):
         trainer.fit(CounterModule(), train_dataloaders=DataLoader(TokenSequences(), batch_size=4))

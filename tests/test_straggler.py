@@ -10,10 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
-from conftest import WORKERS, run_python
-from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection
-from fsdp_strategies.callbacks.straggler import StragglerScorer
+from conftest import ROOT, WORKERS, run_python
+from fsdp_strategies.callbacks import StragglerDetector
+from fsdp_strategies.callbacks.straggler_scoring import StragglerScorer
+from fsdp_strategies.testing import StallInjector, StragglerInjection
 
 WORKER = str(WORKERS / "straggler_train.py")
 
@@ -61,12 +63,42 @@ def test_scorer_hysteresis_transients_and_clearing() -> None:
     ({"threshold": 1.0}, "threshold=1.0"),
     ({"action": "kill"}, "action='kill'"),
     ({"window": 1}, "window=1"),
-    ({"inject": {"ranks": [1], "probability": 2.0}}, "inject.probability=2.0"),
 ])
 def test_bad_options_fail_early(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=r"Fix|must") as info:
         StragglerDetector(**kwargs)
     assert needle in str(info.value)
+
+
+def test_bad_injection_fails_early() -> None:
+    with pytest.raises(ValueError, match=r"Fix|must") as info:
+        StallInjector({"ranks": [1], "probability": 2.0})
+    assert "inject.probability=2.0" in str(info.value)
+
+
+def test_inject_is_no_detector_option_any_more() -> None:
+    # stalls come from the separate StallInjector callback; the removed option is named, in Python and in YAML
+    with pytest.raises(TypeError, match="inject"):
+        StragglerDetector(inject=StragglerInjection(ranks=[1], delay_s=0.1))  # type: ignore[call-arg]
+    from jsonargparse import ArgumentError, ArgumentParser
+    from lightning.pytorch.callbacks import Callback
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--callbacks", type=list[Callback])
+    old = [{"class_path": "fsdp_strategies.callbacks.StragglerDetector", "init_args": {"inject": {"ranks": [1]}}}]
+    with pytest.raises(ArgumentError, match="inject"):
+        parser.parse_args(["--callbacks", json.dumps(old)])
+
+
+def test_stall_injector_must_come_before_the_detector() -> None:
+    # a stall at batch start must end before the detector starts timing the step (its own time, not compute)
+    injector, detector = StallInjector(StragglerInjection(ranks=[1], delay_s=0.1)), StragglerDetector()
+    trainer = SimpleNamespace(callbacks=[detector, injector], global_rank=0)
+    with pytest.raises(ValueError, match=r"StallInjector is listed after StragglerDetector.*Fix: list "
+                                         r"fsdp_strategies.testing.StallInjector before"):
+        injector.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    trainer.callbacks = [injector, detector]
+    injector.setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 
 def test_actions_check_the_strategy_at_setup() -> None:
@@ -134,18 +166,24 @@ def test_two_ranks_clean_transient_persistent_and_stop(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- 4 ranks
 @pytest.mark.multiprocess
 def test_four_ranks_detects_and_switches_hierarchical_sgd_from_yaml(tmp_path: Path) -> None:
+    # configs/straggler.yaml with a shorter window and the stall ending at step 14: callbacks are a list, so the
+    # overrides go into a copy of the file (a command-line override would reach only the list's last entry)
+    config = yaml.safe_load((ROOT / "configs" / "straggler.yaml").read_text())
+    injector, detector = config["trainer"]["callbacks"]
+    assert injector["class_path"] == "fsdp_strategies.testing.StallInjector"
+    assert detector["class_path"] == "fsdp_strategies.callbacks.StragglerDetector"
+    # a 2-core CPU shared by 4 ranks (and whatever else runs) has ~50 ms of scheduling jitter per
+    # step: a 0.3 s straggler and a 0.1 s noise floor keep the test about detection, not load
+    injector["init_args"]["inject"].update(end_step=14, delay_s=0.3)
+    detector["init_args"].update(window=4, min_excess_s=0.1, switch_threshold=0.2)
+    (tmp_path / "straggler.yaml").write_text(yaml.safe_dump(config))
     extra = (f"--trainer.max_steps 28 --trainer.limit_val_batches 0 --trainer.enable_checkpointing false "
              f"--trainer.enable_progress_bar false --trainer.logger lightning.pytorch.loggers.CSVLogger "
              f"--trainer.logger.save_dir {tmp_path} --trainer.logger.name csv --trainer.log_every_n_steps 1 "
              "--trainer.default_root_dir " + str(tmp_path) + " "
-             "--trainer.callbacks.init_args.window 4 --trainer.callbacks.init_args.inject.end_step 14 "
-             # a 2-core CPU shared by 4 ranks (and whatever else runs) has ~50 ms of scheduling jitter per
-             # step: a 0.3 s straggler and a 0.1 s noise floor keep the test about detection, not load
-             "--trainer.callbacks.init_args.inject.delay_s 0.3 --trainer.callbacks.init_args.min_excess_s 0.1 "
-             "--trainer.callbacks.init_args.switch_threshold 0.2 "
              "--model.dim 64 --model.max_seq_len 32 --model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 "
              "--data.num_train 1024")
-    run_python([WORKER, "--out", str(tmp_path), "--devices", "4", "--runs", "cli:configs/straggler.yaml",
+    run_python([WORKER, "--out", str(tmp_path), "--devices", "4", "--runs", f"cli:{tmp_path / 'straggler.yaml'}",
                 "--cli-extra", extra], timeout=500)
     rep = json.loads((tmp_path / "straggler.json").read_text())
     assert rep["window"] == 4 and len(rep["hosts"]) == 4
@@ -170,6 +208,7 @@ def test_four_ranks_detects_and_switches_hierarchical_sgd_from_yaml(tmp_path: Pa
 
 def test_injection_is_a_typed_dataclass() -> None:
     inj = StragglerInjection(ranks=[1], delay_s=0.1)
-    assert StragglerDetector(inject=inj).inject is inj
+    assert StallInjector(inj).inject is inj
+    assert StallInjector({"ranks": [1], "delay_s": 0.1}).inject == inj
     with pytest.raises(ValueError, match="end_step"):
         StragglerInjection(start_step=5, end_step=5)

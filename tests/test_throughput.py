@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies.callbacks import ActivationCheckpointing, MFUMonitor
-from fsdp_strategies.callbacks.mfu import analytic_transformer_flops, count_step_flops
+from fsdp_strategies.flops import analytic_transformer_flops, count_step_flops
 from fsdp_strategies.flops import peaks as _peak_flops
 from llama import Llama, LlamaLM, MarkovDataModule
 

@@ -3,8 +3,8 @@
 * Memory a rank really holds (local shards): :func:`param_bytes`, :func:`grad_bytes`,
   :func:`optimizer_state_bytes`, and :class:`KeptBytes` (activation memory kept for backward).
 * A stall model: :class:`StragglerInjection` (what to delay) and :class:`StallInjector` (a callback that
-  delays chosen ranks, nothing else). ``StragglerDetector(inject=...)`` uses the same injector, so a
-  detection test and a benchmark's stall share one implementation.
+  delays chosen ranks, nothing else). A benchmark uses it alone; a detection test or demo lists it before
+  :class:`~fsdp_strategies.callbacks.StragglerDetector`, so both share one implementation of a stall.
 * A slow link between replica groups: :class:`SlowLink` (which groups, how slow, when) and
   :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp``).
 * :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across processes.
@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from typing_extensions import override
 
 from fsdp_strategies._torch_seam import TorchDispatchMode
+from fsdp_strategies.callbacks.straggler import StragglerDetector
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -140,35 +141,48 @@ class StragglerInjection:
 class StallInjector(Callback):
     """Delays the ranks and steps a :class:`StragglerInjection` chooses; measures nothing, no collective.
 
-    A benchmark's stall model (e.g. the cost of stragglers under ``ddp`` vs local SGD), and the
-    injection behind ``StragglerDetector(inject=...)``. ``before_step`` runs at batch start (``sleep``
-    / ``busy_wait``: the rank is away before its step), ``in_step`` inside the step (``spin``: a slow
-    device burning compute).
+    A benchmark's stall model (e.g. the cost of stragglers under ``ddp`` vs local SGD), and the slow rank
+    of the straggler tests and of ``configs/straggler.yaml``. ``sleep`` / ``busy_wait`` stall at batch start
+    (the rank is away before its step), ``spin`` before the step's backward (a slow device burning compute
+    inside forward + backward); one draw per training batch.
+
+    With a :class:`~fsdp_strategies.callbacks.StragglerDetector`, list this callback *before* the detector
+    (checked at setup): Lightning runs callbacks in list order, and a stall at batch start must end before
+    the detector starts timing the step, or the detector would book it as compute time instead of as the
+    rank's own (data) time.
     """
 
     def __init__(self, inject: StragglerInjection | dict[str, Any]) -> None:
         super().__init__()
         self.inject = StragglerInjection(**inject) if isinstance(inject, dict) else inject
         self._rng: random.Random | None = None
+        self._in_step_due = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        callbacks = list(getattr(trainer, "callbacks", ()))
+        detectors = [i for i, c in enumerate(callbacks) if isinstance(c, StragglerDetector)]
+        if self in callbacks and detectors and detectors[0] < callbacks.index(self):
+            raise ValueError(
+                "StallInjector is listed after StragglerDetector in trainer.callbacks, so its stalls would fall "
+                "inside the step the detector times. Fix: list fsdp_strategies.testing.StallInjector before "
+                "fsdp_strategies.callbacks.StragglerDetector.")
         self._rng = random.Random(self.inject.seed + trainer.global_rank)
 
-    def stall(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
-        """Delay now if this rank, step and draw say so (``where``: the point in the step being reached)."""
+    def _due(self, trainer: pl.Trainer) -> bool:
+        """Whether this rank stalls in the step starting now (one draw per step, whatever the outcome)."""
         inj = self.inject
         if inj.delay_s <= 0 or self._rng is None:
-            return
-        if (inj.kind == "spin") != (where == "in_step"):
-            return
+            return False
         step = trainer.global_step
         chosen = inj.ranks is None or trainer.global_rank in inj.ranks
         draw = self._rng.random()  # drawn every step so the stream does not depend on the schedule
         if not chosen or step < inj.start_step or (inj.end_step is not None and step >= inj.end_step):
-            return
-        if draw >= inj.probability:
-            return
+            return False
+        return draw < inj.probability
+
+    def _stall(self) -> None:
+        inj = self.inject
         if inj.kind == "sleep":
             time.sleep(inj.delay_s)
         else:  # busy_wait: delay_s of wall time; spin: of CPU time (more work, however busy the host is)
@@ -179,8 +193,17 @@ class StallInjector(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.stall(trainer, "before_step")
-        self.stall(trainer, "in_step")
+        due = self._due(trainer)
+        if self.inject.kind == "spin":
+            self._in_step_due = due  # spent inside the step, before its backward
+        elif due:
+            self._stall()  # the rank is away before its step
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._in_step_due:  # the batch's first backward (manual optimization may call several)
+            self._in_step_due = False
+            self._stall()
 
 
 # ---------------------------------------------------------------------------------------------- slow links

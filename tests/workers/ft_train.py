@@ -271,12 +271,13 @@ def main() -> None:
     straggler = os.environ.get("FT_TEST_STRAGGLER")
     if straggler and os.environ.get("FT_RESTART_COUNT", "0") == "0" and \
             straggler.split(":")[0] == os.environ.get("REPLICA_GROUP_ID"):
-        from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection
+        from fsdp_strategies.callbacks import StragglerDetector
+        from fsdp_strategies.testing import StallInjector, StragglerInjection
 
         _, rank, delay = straggler.split(":")
+        callbacks.append(StallInjector(StragglerInjection(ranks=[int(rank)], delay_s=float(delay))))
         callbacks.append(StragglerDetector(action="evict", window=4, skip_first=1, patience=1,
-                                           report_path=os.path.join(os.environ["FT_TEST_OUT"], "straggler.json"),
-                                           inject=StragglerInjection(ranks=[int(rank)], delay_s=float(delay))))
+                                           report_path=os.path.join(os.environ["FT_TEST_OUT"], "straggler.json")))
     LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks},
                  save_config_kwargs={"overwrite": True})
 

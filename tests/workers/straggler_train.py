@@ -22,20 +22,22 @@ import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
-from fsdp_strategies.callbacks import StragglerDetector, StragglerInjection  # noqa: E402
+from fsdp_strategies.callbacks import StragglerDetector  # noqa: E402
+from fsdp_strategies.testing import StallInjector, StragglerInjection  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
 TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 1024, "num_val": 16}
 DETECT = {"window": 6, "patience": 2, "skip_first": 2, "min_excess_s": 0.03}  # above CPU scheduling jitter
 
-RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+# run -> (strategy, detector options, the stall a StallInjector listed before the detector makes)
+RUNS: dict[str, tuple[str, dict[str, Any], StragglerInjection | None]] = {
     # Lightning's own ddp: no injection, a 2-step burst on rank 1, a persistent 0.1 s delay on rank 1
-    "clean": ("ddp", {}),
-    "transient": ("ddp", {"inject": StragglerInjection(ranks=[1], delay_s=0.2, start_step=8, end_step=10)}),
-    "persistent": ("ddp", {"inject": StragglerInjection(ranks=[1], delay_s=0.1)}),
+    "clean": ("ddp", {}, None),
+    "transient": ("ddp", {}, StragglerInjection(ranks=[1], delay_s=0.2, start_step=8, end_step=10)),
+    "persistent": ("ddp", {}, StragglerInjection(ranks=[1], delay_s=0.1)),
     # a slow device (busy loop inside forward+backward) under this package's fsdp2, then stop
-    "stop": ("fsdp2", {"inject": StragglerInjection(ranks=[1], delay_s=0.08, kind="spin"), "action": "stop"}),
+    "stop": ("fsdp2", {"action": "stop"}, StragglerInjection(ranks=[1], delay_s=0.08, kind="spin")),
 }
 
 
@@ -60,14 +62,15 @@ def main() -> None:
             trainer.fit(cli.model, cli.datamodule)
         else:
             name = run
-            strategy, options = RUNS[run]
+            strategy, options, stall = RUNS[run]
             # "clean" writes its report to the default place, <log_dir>/straggler_report.json
             report = None if run == "clean" else str(out / f"{run}.json")
             detector = StragglerDetector(**DETECT, **options, report_path=report,
                                          hosts_file=str(out / f"{run}_hosts.txt"))
             trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False, limit_val_batches=0, callbacks=[detector],
+                                 enable_model_summary=False, limit_val_batches=0,
+                                 callbacks=[detector] if stall is None else [StallInjector(stall), detector],
                                  default_root_dir=str(out / run))
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
         extra = {"global_step": trainer.global_step}

@@ -2,6 +2,6 @@
 
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
 from fsdp_strategies.callbacks.mfu import MFUMonitor
-from fsdp_strategies.callbacks.straggler import StragglerDetector, StragglerInjection
+from fsdp_strategies.callbacks.straggler import StragglerDetector
 
-__all__: list[str] = ["ActivationCheckpointing", "MFUMonitor", "StragglerDetector", "StragglerInjection"]
+__all__: list[str] = ["ActivationCheckpointing", "MFUMonitor", "StragglerDetector"]

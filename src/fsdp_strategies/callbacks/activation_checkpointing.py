@@ -18,7 +18,8 @@ compile -> shard) is described there. This callback adds what Lightning needs:
   storage"). The callback switches ``use_cache`` off on every model config that has it for the
   training steps (as HF's own ``gradient_checkpointing_enable()`` does) and restores it for
   validation, test, predict and after ``fit``. Any other forward/recompute mismatch raised in
-  backward is re-raised as :class:`CheckpointMismatchError` naming the block and the fix.
+  backward is re-raised as
+  :class:`~fsdp_strategies.parallel.activation_checkpointing.RecomputationMismatchError` naming the block and the fix.
 """
 
 from __future__ import annotations
@@ -35,32 +36,21 @@ from typing_extensions import override
 
 from fsdp_strategies.parallel.activation_checkpointing import (
     DEFAULT_SAVE_OPS,
-    CheckpointMismatchError,
     Mode,
+    RecomputationMismatchError,
     apply_activation_checkpointing,
     is_checkpointed,
     is_mismatch,
-    is_recomputing,
     mismatch_error,
-    resolve_ops,
-    resolve_or_none,
     validate_options,
 )
 from fsdp_strategies.parallel.blocks import class_names
+from fsdp_strategies.parallel.ops import resolve_ops, resolve_or_none
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# the transform's names stay importable from here (they lived in this module before the split)
-__all__ = [
-    "DEFAULT_SAVE_OPS",
-    "ActivationCheckpointing",
-    "CheckpointMismatchError",
-    "apply_activation_checkpointing",
-    "is_checkpointed",
-    "is_recomputing",
-    "resolve_ops",
-]
+__all__ = ["ActivationCheckpointing"]
 
 _HOOKED = "_fsdp_strategies_ac_configure_model"  # on a LightningModule's wrapped configure_model
 
@@ -77,7 +67,8 @@ class ActivationCheckpointing(Callback):
         block_class_names: class names of the blocks; empty: the same heuristic as the strategies.
         layer_interval: for ``selective_layer``, checkpoint blocks ``n-1, 2n-1, ...`` (1 = all).
         save_ops: op names whose outputs ``selective_op`` keeps, as ``namespace.op[.overload]``
-            strings (default :data:`DEFAULT_SAVE_OPS`); replaces the default list.
+            strings (default
+            :data:`~fsdp_strategies.parallel.activation_checkpointing.DEFAULT_SAVE_OPS`); replaces the default list.
         extra_save_ops: op names added to ``save_ops`` (extend the default from YAML).
         save_every_nth_matmul: keep only every n-th matmul output in a block (2 = every other,
             recomputing the rest); attention and other listed ops are always kept.
@@ -150,7 +141,7 @@ class ActivationCheckpointing(Callback):
         self._explain_mismatches_in_backward(pl_module)
 
     def _explain_mismatches_in_backward(self, pl_module: pl.LightningModule) -> None:
-        """Re-raise torch's recompute-mismatch errors from ``LightningModule.backward`` as CheckpointMismatchError."""
+        """Re-raise torch's recompute-mismatch errors from ``LightningModule.backward`` as RecomputationMismatchError."""
         current: Callable[..., None] = pl_module.backward
         if self in getattr(current, _HOOKED, ()):
             return
@@ -159,7 +150,7 @@ class ActivationCheckpointing(Callback):
         def backward(*args: Any, **kwargs: Any) -> None:
             try:
                 current(*args, **kwargs)
-            except CheckpointMismatchError:
+            except RecomputationMismatchError:
                 raise
             except RuntimeError as err:
                 if self.checkpointed and is_mismatch(err):

@@ -47,8 +47,8 @@ from fsdp_strategies.parallel.blocks import find_transformer_blocks
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# the FLOP calculator's names stay importable from here (they lived in this module before the split)
-__all__ = ["MFUMonitor", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
+# count_step_flops: still imported from here by benchmarks/suites/sac.py (its home is fsdp_strategies.flops)
+__all__ = ["MFUMonitor", "count_step_flops"]
 
 FlopsSource = Literal["count", "analytic"]
 _STATS = ("min", "median", "max")

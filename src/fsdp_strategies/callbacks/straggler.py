@@ -16,12 +16,14 @@ includes waits the compute stream has on the communication stream, so under sync
 slow GPU is visible in the relative scores only as far as its compute stream is slower.
 
 Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers; it is
-started without waiting and read one step later, so no rank blocks on the detector. Scores:
-*relative* (a rank's median self time vs the median of the other ranks) and *individual* (vs its own
-best window), smoothed with an EWMA; a rank is a persistent straggler after ``patience`` consecutive
-slow windows (raw and smoothed relative score above ``threshold``) and stops being one after
-``patience`` normal windows. Single steps far above the other ranks are counted as transient stalls.
-All ranks compute the same decisions from the same gathered data, so actions happen in lock-step.
+started without waiting and read one step later, so no rank blocks on the detector. Every rank scores
+the same gathered window with :class:`~fsdp_strategies.callbacks.straggler_scoring.StragglerScorer`
+(relative and individual scores, hysteresis, transient stalls, time lost), so every rank reaches the
+same decisions and the actions (``warn``, ``hierarchical_sgd``, ``semi_sync``, ``evict``, ``stop``)
+happen in lock-step without a further collective.
+
+Tests and demos make a rank slow with :class:`fsdp_strategies.testing.StallInjector`, a separate callback
+listed before this one; the detector itself only measures.
 """
 
 from __future__ import annotations
@@ -31,11 +33,9 @@ import math
 import os
 import socket
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -44,133 +44,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies.callbacks.straggler_scoring import HEADER, StragglerScorer
 from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember, SyncModeSwitch
-from fsdp_strategies.testing import StallInjector, StragglerInjection
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StragglerDetector", "StragglerInjection", "StragglerScorer"]
+__all__ = ["StragglerDetector"]
 
 Action = Literal["warn", "hierarchical_sgd", "semi_sync", "evict", "stop"]
-ACTIONS: tuple[str, ...] = get_args(Action)
-_HEADER = 7  # n, data, compute, optimizer, step, self, wait (sums over the window)
-
-
-@dataclass
-class _RankTrack:
-    ewma: float = 1.0
-    best: float = math.inf
-    slow_streak: int = 0
-    normal_streak: int = 0
-    persistent: bool = False
-    first_flagged_step: int | None = None
-    stalls: int = 0
-    slow_windows: int = 0
-    relative: float = 1.0
-    individual: float = 1.0
-
-
-@dataclass
-class StragglerScorer:
-    """Turns one window of gathered per-rank numbers into scores and decisions (pure; testable alone)."""
-
-    world_size: int
-    threshold: float = 1.5
-    patience: int = 2
-    ewma_alpha: float = 0.5
-    stall_factor: float = 3.0
-    min_excess_s: float = 0.01
-    tracks: list[_RankTrack] = field(default_factory=list)
-    windows: int = 0
-    lost_s: float = 0.0
-    wait_s: float = 0.0
-    lost_ewma: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.tracks:
-            self.tracks = [_RankTrack() for _ in range(self.world_size)]
-
-    @staticmethod
-    def _others_median(values: np.ndarray) -> np.ndarray:
-        """For each rank, the median over the *other* ranks (with 2 ranks: the other one)."""
-        n = values.shape[0]
-        if n == 1:
-            return values.copy()
-        out = np.empty_like(values)
-        for r in range(n):
-            out[r] = np.nanmedian(np.delete(values, r, axis=0), axis=0)
-        return out
-
-    def update(self, header: np.ndarray, self_steps: np.ndarray, step: int) -> dict[str, Any]:
-        """``header``: (ranks, 7) window sums; ``self_steps``: (ranks, window) per-step self time (NaN = unmeasured)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns of unmeasured slots
-            return self._update(header, self_steps, step)
-
-    def _update(self, header: np.ndarray, self_steps: np.ndarray, step: int) -> dict[str, Any]:
-        self.windows += 1
-        n = header[:, 0]
-        if (n <= 0).any() or np.isnan(self_steps).all():
-            return {"measured": False}
-        mean_step = header[:, 4] / n
-        mean_self = header[:, 5] / n
-        med_self = np.nanmedian(self_steps, axis=1)
-        ref = self._others_median(med_self)
-        relative = med_self / np.maximum(ref, 1e-9)
-        # transient stalls: single steps far above what the other ranks needed for the same step
-        ref_steps = self._others_median(self_steps)
-        excess = self_steps - ref_steps
-        stalls = (self_steps > self.stall_factor * ref_steps) & (excess > self.min_excess_s)
-        # estimated job time lost to stragglers: per step, what the slowest rank needed beyond the others,
-        # counted only when that is a clear slowdown (threshold x and min_excess_s), not jitter
-        valid = ~np.isnan(self_steps).any(axis=0)
-        lost = 0.0
-        if valid.any():
-            cols, refs = self_steps[:, valid], ref_steps[:, valid]
-            slowest, j = np.argmax(cols, axis=0), np.arange(cols.shape[1])
-            top, ref_top = cols[slowest, j], refs[slowest, j]
-            clear = (top > self.threshold * ref_top) & (top - ref_top > self.min_excess_s)
-            lost = float(np.sum(np.where(clear, top - ref_top, 0.0)))
-        wait = float(np.mean(header[:, 6]))
-        base = float(np.median(mean_step) * np.median(n))
-        lost_frac = lost / max(base, 1e-9)
-        self.lost_s += lost
-        self.wait_s += wait
-        self.lost_ewma = self.ewma_alpha * lost_frac + (1 - self.ewma_alpha) * (self.lost_ewma if self.windows > 1 else lost_frac)
-        newly, cleared = [], []
-        for r, track in enumerate(self.tracks):
-            track.relative = float(relative[r])
-            track.best = min(track.best, float(med_self[r]))
-            track.individual = float(med_self[r] / max(track.best, 1e-9))
-            track.ewma = self.ewma_alpha * track.relative + (1 - self.ewma_alpha) * track.ewma
-            track.stalls += int(stalls[r].sum())
-            slow = (track.relative > self.threshold and track.ewma > self.threshold
-                    and med_self[r] - ref[r] > self.min_excess_s)
-            if slow:
-                track.slow_windows += 1
-                track.slow_streak += 1
-                track.normal_streak = 0
-                if not track.persistent and track.slow_streak >= self.patience:
-                    track.persistent = True
-                    track.first_flagged_step = step
-                    newly.append(r)
-            else:
-                track.slow_streak = 0
-                track.normal_streak += 1
-                if track.persistent and track.normal_streak >= self.patience:
-                    track.persistent = False
-                    cleared.append(r)
-        return {
-            "measured": True, "step": step, "relative": relative.tolist(), "individual": [t.individual for t in self.tracks],
-            "ewma": [t.ewma for t in self.tracks], "mean_step": mean_step.tolist(), "mean_self": mean_self.tolist(),
-            "step_min": float(mean_step.min()), "step_median": float(np.median(mean_step)), "step_max": float(mean_step.max()),
-            "data": (header[:, 1] / n).tolist(), "compute": (header[:, 2] / n).tolist(),
-            "optimizer": (header[:, 3] / n).tolist(), "stalls": stalls.sum(axis=1).tolist(), "lost_s": lost,
-            "lost_frac": lost_frac, "wait_s": wait, "newly_persistent": newly, "cleared": cleared,
-            "persistent": [r for r, t in enumerate(self.tracks) if t.persistent],
-        }
 
 
 class StragglerDetector(Callback):
@@ -209,8 +93,9 @@ class StragglerDetector(Callback):
             ``straggler_report_group<id>.json``, and ``{replica_group_id}`` in the path is replaced).
         hosts_file: file with straggling host names for ``stop`` (default next to the report).
         stop_exit_code: exit status of the ``stop`` action.
-        inject: delay chosen ranks (tests, demos), see :class:`fsdp_strategies.testing.StragglerInjection`; the
-            delays come from :class:`fsdp_strategies.testing.StallInjector` (which a benchmark uses alone).
+
+    To make ranks slow in a test or demo, list the callback :class:`fsdp_strategies.testing.StallInjector`
+    (configured by a :class:`fsdp_strategies.testing.StragglerInjection`) before this one.
     """
 
     def __init__(
@@ -228,7 +113,6 @@ class StragglerDetector(Callback):
         report_path: str | None = None,
         hosts_file: str | None = None,
         stop_exit_code: int = 3,
-        inject: StragglerInjection | None = None,
     ) -> None:
         super().__init__()
         for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0), ("patience", patience, 1),
@@ -244,8 +128,6 @@ class StragglerDetector(Callback):
         self.window, self.skip_first, self.top_k = window, skip_first, top_k
         self.action, self.switch_threshold = action, switch_threshold
         self.report_path, self.hosts_file, self.stop_exit_code = report_path, hosts_file, stop_exit_code
-        self._injector = StallInjector(inject) if inject is not None else None
-        self.inject = self._injector.inject if self._injector is not None else None
         self._scorer_kwargs = {"threshold": threshold, "patience": patience, "ewma_alpha": ewma_alpha,
                                "stall_factor": stall_factor, "min_excess_s": min_excess_s}
         self.scorer: StragglerScorer | None = None
@@ -271,7 +153,7 @@ class StragglerDetector(Callback):
 
     # ------------------------------------------------------------------ setup
     def _reset_window(self) -> None:
-        self._sums = np.zeros(_HEADER, dtype=np.float64)
+        self._sums = np.zeros(HEADER, dtype=np.float64)
         self._self_steps = np.full(getattr(self, "window", 2), np.nan, dtype=np.float64)
         self._events: list[tuple[int, float, Any, Any, Any, Any, float]] = []
         self._slot = 0
@@ -308,7 +190,7 @@ class StragglerDetector(Callback):
         world = trainer.world_size
         self.scorer = StragglerScorer(world_size=world, **self._scorer_kwargs)
         host = socket.gethostname()
-        if world > 1 and dist.is_available() and dist.is_initialized():
+        if world > 1 and in_process_group():
             hosts: list[Any] = [None] * world
             dist.all_gather_object(hosts, host)
             self.hosts = [str(h) for h in hosts]
@@ -317,8 +199,6 @@ class StragglerDetector(Callback):
         self._cuda = trainer.strategy.root_device.type == "cuda"
         # resolved here, on every rank: ``trainer.log_dir`` is a collective (a broadcast)
         self._report_file = self._report_path(trainer)
-        if self._injector is not None:
-            self._injector.setup(trainer, pl_module, stage)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -332,10 +212,6 @@ class StragglerDetector(Callback):
             self._cost_base = (time.perf_counter(), *trainer.strategy.sync_cost_counters())
 
     # ------------------------------------------------------------------ timing
-    def _stall(self, trainer: pl.Trainer, where: Literal["before_step", "in_step"]) -> None:
-        if self._injector is not None:
-            self._injector.stall(trainer, where)
-
     def _busy_clock(self) -> float:
         return time.process_time()
 
@@ -346,7 +222,6 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._stall(trainer, "before_step")
         cpu0, now = time.thread_time(), time.perf_counter()
         self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
         self._t_start, self._c_start = now, self._busy_clock()
@@ -354,7 +229,6 @@ class StragglerDetector(Callback):
         self._t_opt: float | None = None
         self._hook_s += time.perf_counter() - now
         self._cpu_s += time.thread_time() - cpu0
-        self._stall(trainer, "in_step")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -436,7 +310,7 @@ class StragglerDetector(Callback):
         rank should not be held back by a collective of the detector.
         """
         world = trainer.world_size
-        if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        if world == 1 or not in_process_group():
             return lambda: local[None, :]
         device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
         mine = torch.from_numpy(local).to(device)
@@ -470,7 +344,7 @@ class StragglerDetector(Callback):
             strategy = trainer.strategy
             assert isinstance(strategy, SyncModeSwitch)
             strategy.report_sync_cost(sync_cost)
-        result = self.scorer.update(gathered[:, :_HEADER], gathered[:, _HEADER:], step)
+        result = self.scorer.update(gathered[:, :HEADER], gathered[:, HEADER:], step)
         if not result["measured"]:
             return
         if self.action == "semi_sync":
@@ -606,7 +480,6 @@ class StragglerDetector(Callback):
         return {
             "hosts": self.hosts, "window": self.window, "action": self.action,
             "settings": {**self._scorer_kwargs, "switch_threshold": self.switch_threshold},
-            "inject": asdict(self.inject) if self.inject else None,
             "windows": self.history, "events": self.events,
             "persistent": [r for r, t in enumerate(scorer.tracks) if t.persistent] if scorer else [],
             "first_flagged_step": [t.first_flagged_step for t in scorer.tracks] if scorer else [],

@@ -26,11 +26,11 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.parallel.activation_checkpointing import is_recomputing
+from fsdp_strategies.parallel.ops import ATTENTION_OPS, attention_backward_name, resolve_or_none
 
 __all__ = ["StepFlopCounter", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
 
 aten = torch.ops.aten
-
 
 
 def _register_missing_sdpa_formulas() -> None:
@@ -56,20 +56,9 @@ def _register_missing_sdpa_formulas() -> None:
 
 _register_missing_sdpa_formulas()
 
-_ATTENTION_FORWARD = tuple(
-    p for p in (getattr(aten, n, None) for n in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
-    )) if p is not None
-)
+_ATTENTION_FORWARD = tuple(p for p in map(resolve_or_none, ATTENTION_OPS) if p is not None)
 _ATTENTION_BACKWARD = tuple(
-    p for p in (getattr(aten, n, None) for n in (
-        "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_fused_attention_overrideable_backward", "_flash_attention_backward",
-        "_efficient_attention_backward",
-    )) if p is not None
+    p for p in (resolve_or_none(attention_backward_name(name)) for name in ATTENTION_OPS) if p is not None
 )
 
 

@@ -2,6 +2,13 @@
 
 :func:`parallelize` applies them in their one order (checkpoint -> compile -> shard); the
 strategies are Lightning glue over it, and plain-torch loops can call it too.
+
+* :mod:`~fsdp_strategies.parallel.blocks` -- which submodules are the transformer blocks (checkpoint
+  regions and FSDP units alike);
+* :mod:`~fsdp_strategies.parallel.mesh` -- device meshes for FSDP2 / HSDP;
+* :mod:`~fsdp_strategies.parallel.activation_checkpointing` -- full / selective checkpointing of the blocks;
+* :mod:`~fsdp_strategies.parallel.ops` -- op names (attention kernels, matmuls) shared with the FLOP counter;
+* :mod:`~fsdp_strategies.parallel.parallelize` -- compile, ``fully_shard`` and :func:`parallelize`.
 """
 
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing, is_recomputing

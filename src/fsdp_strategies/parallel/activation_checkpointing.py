@@ -16,6 +16,11 @@ applies it first in the order checkpoint -> compile -> shard.
 * Recomputation is observable: :func:`is_recomputing` is true (in the thread running backward)
   while a checkpointed block re-runs its forward; a FLOP counter uses it to tell recomputed
   (hardware) FLOPs from model FLOPs. Each block is marked, so applying twice is a no-op.
+* A recomputation that does not replay the forward (the forward read global state that changed since)
+  is recognised by :func:`is_mismatch` and explained by :func:`mismatch_error` as a
+  :class:`RecomputationMismatchError` naming the block and the fix.
+* Which ops ``selective_op`` keeps, and which count as matmuls, are op names resolved by
+  :mod:`fsdp_strategies.parallel.ops`.
 """
 
 from __future__ import annotations
@@ -34,16 +39,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fsdp_strategies import _torch_seam
 from fsdp_strategies._options import check_choice, check_int
 from fsdp_strategies.parallel.blocks import find_transformer_blocks
+from fsdp_strategies.parallel.ops import ATTENTION_OPS, MATMUL_OPS, resolve_ops
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
-    "MATMUL_OPS",
     "MODES",
-    "CheckpointMismatchError",
+    "RecomputationMismatchError",
     "apply_activation_checkpointing",
     "is_checkpointed",
+    "is_mismatch",
     "is_recomputing",
-    "resolve_ops",
+    "mismatch_error",
+    "validate_options",
 ]
 
 Mode = Literal["full", "selective_op", "selective_layer"]
@@ -55,18 +62,9 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "aten.addmm",
     "aten.bmm",
     "aten.linear",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_fused_attention_overrideable",
-    "aten._flash_attention_forward",
-    "aten._efficient_attention_forward",
+    *ATTENTION_OPS,
     "_c10d_functional.reduce_scatter_tensor",
 )
-# Ops that count as one matmul for ``save_every_nth_matmul``. ``aten.linear`` only reaches the policy
-# where it is not decomposed, and then its inner mm/addmm is not seen separately: one linear = one matmul.
-MATMUL_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear", "aten.baddbmm")
 
 _MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
 _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
@@ -88,8 +86,12 @@ _MISMATCH_MARKERS = ("not found in storage", "different metadata", "different nu
                      "global state that changed")
 
 
-class CheckpointMismatchError(RuntimeError):
-    """A checkpointed block's recomputation in backward did not replay its forward."""
+class RecomputationMismatchError(RuntimeError):
+    """A checkpointed block's recomputation in backward did not replay its forward.
+
+    (Not to be confused with :class:`fsdp_strategies.checkpoint.load_into_fsdp.CheckpointMismatchError`, a
+    checkpoint file whose layout does not fit the model.)
+    """
 
 
 def is_recomputing() -> bool:
@@ -107,42 +109,6 @@ def _recomputing() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTE.depth -= 1
-
-
-def _resolve_op(name: str, option: str) -> Any:
-    """``"aten.mm"`` -> ``torch.ops.aten.mm`` (all overloads); ``"aten.mm.default"`` -> that overload."""
-    text = name.strip()
-    if text.startswith("torch.ops."):
-        text = text[len("torch.ops.") :]
-    parts = text.split(".")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(
-            f"{option}: {name!r} is not an op name. Fix: write 'namespace.op' or 'namespace.op.overload', "
-            "e.g. 'aten.mm' or '_c10d_functional.reduce_scatter_tensor.default'."
-        )
-    try:
-        namespace = getattr(torch.ops, parts[0])
-        packet = getattr(namespace, parts[1])
-        return getattr(packet, parts[2]) if len(parts) == 3 else packet
-    except (AttributeError, RuntimeError) as err:
-        raise ValueError(
-            f"{option}: {name!r} is not an operator of this PyTorch build ({torch.__version__}). Fix: check the "
-            "spelling against torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention')."
-        ) from err
-
-
-def resolve_ops(names: Sequence[str], option: str, *, strict: bool = True) -> tuple[frozenset[Any], frozenset[Any]]:
-    """Split op names into (overload packets, specific overloads). ``strict=False`` skips names unknown here."""
-    packets, overloads = set(), set()
-    for name in names:
-        try:
-            op = _resolve_op(name, option)
-        except ValueError:
-            if strict:
-                raise
-            continue
-        (overloads if _torch_seam.is_op_overload(op) else packets).add(op)
-    return frozenset(packets), frozenset(overloads)
 
 
 class _OpMatcher:
@@ -217,6 +183,7 @@ def _run_inner(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def is_mismatch(err: BaseException) -> bool:
+    """Whether ``err`` is torch's report of a recomputation that did not replay its forward."""
     from torch.utils.checkpoint import CheckpointError
 
     return isinstance(err, CheckpointError) or (
@@ -224,9 +191,10 @@ def is_mismatch(err: BaseException) -> bool:
     )
 
 
-def mismatch_error(err: BaseException, mode: str) -> CheckpointMismatchError:
+def mismatch_error(err: BaseException, mode: str) -> RecomputationMismatchError:
+    """``err`` (a mismatch, see :func:`is_mismatch`) restated with the block recomputed last and the fix."""
     block = _RECOMPUTE.last or "a checkpointed block"
-    return CheckpointMismatchError(
+    return RecomputationMismatchError(
         f"ActivationCheckpointing(mode={mode!r}): recomputing {block} in backward did not replay its forward "
         f"(torch: {str(err).splitlines()[0][:300]}). Likely cause: the block's forward depends on global state "
         "that changed between forward and backward -- a cache that grows (a KV cache: use_cache=True), a "
@@ -289,11 +257,3 @@ def validate_options(mode: str, layer_interval: int, save_every_nth_matmul: int)
     check_choice("mode", mode, Mode)
     for name, value in (("layer_interval", layer_interval), ("save_every_nth_matmul", save_every_nth_matmul)):
         check_int(name, value, 1, fix="an integer >= 1 (1 = every block / every matmul).")
-
-
-def resolve_or_none(name: str) -> Any:
-    """The op named ``name``, or ``None`` when this torch build has no such op."""
-    try:
-        return _resolve_op(name, "save_ops")
-    except ValueError:
-        return None
