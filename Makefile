@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-lightning-range lint bench matrix clean
+.PHONY: install train test test-lightning-range lint bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,10 @@ install: $(VENV)/.installed
 train: install
 	$(PY) examples/train_llama.py fit --config $(CONFIG)
 
+# tests/docs checks the built site in Chromium: `make docs` runs it, right after the build.
 test: install
-	$(VENV)/bin/ruff check src examples tests benchmarks
-	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 --ignore=tests/docs
 
 # Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
 # supported release and against the newest that pip resolves within the pin. Each is installed without
@@ -46,7 +47,7 @@ test-lightning-range: install
 	$(call lightning_range_run,$(LIGHTNING_PIN),.lightning-newest)
 
 lint: install
-	$(VENV)/bin/ruff check src examples tests benchmarks
+	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
 
 # The full real-models matrix (models x strategies x callbacks x precision, ~25 min on 2 cores);
 # `make test` runs its representative cut.
@@ -56,5 +57,20 @@ matrix: install
 bench: install
 	$(PY) benchmarks/run.py all
 
+# Documentation site (mkdocs.yml, docs/): strict build into site/ (a broken link or a missing reference
+# fails), then tests/docs opens the built pages in headless Chromium (the Debian package `chromium`,
+# installed here when missing) and checks every strategy and callback page's option table.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ echo "installing chromium (apt-get)"; $(SUDO) apt-get update -qq && \
+		  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	$(PY) -m pytest tests/docs -q -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) lightning_logs checkpoints
+	rm -rf $(VENV) lightning_logs checkpoints site

@@ -1,0 +1,324 @@
+"""MkDocs hook: every benchmark figure on the site is generated at build time from benchmarks/results/.
+
+A page asks for generated content with one of these lines (a marker the hook does not know, or a
+result file that does not exist, fails the build):
+
+* ``{{ benchmarks }}``: a section per ``benchmarks/results/*.json`` (the performance page), so a new
+  result file appears without editing any page;
+* ``{{ benchmark NAME.json }}``: one file's section;
+* ``{{ gpu_results }}``: the sections of every file measured on a GPU, or the statement that there is none;
+* ``{{ matrix NAME.json }}``: the real-models compatibility matrix (``make matrix`` writes the file).
+
+The PNGs next to the JSON files are copied into the site (``assets/benchmarks/``) and embedded. No
+figure is typed into a page: rerunning a benchmark and rebuilding updates the site.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+ASSETS = "assets/benchmarks"
+MARKER = re.compile(r"^\{\{\s*(\w+)\s*([^}]*?)\s*\}\}\s*$", re.M)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1e5 else f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(c if isinstance(c, str) else _fmt(c) for c in row) + " |" for row in rows]
+    return [*out, ""]
+
+
+def _met(row: dict[str, Any]) -> str:
+    met = row.get("met")
+    return "-" if met is None else ("met" if met else "**missed**")
+
+
+def _target(row: dict[str, Any]) -> str:
+    if row.get("target") is not None:
+        return f"<= {_fmt(row['target'])}"
+    if row.get("target_min") is not None:
+        return f">= {_fmt(row['target_min'])}"
+    return "-"
+
+
+def _load(name: str) -> Any:
+    path = RESULTS / name
+    if not path.is_file():
+        raise PluginError(f"docs: benchmark result {path} does not exist (named by a page marker)")
+    return json.loads(path.read_text())
+
+
+def _png(stem: str, data: dict[str, Any]) -> Path | None:
+    name = data.get("png_path") if isinstance(data, dict) else None
+    for candidate in ([Path(name).name] if name else []) + [f"{stem}.png"]:
+        if (RESULTS / candidate).is_file():
+            return RESULTS / candidate
+    return None
+
+
+def _result_files() -> list[Path]:
+    return sorted(p for p in RESULTS.glob("*.json") if isinstance(json.loads(p.read_text()), dict))
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def _cases(data: dict[str, Any]) -> list[str]:
+    """Timing and memory suites: per case the contenders' medians and the ratios with their targets."""
+    cases = data.get("cases")
+    if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
+        return []
+    memory = data.get("suite") == "memory"
+    records = [rec for c in cases for rec in c["contenders"].values()]
+    if not memory and not any(isinstance(rec, dict) and "median_s" in rec for rec in records):
+        return []  # suites whose cases hold other records (sac, mfu): their summary says it
+    names = [n for n in data.get("config", {}).get("contenders", {})
+             if any("skipped" not in c["contenders"].get(n, {"skipped": 1}) for c in cases)]
+    ratios = list(dict.fromkeys(r for c in cases for r in c.get("ratios", {})))
+    unit = "worst-rank MiB" if memory else "median step ms"
+    rows = []
+    for c in cases:
+        row: list[Any] = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else c["size"], c["ranks"]]
+        for n in names:
+            if memory:
+                val = (c.get("worst_rank_bytes", {}).get(n) or {}).get("total_bytes")
+                row.append(f"{val / 2**20:.2f}" if val else "-")
+            else:
+                rec = c["contenders"].get(n, {})
+                row.append(f"{rec['median_s'] * 1e3:.1f}" if rec.get("median_s") else "-")
+        for r in ratios:
+            ratio = c.get("ratios", {}).get(r)
+            if not ratio or ratio.get("value") is None:
+                row.append("-")
+                continue
+            mark = "" if ratio.get("met") is None else (" met" if ratio["met"] else " **missed**")
+            tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
+            row.append(f"{ratio['value']:.3f}{tgt}{mark}")
+        rows.append(row)
+    out = _table(["size (params)", "ranks", *[f"`{n}` ({unit})" for n in names], *ratios], rows)
+    skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
+                      if "skipped" in rec and "2-D mesh" not in rec["skipped"]})
+    return out + [f"Skipped {s}" for s in skipped] + ([""] if skipped else [])
+
+
+_RUN_COLUMNS = {"samples_per_s": "samples/s", "elapsed_s": "wall s", "median_stall_s": "stall per checkpoint s",
+                "cpu_s": "CPU s", "val_loss": "final val loss", "checkpoint_bytes": "checkpoint bytes"}
+
+
+def _contenders(data: dict[str, Any]) -> list[str]:
+    """Suites that keep runs per contender (checkpoint, straggler): each round's values."""
+    contenders = data.get("contenders")
+    if not isinstance(contenders, dict) or not all(isinstance(v, dict) and "runs" in v for v in contenders.values()):
+        return []
+    runs = [r for v in contenders.values() for r in v["runs"] if isinstance(r, dict)]
+    keys = [k for k in _RUN_COLUMNS if any(r.get(k) is not None for r in runs)]
+    rows = [[f"`{name}`", *[[r.get(k) for r in v["runs"] if isinstance(r, dict)] for k in keys]]
+            for name, v in contenders.items()]
+    return ["Per round:", "", *_table(["contender", *[_RUN_COLUMNS[k] for k in keys]], rows)]
+
+
+def _figures(data: dict[str, Any]) -> list[str]:
+    """Fault-tolerance suites (ft_recovery, its pooled rounds, straggler_switch)."""
+    figures = data.get("figures")
+    if not isinstance(figures, dict):
+        return []
+    out: list[str] = []
+    recovery, switch = [], []
+    for name, fig in figures.items():
+        if not isinstance(fig, dict):
+            continue
+        if "rounds" in fig:
+            rows = [[i, r.get("measured_utc"), r.get("goodput_vs_nofault"), r.get("goodput_vs_nofault_step_normalised"),
+                     r.get("post_fault_step_ratio"),
+                     f"{_fmt(min(r['local_lost_s']))} to {_fmt(max(r['local_lost_s']))}" if r.get("local_lost_s") else "-",
+                     r.get("downtime_median_s"), r.get("stall_max_s")] for i, r in enumerate(fig["rounds"], 1)]
+            out += [f"`{name}`, round by round:", "", *_table(
+                ["round", "measured (UTC)", "goodput", "goodput at equal step time", "step time after a fault / before",
+                 "lost per fault (local) s", "killed group down, median s", "survivors' stall, max s"], rows)]
+        elif "goodput" in fig:
+            local = fig.get("local_loss") or {}
+            valid = fig.get("step_normalised_valid")
+            norm = fig.get("goodput_vs_nofault_step_normalised")
+            recovery.append([f"`{name}`", fig.get("faults"), fig["goodput"].get("samples_per_s"),
+                             fig.get("goodput_vs_nofault"),
+                             "n/c" if norm is not None and valid is False else norm,
+                             (fig.get("post_fault_step_ratio") or {}).get("median"),
+                             local.get("median_lost_s"), local.get("goodput_at_kill_every"),
+                             (fig.get("downtime_s") or {}).get("median"),
+                             (fig.get("stall_s") or {}).get("median"), (fig.get("stall_s") or {}).get("max")])
+        elif "median_samples_per_s" in fig:
+            switches = [", ".join(f"to {s.get('to')} at step {s.get('step')} (cost {_fmt(s.get('cost'))})" for s in run)
+                        or "none" for run in fig.get("switches", [])]
+            switch.append([f"`{name}`", fig.get("median_samples_per_s"), fig.get("samples_per_s"), "; ".join(switches)])
+    if recovery:
+        out += _table(["run", "faults", "committed samples/s", "goodput", "at equal step time (n/c: not comparable)",
+                       "step time after a fault / before", "lost per fault (local, median) s", "goodput at the kill period",
+                       "killed group down, median s", "survivors' stall median s", "stall max s"], recovery)
+    if switch:
+        out += _table(["contender", "median samples/s", "per round", "switches per round"], switch)
+    return out
+
+
+def _ft_sync(data: dict[str, Any]) -> list[str]:
+    """ft_sync_compare: held-out loss and cross-group traffic per sync mode and seed."""
+    if data.get("suite") != "ft_sync":
+        return []
+    results = data.get("results", [])
+    floor = data.get("bayes_floor_per_seed", {})
+    base = {r["seed"]: r["heldout_loss"] for r in results if r.get("mode") == "every_step"}
+    rows = []
+    for r in results:
+        ref = base.get(r["seed"])
+        delta = f"{(r['heldout_loss'] / ref - 1) * 100:+.2f}%" if ref and r["mode"] != "every_step" else "-"
+        rows.append([f"`{r['mode']}`", r["seed"], r.get("sync_every"), r.get("heldout_loss"), delta,
+                     floor.get(str(r["seed"])), r.get("cross_group_bytes_per_step_per_rank"),
+                     r.get("inner_steps_with_traffic"), r.get("groups_max_abs_param_diff")])
+    out = _table(["mode", "seed", "sync_every", "held-out loss", "vs `every_step`", "true chain (floor)",
+                  "cross-group bytes per step and rank", "steps with cross-group traffic",
+                  "max parameter difference across groups"], rows)
+    by_mode = data.get("by_mode") or {}
+    if by_mode:
+        out += _table(["mode", "held-out loss vs `every_step`, per seed", "median", "max", "seeds within 2%"],
+                      [[f"`{m}`", [f"{v * 100:+.2f}%" for v in b.get("heldout_loss_vs_every_step_per_seed", [])],
+                        f"{b.get('median', 0) * 100:+.2f}%", f"{b.get('max', 0) * 100:+.2f}%", b.get("within_2pct_seeds")]
+                       for m, b in by_mode.items()])
+    if data.get("outer_overrides"):
+        out += [f"Outer optimizer overrides: {_fmt(data['outer_overrides'])}.", ""]
+    return out
+
+
+def _summary(data: dict[str, Any]) -> list[str]:
+    rows = data.get("summary")
+    if not isinstance(rows, list) or not rows:
+        return []
+    where = any("size" in r or "ranks" in r for r in rows)
+    head = ["size", "ranks"] if where else []
+    table = [[*([r.get("size", "-"), r.get("ranks", "-")] if where else []), r.get("ratio"), r.get("value"),
+              r.get("per_round", "-"), r.get("throughput_x", "-"), _target(r), _met(r)] for r in rows]
+    has_x = any("throughput_x" in r for r in rows)
+    if not has_x:
+        table = [row[:-3] + row[-2:] for row in table]
+    return ["Summary:", "", *_table([*head, "measure", "value", "per round", *(["throughput x"] if has_x else []),
+                                     "target", "target met"], table)]
+
+
+def _extra(data: dict[str, Any]) -> list[str]:
+    pred = data.get("model_prediction")
+    if not isinstance(pred, dict):
+        return []
+    return ["Stall model's prediction:", "", *[f"- `{k}`: {_fmt(v)}" for k, v in pred.items()], ""]
+
+
+def section(path: Path, page_dir: str, level: int = 3) -> str:
+    data = json.loads(path.read_text())
+    stem = path.stem
+    versions = data.get("versions") or {}
+    when = data.get("created_utc") or data.get("measured_utc")
+    facts = [f"suite `{data.get('suite')}`", f"device: {data.get('device_name') or data.get('device')}"]
+    if isinstance(when, str):
+        facts.append(f"written {when}")
+    if versions:
+        facts.append(", ".join(f"{k} {versions[k]}" for k in ("torch", "lightning", "torchft", "git_commit") if k in versions))
+    if data.get("host_load_at_start") is not None:
+        facts.append(f"host load at start {_fmt(data['host_load_at_start'])}")
+    lines = [f"{'#' * level} `{path.name}` {{ #{stem} }}", "", " · ".join(facts), ""]
+    if data.get("command"):
+        lines += ["```bash", str(data["command"]), "```", ""]
+    note = data.get("note") or (data.get("config") or {}).get("note")
+    if note:
+        lines += [f"> {_fmt(note)}", ""]
+    for part in (_cases, _contenders, _figures, _ft_sync, _summary, _extra):
+        lines += part(data)
+    png = _png(stem, data)
+    if png is not None:
+        lines += [f"![{stem}]({posixpath.relpath(f'{ASSETS}/{png.name}', page_dir or '.')})", ""]
+    return "\n".join(lines)
+
+
+def matrix(path_name: str) -> str:
+    """Real-models matrix: one row per model x strategy, one column per callback set, the precisions that pass."""
+    results = _load(path_name)
+    rows: dict[tuple[str, str], dict[str, list[str]]] = {}
+    columns: list[str] = ["none"]
+    for r in results:
+        c = r["cell"]
+        label = "+".join(c["callbacks"]) or "none"
+        if label not in columns:
+            columns.append(label)
+        mark = f"{'ok' if not r['problems'] else 'FAIL'} {c['precision'].replace('-true', '').replace('-mixed', 'm')}"
+        if c.get("resume"):
+            mark += " +resume"
+        rows.setdefault((c["model"], c["strategy"]), {}).setdefault(label, []).append(mark)
+    lines = _table(["model", "strategy", *columns],
+                   [[m, s, *(", ".join(by.get(col, ["-"])) for col in columns)] for (m, s), by in rows.items()])
+    passed = sum(not r["problems"] for r in results)
+    lines.append(f"**{passed} of {len(results)} cells pass** (`benchmarks/results/{path_name}`).")
+    return "\n".join(lines)
+
+
+def gpu_results(page_dir: str) -> str:
+    files = [p for p in _result_files() if json.loads(p.read_text()).get("device", "cpu") != "cpu"]
+    if not files:
+        return ("!!! note \"No GPU figures have been measured yet\"\n"
+                "    `benchmarks/results/` holds no result measured on a GPU: every figure on this site comes from "
+                "a CPU. A GPU result file appears here when it is added and the site rebuilt.\n")
+    return "\n".join(section(p, page_dir) for p in files)
+
+
+def all_benchmarks(page_dir: str) -> str:
+    by_suite: dict[str, list[Path]] = {}
+    for p in _result_files():
+        by_suite.setdefault(str(json.loads(p.read_text()).get("suite")), []).append(p)
+    out = []
+    for suite, paths in by_suite.items():
+        out += [f"## `{suite}`", "", *[section(p, page_dir) for p in paths]]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ mkdocs events
+def on_files(files: Files, config: Any) -> Files:
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"{ASSETS}/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    page_dir = posixpath.dirname(page.file.src_uri)
+
+    def render(match: re.Match[str]) -> str:
+        kind, arg = match.group(1), match.group(2).strip()
+        if kind == "benchmarks" and not arg:
+            return all_benchmarks(page_dir)
+        if kind == "benchmark" and arg:
+            _load(arg)
+            return section(RESULTS / arg, page_dir)
+        if kind == "gpu_results" and not arg:
+            return gpu_results(page_dir)
+        if kind == "matrix" and arg:
+            return matrix(arg)
+        raise PluginError(f"docs: {page.file.src_uri}: unknown marker {match.group(0)!r}")
+
+    return MARKER.sub(render, markdown)

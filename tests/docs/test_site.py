@@ -1,0 +1,179 @@
+"""The built documentation site, opened in headless Chromium (run by ``make docs`` after ``mkdocs build --strict``).
+
+Not collected by ``make test`` (its pytest line passes ``--ignore=tests/docs``): it needs the built ``site/``
+and a Chromium. A missing site or browser is a failure, never a skip.
+
+Each strategy and callback page must render a parameters table that lists every option of the class, read
+with ``inspect.signature`` (nothing here names an option). A class whose ``__init__`` takes ``**kwargs``
+passes them on to its parent, so the page must also list the parent's options, except those the class
+fixes itself in its ``super().__init__(...)`` call (``FTHSDPStrategy`` sets ``replicate_degree=1``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import fsdp_strategies
+from fsdp_strategies import callbacks
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = ROOT / "site"
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: page (under site/) -> the class whose options it documents
+PAGES = {
+    "strategies/fsdp2": fsdp_strategies.FSDP2Strategy,
+    "strategies/hsdp": fsdp_strategies.HSDPStrategy,
+    "strategies/ft_hsdp": fsdp_strategies.FTHSDPStrategy,
+    "strategies/ddp_hooks": fsdp_strategies.DDPHooksStrategy,
+    "callbacks/activation_checkpointing": callbacks.ActivationCheckpointing,
+    "callbacks/mfu_monitor": callbacks.MFUMonitor,
+    "callbacks/straggler_detector": callbacks.StragglerDetector,
+}
+
+
+def _chromium() -> str:
+    for name in (os.environ.get("CHROMIUM", ""), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)  # type: ignore[return-value]
+    pytest.fail("no Chromium found (chromium / chromium-browser / google-chrome, or $CHROMIUM): "
+                "`make docs` installs the Debian package `chromium` when it is missing")
+
+
+def dump_dom(page: str) -> str:
+    """The page's DOM after Chromium has loaded it (scripts run), as HTML."""
+    path = SITE / page / "index.html"
+    assert path.is_file(), f"{path} is missing: build the site first (`make docs` runs mkdocs build --strict)"
+    proc = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--virtual-time-budget=3000", "--dump-dom", path.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0 and "<html" in proc.stdout, f"chromium failed on {page}: {proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+class _Tables(HTMLParser):
+    """Collects the rows of every table introduced by a ``Parameters:`` section title (mkdocstrings' tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[dict[str, list[str]]] = []  # {"head": [...], "names": [...]}
+        self._title = False
+        self._pending = False
+        self._table: dict[str, list[str]] | None = None
+        self._cell: str | None = None  # "th" | "td"
+        self._col = -1
+        self._text = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "span" and "doc-section-title" in classes:
+            self._title, self._text = True, ""
+        elif tag == "table" and self._pending:
+            self._table, self._pending = {"head": [], "names": []}, False
+        elif self._table is not None and tag == "tr":
+            self._col = -1
+        elif self._table is not None and tag in ("th", "td"):
+            self._cell, self._text = tag, ""
+            self._col += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "span" and self._title:
+            self._title = False
+            self._pending = self._text.strip() == "Parameters:"
+        elif self._table is not None and tag == self._cell:
+            if tag == "th":
+                self._table["head"].append(self._text.strip())
+            elif self._col == 0:
+                self._table["names"].append(self._text.strip())
+            self._cell = None
+        elif tag == "table" and self._table is not None:
+            self.tables.append(self._table)
+            self._table = None
+
+    def handle_data(self, data: str) -> None:
+        if self._title or self._cell:
+            self._text += data
+
+
+def parameter_tables(html: str) -> list[dict[str, list[str]]]:
+    parser = _Tables()
+    parser.feed(html)
+    return parser.tables
+
+
+def _fixed_by_super_call(cls: type) -> set[str]:
+    """Keyword arguments ``cls.__init__`` passes to ``super().__init__`` itself (not options of ``cls``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    fixed: set[str] = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
+                and isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", None) == "super"):
+            fixed |= {kw.arg for kw in node.keywords if kw.arg is not None}
+    return fixed
+
+
+def options(cls: type) -> set[str]:
+    """Every option a user can pass to ``cls``: its own ``__init__`` parameters, plus (through ``**kwargs``)
+    the parent's options that ``cls`` does not fix itself, up the package's own classes."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    names = {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        parent = next(b for b in cls.__mro__[1:] if "__init__" in vars(b))
+        if parent.__module__.startswith("fsdp_strategies"):
+            names |= options(parent) - _fixed_by_super_call(cls) - names
+    return names
+
+
+def test_option_discovery_follows_kwargs_into_the_parent() -> None:
+    fsdp2 = options(fsdp_strategies.FSDP2Strategy)
+    assert "block_class_names" in fsdp2 and "async_checkpoint" in fsdp2
+    assert options(fsdp_strategies.HSDPStrategy) >= fsdp2 | {"replicate_degree", "shard_degree"}
+    ft = options(fsdp_strategies.FTHSDPStrategy)
+    assert ft >= fsdp2 | {"shard_degree", "lighthouse_addr"} and "replicate_degree" not in ft
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_page_renders_every_option_in_a_parameters_table(page: str) -> None:
+    cls = PAGES[page]
+    tables = parameter_tables(dump_dom(page))
+    assert tables, f"{page}: no parameters table rendered for {cls.__name__}"
+    for table in tables:
+        assert table["head"][:3] == ["Name", "Type", "Description"], (page, table["head"])
+    listed = {name for table in tables for name in table["names"]}
+    missing = sorted(options(cls) - listed)
+    assert not missing, f"{page}: options of {cls.__name__} missing from its parameters tables: {missing}"
+
+
+def test_performance_page_has_a_generated_section_and_figure_per_result_file() -> None:
+    html = dump_dom("performance")
+    files = [p for p in sorted(RESULTS.glob("*.json")) if isinstance(json.loads(p.read_text()), dict)]
+    assert files
+    for path in files:
+        assert f'id="{path.stem}"' in html, f"performance page: no section for {path.name}"
+        png = RESULTS / f"{path.stem}.png"
+        if png.is_file():
+            assert f"assets/benchmarks/{png.name}" in html, f"performance page: {png.name} not embedded"
+            assert (SITE / "assets" / "benchmarks" / png.name).is_file()
+
+
+def test_gpu_page_states_what_was_measured() -> None:
+    text = dump_dom("gpu")
+    gpu_files = [p for p in RESULTS.glob("*.json")
+                 if isinstance(data := json.loads(p.read_text()), dict) and data.get("device", "cpu") != "cpu"]
+    if gpu_files:
+        for path in gpu_files:
+            assert f'id="{path.stem}"' in text
+    else:
+        assert "No GPU figures have been measured yet" in text
