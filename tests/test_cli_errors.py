@@ -1,7 +1,8 @@
 """Bad option values and names through ``examples/train_llama.py`` (LightningCLI): parse-time errors, no training.
 
 The first line of the error names the option, the bad value, the valid values (or options) and a fix,
-instead of jsonargparse's list of union members it tried.
+instead of jsonargparse's list of union members it tried. The launcher ``fsdp-strategies-ft`` does the same for its
+flags, before it starts anything.
 """
 
 from __future__ import annotations
@@ -94,3 +95,42 @@ def test_valid_config_and_other_errors_are_unchanged(capsys: pytest.CaptureFixtu
         train_llama.main(["fit", "--config", str(CONFIGS / "ddp_hooks_powersgd.yaml"), "--print_config"])
     assert info.value.code == 0 and "comm_hook: powersgd" in capsys.readouterr().out
     assert explain_error('Parser key "trainer.max_steps":\n  Expected a <class \'int\'>. Got value: x') is None
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--groups", "0", "--", "train.py"], r"--groups 0: a job needs at least one replica group\. Fix: a value >= 1\."),
+    (["--min-replicas", "3", "--", "train.py"],
+     r"--min-replicas 3 with --groups 2: the lighthouse would wait forever .*Fix: --min-replicas between 1 and 2\."),
+    (["--kill-at-steps", "1@x", "--", "train.py"], r"--kill-at-steps '1@x': '1@x' is not \[GROUP@\]STEP\. Fix: "),
+    (["--kill-at-steps", "2@5", "--", "train.py"], r"--kill-at-steps '2@5': group 2 is out of range \[0, 1\]\. Fix: "),
+    (["--kill-every", "0", "--", "train.py"], r"--kill-every 0\.0: must be positive\. Fix: "),
+    (["--grace", "-1", "--", "train.py"], r"--grace -1\.0: a duration cannot be negative\. Fix: a value >= 0\."),
+    (["--lighthouse-port", "70000", "--", "train.py"], r"--lighthouse-port 70000: not a TCP port\. Fix: "),
+    (["--pin-cores", "0;x", "--", "train.py"], r"--pin-cores '0;x': 'x' is not a CPU list\. Fix: "),
+    (["--runner", "forkserver", "--warm-spares", "--", "train.py"],
+     r"--runner forkserver with --warm-spares: pick one .*Fix: drop --warm-spares"),
+    (["--groups", "2"], r"no training command\. Fix: give the training script"),
+])
+def test_bad_launcher_options_are_refused_before_anything_starts(argv: list[str], expected: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsdp-strategies-ft``: argparse's usage error (status 2) naming the flag, its value and a fix; no lighthouse,
+    no group, not even the events directory."""
+    from fsdp_strategies.ft.launcher import main
+
+    events = tmp_path / "events"
+    with pytest.raises(SystemExit) as info:
+        main(["--events-dir", str(events), *argv])
+    assert info.value.code == 2
+    line = _error_line(capsys.readouterr().err.replace("fsdp-strategies-ft: error: ", "error: "))
+    assert re.match(r"error: " + expected, line), line
+    assert not events.exists()
+
+
+def test_launcher_options_from_python_are_checked_too() -> None:
+    from fsdp_strategies.ft.launch_options import LaunchOptionError, LaunchOptions
+
+    with pytest.raises(LaunchOptionError, match=r"--groups '2': not an integer\. Fix: give an integer\."):
+        LaunchOptions(groups="2").validate(["train.py"])  # type: ignore[arg-type]
+    with pytest.raises(LaunchOptionError, match=r"--warm-spares 1: not true or false\. Fix"):
+        LaunchOptions(warm_spares=1).validate(["train.py"])  # type: ignore[arg-type]
+    LaunchOptions(events_dir=Path("events"), timeout=5).validate(["train.py"])  # a path, an int for a float

@@ -1,19 +1,23 @@
-"""``fsdp-strategies-ft`` when a replica group exhausts ``--max-restarts``: real processes, no training.
+"""``fsdp-strategies-ft`` supervising replica groups: real processes, no training.
 
 The worker (``tests/workers/ft_fail.py``) fails at once with a Python error in the groups named by
 ``FT_FAIL_GROUPS``; the others exit 0 after a few seconds, as a group that finished its training would.
+``_EXITS`` is a group that leaves the quorum, is preempted or finishes, as its plan says for each start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from conftest import WORKERS, run_python
-from fsdp_strategies.ft.launcher import _last_error_line, core_sets
+from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_line, torchrun_worker_exit_code
+from fsdp_strategies.ft.launch_options import core_sets
+from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE
 
 
 def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> None:
@@ -46,10 +50,10 @@ def test_last_error_line_skips_torchrun_summary(tmp_path: Path) -> None:
                    "Traceback (most recent call last):\n"
                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                    "============================================================\ntrain.py FAILED\n")
-    assert _last_error_line(log) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert last_error_line(log) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     log.write_text("\n===== start #0: python x.py\nKilled\n")
-    assert _last_error_line(log) == "Killed"
-    assert _last_error_line(tmp_path / "missing.log") == "(no log)"
+    assert last_error_line(log) == "Killed"
+    assert last_error_line(tmp_path / "missing.log") == "(no log)"
 
 
 def test_pin_cores_gives_each_group_its_cpus_and_a_restart_the_same_ones(tmp_path: Path) -> None:
@@ -94,3 +98,84 @@ def test_pin_cores_parsing() -> None:
     per = len(allowed) // 2
     if per:
         assert core_sets("auto", 2) == [allowed[:per], allowed[per:2 * per]]
+
+
+# A replica group that does, at each start, what FT_PLAN says ("0:leave,preempt;1:preempt": group 0 leaves the
+# quorum at its first start and is preempted at its second; group 1 is preempted at once). Without the package's
+# imports (fast); a leave writes the events file's `left` record as the strategy does when FT_WRITE_LEFT is set
+# (under torchrun the launcher sees only torchrun's own status, 1).
+_EXITS = textwrap.dedent("""
+    import json, os, sys, time
+    group, start = os.environ["REPLICA_GROUP_ID"], int(os.environ["FT_RESTART_COUNT"])
+    plan = dict(item.split(":") for item in os.environ["FT_PLAN"].split(";"))
+    action = plan[group].split(",")[start]
+    print(f"group {group} start #{start}: {action}", flush=True)
+    if action == "leave":
+        if os.environ.get("FT_WRITE_LEFT"):
+            with open(os.environ["FSDP_STRATEGIES_FT_EVENTS"], "a") as fh:
+                fh.write(json.dumps({"t": time.time(), "group": int(group), "left": "evicted as a straggler"}) + "\\n")
+        sys.exit(int(os.environ["FT_LEAVE_CODE"]))
+    sys.exit(int(os.environ["FT_PREEMPT_CODE"]) if action == "preempt" else 0)
+""")
+
+
+@pytest.mark.parametrize(("runner", "plan", "returncode"), [
+    # nobody finishes training: the job ends with the requeue status
+    ("lightning", "0:leave,preempt;1:preempt", PREEMPT_EXIT_CODE),
+    # the evicted group comes back and finishes: the job is done, although group 1 was preempted
+    ("torchrun", "0:leave,finish;1:preempt", 0),
+])
+def test_a_group_that_left_is_restarted_and_a_preempted_one_is_not(tmp_path: Path, runner: str, plan: str,
+                                                                     returncode: int) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(_EXITS)
+    events = tmp_path / "events"
+    proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "3", "--runner", runner,
+                       "--events-dir", str(events), "--timeout", "200", "--", str(script)],
+                      env={"FT_PLAN": plan, "FT_LEAVE_CODE": str(LEAVE_EXIT_CODE),
+                           "FT_PREEMPT_CODE": str(PREEMPT_EXIT_CODE), "FT_WRITE_LEFT": "1" if runner == "torchrun" else ""},
+                      timeout=300, check=False)
+    assert proc.returncode == returncode, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
+    exits = [(r["group"], r["kind"]) for r in records if r["event"] == "exit"]
+    last = plan.split(";")[0].split(",")[-1]
+    assert exits.count((0, "left")) == 1 and exits.index((0, "left")) < exits.index((0, "preempted" if last == "preempt"
+                                                                                    else "finished")), exits
+    assert sorted(exits) == sorted([(0, "left"), (0, "finished" if last == "finish" else "preempted"),
+                                    (1, "preempted")]), exits
+    assert sorted((r["group"], r["restart"]) for r in records if r["event"] == "start") == [(0, 0), (0, 1), (1, 0)]
+    assert sorted(r["group"] for r in records if r["event"] == "not_restarted"
+                  and r["why"].startswith("preempted")) == ([0, 1] if last == "preempt" else [1])
+    if runner == "torchrun":  # the leave was read from the events file: its reason is in the exit record
+        assert [r.get("left") for r in records if r["event"] == "exit" and r["kind"] == "left"] == [
+            "evicted as a straggler"]
+    assert not [r for r in records if r["event"] in ("give_up", "kill")]
+
+
+_TORCHRUN_FAILURE = ("\n===== start #0: python -m torch.distributed.run ... train.py\n"
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                     "============================================================\ntrain.py FAILED\n"
+                     "------------------------------------------------------------\nFailures:\n"
+                     "  <NO_OTHER_FAILURES>\n------------------------------------------------------------\n"
+                     "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-25_11:45:50\n"
+                     "  host      : localhost\n  rank      : 1 (local_rank: 1)\n  exitcode  : {code} (pid: 9848)\n"
+                     "  error_file: <N/A>\n============================================================\n")
+
+
+def test_exit_kinds_from_the_status_the_events_and_torchruns_summary(tmp_path: Path) -> None:
+    log = tmp_path / "group0.log"
+    log.write_text("\n===== start #0: python train.py\n")
+    assert classify_exit(0, log, left=False) is GroupExit.FINISHED
+    assert classify_exit(LEAVE_EXIT_CODE, log, left=False) is GroupExit.LEFT
+    assert classify_exit(1, log, left=True) is GroupExit.LEFT  # torchrun's 1 after a `left` record
+    assert classify_exit(PREEMPT_EXIT_CODE, log, left=False) is GroupExit.PREEMPTED
+    assert classify_exit(1, log, left=False) is GroupExit.FAILED
+    assert classify_exit(-9, log, left=False) is GroupExit.FAILED  # a fault's SIGKILL
+    # torchrun exits 1 for any failure of its workers: their status is read from its summary of the latest start
+    log.write_text(_TORCHRUN_FAILURE.format(code=PREEMPT_EXIT_CODE))
+    assert torchrun_worker_exit_code(log) == PREEMPT_EXIT_CODE
+    assert classify_exit(1, log, left=False) is GroupExit.PREEMPTED
+    log.write_text(_TORCHRUN_FAILURE.format(code=1) + "\n===== start #1: python -m torch.distributed.run ...\n")
+    assert torchrun_worker_exit_code(log) is None  # an earlier start's summary does not count
+    assert classify_exit(1, log, left=False) is GroupExit.FAILED
+    assert torchrun_worker_exit_code(tmp_path / "missing.log") is None

@@ -13,11 +13,15 @@ from pathlib import Path
 
 import pytest
 
+import fsdp_strategies
+import fsdp_strategies.ft
 from fsdp_strategies.ft.protocol import (
     EVENTS_ENV,
     LAUNCHER_PID_ENV,
+    LEAVE_EXIT_CODE,
     LIGHTHOUSE_ENV,
     NUM_GROUPS_ENV,
+    PREEMPT_EXIT_CODE,
     REPLICA_GROUP_ENV,
     RESTART_COUNT_ENV,
     STANDBY_ENV,
@@ -26,6 +30,14 @@ from fsdp_strategies.ft.protocol import (
     standby_ready_file,
     wait_for_activation,
 )
+
+
+def test_leaving_and_preemption_have_distinct_exit_codes() -> None:
+    # the launcher restarts a group that left the quorum and requeues a preempted one: it must tell them apart
+    assert PREEMPT_EXIT_CODE == 75  # EX_TEMPFAIL: what schedulers requeue
+    assert LEAVE_EXIT_CODE != PREEMPT_EXIT_CODE and LEAVE_EXIT_CODE not in (0, 1, 2, 124, 130)
+    assert fsdp_strategies.PREEMPT_EXIT_CODE == fsdp_strategies.ft.PREEMPT_EXIT_CODE == PREEMPT_EXIT_CODE
+    assert fsdp_strategies.ft.LEAVE_EXIT_CODE == LEAVE_EXIT_CODE
 
 
 def test_environment_round_trip_and_bad_numbers() -> None:
@@ -89,6 +101,11 @@ def test_events_written_by_the_group_are_what_the_launcher_reads(tmp_path: Path)
     summary = EventLog.data_summary(tmp_path)
     assert summary == {"committed_steps": 2, "missed_samples": 16, "missed_stretches": [[0, 1, 16]],
                        "redistributed_samples": 4}
+    left = EventLog(tmp_path / "group2.jsonl")
+    assert left.left_since() is None
+    left.write_left(2, "evicted as a straggler", step=7)
+    assert left.left_since() == "evicted as a straggler"
+    assert left.left_since(since=2e9) is None  # a record of an earlier incarnation does not count
 
 
 def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:

@@ -186,7 +186,7 @@ def _launcher_cores(events: Path) -> dict[str, Any]:
 
 def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
                       ckpt_every: int, timeout: float) -> dict[str, Any]:
-    from fsdp_strategies.ft.launcher import kill_tree
+    from fsdp_strategies.ft.process_tree import kill_tree
 
     ckpt, log = work / "ckpt", work / "steps.jsonl"
     ckpt.mkdir(parents=True, exist_ok=True)

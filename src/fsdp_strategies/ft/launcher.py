@@ -8,15 +8,18 @@ takes its group down, which is what fault tolerance needs), a plain ``python SCR
 Lightning's own launcher start the ranks (``--runner lightning``), or ranks forked from one server process that
 has imported torch, Lightning and torchft once, with torchrun's semantics (``--runner forkserver``, see
 :mod:`fsdp_strategies.ft.forkserver`: a restart skips the imports). Every group gets its own OS
-session, so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``) is a SIGKILL of the whole
-group, and a group that exits non-zero is restarted; the restarted group heals from a live peer.
+session (:mod:`~fsdp_strategies.ft.group_start`), so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``)
+is a SIGKILL of the whole group (:mod:`~fsdp_strategies.ft.process_tree`). A group that exits is restarted --
+unless it finished, was preempted, or exhausted ``--max-restarts`` (:mod:`~fsdp_strategies.ft.group_exit` tells
+the kinds of exit apart) -- and the restarted group heals from a live peer.
 With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has already
 started Python, imported everything and built its Trainer, and waits (no process group, no quorum seat) to
 be activated: a failure then costs the group its process-group set-up and heal, not a cold start.
 Groups learn their place from the environment (:class:`~fsdp_strategies.ft.protocol.FTEnvironment`:
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``FSDP_STRATEGIES_FT_EVENTS`` -- a
 per-group JSON-lines step log (:class:`~fsdp_strategies.ft.protocol.EventLog`), which the launcher also
-reads for ``--kill-at-steps`` -- and ``FT_RESTART_COUNT``).
+reads for ``--kill-at-steps`` -- and ``FT_RESTART_COUNT``). The options are declared once, in
+:mod:`~fsdp_strategies.ft.launch_options`.
 
 On a cluster the same job is ``torchft_lighthouse --min_replicas 1 --bind [::]:29510`` on one host
 and one ``torchrun`` (or torchx / SLURM) job per replica group with those variables set.
@@ -24,11 +27,8 @@ and one ``torchrun`` (or torchx / SLURM) job per replica group with those variab
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -38,62 +38,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies.ft.forkserver import ForkServerGroup, start_group
-from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, FTEnvironment, standby_ready_file
+from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_line
+from fsdp_strategies.ft.group_start import GroupProcess, GroupStarter
+from fsdp_strategies.ft.launch_options import LaunchOptions, core_sets, parse_args, parse_kill_at
+from fsdp_strategies.ft.process_tree import kill_tree
+from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, standby_ready_file
 
-#: how a replica group's ranks are started (see ``--runner``)
-RUNNERS = ("torchrun", "lightning", "forkserver")
+# LaunchOptions: the keyword options of run(); kill_tree: what tests/workers import from here
+__all__ = ["FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
 
-__all__ = ["RUNNERS", "FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (Linux ``/proc``); torchrun puts each worker in its own session,
-    so killing the launcher's process group alone would leave the ranks running."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
-def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Send ``sig`` to ``root`` and every descendant (a whole replica group); return the pids signalled."""
-    pids = _process_tree(root) if os.path.isdir("/proc") else [root]
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(root, sig)  # the group's session, for whatever the tree walk raced with
-    except (ProcessLookupError, PermissionError):
-        pass
-    return pids
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+#: tests/test_ft_hsdp.py imports it from here (not this helper's file); remove once it imports
+#: launch_options.parse_kill_at
+_parse_kill_at = parse_kill_at
 
 
 @dataclass
 class _Group:
     gid: int
-    proc: subprocess.Popen[bytes] | ForkServerGroup | None = None
+    proc: GroupProcess | None = None
     restarts: int = 0
     started_at: float = 0.0
     finished: bool = False
@@ -101,6 +63,7 @@ class _Group:
     kills: int = 0
     abandoned: bool = False
     succeeded: bool = False  # exited 0: its training finished
+    preempted: bool = False  # exited with PREEMPT_EXIT_CODE: stopped for a requeue, not restarted
     gave_up: str | None = None  # why, once it exhausted --max-restarts
     exit_codes: list[int] = field(default_factory=list)
     # --warm-spares: the standby incarnation (its processes, activation file, log) and whether spares failed
@@ -123,152 +86,22 @@ class LauncherResult:
     events_dir: Path
 
 
-def _parse_kill_at(spec: str | None, groups: int) -> list[tuple[int | None, int]]:
-    """``"8,20"`` (victim chosen round-robin) or ``"1@8,0@20"`` (group@committed step)."""
-    out: list[tuple[int | None, int]] = []
-    for item in (spec or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if "@" in item:
-            g, s = item.split("@", 1)
-            gid = int(g)
-            if not 0 <= gid < groups:
-                raise SystemExit(f"--kill-at-steps: group {gid} is out of range [0, {groups - 1}]")
-            out.append((gid, int(s)))
-        else:
-            out.append((None, int(item)))
-    return sorted(out, key=lambda x: x[1])
-
-
-_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b|error:|Error:|FATAL|Fatal)")
-_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
-
-
-def _last_error_line(log: Path, max_bytes: int = 256 * 1024) -> str:
-    """The last error line of a group's latest start in its log (the worker's own exception before
-    torchrun's summary), else its last non-empty line."""
-    try:
-        with log.open("rb") as fh:
-            fh.seek(max(0, log.stat().st_size - max_bytes))
-            text = fh.read().decode(errors="replace")
-    except OSError:
-        return "(no log)"
-    lines = [_RANK_PREFIX.sub("", line).strip() for line in text.split("\n===== start #")[-1].splitlines()[1:]]
-    lines = [line for line in lines if line and not line.startswith("=====")]
-    errors = [line for line in lines if _ERROR_LINE.match(line) and "ChildFailedError" not in line]
-    return (errors or lines or ["(no output)"])[-1][:500]
-
-
-@dataclass
-class LaunchOptions:
-    """The launcher's options (the console script's flags, see :func:`main`)."""
-
-    groups: int = 2
-    ranks_per_group: int = 1
-    runner: str = "torchrun"
-    min_replicas: int = 1
-    bind: str = "127.0.0.1"
-    lighthouse_port: int = 0
-    join_timeout_ms: int = 1000
-    quorum_tick_ms: int = 100
-    heartbeat_timeout_ms: int = 2000
-    kill_every: float | None = None
-    kill_at_steps: str | None = None
-    first_kill_after: float | None = None
-    max_restarts: int = 10
-    restart_delay: float = 0.0
-    events_dir: str | os.PathLike[str] = "outputs/ft_events"
-    log_dir: str | os.PathLike[str] | None = None
-    seed: int = 0
-    timeout: float | None = None
-    grace: float = 30.0
-    pin_cores: str = "none"
-    warm_spares: bool = False
-    python: str = sys.executable
-    env: dict[str, str] | None = None
-
-    def validate(self, command: list[str]) -> None:
-        if self.groups < 1 or self.ranks_per_group < 1:
-            raise SystemExit("--groups and --ranks-per-group must be >= 1")
-        if self.runner not in RUNNERS:
-            raise SystemExit(f"--runner {self.runner!r}: use one of {', '.join(RUNNERS)}")
-        if self.runner == "forkserver" and self.warm_spares:
-            raise SystemExit("--runner forkserver with --warm-spares: pick one (both shorten a restart; the forkserver "
-                             "already starts every incarnation with its imports done, at no CPU cost between faults)")
-        if self.runner == "forkserver" and os.path.realpath(self.python) != os.path.realpath(sys.executable):
-            raise SystemExit(f"--runner forkserver forks from this Python ({sys.executable}), not {self.python!r}: "
-                             "run the launcher with that interpreter, or use --runner torchrun")
-        if not command:
-            raise SystemExit("give the training script and its arguments after the options (e.g. -- "
-                             "examples/train_llama.py fit ...)")
-        core_sets(self.pin_cores, self.groups)  # a bad --pin-cores fails here, before anything starts
-
-
-def _parse_cpu_list(text: str) -> list[int]:
-    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the kernel's cpu-list syntax)."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        first, last = int(lo), int(hi or lo)
-        if last < first:
-            raise ValueError(part)
-        cpus.extend(range(first, last + 1))
-    return cpus
-
-
-def core_sets(spec: str, groups: int) -> list[list[int]] | None:
-    """The CPUs of each replica group for ``--pin-cores`` (``None``: no pinning).
-
-    Why pin: a replica group that trains alone after a peer died would otherwise also run on the dead
-    group's cores, so goodput under faults would be measured against a machine the fault-free run
-    shared. ``auto`` splits this process's allowed CPUs into ``groups`` equal contiguous blocks; an
-    explicit value lists each group's CPUs, groups separated by ``;`` (``"0-3;4-7"``; a CPU may repeat).
-    """
-    allowed = sorted(os.sched_getaffinity(0))
-    if spec == "none":
-        return None
-    if spec == "auto":
-        per = len(allowed) // groups
-        if per < 1:
-            raise SystemExit(f"--pin-cores auto: {groups} replica groups but this process may use only {len(allowed)} "
-                             f"CPUs {allowed}. Fix: fewer --groups, or give each group its CPUs explicitly, e.g. "
-                             f"--pin-cores '{';'.join(str(allowed[i % len(allowed)]) for i in range(groups))}' "
-                             "(groups may share a CPU).")
-        return [allowed[i * per:(i + 1) * per] for i in range(groups)]
-    fix = (f"Fix: 'none', 'auto', or {groups} CPU lists separated by ';' (e.g. "
-           f"'{';'.join(str(allowed[i % len(allowed)]) for i in range(groups))}'), using the allowed CPUs {allowed}.")
-    parts = spec.split(";")
-    if len(parts) != groups:
-        raise SystemExit(f"--pin-cores {spec!r}: {len(parts)} CPU lists for {groups} replica groups. {fix}")
-    sets: list[list[int]] = []
-    for part in parts:
-        try:
-            cpus = _parse_cpu_list(part)
-        except ValueError:
-            raise SystemExit(f"--pin-cores {spec!r}: {part!r} is not a CPU list. {fix}") from None
-        outside = sorted(set(cpus) - set(allowed))
-        if outside:
-            raise SystemExit(f"--pin-cores {spec!r}: CPUs {outside} are not available to this process. {fix}")
-        sets.append(sorted(set(cpus)))
-    return sets
-
-
 class FTLauncher:
     """A lighthouse plus ``groups`` replica groups running ``command``: one method per concern.
 
     :meth:`run` is the supervision loop; each pass asks, in order: preempted? (:meth:`_preempt_step`),
     past the timeout?, has training finished somewhere (:meth:`_stop_groups_that_cannot_join`)?, which
-    groups exited (:meth:`_handle_exits`: restart, or give up after ``max_restarts``)?, all done?, does a group
-    need a warm spare (:meth:`_tend_spares`)?, and is a fault due (:meth:`_inject_faults`)? Groups talk to it only through the protocol of
-    :mod:`fsdp_strategies.ft.protocol` (environment, exit codes, events files).
+    groups exited (:meth:`_handle_exits`: restart, leave a preempted group stopped, or give up after
+    ``max_restarts``)?, all done?, does a group need a warm spare (:meth:`_tend_spares`)?, and is a fault due
+    (:meth:`_inject_faults`)? Groups talk to it only through the protocol of :mod:`fsdp_strategies.ft.protocol`
+    (environment, exit codes, events files).
     """
 
     def __init__(self, command: list[str], options: LaunchOptions) -> None:
         options.validate(command)
         self.command = command
         self.opts = options
-        self.kill_plan = _parse_kill_at(options.kill_at_steps, options.groups)
+        self.kill_plan = parse_kill_at(options.kill_at_steps, options.groups)
         self.events_dir = Path(options.events_dir)
         self.events_dir.mkdir(parents=True, exist_ok=True)
         self.logs = Path(options.log_dir) if options.log_dir else self.events_dir
@@ -290,6 +123,7 @@ class FTLauncher:
         self.next_kill = 0.0
         self.victim_rr = 0
         self.cores = core_sets(options.pin_cores, options.groups)
+        self.starter = GroupStarter(command, options, self.logs, self.cores)
 
     # ------------------------------------------------------------------ records
     def events(self, g: _Group) -> EventLog:
@@ -315,67 +149,16 @@ class FTLauncher:
         port = int(self.lighthouse.address().rsplit(":", 1)[1])
         host = o.bind if o.bind not in ("0.0.0.0", "::") else socket.gethostname()
         self.lighthouse_addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        self.starter.lighthouse_addr = self.lighthouse_addr
         self.note({"event": "lighthouse", "address": self.lighthouse_addr, "min_replicas": o.min_replicas,
                    "heartbeat_timeout_ms": o.heartbeat_timeout_ms, "join_timeout_ms": o.join_timeout_ms})
 
     # ------------------------------------------------------------------ one group: start and kill
-    def group_env(self, g: _Group, master_port: int, restart_count: int | None = None,
-                  standby_file: Path | None = None) -> dict[str, str]:
-        """The group's environment: the protocol's variables, its own rendezvous, nothing of a parent's ranks
-        (a warm spare: its future restart count, its activation file and this launcher's pid)."""
-        genv = dict(os.environ)
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-            genv.pop(key, None)
-        genv.update(self.opts.env or {})
-        genv.update(FTEnvironment(lighthouse_addr=self.lighthouse_addr, replica_group_id=g.gid,
-                                  num_replica_groups=self.opts.groups, events_file=str(self.events(g).path),
-                                  restart_count=g.restarts if restart_count is None else restart_count,
-                                  standby_file=str(standby_file) if standby_file else None,
-                                  launcher_pid=os.getpid() if standby_file else None).to_env())
-        genv.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-                     "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"})
-        return genv
-
-    def group_command(self, master_port: int) -> list[str]:
-        o = self.opts
-        if o.runner == "forkserver":  # what each forked rank runs as __main__ (see ft/forkserver.py)
-            return list(self.command)
-        if o.runner == "torchrun":
-            return [o.python, "-m", "torch.distributed.run", f"--nproc_per_node={o.ranks_per_group}", "--nnodes=1",
-                    "--master_addr=127.0.0.1", f"--master_port={master_port}", "--max_restarts=0", *self.command]
-        return [o.python, *self.command]
-
     def _spawn(self, g: _Group, header: str, restart_count: int | None = None,
-               standby_file: Path | None = None) -> tuple[subprocess.Popen[bytes] | ForkServerGroup, Any]:
-        """Start one incarnation of the group (its own session, its CPUs, its log appended); returns it and its log.
-
-        A spare (``standby_file``) starts under ``SCHED_IDLE``: its start-up uses only CPU time the group's
-        training leaves idle, and it returns to normal scheduling once activated
-        (:func:`~fsdp_strategies.ft.protocol.restore_normal_scheduling`)."""
-        master_port = _free_port()
-        cmd = self.group_command(master_port)
-        log = (self.logs / f"group{g.gid}.log").open("ab")
-        log.write(f"\n===== {header}: {' '.join(cmd)}\n".encode())
-        log.flush()
-        cores = self.cores[g.gid] if self.cores is not None else None
-        idle = standby_file is not None and hasattr(os, "SCHED_IDLE")
-        if self.opts.runner == "forkserver":
-            log.write(f"(forked from the forkserver: {self.opts.ranks_per_group} rank(s))\n".encode())
-            log.flush()
-            return start_group(command=cmd, ranks=self.opts.ranks_per_group, log_path=log.name,
-                               env=self.group_env(g, master_port, restart_count, standby_file), cores=cores), log
-
-        def setup_child() -> None:
-            # the group's processes (torchrun and its ranks) inherit the affinity; a restart gets the same CPUs
-            if cores is not None:
-                os.sched_setaffinity(0, cores)
-            if idle:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-        proc = subprocess.Popen(cmd, env=self.group_env(g, master_port, restart_count, standby_file), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=setup_child if cores is not None or idle else None)
-        return proc, log
+               standby_file: Path | None = None) -> tuple[GroupProcess, Any]:
+        """Start one incarnation of the group (see :mod:`~fsdp_strategies.ft.group_start`)."""
+        return self.starter.start(g.gid, header, g.restarts if restart_count is None else restart_count,
+                                  self.events(g).path, standby_file)
 
     def start(self, g: _Group) -> bool:
         """Start the group's next incarnation: activate its warm spare if one is waiting (returns True), else a
@@ -492,10 +275,14 @@ class FTLauncher:
         return True
 
     # ------------------------------------------------------------------ the supervision loop's concerns
+    def _training_finished(self) -> bool:
+        """Whether a group finished training (it exited 0, or wrote its end-of-training record)."""
+        return any(g.succeeded or self.events(g).finished() for g in self.groups)
+
     def _stop_groups_that_cannot_join(self) -> bool:
         """Whether training finished (in a group that did not give up); if so, a group that has not committed
         yet would start over alone at step 0: stop it. Returns whether training finished."""
-        finished = any(g.succeeded or self.events(g).finished() for g in self.groups)
+        finished = self._training_finished()
         if finished:
             for other in self.running():
                 if not other.finished and not self.events(other).finished() and \
@@ -505,7 +292,9 @@ class FTLauncher:
         return finished
 
     def _handle_exits(self, training_finished: bool) -> None:
-        """Record each group that exited: done (0), or restarted, or given up after ``max_restarts``."""
+        """Record each group that exited and react to its kind of exit (:mod:`~fsdp_strategies.ft.group_exit`):
+        finished (0): done; preempted: not restarted; left or failed: restarted, or given up after
+        ``max_restarts``."""
         o = self.opts
         for g in self.groups:
             if g.proc is None or g.finished:
@@ -514,12 +303,20 @@ class FTLauncher:
             if code is None:
                 continue
             g.exit_codes.append(code)
-            self.note({"event": "exit", "group": g.gid, "code": code})
-            if code == 0:
+            left = self.events(g).left_since(g.started_at)
+            kind = classify_exit(code, self.logs / f"group{g.gid}.log", left=left is not None)
+            self.note({"event": "exit", "group": g.gid, "code": code, "kind": kind.value,
+                       **({"left": left} if left is not None else {})})
+            if kind is GroupExit.FINISHED:
                 g.finished = g.succeeded = True
                 self.stop_spare(g, "the group finished")
                 continue
             kill_tree(g.proc.pid)  # leftovers of the group (a rank that survived its peers)
+            if kind is GroupExit.PREEMPTED:  # a restart would undo the stop; the others go on without it
+                self.note({"event": "not_restarted", "group": g.gid, "why": "preempted: it stopped for a requeue"})
+                g.finished, g.preempted, g.proc = True, True, None
+                self.stop_spare(g, "the group was preempted")
+                continue
             if training_finished:
                 self.note({"event": "not_restarted", "group": g.gid, "why": "another group already finished"})
                 g.finished, g.proc = True, None
@@ -527,7 +324,7 @@ class FTLauncher:
                 continue
             if g.restarts >= o.max_restarts:
                 log = self.logs / f"group{g.gid}.log"
-                g.gave_up = _last_error_line(log)
+                g.gave_up = last_error_line(log)
                 self.note({"event": "give_up", "group": g.gid, "restarts": g.restarts, "code": code,
                            "last_error": g.gave_up, "log": str(log)})
                 print(f"fsdp-strategies-ft: replica group {g.gid} gave up: it exited {code} after "
@@ -544,10 +341,14 @@ class FTLauncher:
             self.restarts.append({"t": time.time(), "group": g.gid, "restart": g.restarts, "warm_spare": warm})
 
     def _all_done(self) -> bool:
+        """Whether every group is done; then the job's status: 1 if a group failed for good, else
+        ``PREEMPT_EXIT_CODE`` if a group was preempted and none finished training (requeue the job), else 0."""
         if not all(g.finished for g in self.groups):
             return False
-        if any(code != 0 for g in self.groups if not g.abandoned for code in g.exit_codes[-1:]):
+        if any(code != 0 for g in self.groups if not (g.abandoned or g.preempted) for code in g.exit_codes[-1:]):
             self.returncode = self.returncode or 1
+        elif any(g.preempted for g in self.groups) and not self._training_finished():
+            self.returncode = self.returncode or PREEMPT_EXIT_CODE
         return True
 
     def _inject_faults(self, now: float, training_finished: bool) -> None:
@@ -638,7 +439,7 @@ class FTLauncher:
 
 def run(command: list[str], **options: Any) -> LauncherResult:
     """Start a lighthouse and ``groups`` replica groups running ``command``; restart and kill as asked
-    (keyword options: the fields of :class:`LaunchOptions`).
+    (keyword options: the fields of :class:`~fsdp_strategies.ft.launch_options.LaunchOptions`).
 
     SIGTERM (preemption) is forwarded to every group (its torchrun and its ranks), which stop at their next
     step and write their preemption checkpoints; groups still running ``grace`` seconds later are killed, and
@@ -649,61 +450,8 @@ def run(command: list[str], **options: Any) -> LauncherResult:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script ``fsdp-strategies-ft [options] [--] SCRIPT [ARGS...]``."""
-    parser = argparse.ArgumentParser(
-        prog="fsdp-strategies-ft", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--groups", type=int, default=2, help="number of replica groups")
-    parser.add_argument("--ranks-per-group", type=int, default=1, help="processes per replica group (torchrun nproc)")
-    parser.add_argument("--runner", choices=RUNNERS, default="torchrun",
-                        help="start each group with torchrun, as `python SCRIPT` (Lightning's launcher), or "
-                             "'forkserver': fork its ranks from one process that has already imported torch, Lightning "
-                             "and torchft (a restart skips the imports; the server costs memory, not CPU)")
-    parser.add_argument("--min-replicas", type=int, default=1, help="lighthouse: fewest groups to form a quorum")
-    parser.add_argument("--bind", default="127.0.0.1", help="lighthouse bind host (loopback by default)")
-    parser.add_argument("--lighthouse-port", type=int, default=0, help="0 = any free port")
-    parser.add_argument("--join-timeout-ms", type=int, default=1000)
-    parser.add_argument("--quorum-tick-ms", type=int, default=100)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                        help="a dead group counts as alive this long: the survivors' stall per fault")
-    parser.add_argument("--kill-every", type=float, default=None, metavar="SECONDS",
-                        help="SIGKILL a random live group (one that has committed a step since its start; "
-                             "never the last) every SECONDS")
-    parser.add_argument("--first-kill-after", type=float, default=None, metavar="SECONDS",
-                        help="delay of the first --kill-every fault (default: SECONDS)")
-    parser.add_argument("--kill-at-steps", default=None, metavar="[G@]STEP,...",
-                        help="SIGKILL group G (or round-robin) once it has committed STEP and another group is live")
-    parser.add_argument("--max-restarts", type=int, default=10, help="per group")
-    parser.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
-    parser.add_argument("--events-dir", default="outputs/ft_events", help="per-group step logs + launcher.jsonl (emptied at start)")
-    parser.add_argument("--log-dir", default=None, help="per-group stdout/stderr (default: --events-dir)")
-    parser.add_argument("--seed", type=int, default=0, help="victim choice for --kill-every")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="give up after this long")
-    parser.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM: how long the groups may take to stop (and checkpoint) before SIGKILL; "
-                             "more than the strategy's preempt_grace_s")
-    parser.add_argument("--pin-cores", default="none", metavar="none|auto|CPUS;CPUS;...",
-                        help="pin each replica group's processes to its own CPUs (os.sched_setaffinity; kept across "
-                             "restarts): 'auto' splits the allowed CPUs evenly, or one cpu-list per group, e.g. '0-3;4-7'")
-    parser.add_argument("--warm-spares", action="store_true",
-                        help="keep a standby incarnation per replica group (started once the group has committed a "
-                             "step: Python, imports and Trainer built, then waiting without a process group or "
-                             "quorum seat); a failed group is replaced by it instead of a cold start. Costs one idle "
-                             "copy of the group's processes (their memory, no CPU); helps process failures, not the "
-                             "loss of the host the spare runs on")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    result = run(
-        command, groups=args.groups, ranks_per_group=args.ranks_per_group, runner=args.runner,
-        min_replicas=args.min_replicas, bind=args.bind, lighthouse_port=args.lighthouse_port,
-        join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=args.quorum_tick_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms, kill_every=args.kill_every,
-        kill_at_steps=args.kill_at_steps, first_kill_after=args.first_kill_after, max_restarts=args.max_restarts,
-        restart_delay=args.restart_delay, events_dir=args.events_dir, log_dir=args.log_dir, seed=args.seed,
-        timeout=args.timeout, grace=args.grace, pin_cores=args.pin_cores, warm_spares=args.warm_spares,
-    )
-    raise SystemExit(result.returncode)
+    options, command = parse_args(argv)
+    raise SystemExit(FTLauncher(command, options).run().returncode)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ Written once, here, and used by both sides:
   (``STANDBY_ENV``) imports, parses its config and builds its Trainer, then waits before any process
   group or lighthouse contact until the launcher creates its activation file; it exits if the launcher
   is gone (``LAUNCHER_PID_ENV``).
-* **Exit codes**: :data:`LEAVE_EXIT_CODE` (a group left the quorum on purpose, e.g. evicted as a
-  straggler) and :data:`PREEMPT_EXIT_CODE` (stopped by SIGTERM, requeue). The launcher restarts any
-  non-zero exit; it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
+* **Exit codes**: :data:`LEAVE_EXIT_CODE` (79: a group left the quorum on purpose, e.g. evicted as a
+  straggler -- the launcher restarts it and it heals from a live peer) and :data:`PREEMPT_EXIT_CODE` (75,
+  ``EX_TEMPFAIL``: stopped by SIGTERM, checkpoint written, requeue -- the launcher does not restart it, and
+  exits with it once no group can finish). Distinct so the launcher can tell them apart
+  (:mod:`fsdp_strategies.ft.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
 * **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
   ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
   of training -- and read by the launcher (fault injection at a committed step, "training finished",
-  the data-loss summary). Both the writer and the readers are methods of that one class.
+  whether a group left, the data-loss summary). Both the writer and the readers are methods of that one class.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ RESTART_COUNT_ENV = "FT_RESTART_COUNT"
 STANDBY_ENV = "FSDP_STRATEGIES_FT_STANDBY"
 #: set on a warm spare only: the launcher's pid; a waiting spare exits once it is gone.
 LAUNCHER_PID_ENV = "FSDP_STRATEGIES_FT_LAUNCHER_PID"
-#: exit status of a replica group that left the quorum on purpose (``leave_quorum``); the
-#: ``fsdp-strategies-ft`` launcher restarts it like a crashed one.
-LEAVE_EXIT_CODE = 75
+#: exit status of a replica group that left the quorum on purpose (``leave_quorum``, e.g. evicted as a
+#: straggler); the ``fsdp-strategies-ft`` launcher restarts it. 79: the first status after the ``sysexits.h``
+#: range (64-78), so no scheduler reads a meaning into it, and distinct from :data:`PREEMPT_EXIT_CODE` (75,
+#: requeue), which the launcher treats differently.
+LEAVE_EXIT_CODE = 79
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -202,6 +206,7 @@ class EventLog:
         self._partial = b""  # an unfinished last line (its writer may still be writing it)
         self._records: list[dict[str, Any]] = []
         self._committed: list[tuple[float, int]] = []  # (t, step) of committed step records, in file order
+        self._left: list[tuple[float, str]] = []  # (t, reason) of left records
         self._max_since: dict[float, tuple[int, int]] = {}  # since -> (committed records scanned, max step)
         self._finished = False
 
@@ -251,6 +256,8 @@ class EventLog:
             self._records.append(record)
             if record.get("committed"):
                 self._committed.append((float(record.get("t", 0)), int(record.get("step", -1))))
+            if "left" in record:
+                self._left.append((float(record.get("t", 0)), str(record["left"])))
             self._finished = self._finished or "finished" in record
 
     def records(self) -> Iterator[dict[str, Any]]:
@@ -267,6 +274,11 @@ class EventLog:
                 best = max(best, step)
         self._max_since[since] = (len(self._committed), best)
         return best
+
+    def left_since(self, since: float = 0.0) -> str | None:
+        """The reason of the last ``left`` record written at or after ``since``; None if the group did not leave."""
+        self._refresh()
+        return next((reason for t, reason in reversed(self._left) if t >= since), None)
 
     def finished(self) -> bool:
         """Whether the group wrote its end-of-training record."""
