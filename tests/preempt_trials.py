@@ -45,7 +45,7 @@ WORKER = TESTS / "workers" / "preempt_train.py"
 sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
 from fsdp_strategies.checkpoint.export import export_consolidated  # noqa: E402
-from fsdp_strategies.ft.launcher import _process_tree  # noqa: E402
+from fsdp_strategies.ft.process_tree import process_tree  # noqa: E402
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")
@@ -123,7 +123,7 @@ def _tree_alive(pids: list[int]) -> list[int]:
 
 def _ranks(proc_pid: int, strategy: str) -> list[int]:
     """PIDs of the rank processes (rank 0 first where the launcher is rank 0)."""
-    tree = _process_tree(proc_pid)
+    tree = process_tree(proc_pid)
     workers = []
     for pid in tree:
         try:
@@ -202,13 +202,13 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
             proc.wait()
             return t
         # "all": every process of the job, launchers included -- what a scheduler's job-wide SIGTERM does
-        victims = {"all": _tree_alive(_process_tree(proc.pid)), "one": [ranks[-1]], "launcher": [proc.pid]}[mode]
+        victims = {"all": _tree_alive(process_tree(proc.pid)), "one": [ranks[-1]], "launcher": [proc.pid]}[mode]
         t0 = time.time()
         for pid in victims:
             os.kill(pid, signal.SIGTERM)
         records = events(root, 0)
         t.signalled_at_step = max((r["step"] for r in records if r["event"] == "step"), default=0)
-        tree = _process_tree(proc.pid)
+        tree = process_tree(proc.pid)
         while time.time() - t0 < HANG_S and _tree_alive(tree):
             time.sleep(0.05)
         t.stop_s = round(time.time() - t0, 2)
@@ -235,7 +235,7 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
             t.notes.append("watchdog exit")
     finally:
         if proc.poll() is None:
-            for pid in _tree_alive(_process_tree(proc.pid)):
+            for pid in _tree_alive(process_tree(proc.pid)):
                 os.kill(pid, signal.SIGKILL)
             proc.wait()
 
@@ -296,19 +296,18 @@ def _same_as_reference(root: Path, reference: dict[int, Any], t: Trial) -> bool:
     return ok
 
 
-def launcher_status(strategy: str, mode: str) -> int:
-    """What the job's top process returns: 75 from Lightning's launcher (rank 0) and from fsdp-strategies-ft
-    when it got the SIGTERM itself. torchrun reports its workers' non-zero exit as its own failure (1), and so
-    does fsdp-strategies-ft for a group that stopped while it did not (a group leaving; here --max-restarts 0)."""
-    if strategy == "hsdp" or (strategy == "ft_hsdp" and mode == "one"):
-        return 1
-    return PREEMPT_EXIT_CODE
+def launcher_status(strategy: str) -> int:
+    """What the job's top process returns: 75 from Lightning's launcher (rank 0), and from fsdp-strategies-ft
+    both when it got the SIGTERM itself and when only its group's rank did (the group is preempted, not
+    restarted, and no group finished: requeue). torchrun reports its workers' non-zero exit as its own failure (1);
+    fsdp-strategies-ft reads their status from torchrun's failure summary."""
+    return 1 if strategy == "hsdp" else PREEMPT_EXIT_CODE
 
 
 def ok(t: Trial) -> bool:
     """No hang, every rank (and the launcher) exited with the requeue status, the newest checkpoint loads,
     the resume equals the uninterrupted run."""
-    return (not t.hung and t.rc == launcher_status(t.strategy, t.mode) and t.rank_rcs == [PREEMPT_EXIT_CODE] * 2
+    return (not t.hung and t.rc == launcher_status(t.strategy) and t.rank_rcs == [PREEMPT_EXIT_CODE] * 2
             and t.loadable is not False and t.exact is not False)
 
 
