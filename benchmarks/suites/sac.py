@@ -34,7 +34,7 @@ import common
 
 sys.path.insert(0, str(common.ROOT / "examples"))
 from fsdp_strategies.callbacks.activation_checkpointing import apply_activation_checkpointing
-from fsdp_strategies.callbacks.mfu import count_step_flops
+from fsdp_strategies.flops import count_step_flops
 from fsdp_strategies.testing import KeptBytes
 from llama import Llama
 

@@ -35,20 +35,14 @@ from typing_extensions import override
 
 from fsdp_strategies import _torch_seam
 from fsdp_strategies._options import check_choice, check_int, check_number
-from fsdp_strategies.flops.counter import (
-    StepFlopCounter,
-    StepFlops,
-    analytic_transformer_flops,
-    count_step_flops,
-)
+from fsdp_strategies.flops.counter import StepFlopCounter, StepFlops, analytic_transformer_flops
 from fsdp_strategies.flops.peaks import PeakDType, lookup_peak_flops, peak_flops_from_env
 from fsdp_strategies.parallel.blocks import find_transformer_blocks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# count_step_flops: still imported from here by benchmarks/suites/sac.py (its home is fsdp_strategies.flops)
-__all__ = ["MFUMonitor", "count_step_flops"]
+__all__ = ["MFUMonitor"]
 
 FlopsSource = Literal["count", "analytic"]
 _STATS = ("min", "median", "max")
