@@ -208,13 +208,13 @@ def test_loader_follows_the_committed_step(num_workers: int) -> None:
                 break
 
 
-def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_redistribute_batch_and_gradient_weight() -> None:
     # 3 groups, group 1 missing from step 5: groups 0 and 2 add halves of group 1's batch and weight their gradients
     # so that torchft's average over the 2 participants equals the mean gradient over all 3 groups' samples.
     from torch.distributed import ReduceOp
 
-    from fsdp_strategies import FTHSDPStrategy
     from fsdp_strategies.ft.data import StepAlignedData
+    from fsdp_strategies.ft.redistribute import redistribute
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -225,7 +225,6 @@ def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch)
             return {"idx": i, "x": torch.randn(3, generator=g), "y": torch.randn(1, generator=g)}
 
     class Manager:
-        def wait_quorum(self) -> None: ...
         def num_participants(self) -> int: return 2
         def is_participating(self) -> bool: return True
 
@@ -234,7 +233,6 @@ def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch)
             tensor.copy_(torch.tensor([1.0, 0.0, 1.0]))
             return type("Done", (), {"wait": lambda self: None})()
 
-    monkeypatch.setattr(FTHSDPStrategy, "root_device", property(lambda self: torch.device("cpu")))
     model = torch.nn.Linear(3, 1)
 
     def grad(batch: dict) -> torch.Tensor:
@@ -244,18 +242,15 @@ def test_redistribute_batch_and_gradient_weight(monkeypatch: pytest.MonkeyPatch)
 
     step, per_epoch, averaged, seen = 5, NUM_SAMPLES // 3 // BATCH, 0.0, []
     for group in (0, 2):
-        strategy = FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=group, num_replica_groups=3,
-                                  data_on_failure="redistribute")
         sampler = DistributedSampler(Samples(), num_replicas=3, rank=group, shuffle=True, seed=SEED)
-        strategy._data = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler),
-                                         per_epoch)
-        strategy._manager, strategy._quorum_started = Manager(), True
-        strategy._grad_scale, strategy._extra_samples = 1.0, 0
-        batch = strategy._redistribute(None, step, lambda b: b)
-        assert batch["idx"].tolist()[:BATCH] == strategy._data.indices_of(step)
-        assert strategy._extra_samples == BATCH // 2
+        data = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler), per_epoch)
+        batch, extra, grad_scale = redistribute(None, step, data=data, manager=Manager(), replica_group_id=group,
+                                                num_replica_groups=3, rank=0, world_size=1,
+                                                device=torch.device("cpu"), prepare=lambda b: b)
+        assert batch["idx"].tolist()[:BATCH] == data.indices_of(step)
+        assert extra == BATCH // 2
         seen += batch["idx"].tolist()
-        averaged = averaged + strategy._grad_scale * grad(batch) / 2  # torchft: AVG over 2 participants
+        averaged = averaged + grad_scale * grad(batch) / 2  # torchft: AVG over 2 participants
     everything = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=DistributedSampler(
         Samples(), num_replicas=3, rank=0, shuffle=True, seed=SEED)), per_epoch)
     full = [i for g in range(3) for i in everything.indices_of(step, g)]

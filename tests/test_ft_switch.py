@@ -245,9 +245,17 @@ def test_slow_link_delays_only_its_groups_and_steps(monkeypatch: pytest.MonkeyPa
     assert SlowLinkInjector().link is None  # off by default
     monkeypatch.setenv(SLOW_LINK_ENV, json.dumps({"groups": [1], "seconds_per_mb": 1e-6}))
     injector = SlowLinkInjector()
+    reduced: list[int] = []
+
+    def allreduce(tensor: torch.Tensor, reduce_op: object = None) -> str:
+        reduced.append(tensor.numel())
+        return "work"
+
     for group, hooked in ((0, False), (1, True)):
-        strategy = SimpleNamespace(replica_group_id=group, cross_group_delay=None)
+        strategy = SimpleNamespace(replica_group_id=group, manager=SimpleNamespace(allreduce=allreduce))
         injector.setup(SimpleNamespace(strategy=strategy, global_step=0), None, "fit")  # type: ignore[arg-type]
-        assert (strategy.cross_group_delay is not None) == hooked
-    strategy.cross_group_delay(1_000_000)
-    assert injector.delayed_s == pytest.approx(1e-6)
+        assert (strategy.manager.allreduce is not allreduce) == hooked
+    assert strategy.manager.allreduce(torch.zeros(250_000), reduce_op="avg") == "work"  # 1 MB, then the real call
+    assert injector.delayed_s == pytest.approx(1e-6) and reduced == [250_000]
+    with pytest.raises(ValueError, match=r"SlowLinkInjector needs ft_hsdp.*Fix"):
+        injector.setup(SimpleNamespace(strategy=SimpleNamespace(replica_group_id=1), global_step=0), None, "fit")

@@ -116,13 +116,14 @@ class _FakeManager:
 
 
 def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> None:
+    from fsdp_strategies.ft.manager import CountedManager
     from fsdp_strategies.ft.outer_sync import STATE_KEY, OuterSync
 
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     manager, stats, refreshed = _FakeManager(), {}, []
-    outer = OuterSync(manager, model, inner, mode="local_sgd", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
+    outer = OuterSync(CountedManager(manager, stats), model, inner, mode="local_sgd", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
                       num_fragments=1, before_quorum=lambda: refreshed.append(1), stats=stats)
     assert {"StreamingDiLoCoFragment_0", STATE_KEY} <= set(manager.fns)
     backup = [p.detach().clone() for p in model.parameters()]

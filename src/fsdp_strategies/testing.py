@@ -6,7 +6,8 @@
   delays chosen ranks, nothing else). A benchmark uses it alone; a detection test or demo lists it before
   :class:`~fsdp_strategies.callbacks.StragglerDetector`, so both share one implementation of a stall.
 * A slow link between replica groups: :class:`SlowLink` (which groups, how slow, when) and
-  :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp``).
+  :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp`` by
+  wrapping its torchft manager's ``allreduce``; the strategy has no hook for it).
 * :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across processes.
 """
 
@@ -242,11 +243,14 @@ class SlowLink:
 
 
 class SlowLinkInjector(Callback):
-    """Installs a :class:`SlowLink` on the strategy (``ft_hsdp``'s ``cross_group_delay`` hook) of the chosen groups.
+    """Puts a :class:`SlowLink` under the cross-group all-reduces of the chosen ``ft_hsdp`` replica groups.
 
-    ``link=None`` reads :data:`SLOW_LINK_ENV`; when that is unset too, it does nothing (off by default). The delay
-    happens on every rank of the group, before each cross-group all-reduce (so the other groups wait for it).
-    ``delayed_s`` sums this rank's delays.
+    ``link=None`` reads :data:`SLOW_LINK_ENV`; when that is unset too, it does nothing (off by default). At
+    ``setup`` (after the strategy has built its ``torchft.Manager``, before the model is sharded) it wraps that
+    manager's ``allreduce`` on this process, which every cross-group all-reduce of the strategy goes through
+    (FSDP's gradient reductions, the outer sync's pseudo-gradients, the switch vote): the delay happens on every
+    rank of the group, before the all-reduce starts, so the other groups wait for it. Nothing in the strategy
+    knows about it. ``delayed_s`` sums this rank's delays.
     """
 
     def __init__(self, link: SlowLink | dict[str, Any] | None = None) -> None:
@@ -261,18 +265,21 @@ class SlowLinkInjector(Callback):
         strategy = trainer.strategy
         if self.link is None or getattr(strategy, "replica_group_id", None) not in self.link.groups:
             return
-        if not hasattr(strategy, "cross_group_delay"):
-            raise ValueError(f"SlowLinkInjector needs ft_hsdp (a cross_group_delay hook); the strategy is "
-                             f"{type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove the callback.")
-        link = self.link
+        manager = getattr(strategy, "manager", None)
+        if manager is None or not callable(getattr(manager, "allreduce", None)):
+            raise ValueError(f"SlowLinkInjector needs ft_hsdp (a torchft manager whose cross-group all-reduces it "
+                             f"delays); the strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove "
+                             "the callback.")
+        link, allreduce = self.link, manager.allreduce
 
-        def delay(nbytes: int) -> None:
-            seconds = link.delay_s(nbytes, trainer.global_step)
+        def slow_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            seconds = link.delay_s(tensor.numel() * tensor.element_size(), trainer.global_step)
             if seconds > 0:
                 self.delayed_s += seconds
                 time.sleep(seconds)
+            return allreduce(tensor, *args, **kwargs)
 
-        strategy.cross_group_delay = delay
+        manager.allreduce = slow_allreduce
 
 
 # ---------------------------------------------------------------------------------------------- states

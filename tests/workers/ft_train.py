@@ -51,10 +51,16 @@ from fsdp_strategies.testing import state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 
+def _outer(strategy: Any) -> Any:
+    """The strategy's OuterSync (sync local_sgd/diloco, or straggler_sync after train start), else None."""
+    semi = getattr(strategy, "_semi", None)
+    return None if semi is None else semi.outer
+
+
 def _outer_state(strategy: Any) -> dict[str, torch.Tensor]:
     """Semi-sync: this rank's DiLoCo backup parameters and outer-optimizer state (what a heal must carry)."""
     out: dict[str, torch.Tensor] = {}
-    outer = getattr(strategy, "_outer", None)
+    outer = _outer(strategy)
     if outer is None:
         return out
     for i, fragment in enumerate(outer._diloco._fragments):
@@ -114,7 +120,7 @@ class FTProbe(pl.Callback):
             inner, sync_calls = strategy.manager.allreduce, {"n": 0}
 
             def killing_sync_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if strategy._outer is not None and strategy._committed_step() == step:
+                if _outer(strategy) is not None and strategy._committed_step() == step:
                     sync_calls["n"] += 1
                     if sync_calls["n"] == call:
                         print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of the sync at {step}",
@@ -169,9 +175,9 @@ class FTProbe(pl.Callback):
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
         self._allreduces_before = getattr(self, "allreduces", 0)
-        switchable = getattr(trainer.strategy, "_switch", None) is not None
-        self._semi_before = bool(trainer.strategy._semi_active()) if switchable else None
-        if getattr(trainer.strategy, "_outer", None) is not None:  # semi-sync: the state the step starts from
+        switchable = getattr(trainer.strategy, "sync_switch_available", False)
+        self._semi_before = bool(trainer.strategy._semi.active) if switchable else None
+        if _outer(trainer.strategy) is not None:  # semi-sync: the state the step starts from
             self._model_before = state_digest(dict(pl_module.state_dict()))
             self._outer_before = state_digest(_outer_state(trainer.strategy))
         self._batch = int(batch.sum()) if isinstance(batch, torch.Tensor) else None
@@ -190,13 +196,13 @@ class FTProbe(pl.Callback):
             record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),
                           participants=int(strategy.manager.num_participants()),
                           allreduces=self.allreduces - self._allreduces_before)
-            if getattr(strategy, "_outer", None) is not None:  # sync local_sgd/diloco, or straggler_sync
+            if _outer(strategy) is not None:  # sync local_sgd/diloco, or straggler_sync
                 model = {k: v for k, v in pl_module.state_dict().items()}
                 record.update(syncs=int(strategy.ft_stats["syncs"]), model=state_digest(model),
                               model_before=self._model_before, outer_before=self._outer_before,
-                              outer=state_digest(_outer_state(strategy)), healed=bool(strategy._outer.healed),
-                              sync_participants=strategy._outer.last_participants,
-                              semi_before=self._semi_before, semi=bool(strategy._semi_active()),
+                              outer=state_digest(_outer_state(strategy)), healed=bool(_outer(strategy).healed),
+                              sync_participants=_outer(strategy).last_participants,
+                              semi_before=self._semi_before, semi=bool(strategy._semi.active),
                               switches=int(strategy.ft_stats.get("switches", 0)))
         with (self.out / f"{self._tag(trainer)}.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")

@@ -38,8 +38,9 @@ What this module adds around it (torchft#171 -- DiLoCo with several ranks in a g
   the group's *own* gloo group (each replica group is its own ``torch.distributed`` world), not cross-group
   traffic, so it keeps running every inner step (no ``_preempt_check_due`` override): every rank of a group
   stops at the same inner step; for the other groups that group is then absent, as after a kill.
-* **Counting.** Every cross-group all-reduce of this module goes through :class:`_CountingManager`
-  (``cross_group_allreduces`` / ``cross_group_bytes`` in the strategy's ``ft_stats``).
+* **Counting.** The strategy hands in its :class:`fsdp_strategies.ft.manager.CountedManager`, so every
+  cross-group all-reduce of DiLoCo is counted (``cross_group_allreduces`` / ``cross_group_bytes`` in ``ft_stats``)
+  like the FSDP hook's.
 
 Limits (torchft 0.2.0): a group that heals at a sync contributes a copy of its source peer's
 pseudo-gradient to that sync (the synchronous quorum makes it a participant), so that peer's round counts
@@ -60,7 +61,6 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.distributed import ReduceOp
 
 from fsdp_strategies import _torch_seam
 
@@ -111,26 +111,6 @@ def validate_sync_options(sync: str, sync_every: int, outer_lr: float, outer_mom
                          "sync='every_step'.")
 
 
-class _CountingManager:
-    """The manager as torchft's ``DiLoCo`` sees it: every ``allreduce`` is counted (calls and bytes) in ``stats``."""
-
-    def __init__(self, manager: Any, stats: dict[str, float],
-                 before_allreduce: Callable[[int], None] | None = None) -> None:
-        self._manager = manager
-        self._stats = stats
-        self._before_allreduce = before_allreduce
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._manager, name)
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
-        self._stats["cross_group_allreduces"] += 1
-        self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
-        if self._before_allreduce is not None:  # a test/benchmark's slow-link model
-            self._before_allreduce(tensor.numel() * tensor.element_size())
-        return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
-
-
 def _fragments(model: nn.Module, n: int) -> list[nn.Module]:
     """``n`` modules holding contiguous runs of ``model``'s parameters (near-equal sizes); ``[model]`` for 1."""
     if n == 1:
@@ -159,17 +139,16 @@ class OuterSync:
     Protocol: build it in ``on_train_start`` (after the optimizer exists, before any inner step) with the
     manager created with ``use_async_quorum=False``; call :meth:`initial_sync` once, then
     :meth:`after_inner_step` after every inner optimizer step, on every rank of the group.
+    ``manager`` is what DiLoCo all-reduces through (the strategy's counted manager).
     ``before_quorum`` is called right before each quorum (refresh the strategy's heal state),
     ``after_quorum`` (optional) right after it, before the fragment's all-reduces (the strategy's switch vote:
-    inside the sync, so the sync's commit decides whether the vote applies), ``before_allreduce(nbytes)``
-    (optional) before each cross-group all-reduce (a test's slow-link model).
+    inside the sync, so the sync's commit decides whether the vote applies).
     """
 
     def __init__(self, manager: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str,
                  sync_every: int, outer_lr: float, outer_momentum: float, num_fragments: int,
                  before_quorum: Callable[[], None], stats: dict[str, float],
-                 after_quorum: Callable[[], None] | None = None,
-                 before_allreduce: Callable[[int], None] | None = None) -> None:
+                 after_quorum: Callable[[], None] | None = None) -> None:
         from torchft.local_sgd import DiLoCo
 
         self.mode = mode
@@ -178,15 +157,14 @@ class OuterSync:
         self._manager = manager
         self._before_quorum = before_quorum
         self.stats = stats
-        for key in ("syncs", "syncs_discarded", "cross_group_allreduces", "cross_group_bytes"):
+        for key in ("syncs", "syncs_discarded"):
             stats.setdefault(key, 0)
         fragments = _fragments(model, num_fragments)
         lr, momentum = (1.0, 0.0) if mode == "local_sgd" else (outer_lr, outer_momentum)
         outer = [torch.optim.SGD(f.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0) for f in fragments]
         self._after_quorum = after_quorum
-        self._view = _CountingManager(manager, stats, before_allreduce)
         # DiLoCo backs up this rank's shards now and registers each fragment's state with the manager
-        self._diloco = DiLoCo(self._view, fragments, optimizer, outer, sync_every=sync_every, pin_memory=False)
+        self._diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=sync_every, pin_memory=False)
         #: inner steps covered by committed outer steps, and inner steps since the last sync
         self.committed = 0
         self.pending = 0
@@ -199,11 +177,6 @@ class OuterSync:
         self.last_round = 0
         self.last_quorum_s = 0.0
         manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
-
-    @property
-    def counted_manager(self) -> Any:
-        """The manager whose ``allreduce`` is counted in ``stats`` (and delayed by ``before_allreduce``)."""
-        return self._view
 
     # -------------------------------------------------------------- heal state
     def _save(self) -> dict[str, int]:

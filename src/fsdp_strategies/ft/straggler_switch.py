@@ -16,7 +16,7 @@ This module holds the pieces that do not touch torchft or Lightning (unit-tested
   the threshold for ``patience`` boundaries; back when below half of it for ``patience`` boundaries).
 * :class:`CostClock` -- the cost estimator (see its docstring for what it measures and what it assumes).
 
-The strategy (``ft/strategy.py``) does the agreement and the switch itself; see ``FTHSDPStrategy``.
+The agreement (the vote inside a step or outer sync) and the switch itself are :mod:`fsdp_strategies.ft.semi_sync`'s.
 """
 
 from __future__ import annotations

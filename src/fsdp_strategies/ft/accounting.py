@@ -1,0 +1,206 @@
+"""What each ``ft_hsdp`` step (or outer sync) did: counters, ``ft/*`` metrics, the events line, trained/missed data.
+
+The strategy fills a :class:`StepInFlight` while a step runs (timings, whether this group healed in it,
+the data position of its batch) and hands it to :meth:`StepAccounting.finish` when the step is committed or
+discarded. :class:`StepAccounting` then
+
+* updates the cumulative counters of this process (``ft_stats``: committed/discarded steps, heals, seconds
+  in quorums and in recovery -- a discarded step, a heal and the step after a discard --, missed samples;
+  the cross-group all-reduce counters are added by :class:`fsdp_strategies.ft.manager.CountedManager`);
+* accounts the step's data (``data_on_failure="skip"``): the layout is fixed (equal shards, the same
+  position on every group), so every group missing from a committed step missed exactly as many samples
+  as this group trained; a stretch of such steps is announced when it starts and summed when all groups
+  train again. With ``"redistribute"`` the groups in the step trained those samples, so none are missed.
+  In a semi-synchronous round the unit is the round: a group absent from an outer sync missed the whole
+  round, and a group that healed in it contributed its peer's pseudo-gradient, not its own batches;
+* returns the ``ft/*`` metrics and writes the step's line to the events file (rank 0 of the group).
+
+Keys of the events records and of ``last_step_data`` are read by the launcher and by tests; they are a
+format (see :class:`fsdp_strategies.ft.protocol.EventLog`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from fsdp_strategies.ft.protocol import EventLog
+
+if TYPE_CHECKING:
+    from fsdp_strategies.ft.data import StepAlignedData
+    from fsdp_strategies.ft.outer_sync import OuterSync
+
+__all__ = ["StepAccounting", "StepInFlight"]
+
+
+@dataclass
+class StepInFlight:
+    """The step in progress: its start, cross-group seconds, heal flag and the data it took."""
+
+    t0: float = 0.0
+    #: seconds waiting for the quorum / in any cross-group operation (``straggler_sync``'s cost)
+    quorum_wait_s: float = 0.0
+    cross_s: float = 0.0
+    #: this group applied a live peer's state in this step
+    healed: bool = False
+    #: this group's gradients count in the step (``False`` while healing: it contributes zeros)
+    participating: bool = True
+    #: data position of the batch taken (``None``: not step-aligned, or already accounted)
+    position: int | None = None
+    #: samples of missing groups this rank trains in the step (``data_on_failure="redistribute"``)
+    extra_samples: int = 0
+    #: weight of this group's gradient in the cross-group average (``redistribute``)
+    grad_scale: float = 1.0
+
+    def begin(self) -> None:
+        """Reset the timings at the start of a step (the data fields are set when the batch is taken)."""
+        self.t0 = time.perf_counter()
+        self.quorum_wait_s = 0.0
+        self.cross_s = 0.0
+        self.healed = False
+
+    def take_batch(self, position: int) -> None:
+        self.position, self.extra_samples, self.grad_scale = position, 0, 1.0
+
+
+class StepAccounting:
+    """Counters, metrics and events of one replica group's steps (see the module docstring)."""
+
+    def __init__(self, replica_group_id: int, num_replica_groups: int, data_on_failure: str,
+                 events: EventLog | None) -> None:
+        self.replica_group_id = replica_group_id
+        self.num_replica_groups = num_replica_groups
+        self.data_on_failure = data_on_failure
+        self.events = events
+        #: cumulative counters of this process (also logged as ``ft/*``)
+        self.stats: dict[str, float] = {"committed": 0, "discarded": 0, "heals": 0, "recovery_s": 0.0,
+                                        "quorum_s": 0.0, "missed_samples": 0, "cross_group_allreduces": 0,
+                                        "cross_group_bytes": 0}
+        self.last_step_committed: bool | None = None
+        #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step`` when
+        #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``, ``samples``
+        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``redistributed_samples``
+        #: (of those, trained here), ``rebuilt`` (batch built from the dataset: the loader was not at the step)
+        self.last_step_data: dict[str, Any] = {}
+        self._after_discard = False
+        self._missed_since: int | None = None
+        self._missed_run = 0
+
+    def finish(self, step: StepInFlight, *, committed: bool, committed_step: int, participants: int, quorum_id: int,
+               commit_s: float, data: dict[str, Any], write_event: bool) -> dict[str, float]:
+        """Count a finished step; write its events line (``write_event``: rank 0); return its ``ft/*`` metrics.
+
+        ``data``: from :meth:`step_data` / :meth:`round_data` (``{}`` when the data position is not aligned).
+        """
+        step_s = time.perf_counter() - step.t0
+        stats = self.stats
+        stats["committed" if committed else "discarded"] += 1
+        stats["quorum_s"] += step.quorum_wait_s
+        if (not committed) or step.healed or self._after_discard:
+            stats["recovery_s"] += step_s
+        self._after_discard = not committed
+        self.last_step_committed = committed
+        metrics = {
+            "ft/participants": float(participants),
+            "ft/quorum_id": float(quorum_id),
+            "ft/committed": float(committed),
+            "ft/committed_steps": float(stats["committed"]),
+            "ft/discarded_steps": float(stats["discarded"]),
+            "ft/heal": float(step.healed),
+            "ft/heals": float(stats["heals"]),
+            "ft/quorum_s": float(step.quorum_wait_s),
+            "ft/commit_s": float(commit_s),
+            "ft/recovery_s": float(stats["recovery_s"]),
+        }
+        if data.get("missed_samples") is not None:
+            metrics["ft/missed_samples"] = float(data["missed_samples"])
+            metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
+        if self.events is not None and write_event:
+            self.events.write_step(
+                self.replica_group_id, committed_step, committed, participants=participants, quorum_id=quorum_id,
+                healed=step.healed, step_s=step_s, quorum_s=step.quorum_wait_s, commit_s=commit_s, pid=os.getpid(),
+                **{f"data_{k}": v for k, v in data.items()})
+        return metrics
+
+    def data_record(self, step: StepInFlight, *, committed: bool, participants: int, data: StepAlignedData | None,
+                    round_of: OuterSync | None, round_samples: int, quorum_step: int, world_size: int) -> dict[str, Any]:
+        """The data part of a finished step's record: ``{}`` when the data position is not step-aligned (``data``
+        is ``None``), :meth:`round_data` for an outer sync that ended a round (``round_of``), else :meth:`step_data`."""
+        if data is None:
+            return {}
+        if round_of is not None:
+            return self.round_data(committed=committed, participants=participants, round_samples=round_samples,
+                                   healed=round_of.healed, committed_steps=round_of.committed,
+                                   round_steps=round_of.last_round)
+        batch_size = 0 if step.position is None else data.batch_size_of(step.position)
+        return self.step_data(step, committed=committed, quorum_step=quorum_step, participants=participants,
+                              batch_size=batch_size, world_size=world_size, sharded=data.sharded)
+
+    def step_data(self, step: StepInFlight, *, committed: bool, quorum_step: int, participants: int, batch_size: int,
+                  world_size: int, sharded: bool) -> dict[str, Any]:
+        """What an every-step step trained and missed; ``{}`` when the position is not aligned.
+
+        ``quorum_step``: the quorum's step (a healing group's jumps); ``batch_size``: one rank's batch at this
+        position; ``sharded``: the loader shards over the groups (redistribution possible).
+        """
+        if step.position is None:
+            return {}
+        position, step.position = step.position, None
+        done = committed and step.participating
+        data: dict[str, Any] = {"step": quorum_step, "position": position, "participating": step.participating,
+                                "rebuilt": self.last_step_data.get("rebuilt", False),
+                                "samples": (batch_size + step.extra_samples) * world_size if done else 0,
+                                "missed_samples": None,
+                                "redistributed_samples": step.extra_samples * world_size if committed else 0}
+        if done:
+            absent = self.num_replica_groups - participants
+            redistribute = self.data_on_failure == "redistribute" and sharded
+            per_group = batch_size * world_size
+            missed = 0 if redistribute else absent * per_group
+            data["missed_samples"] = missed
+            self.stats["missed_samples"] += missed
+            self._announce_missed(position, absent, per_group, redistribute)
+        self.last_step_data = data
+        return data
+
+    def _announce_missed(self, position: int, absent: int, per_group: int, redistribute: bool) -> None:
+        """One info line when a stretch of steps with missing groups starts, one with its total when it ends."""
+        what = "trained by the groups in the step" if redistribute else "skipped"
+        if absent and self._missed_since is None:
+            self._missed_since, self._missed_run = position, 0
+            rank_zero_info(f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
+                           f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
+                           f"{what} (data_on_failure={self.data_on_failure!r})")
+        if absent:
+            self._missed_run += absent * per_group
+        elif self._missed_since is not None:
+            rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica groups train again from step {position}; "
+                           f"in steps {self._missed_since}-{position - 1}, {self._missed_run} samples of the "
+                           f"missing groups' shards were {what}")
+            self._missed_since = None
+
+    def round_data(self, *, committed: bool, participants: int, round_samples: int, healed: bool, committed_steps: int,
+                   round_steps: int) -> dict[str, Any]:
+        """What an outer sync's round trained and missed (the groups absent from it missed the whole round).
+
+        ``round_samples``: this group's samples in the round (all ranks); ``healed``: this group healed in the
+        sync (it contributed its source peer's pseudo-gradient -- torchft's synchronous heal --, not its own
+        batches: it reports ``participating=False`` and no samples); ``committed_steps``/``round_steps``: the
+        outer sync's committed inner steps and the inner steps its last committed round covered.
+        """
+        participating = not healed
+        done = committed and participating
+        absent = self.num_replica_groups - participants
+        data: dict[str, Any] = {"step": committed_steps - (round_steps if committed else 0),
+                                "round_steps": round_steps, "participating": participating,
+                                "samples": round_samples if done else 0,
+                                "missed_samples": absent * round_samples if done else None,
+                                "redistributed_samples": 0, "rebuilt": self.last_step_data.get("rebuilt", False)}
+        if done:
+            self.stats["missed_samples"] += absent * round_samples
+        self.last_step_data = data
+        return data

@@ -1,0 +1,162 @@
+"""What a recovering replica group fetches from a live peer, and the LR-scheduler bookkeeping around it.
+
+Heal state (the manager's ``state_dict``/``load_state_dict`` callbacks; keys ``model``, ``optimizers``,
+``lr_schedulers`` -- a wire format: every group of a job must agree on it):
+
+* :meth:`HealState.capture` takes *references* (no copies) to this rank's shards -- DTensors reduced to
+  their local tensors, since the transfer sends plain tensors -- on the main thread at the start of a
+  step (or before an outer sync's quorum), while every FSDP unit is resharded. torchft's quorum thread
+  sends that snapshot to a healing peer (:meth:`HealState.state_dict`); the snapshot's tensors are the
+  live ones, which the optimizer only changes after ``should_commit``, i.e. after the transfer.
+* :meth:`HealState.load` copies a received state into this rank's shards (the local tensor of each
+  DTensor parameter; optimizer moments are rebuilt as DTensors with the parameter's layout).
+
+LR schedulers (:class:`SchedulerRollback`): Lightning steps the ``interval="step"`` schedulers after
+every optimizer step, committed or not. A discarded step (or a discarded outer sync, which rolls back
+its round) must not move them, so the strategy snapshots them and restores the snapshot before the next
+step. A group that heals inside an outer sync receives schedulers its peer captured *before* Lightning
+stepped them for the step that ends at that sync, so it steps them once itself
+(:meth:`SchedulerRollback.restep_after_heal`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["HealState", "SchedulerRollback", "TrainingState", "local"]
+
+
+def local(value: Any) -> Any:
+    """This rank's shard of a DTensor; other values unchanged (the heal transfer sends plain tensors)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class TrainingState(NamedTuple):
+    """The objects a heal reads and writes (they exist only once Lightning has set the model up)."""
+
+    model: nn.Module
+    optimizers: Sequence[Optimizer]
+    #: Lightning's ``trainer.lr_scheduler_configs`` (``.scheduler``, ``.interval``)
+    lr_scheduler_configs: Sequence[Any]
+
+
+class HealState:
+    """The snapshot a healing peer fetches from this rank, and the application of one received from a peer.
+
+    ``parts`` returns the live :class:`TrainingState` (called at capture and at load time).
+    """
+
+    def __init__(self, parts: Callable[[], TrainingState]) -> None:
+        self._parts = parts
+        self._snapshot: dict[str, Any] | None = None
+
+    def capture(self) -> None:
+        """References (no copies) to this rank's shards; taken on the main thread while every unit is resharded."""
+        model, optimizers, schedulers = self._parts()
+        self._snapshot = {
+            "model": {k: local(v) for k, v in model.state_dict().items()},
+            "optimizers": [
+                {"state": {i: {k: local(v) for k, v in s.items()} for i, s in sd["state"].items()},
+                 "param_groups": sd["param_groups"]}
+                for sd in (opt.state_dict() for opt in optimizers)
+            ],
+            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in schedulers],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last capture (torchft calls this on its quorum thread when a peer heals from this group)."""
+        assert self._snapshot is not None, "ft_hsdp: heal state requested before the first step"
+        return self._snapshot
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Any]) -> None:
+        """Apply a live peer's state to this rank's shards, optimizers and LR schedulers."""
+        model, optimizers, schedulers = self._parts()
+        own = model.state_dict()
+        missing = set(own) ^ set(state["model"])
+        if missing:
+            raise RuntimeError(f"ft_hsdp: healed state does not match this model (keys differ: {sorted(missing)[:5]})")
+        for key, value in own.items():
+            local(value).copy_(state["model"][key])
+        for opt, received in zip(optimizers, state["optimizers"]):
+            _load_optimizer_shards(opt, received)
+        for cfg, sched_state in zip(schedulers, state["lr_schedulers"]):
+            cfg.scheduler.load_state_dict(sched_state)
+
+
+def _load_optimizer_shards(opt: Optimizer, received: dict[str, Any]) -> None:
+    """Load an optimizer state whose tensors are local shards: moments shaped like a DTensor parameter's shard
+    become DTensors with that parameter's mesh and placements."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for idx, pstate in received["state"].items():
+        param = params[int(idx)]
+        entry = {}
+        for key, value in pstate.items():
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape == param.to_local().shape:
+                value = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                           run_check=False, shape=param.shape, stride=param.stride())
+            entry[key] = value
+        state[int(idx)] = entry
+    opt.load_state_dict({"state": state, "param_groups": received["param_groups"]})
+
+
+class SchedulerRollback:
+    """Keep the LR schedulers (and the optimizers' non-parameter group values) where the committed steps put them.
+
+    ``parts`` as for :class:`HealState`. :meth:`discard_step` / :meth:`discard_round` arm a snapshot that the
+    next :meth:`restore_pending` (the start of the next step) loads back: Lightning steps the schedulers in
+    between, after the optimizer step it does not know was discarded.
+    """
+
+    def __init__(self, parts: Callable[[], TrainingState]) -> None:
+        self._parts = parts
+        self._pending: list[Any] | None = None
+        self._round: list[Any] | None = None
+
+    def _snapshot(self) -> list[Any]:
+        _, optimizers, schedulers = self._parts()
+        return [
+            [cfg.scheduler.state_dict() for cfg in schedulers],
+            [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers],
+        ]
+
+    def discard_step(self) -> None:
+        """The optimizer step that just ended was discarded (every-step): keep the schedulers as they are now."""
+        self._pending = self._snapshot()
+
+    def mark_round_start(self) -> None:
+        """The first inner step of a semi-synchronous round begins: the point a discarded outer sync rolls back to."""
+        self._round = self._snapshot()
+
+    def discard_round(self) -> None:
+        """The outer sync that just ended was discarded: its round's inner steps are rolled back, so are the schedulers."""
+        self._pending = self._round
+
+    def restore_pending(self) -> None:
+        """Load the armed snapshot, if any (call at the start of a step)."""
+        if self._pending is None:
+            return
+        snapshot, self._pending = self._pending, None
+        _, optimizers, schedulers = self._parts()
+        for cfg, state in zip(schedulers, snapshot[0]):
+            cfg.scheduler.load_state_dict(state)
+        for opt, groups in zip(optimizers, snapshot[1]):
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
+
+    def restep_after_heal(self) -> None:
+        """After healing inside an outer sync: the peer's schedulers were captured inside its optimizer step,
+        before Lightning stepped them, so step the per-step ones once."""
+        for cfg in self._parts().lr_scheduler_configs:
+            if cfg.interval == "step":
+                cfg.scheduler.step()

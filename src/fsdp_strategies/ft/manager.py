@@ -1,0 +1,153 @@
+"""A replica group's link to the others: the lighthouse check, the ``torchft.Manager``, the counted all-reduce.
+
+Every replica group of ``ft_hsdp`` is its own ``torch.distributed`` world; what crosses groups goes
+through one ``torchft.Manager`` per rank (rank ``r`` of every group meets rank ``r`` of the others in the
+manager's process group). This module builds that manager and nothing else:
+
+* :func:`check_lighthouse` -- one TCP connection to the lighthouse while the options are validated, so a
+  wrong address fails with :class:`LighthouseUnreachableError` and the way to start one, not with a quorum
+  timeout minutes later.
+* :func:`create_manager` -- the ``torchft.Manager`` with its process group (NCCL on CUDA, else gloo) and
+  checkpoint transport (``"pg"``: send/recv over that process group; ``"http"``: torchft's HTTP server),
+  given the callbacks that capture and apply the heal state.
+* :func:`exit_now` -- leave the job at once (eviction): the manager stops without waiting on peers, and
+  the process exits without Python's teardown (which would wait on collectives of a group being left).
+* :class:`CountedManager` -- the manager as the strategy's cross-group code sees it: every ``allreduce``
+  (the FSDP hook's gradient reductions, the outer sync's pseudo-gradients, the switch vote) is counted in
+  ``ft_stats`` (``cross_group_allreduces``, ``cross_group_bytes``: this rank's reduced tensors). A
+  test's slow link wraps the underlying manager's ``allreduce`` (``fsdp_strategies.testing.SlowLinkInjector``)
+  and so sits under every one of these calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
+from urllib.parse import urlparse
+
+import torch
+from torch.distributed import ReduceOp
+
+from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV
+
+__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse", "create_manager",
+           "exit_now", "lighthouse_host_port"]
+
+#: the end of every error about a missing or unreachable lighthouse
+HOW_TO_START = (
+    "Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` (then export "
+    "TORCHFT_LIGHTHOUSE=http://<host>:29510), or launch the job through `fsdp-strategies-ft`, which "
+    "starts a lighthouse and the replica groups for you."
+)
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """The torchft lighthouse is not listening where the strategy was told to find it."""
+
+
+def lighthouse_host_port(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``http://host:port`` (the scheme may be left out); ``ValueError`` with a fix otherwise."""
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(
+            f"lighthouse_addr={address!r} is not an address. Fix: give 'http://<host>:<port>' "
+            f"(e.g. http://localhost:29510) or set {LIGHTHOUSE_ENV}. {HOW_TO_START}"
+        )
+    return parsed.hostname, parsed.port
+
+
+def check_lighthouse(address: str, timeout_s: float) -> None:
+    """Raise :class:`LighthouseUnreachableError` unless something accepts a TCP connection at ``address``."""
+    host, port = lighthouse_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise LighthouseUnreachableError(
+            f"ft_hsdp: no torchft lighthouse answers at {address} (from lighthouse_addr / "
+            f"{LIGHTHOUSE_ENV}; {type(err).__name__}: {err}). {HOW_TO_START}"
+        ) from None
+
+
+def create_manager(*, device: torch.device, rank: int, world_size: int, replica_group_id: int, lighthouse_addr: str,
+                   min_replica_size: int, checkpoint_transport: str, timeout_s: float, quorum_timeout_s: float,
+                   connect_timeout_s: float, init_sync: bool, max_retries: int | None, hostname: str | None,
+                   use_async_quorum: bool, state_dict: Callable[[], dict[str, Any]],
+                   load_state_dict: Callable[[dict[str, Any]], None]) -> Any:
+    """This rank's ``torchft.Manager`` (named ``ft_hsdp_<replica_group_id>``; torchft appends a uuid).
+
+    ``state_dict`` is called on torchft's quorum thread when a peer heals from this group, ``load_state_dict``
+    on the main thread (inside ``should_commit``, or ``start_quorum`` with the synchronous quorum) when this
+    group heals. The rendezvous store is the group's own (``MASTER_ADDR``/``MASTER_PORT`` of its job).
+    """
+    from torchft.checkpointing import HTTPTransport
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    timeout = timedelta(seconds=timeout_s)
+    pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    if checkpoint_transport == "pg":
+        transport: Any = PGTransport(pg, timeout=timeout, device=device)
+    else:
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    kwargs: dict[str, Any] = {"hostname": hostname} if hostname else {}
+    return Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=min_replica_size,
+        use_async_quorum=use_async_quorum,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout_s),
+        connect_timeout=timedelta(seconds=connect_timeout_s),
+        rank=rank,
+        world_size=world_size,
+        store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        store_port=int(os.environ["MASTER_PORT"]),
+        lighthouse_addr=lighthouse_addr,
+        replica_id=f"ft_hsdp_{replica_group_id}",
+        checkpoint_transport=transport,
+        init_sync=init_sync,
+        max_retries=max_retries,
+        **kwargs,
+    )
+
+
+def exit_now(manager: Any, code: int) -> NoReturn:
+    """Shut ``manager`` (if any) down without waiting on peers, flush stdout/stderr, and exit with ``code`` now."""
+    if manager is not None:
+        try:
+            manager.shutdown(wait=False)
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class CountedManager:
+    """The manager with every ``allreduce`` counted in ``stats`` (calls and bytes); everything else passes through.
+
+    torchft's ``DiLoCo`` is given this object as its manager, so its pseudo-gradient all-reduces are counted
+    like the FSDP hook's. Errors of an all-reduce (a peer died) are recorded by the manager and make
+    ``should_commit()`` return ``False``; they are not raised here.
+    """
+
+    def __init__(self, manager: Any, stats: dict[str, float]) -> None:
+        self._manager = manager
+        self._stats = stats
+        stats.setdefault("cross_group_allreduces", 0)
+        stats.setdefault("cross_group_bytes", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+        self._stats["cross_group_allreduces"] += 1
+        self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
+        return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
