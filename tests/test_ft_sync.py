@@ -70,6 +70,22 @@ def test_sync_configs_build_their_strategy(name: str, monkeypatch: pytest.Monkey
     assert strategy.sync == name.removeprefix("ft_hsdp_").removesuffix(".yaml") and strategy.sync_every > 1
 
 
+def test_round_start_checks_are_shared_by_sync_and_straggler_sync() -> None:
+    from fsdp_strategies.ft.semi_sync import check_rounds
+
+    ok = {"max_steps": 8, "sync_every": 4, "num_optimizers": 1}
+    for option, value, required in (("sync", "diloco", False), ("straggler_sync", "local_sgd", True)):
+        check_rounds(option, value, **ok, max_steps_required=required)
+        with pytest.raises(ValueError, match=rf"max_steps=10 is not a multiple of sync_every=4 with {option}=.*Fix"):
+            check_rounds(option, value, **{**ok, "max_steps": 10}, max_steps_required=required)
+        with pytest.raises(ValueError, match=rf"{option}='{value}' supports one optimizer, got 2.*Fix"):
+            check_rounds(option, value, **{**ok, "num_optimizers": 2}, max_steps_required=required)
+    with pytest.raises(ValueError, match=r"max_steps=-1 is not set with straggler_sync='diloco'.*Fix"):
+        check_rounds("straggler_sync", "diloco", **{**ok, "max_steps": -1}, max_steps_required=True)
+    with pytest.warns(UserWarning, match=r"sync='diloco' without max_steps.*Fix"):
+        check_rounds("sync", "diloco", **{**ok, "max_steps": -1}, max_steps_required=False)
+
+
 def test_fragments_partition_every_parameter_once() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
     for n in (1, 2, 3, 6):

@@ -58,9 +58,10 @@ def check_rounds(option: str, value: str, *, max_steps: int, sync_every: int, nu
         rank_zero_warn(f"ft_hsdp: {where} without max_steps: the inner steps after the last outer sync are not "
                        "averaged across groups. Fix: stop with a max_steps multiple of sync_every.")
     elif max_steps <= 0 or max_steps % sync_every:
-        raise ValueError(f"ft_hsdp: max_steps={max_steps} with {where} is not a multiple of sync_every={sync_every}: "
-                         "the last round would end without an outer sync and the groups would differ. Fix: set "
-                         f"trainer.max_steps to a multiple of sync_every={sync_every}.")
+        what = "is not set" if max_steps <= 0 else f"is not a multiple of sync_every={sync_every}"
+        raise ValueError(f"ft_hsdp: max_steps={max_steps} {what} with {where}: the last round would end without an "
+                         "outer sync and the groups would differ. Fix: set trainer.max_steps to a multiple of "
+                         f"sync_every={sync_every}.")
     if num_optimizers != 1:
         raise ValueError(f"ft_hsdp: {where} supports one optimizer, got {num_optimizers}. Fix: return a single "
                          "optimizer from configure_optimizers.")
