@@ -19,7 +19,7 @@ import torch
 from conftest import WORKERS, free_port, run_python
 from fsdp_strategies import FTHSDPStrategy, verify_checkpoint
 from fsdp_strategies.ft import LEAVE_EXIT_CODE, LighthouseUnreachableError
-from fsdp_strategies.ft.launcher import _parse_kill_at
+from fsdp_strategies.ft.launch_options import parse_kill_at
 
 WORKER = str(WORKERS / "ft_train.py")
 TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
@@ -361,7 +361,7 @@ def test_straggler_evict_makes_the_whole_group_leave_and_heal(tmp_path: Path) ->
 
 
 def test_launcher_kill_plan_parsing() -> None:
-    assert _parse_kill_at("1@8, 0@20", 2) == [(1, 8), (0, 20)]
-    assert _parse_kill_at("12,5", 2) == [(None, 5), (None, 12)]
+    assert parse_kill_at("1@8, 0@20", 2) == [(1, 8), (0, 20)]
+    assert parse_kill_at("12,5", 2) == [(None, 5), (None, 12)]
     with pytest.raises(SystemExit, match="group 2 is out of range"):
-        _parse_kill_at("2@5", 2)
+        parse_kill_at("2@5", 2)

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fsdp_strategies.ft import FTHSDPStrategy
-from fsdp_strategies.ft.launcher import kill_tree
+from fsdp_strategies.ft.process_tree import kill_tree
 
 NUM_SAMPLES, BATCH = 96, 4
 

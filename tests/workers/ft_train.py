@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fsdp_strategies  # noqa: F401, E402
 from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402
-from fsdp_strategies.ft.launcher import kill_tree  # noqa: E402
+from fsdp_strategies.ft.process_tree import kill_tree  # noqa: E402
 from fsdp_strategies.testing import state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 

@@ -44,12 +44,8 @@ from fsdp_strategies.ft.launch_options import LaunchOptions, core_sets, parse_ar
 from fsdp_strategies.ft.process_tree import kill_tree
 from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, standby_ready_file
 
-# LaunchOptions: the keyword options of run(); kill_tree: what tests/workers import from here
-__all__ = ["FTLauncher", "LaunchOptions", "LauncherResult", "kill_tree", "main", "run"]
-
-#: tests/test_ft_hsdp.py imports it from here (not this helper's file); remove once it imports
-#: launch_options.parse_kill_at
-_parse_kill_at = parse_kill_at
+# LaunchOptions: the keyword options of run()
+__all__ = ["FTLauncher", "LaunchOptions", "LauncherResult", "main", "run"]
 
 
 @dataclass
