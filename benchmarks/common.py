@@ -746,13 +746,61 @@ def contender(name: str) -> Contender:
 
 
 # ---------------------------------------------------------------------------------------------- report
+def has_case_table(result: dict[str, Any]) -> bool:
+    """Whether ``result`` is a timing or memory suite whose cases :func:`case_table` renders (the cases of
+    other suites, e.g. sac and mfu, hold other records: their own summaries describe them)."""
+    cases = result.get("cases") if isinstance(result, dict) else None  # the matrix's file is a list of cells
+    if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
+        return False
+    records = [rec for c in cases for rec in c["contenders"].values()]
+    return result.get("suite") == "memory" or any(isinstance(rec, dict) and "median_s" in rec for rec in records)
+
+
+def case_table(result: dict[str, Any]) -> list[str]:
+    """Markdown table of a timing or memory suite's cases: each contender's median (or worst-rank memory) per
+    case and the ratios with their targets, then the contenders that were skipped and why.
+
+    One renderer for ``run.py --report`` and the documentation site (docs/hooks/generated.py)."""
+    cases = result["cases"]
+    names = [n for n in result.get("config", {}).get("contenders", {})
+             if any("skipped" not in c["contenders"].get(n, {"skipped": 1}) for c in cases)]
+    ratio_names = list(dict.fromkeys(r for c in cases for r in c.get("ratios", {})))
+    memory = result.get("suite") == "memory"
+    unit = "worst-rank MiB" if memory else "median ms"
+    head = ["size (params)", "ranks", *[f"`{n}` ({unit})" for n in names], *ratio_names]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cases:
+        row = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else str(c["size"]), str(c["ranks"])]
+        for n in names:
+            rec = c["contenders"].get(n, {})
+            if memory:
+                val = (c.get("worst_rank_bytes", {}).get(n) or {}).get("total_bytes")
+                row.append(f"{val / 2**20:.2f}" if val else "-")
+            else:
+                row.append(f"{rec['median_s'] * 1e3:.1f}" if rec.get("median_s") else "-")
+        for r in ratio_names:
+            ratio = c.get("ratios", {}).get(r)
+            if not ratio or ratio.get("value") is None:
+                row.append("-")
+                continue
+            mark = "" if ratio.get("met") is None else (" met" if ratio["met"] else " **missed**")
+            tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
+            row.append(f"{ratio['value']:.3f}{tgt}{mark}")
+        out.append("| " + " | ".join(row) + " |")
+    skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
+                      if "skipped" in rec and "2-D mesh" not in rec["skipped"]})
+    if skipped:
+        out.append("")
+        out.extend(f"Skipped {s}" for s in skipped)
+    return out
+
+
 def markdown_report(paths: Sequence[Path]) -> str:
-    """Markdown tables of result files (timing and memory suites), for the README's performance section."""
+    """Markdown tables of result files (timing and memory suites), printed by ``run.py --report``."""
     out: list[str] = []
     for path in paths:
         result = json.loads(Path(path).read_text())
-        cases = result.get("cases")
-        if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
+        if not has_case_table(result):
             continue
         cfg = result.get("config", {})
         v = result.get("versions", {})
@@ -762,37 +810,7 @@ def markdown_report(paths: Sequence[Path]) -> str:
                    f"{cfg.get('reps')} interleaved rounds x {cfg.get('steps')} steps (+{cfg.get('warmup')} warm-up), "
                    f"{cfg.get('precision')}, {result.get('created_utc')}")
         out.append("")
-        names = [n for n in cfg.get("contenders", {}) if any("skipped" not in c["contenders"].get(n, {"skipped": 1})
-                                                            for c in cases)]
-        ratio_names = list(dict.fromkeys(r for c in cases for r in c.get("ratios", {})))
-        memory = result["suite"] == "memory"
-        unit = "worst-rank MiB" if memory else "median ms"
-        head = ["size (params)", "ranks", *[f"{n} ({unit})" for n in names], *ratio_names]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        for c in cases:
-            row = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else c["size"], str(c["ranks"])]
-            for n in names:
-                rec = c["contenders"].get(n, {})
-                if memory:
-                    val = (c.get("worst_rank_bytes", {}).get(n) or {}).get("total_bytes")
-                    row.append(f"{val / 2**20:.2f}" if val else "-")
-                else:
-                    row.append(f"{rec['median_s'] * 1e3:.1f}" if rec.get("median_s") else "-")
-            for r in ratio_names:
-                ratio = c.get("ratios", {}).get(r)
-                if not ratio or ratio.get("value") is None:
-                    row.append("-")
-                    continue
-                mark = "" if ratio.get("met") is None else (" ok" if ratio["met"] else " **missed**")
-                tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
-                row.append(f"{ratio['value']:.3f}{tgt}{mark}")
-            out.append("| " + " | ".join(row) + " |")
-        skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
-                          if "skipped" in rec and "2-D mesh" not in rec["skipped"]})
-        if skipped:
-            out.append("")
-            out.extend(f"Skipped {s}" for s in skipped)
+        out.extend(case_table(result))
         out.append("")
         out.append(f"![{result['suite']}]({Path(path).with_suffix('.png').name})")
         out.append("")

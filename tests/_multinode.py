@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from fsdp_strategies.ft.process_tree import process_tree
+
 RDZV_BACKEND = "c10d"
 
 
@@ -69,29 +71,10 @@ def ft_hsdp_script_args(config: str, *, nnodes: int | str, devices: int | str, e
             "--trainer.strategy.init_args.shard_degree=auto", *extra]
 
 
-def _descendants(root: int) -> list[int]:
-    """``root`` and every process below it (``/proc``): torchrun starts each worker in a session of its own."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL an agent still running, and its workers."""
     if proc.poll() is None:
-        for pid in _descendants(proc.pid):
+        for pid in process_tree(proc.pid):  # torchrun starts each worker in a session of its own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common as bench_common  # noqa: E402  (benchmarks/common.py: the one table renderer of suite results)
+
 RESULTS = ROOT / "benchmarks" / "results"
 ASSETS = "assets/benchmarks"
 MARKER = re.compile(r"^\{\{\s*(\w+)\s*([^}]*?)\s*\}\}\s*$", re.M)
@@ -88,40 +92,7 @@ def _result_files() -> list[Path]:
 # ------------------------------------------------------------------------------------------------ sections
 def _cases(data: dict[str, Any]) -> list[str]:
     """Timing and memory suites: per case the contenders' medians and the ratios with their targets."""
-    cases = data.get("cases")
-    if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
-        return []
-    memory = data.get("suite") == "memory"
-    records = [rec for c in cases for rec in c["contenders"].values()]
-    if not memory and not any(isinstance(rec, dict) and "median_s" in rec for rec in records):
-        return []  # suites whose cases hold other records (sac, mfu): their summary says it
-    names = [n for n in data.get("config", {}).get("contenders", {})
-             if any("skipped" not in c["contenders"].get(n, {"skipped": 1}) for c in cases)]
-    ratios = list(dict.fromkeys(r for c in cases for r in c.get("ratios", {})))
-    unit = "worst-rank MiB" if memory else "median step ms"
-    rows = []
-    for c in cases:
-        row: list[Any] = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else c["size"], c["ranks"]]
-        for n in names:
-            if memory:
-                val = (c.get("worst_rank_bytes", {}).get(n) or {}).get("total_bytes")
-                row.append(f"{val / 2**20:.2f}" if val else "-")
-            else:
-                rec = c["contenders"].get(n, {})
-                row.append(f"{rec['median_s'] * 1e3:.1f}" if rec.get("median_s") else "-")
-        for r in ratios:
-            ratio = c.get("ratios", {}).get(r)
-            if not ratio or ratio.get("value") is None:
-                row.append("-")
-                continue
-            mark = "" if ratio.get("met") is None else (" met" if ratio["met"] else " **missed**")
-            tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
-            row.append(f"{ratio['value']:.3f}{tgt}{mark}")
-        rows.append(row)
-    out = _table(["size (params)", "ranks", *[f"`{n}` ({unit})" for n in names], *ratios], rows)
-    skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
-                      if "skipped" in rec and "2-D mesh" not in rec["skipped"]})
-    return out + [f"Skipped {s}" for s in skipped] + ([""] if skipped else [])
+    return [*bench_common.case_table(data), ""] if bench_common.has_case_table(data) else []
 
 
 _RUN_COLUMNS = {"samples_per_s": "samples/s", "elapsed_s": "wall s", "median_stall_s": "stall per checkpoint s",
