@@ -3,7 +3,7 @@
     python benchmarks/gpu.py                       # every section, on cuda:0 (an estimated 20-30 min on an H100)
     python benchmarks/gpu.py --sections contenders # a subset; the other sections of an existing result stay
     python benchmarks/gpu.py --quick               # CPU smoke mode (tiny model, gloo), ~70 s CPU time
-    python benchmarks/gpu.py --report FILE.json    # markdown tables of a result, for the README
+    python benchmarks/gpu.py --report FILE.json    # markdown tables of a result
 
 Sections, in order; each is guarded, so a failure is recorded with its error tail and the rest go on:
 
@@ -712,7 +712,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """Markdown tables of a result (README's GPU figures)."""
+    """Markdown tables of a result, printed by ``--report``."""
     sec, cfg = result["sections"], result["config"]
     out = [f"**{result['device_name']}**, torch {result['versions'].get('torch')}, lightning "
            f"{result['versions'].get('lightning')}, {cfg['precision']}, model {cfg['model_source']} "

@@ -158,3 +158,14 @@ def test_modules_stay_small_and_the_root_stays_short() -> None:
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
     root = sorted(p.name for p in SRC.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the package root: {root}"
+
+
+def test_the_architecture_page_maps_every_module() -> None:
+    """docs/architecture.md's tree names every module, so the map a contributor reads is the package's."""
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    tree = page[page.index("src/fsdp_strategies/"):]
+    tree = tree[: tree.index("```")]
+    missing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                     if p.name != "__main__.py" and p.name not in tree
+                     and not (p.name == "__init__.py" and f"{p.parent.name}/" in tree))
+    assert not missing, f"docs/architecture.md's tree does not name: {missing}"

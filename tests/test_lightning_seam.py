@@ -4,7 +4,7 @@ Every access lives in :mod:`fsdp_strategies._lightning_seam` or :mod:`fsdp_strat
 each test is named after the private name and checks the behaviour the package needs in the
 *installed* version (or, where behaviour needs a process group, the name and signature), so an
 upgrade that renames or changes one fails here, by name, instead of deep inside a training run.
-Run against the oldest and newest supported Lightning (README: "Supported versions").
+Run against the oldest and newest supported Lightning (docs/getting-started.md: "Supported versions").
 All single-process and fast (one tiny ``fit`` shared by the loop tests).
 """
 

@@ -11,7 +11,7 @@ Runs of the example model, one after another, each for the same number of commit
   forked from a server that imported torch, Lightning and torchft once, so a restart skips the imports (and
   nothing runs between faults). Compared with each other only: forked ranks share their group's session, torchrun
   starts each rank in its own, and with Linux's autogroup scheduling two ranks sharing a core then step at
-  different speeds (see the README);
+  different speeds (see docs/strategies/ft_launcher.md);
 * ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_nofault_fork`` /
   ``diloco_faults_fork`` -- the same with
   ``sync: diloco`` (``sync_every`` 8);
@@ -73,7 +73,7 @@ CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "f
               "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork", "hsdp_nofault",
               "hsdp_restart")
 #: the fault-free run each faulty one is compared with
-#: (forkserver runs against forkserver runs: forked ranks step faster than torchrun's, see the README)
+#: (forkserver runs against forkserver runs: forked ranks step faster than torchrun's, see docs/strategies/ft_launcher.md)
 REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault_fork",
              "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
              "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}

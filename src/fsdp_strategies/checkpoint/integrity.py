@@ -16,8 +16,8 @@ atomic save (so a checkpoint and its checksums appear together or not at all):
 
 Checkpoints without either (older ones, Lightning's own strategies) load with a warning; the
 ``fsdp-strategies-verify`` command reports them as "no manifest". A checksum detects accidents
-(bit rot, torn copies, truncation), not an attacker who rewrites the manifest too: see the README's
-trust model.
+(bit rot, torn copies, truncation), not an attacker who rewrites the manifest too: see the
+trust model in docs/checkpoints.md.
 
 This module imports nothing from the package (it only hashes bytes and compares records); reading
 files with the restricted loader and the ``fsdp-strategies-verify`` command are in

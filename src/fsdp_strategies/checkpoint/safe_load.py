@@ -16,7 +16,7 @@
   dtypes/layouts and paths, and read non-tensor items with :func:`safe_torch_load`'s rules.
 
 Limits: restricted unpicklers are a strong defence, not a proof (torch's own has had bugs); the
-README's trust model still says to treat checkpoint files from others like code.
+trust model in docs/checkpoints.md still says to treat checkpoint files from others like code.
 """
 
 from __future__ import annotations
