@@ -10,11 +10,17 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import processes
+
 ROOT = Path(__file__).resolve().parents[1]
+#: how long a process may outlive the test that started it (a rank still in its exit path) before it is a leak
+LEAK_GRACE_S = 10.0
 EXAMPLES = ROOT / "examples"
 WORKERS = Path(__file__).resolve().parent / "workers"
 if str(EXAMPLES) not in sys.path:
@@ -56,8 +62,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
                check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` (e.g. a script that starts Lightning's launcher) and fail with its output."""
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=_env(env), cwd=str(cwd or ROOT))
+    proc = processes.run([sys.executable, *args], timeout=timeout, env=_env(env), cwd=str(cwd or ROOT))
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -73,6 +78,26 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: fl
                       timeout=timeout, env=env, check=check)
 
 
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Fail the test that leaves a process of its own running, and kill it (see ``tests/processes.py``).
+
+    Orphans count too: :func:`pytest_configure` made this process a child subreaper, so a rank whose launcher
+    died is re-parented here, not to init."""
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked = processes.leaked_processes()
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = processes.leaked_processes()
+    if leaked:
+        for pid in leaked:
+            processes.kill_tree(pid)
+        pytest.fail(f"the test left {len(leaked)} process(es) running {LEAK_GRACE_S:.0f} s after it ended (now "
+                    "killed):\n" + "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in leaked.items())
+                    + "\nFix: start jobs with tests/processes.py (run / start), which kill the whole tree.")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse a pytest session started from inside a test, and (``make test-lightning-range``) one that runs
     against another Lightning than the one it installed."""
@@ -83,6 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
                     f"{os.environ.get('LOCAL_RANK')}): a Trainer with devices > 1 was fit inside pytest. Fix: in that "
                     "test, call conftest.as_torchrun_rank0(monkeypatch, ...) first, or run the job in a worker script.",
                     returncode=3)
+    processes.become_subreaper()
     expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")
     if not expected:
         return

@@ -26,6 +26,7 @@ ROOT = TESTS.parent
 JOB = TESTS / "workers" / "exit_job.py"
 sys.path.insert(0, str(TESTS))
 
+import processes  # noqa: E402
 from preempt_trials import job_env  # noqa: E402
 
 
@@ -39,9 +40,13 @@ def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: boo
         for rank in (0, 1):
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
             cmd = [py, str(JOB), "collectives", *(["--without-fix"] if without_fix else [])]
-            procs.append(subprocess.Popen(cmd, env=renv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+            procs.append(processes.start(cmd, env=renv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True))
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill_tree()
         return next((p.returncode for p in procs if p.returncode != 0), 0), "\n".join(outs)
     if mode == "lightning":
         cmd = [py, str(JOB), "lightning", "--strategy", strategy, "--root", str(work)]
@@ -52,7 +57,7 @@ def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: boo
                "--global-batch", "8", "--steps", "2", "--out", str(work / "torch_loop.json")]
     else:
         raise ValueError(mode)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = processes.run(cmd, env=env, cwd=ROOT, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -44,6 +44,7 @@ ROOT = TESTS.parent
 WORKER = TESTS / "workers" / "preempt_train.py"
 sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
+import processes  # noqa: E402
 from fsdp_strategies.checkpoint.export import export_consolidated  # noqa: E402
 from fsdp_strategies.ft.process_tree import process_tree  # noqa: E402
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
@@ -105,8 +106,7 @@ def losses(root: Path, rank: int) -> dict[int, float]:
 
 
 def run_job(strategy: str, root: Path, *, resume: bool, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command(strategy, root, resume=resume, **kw), capture_output=True, text=True,
-                          timeout=timeout, env=job_env(), cwd=ROOT)
+    return processes.run(command(strategy, root, resume=resume, **kw), timeout=timeout, env=job_env(), cwd=ROOT)
 
 
 def _tree_alive(pids: list[int]) -> list[int]:
@@ -187,8 +187,8 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
     root = work / f"{strategy}-{mode}-{rng.randrange(10**6)}"
     delay = rng.uniform(0, window_s)
     t = Trial(strategy, mode, round(delay, 3))
-    proc = subprocess.Popen(command(strategy, root, step_sleep=step_sleep, steps=steps), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=ROOT, start_new_session=True)
+    proc = processes.start(command(strategy, root, step_sleep=step_sleep, steps=steps), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=ROOT)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:  # trained at least one step
@@ -234,10 +234,7 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
         if "still running" in out and "preempt_grace_s" in out:
             t.notes.append("watchdog exit")
     finally:
-        if proc.poll() is None:
-            for pid in _tree_alive(process_tree(proc.pid)):
-                os.kill(pid, signal.SIGKILL)
-            proc.wait()
+        proc.kill_tree()  # whatever of the job is still running, in any session (a no-op after a clean stop)
 
     newest = _newest_checkpoint(root / "ckpt")
     if newest is not None:

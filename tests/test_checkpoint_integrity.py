@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+import processes
 from conftest import ROOT, WORKERS, _env, run_python
 from fsdp_strategies.checkpoint.atomic import atomic_save_full, commit_save, prepare_save
 from fsdp_strategies.checkpoint.export import export_main
@@ -330,8 +331,7 @@ def test_allow_list_round_trips_what_lightning_checkpoints_hold(tmp_path: Path) 
 # ---------------------------------------------------------------------------------- export CLI and temps
 def _export_cli(*args: str) -> subprocess.CompletedProcess[str]:
     code = "import sys; from fsdp_strategies.checkpoint.export import export_main; sys.exit(export_main())"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
-                          env=_env(), cwd=str(ROOT))
+    return processes.run([sys.executable, "-c", code, *args], timeout=120, env=_env(), cwd=str(ROOT))
 
 
 def _make_source(kind: str, src: Path) -> str:
@@ -361,8 +361,7 @@ def test_export_command_process_exits_1_without_traceback(tmp_path: Path) -> Non
     src, out = tmp_path / "notes.ckpt", tmp_path / "out.pt"
     expected = _make_source("text_file", src)
     code = "import sys; from fsdp_strategies.checkpoint.export import export_main; sys.exit(export_main())"
-    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True,
-                          timeout=300, env=_env(), cwd=str(ROOT))
+    proc = processes.run([sys.executable, "-c", code, str(src), str(out)], timeout=300, env=_env(), cwd=str(ROOT))
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("fsdp-strategies-export: error: ")
@@ -390,10 +389,10 @@ except OSError:
 """
 
 
-def _writer(directory: Path, name: str, mode: str) -> subprocess.Popen[str]:
+def _writer(directory: Path, name: str, mode: str) -> processes.Job:
     tmp = directory / f"{name}.tmp"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(directory / f".{name}.tmp.lock"), str(tmp), mode],
-                            stdout=subprocess.PIPE, text=True)
+    proc = processes.start([sys.executable, "-c", _WRITER, str(directory / f".{name}.tmp.lock"), str(tmp), mode],
+                           stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -402,7 +401,7 @@ def test_next_save_of_any_name_removes_stale_temps_but_not_live_ones(tmp_path: P
     # our writer side: while a save is in progress its lock is held, so no other process would remove its temp
     tmp = prepare_save(tmp_path / "mine.ckpt")
     lock = tmp_path / ".mine.ckpt.tmp.lock"
-    probe = subprocess.run([sys.executable, "-c", _PROBE, str(lock)], capture_output=True, text=True, timeout=60)
+    probe = processes.run([sys.executable, "-c", _PROBE, str(lock)], timeout=60)
     assert probe.stdout.strip() == "held"
     torch.save({}, tmp)
     commit_save(tmp_path / "mine.ckpt")
@@ -420,8 +419,7 @@ def test_next_save_of_any_name_removes_stale_temps_but_not_live_ones(tmp_path: P
         assert "user.tmp" in names and "last.ckpt" in names
         assert not any(n.startswith(".last.ckpt") for n in names)  # our own lock is gone after the commit
     finally:
-        live.kill()
-        live.wait(timeout=60)
+        live.kill_tree()
     atomic_save_full({"state_dict": {}}, tmp_path / "other.ckpt")  # once its writer is gone, the next save cleans it
     assert not (tmp_path / "step=3.ckpt.tmp").exists()
     assert verify_checkpoint(tmp_path / "last.ckpt").ok

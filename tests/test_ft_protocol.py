@@ -15,6 +15,7 @@ import pytest
 
 import fsdp_strategies
 import fsdp_strategies.ft
+import processes
 from fsdp_strategies.ft.protocol import (
     EVENTS_ENV,
     LAUNCHER_PID_ENV,
@@ -122,8 +123,8 @@ def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
         "stop.set(); t.join()\n"
         "print(json.dumps({'before': before, 'after': after, 'warnings': [str(x.message) for x in w]}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
+    proc = processes.run([sys.executable, "-c", code], timeout=120, check=True,
+                         preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(seen["before"]) >= 2 and set(seen["before"]) == {os.SCHED_IDLE}, seen
     if os.geteuid() == 0:

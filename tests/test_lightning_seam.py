@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
+import processes
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
 
@@ -449,7 +450,6 @@ def test_torchft_Manager__quorum_id_and__quorum_future() -> None:
 
 def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
     """A process that ends with ``os._exit`` runs its atexit handlers only through the seam."""
-    import subprocess
     import sys
 
     marker = tmp_path / "ran"
@@ -463,7 +463,7 @@ def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
         "os._exit(0)\n"
     )
     for mode, expected in (("skip", False), ("seam", True)):
-        subprocess.run([sys.executable, "-c", code, mode], check=True, timeout=120)
+        processes.run([sys.executable, "-c", code, mode], capture_output=False, check=True, timeout=120)
         assert marker.exists() is expected, mode
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from conftest import ROOT, run_python
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE, Preempted
@@ -108,7 +109,7 @@ def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp
     script.write_text(_GROUP)
     cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--runner", runner,
            "--events-dir", str(tmp_path / "events"), "--grace", "20", "--", str(script), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = processes.start(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
         while not all((tmp_path / f"up-{g}").exists() for g in (0, 1)) and time.time() < deadline:
@@ -117,8 +118,7 @@ def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill_tree()
     assert proc.returncode == PREEMPT_EXIT_CODE, out
     assert time.time() - t0 < 30, out
     # both groups got the SIGTERM in their first incarnation, and none was restarted

@@ -16,7 +16,6 @@ import inspect
 import json
 import os
 import shutil
-import subprocess
 import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import fsdp_strategies
+import processes
 from fsdp_strategies import callbacks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +54,10 @@ def dump_dom(page: str) -> str:
     """The page's DOM after Chromium has loaded it (scripts run), as HTML."""
     path = SITE / page / "index.html"
     assert path.is_file(), f"{path} is missing: build the site first (`make docs` runs mkdocs build --strict)"
-    proc = subprocess.run(
+    proc = processes.run(
         [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--virtual-time-budget=3000", "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        timeout=120,
     )
     assert proc.returncode == 0 and "<html" in proc.stdout, f"chromium failed on {page}: {proc.stderr[-2000:]}"
     return proc.stdout

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -30,10 +29,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from models import MODELS  # noqa: E402
 from worker import STEPS  # noqa: E402
+
+import processes  # noqa: E402
 
 #: relative tolerance of a cell's losses against its reference run, per precision. fp32: reduction
 #: order only. bf16-mixed: FSDP2's MixedPrecisionPolicy keeps norms and other non-matmul ops in bf16
@@ -107,7 +108,7 @@ def run_cells(cells: list[dict[str, Any]], world: int, work: Path, timeout: floa
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(HERE / "worker.py"),
            "--cells", str(spec), "--out", str(out), "--tmp", str(work / f"tmp{world}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    proc = processes.run(cmd, timeout=timeout, env=env, cwd=str(ROOT))
     results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if len(results) != len(cells):
         raise RuntimeError(f"the {world}-rank matrix job ran {len(results)} of {len(cells)} cells (rc "
@@ -132,7 +133,7 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
            "--timeout", str(timeout - 20), "--", str(HERE / "ft_worker.py"), "--model", model, "--precision", precision,
            "--callbacks", ",".join(callbacks), "--steps", str(steps), "--sleep-alone", str(sleep_alone),
            "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    proc = processes.run(cmd, timeout=timeout, env=env, cwd=str(ROOT))
     launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()] \
         if (events / "launcher.jsonl").exists() else []
     groups = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("group*_rank*.json"))} if out.exists() else {}
