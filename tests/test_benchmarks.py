@@ -179,6 +179,7 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     assert _one("memory-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None:
     # the async-checkpoint benchmark (issue 14): 2 ranks, a sync and a thread job of 4 steps, a save every 2
     proc = run_python(["benchmarks/suites/checkpoint.py", "--quick", "--contenders", "sync", "thread",

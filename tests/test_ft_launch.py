@@ -20,6 +20,7 @@ from fsdp_strategies.ft.launch_options import core_sets
 from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE
 
 
+@pytest.mark.multiprocess
 def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> None:
     events = tmp_path / "events"
     proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "1", "--runner",
@@ -56,6 +57,7 @@ def test_last_error_line_skips_torchrun_summary(tmp_path: Path) -> None:
     assert last_error_line(tmp_path / "missing.log") == "(no log)"
 
 
+@pytest.mark.multiprocess
 def test_pin_cores_gives_each_group_its_cpus_and_a_restart_the_same_ones(tmp_path: Path) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     spec = "auto" if len(allowed) >= 2 else f"{allowed[0]};{allowed[0]}"
@@ -125,6 +127,7 @@ _EXITS = textwrap.dedent("""
     # the evicted group comes back and finishes: the job is done, although group 1 was preempted
     ("torchrun", "0:leave,finish;1:preempt", 0),
 ])
+@pytest.mark.multiprocess
 def test_a_group_that_left_is_restarted_and_a_preempted_one_is_not(tmp_path: Path, runner: str, plan: str,
                                                                      returncode: int) -> None:
     script = tmp_path / "group.py"

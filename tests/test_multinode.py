@@ -293,6 +293,7 @@ def _tool(calls: list[dict], tool: str) -> list[dict]:
     return [c for c in calls if c["tool"] == tool]
 
 
+@pytest.mark.multiprocess
 def test_slurm_hsdp_script_runs_the_local_two_agent_lines(tmp_path: Path) -> None:
     nodes = "127.0.0.1 127.0.0.2"
     env = {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "6", "STUB_NODES": nodes,
@@ -317,6 +318,7 @@ def test_slurm_hsdp_script_runs_the_local_two_agent_lines(tmp_path: Path) -> Non
         script_args=hsdp_script_args("configs/hsdp.yaml", nnodes=2, devices=8))] * 2
 
 
+@pytest.mark.multiprocess
 def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path) -> None:
     nodes = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
     port = free_port()

@@ -102,6 +102,7 @@ _GROUP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("runner", ["lightning", "forkserver"])
 def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp_path: Path, runner: str) -> None:
     # forkserver: the SIGTERM reaches the forked ranks; their leader waits for them instead of dying first
