@@ -112,8 +112,8 @@ class MFUMonitor(Callback):
         peak_dtype: column of the peak table (bf16/fp16/tf32/fp8/fp32); default from the Trainer's precision.
         tokens_per_sample: tokens one sample contributes; default: the size of the first integer tensor
             of the batch divided by the batch size (token ids).
-        seq_len / hidden_size: for ``analytic``: sequence length (default ``tokens_per_sample``) and
-            attention width (default: the largest ``nn.Embedding``'s dimension).
+        seq_len: for ``analytic``: sequence length (default ``tokens_per_sample``).
+        hidden_size: for ``analytic``: attention width (default: the largest ``nn.Embedding``'s dimension).
         block_class_names: for ``analytic``: block classes to count layers (default: heuristic).
         prog_bar: show window TFLOPS and MFU (medians) in the progress bar.
         prefix: metric name prefix.

@@ -96,7 +96,8 @@ def parallelize(
         block_class_names: the blocks' class names; empty: every stack of repeated blocks.
         ac: keyword arguments of :func:`~fsdp_strategies.parallel.activation_checkpointing.apply_activation_checkpointing`
             (e.g. ``{"mode": "full"}``); ``None``: no checkpointing here.
-        compile_blocks / compile_options: ``torch.compile`` each block with these options.
+        compile_blocks: ``torch.compile`` each block.
+        compile_options: keyword arguments of that ``torch.compile``.
         mp_policy, cpu_offload, reshard_after_forward, forward_prefetch, backward_prefetch: see :func:`apply_fsdp`.
 
     Returns the block stacks found (empty: the whole model is one FSDP unit). Idempotent.

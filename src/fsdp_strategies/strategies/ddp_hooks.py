@@ -133,7 +133,9 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         powersgd_start_iter: plain all-reduce for this many iterations first (>= 2: error feedback and
             warm start need it).
         powersgd_min_compression_rate: compress a tensor only when it saves at least this factor.
-        powersgd_use_error_feedback / powersgd_warm_start: PowerSGD's error feedback and warm start.
+        powersgd_use_error_feedback: PowerSGD's error feedback (the compression error is added to the next
+            step's gradient).
+        powersgd_warm_start: PowerSGD's warm start (reuse the previous step's factors).
         local_sgd_period: parameter averaging period of ``post_local_sgd`` (and the first level of the
             default hierarchy).
         local_sgd_warmup: steps of fully synchronous DDP before local SGD starts.
@@ -146,12 +148,17 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             between averagings (what hides stragglers). Default: the devices of one node.
         local_sgd_enabled: start with local SGD on (``True``), or synchronous until
             :meth:`set_local_sgd` turns it on (the straggler callback's ``hierarchical_sgd`` action).
-        bucket_cap_mb / static_graph / gradient_as_bucket_view / find_unused_parameters: passed to
-            ``DistributedDataParallel``.
-        process_group_backend / timeout / start_method: as in Lightning's ``DDPStrategy``.
-        checkpoint_on_preempt / preempt_grace_s: SIGTERM handling, as in
-            :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`. Under local SGD every rank stops at
-            the first global averaging after the signal (the ranks meet only there).
+        bucket_cap_mb: passed to ``DistributedDataParallel``.
+        static_graph: passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: passed to ``DistributedDataParallel``.
+        find_unused_parameters: passed to ``DistributedDataParallel``.
+        process_group_backend: as in Lightning's ``DDPStrategy``.
+        timeout: as in Lightning's ``DDPStrategy``.
+        start_method: as in Lightning's ``DDPStrategy``.
+        checkpoint_on_preempt: SIGTERM handling, as in :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`.
+            Under local SGD every rank stops at the first global averaging after the signal (the ranks meet
+            only there).
+        preempt_grace_s: as in :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`.
         async_checkpoint: ``"off"`` (synchronous) or ``"thread"``: rank 0 copies the checkpoint to CPU memory
             and a background thread writes the file (digest, ``torch.save``, atomic rename); see
             :mod:`fsdp_strategies.checkpoint.async_writer`. ``"process"`` needs a sharded checkpoint (fsdp2/hsdp).
