@@ -132,13 +132,10 @@ def run(cmd: Sequence[str], *, timeout: float, capture_output: bool = True, text
     with start(cmd, text=text, **popen_kwargs) as job:
         try:
             out, err = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as expired:
+        except subprocess.TimeoutExpired as expired:  # (any other exception: Job.__exit__ kills the tree)
             job.kill_tree()
             out, err = job.communicate()
             raise subprocess.TimeoutExpired(job.args, timeout, output=out, stderr=err) from expired
-        except BaseException:
-            job.kill_tree()
-            raise
     proc = subprocess.CompletedProcess(job.args, job.returncode, out, err)
     if check:
         proc.check_returncode()

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from typing_extensions import override
 
 from fsdp_strategies._torch_seam import TorchDispatchMode
 from fsdp_strategies.callbacks.straggler import StragglerDetector
+from fsdp_strategies.ft.heal_state import local
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,8 +109,8 @@ class StragglerInjection:
         delay_s: length of one delay in seconds.
         probability: chance that a given step of a chosen rank is delayed (1.0 = persistent, every
             step; e.g. 0.02 = rare transient stalls).
-        start_step / end_step: global steps ``[start_step, end_step)`` in which delays happen
-            (``end_step`` None = until the end).
+        start_step: first global step in which delays happen.
+        end_step: delays happen before this global step (None = until the end).
         kind: ``sleep`` (a host stall before the step: time the rank is away), ``busy_wait`` (the same
             stall spent in a busy loop: on a CPU host shared by several ranks the stalled rank keeps its
             share of the cores, so the others do not speed up while it is away, as on separate
@@ -218,8 +218,8 @@ class SlowLink:
         seconds_per_mb: delay per MB (1e6 bytes) sent; FSDP's per-step gradient all-reduces and an outer sync's
             pseudo-gradient all-reduces move the same bytes, so the model charges both alike.
         latency_s: delay per all-reduce call.
-        start_step / end_step: committed steps ``[start_step, end_step)`` (``Trainer.global_step`` during the step)
-            in which the link is slow (``end_step`` None = until the end).
+        start_step: first committed step (``Trainer.global_step`` during the step) in which the link is slow.
+        end_step: the link is slow before this committed step (None = until the end).
     """
 
     groups: list[int]
@@ -283,15 +283,11 @@ class SlowLinkInjector(Callback):
 
 
 # ---------------------------------------------------------------------------------------------- states
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality checks."""
     h = hashlib.sha1()
     for key in sorted(tensors):
-        t = _local(tensors[key]).detach().contiguous().cpu().reshape(-1)
+        t = local(tensors[key]).detach().contiguous().cpu().reshape(-1)
         h.update(key.encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

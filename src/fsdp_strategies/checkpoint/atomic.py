@@ -174,7 +174,7 @@ def resolve_checkpoint_path(path: str | os.PathLike[str]) -> Path:
 
 def prepare_save(path: Path) -> Path:
     """Rank 0, before a save: lock the temp, undo an interrupted swap, drop partial temps; return the temp path."""
-    old, tmp = _sibling(path, OLD_SUFFIX), _sibling(path, TMP_SUFFIX)
+    old, tmp = _sibling(path, OLD_SUFFIX), temp_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _acquire_save_lock(tmp)
     if not path.exists() and old.exists():
@@ -187,7 +187,7 @@ def prepare_save(path: Path) -> Path:
 
 def commit_save(path: Path) -> None:
     """Rank 0, after the temp checkpoint is complete: move it into place and release the temp's lock."""
-    tmp, old = _sibling(path, TMP_SUFFIX), _sibling(path, OLD_SUFFIX)
+    tmp, old = temp_path(path), _sibling(path, OLD_SUFFIX)
     if path.is_file() and tmp.is_file():
         os.replace(tmp, path)  # atomic for files
     else:
