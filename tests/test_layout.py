@@ -6,7 +6,7 @@ import of that package too (the root ``fsdp_strategies/__init__`` is left out of
 door that imports every layer to register the strategies, and it runs first whatever one imports). The rule is the one docs/architecture.md draws:
 
     base <- parallel <- flops
-    base <- parallel <- checkpoint <- runtime <- strategies <- ft
+    base <- parallel <- checkpoint <- hf <- runtime <- strategies <- ft
     callbacks <- base, parallel, flops (and protocols, which is base)
     testing: imported by nothing in the package
 """
@@ -28,14 +28,15 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": {"base"},
     "flops": {"base", "parallel"},
     "checkpoint": {"base", "parallel"},
-    "runtime": {"base", "parallel", "checkpoint"},
-    "strategies": {"base", "parallel", "flops", "checkpoint", "runtime"},
-    "ft": {"base", "parallel", "flops", "checkpoint", "runtime", "strategies"},
+    "hf": {"base", "parallel", "checkpoint"},
+    "runtime": {"base", "parallel", "checkpoint", "hf"},
+    "strategies": {"base", "parallel", "flops", "checkpoint", "hf", "runtime"},
+    "ft": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies"},
     "callbacks": {"base", "parallel", "flops"},
     # the package's front doors: may import any layer, never `testing`
-    "top": {"base", "parallel", "flops", "checkpoint", "runtime", "strategies", "ft", "callbacks"},
+    "top": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks"},
     # fault injectors for tests, benchmarks and demo configs: may import anything, imported by nothing
-    "testing": {"base", "parallel", "flops", "checkpoint", "runtime", "strategies", "ft", "callbacks", "top"},
+    "testing": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks", "top"},
 }
 TOP = {"__init__", "cli"}
 MAX_MODULE_LINES = 600

@@ -123,3 +123,29 @@ def test_ctrl_c_in_the_middle_of_a_test_leaves_no_process(tmp_path: Path) -> Non
         out, _ = inner.communicate(timeout=120)
     assert "KeyboardInterrupt" in out, out
     assert _gone(pids), [p for p in pids if _alive(p)]
+
+
+# a group root with two ranks in sessions of their own (as torchrun starts them); the later-started rank kills
+# its own group from inside with the launcher's kill_tree
+SELF_KILLING_GROUP = textwrap.dedent("""
+    import os, subprocess, sys, time
+    pids = sys.argv[1]
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    killer = subprocess.Popen([sys.executable, "-c",
+        "import os, sys, time; time.sleep(1); from fsdp_strategies.ft.process_tree import kill_tree; "
+        "kill_tree(os.getppid()); time.sleep(600)"], start_new_session=True)
+    with open(pids, "w") as fh:
+        fh.write(f"{sibling.pid} {killer.pid}")
+    time.sleep(600)
+""")
+
+
+def test_a_rank_that_kills_its_own_group_takes_every_sibling_with_it(tmp_path: Path) -> None:
+    # kill_tree walks the root's tree before signalling; a caller inside the tree must come last, or the ranks
+    # after it in the walk (here the sibling, listed after the later-started killer) are never signalled and
+    # live on as orphans of the nearest subreaper
+    pids = tmp_path / "pids"
+    with processes.start([sys.executable, "-c", SELF_KILLING_GROUP, str(pids)]) as job:
+        sibling, killer = _pids(pids)
+        assert job.wait(timeout=60) == -signal.SIGKILL
+        assert _gone([sibling, killer]), "a rank of the group outlived its group's kill"

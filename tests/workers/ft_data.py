@@ -23,10 +23,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from group_kill import kill_own_group
 from torch.utils.data import DataLoader, Dataset
 
 from fsdp_strategies.ft import FTHSDPStrategy
-from fsdp_strategies.ft.process_tree import kill_tree
 
 NUM_SAMPLES, BATCH = 96, 4
 
@@ -100,7 +100,7 @@ class HealKillingFTHSDP(FTHSDPStrategy):
             with out.open("a") as fh:
                 fh.write(json.dumps({"incarnation": incarnation, "killed_in_heal": True,
                                      "step": int(self.manager.current_step())}) + "\n")
-            kill_tree(os.getppid())  # torchrun agent + every rank of this group
+            kill_own_group()  # torchrun agent + every rank of this group
             time.sleep(60)
         super()._load_heal_state(state)
 

@@ -44,9 +44,10 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
+from group_kill import kill_own_group  # noqa: E402
+
 import fsdp_strategies  # noqa: F401, E402
 from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402
-from fsdp_strategies.ft.process_tree import kill_tree  # noqa: E402
 from fsdp_strategies.testing import state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
@@ -125,7 +126,7 @@ class FTProbe(pl.Callback):
                     if sync_calls["n"] == call:
                         print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of the sync at {step}",
                               flush=True)
-                        kill_tree(os.getppid())
+                        kill_own_group()
                         time.sleep(60)
                 return inner(tensor, *args, **kwargs)
 
@@ -142,7 +143,7 @@ class FTProbe(pl.Callback):
                 calls["n"] += 1
                 if calls["n"] == call:
                     print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of step {step}", flush=True)
-                    kill_tree(os.getppid())  # torchrun agent + every rank of this group
+                    kill_own_group()  # torchrun agent + every rank of this group
                     time.sleep(60)
             original(reduce_output)
 
@@ -165,7 +166,7 @@ class FTProbe(pl.Callback):
                 result.wait()
                 print(f"FT_TEST: group {self.group} rank {trainer.global_rank} dies in the middle of checkpoint "
                       f"write #{nth} ({writer.path})", flush=True)
-                kill_tree(os.getppid())
+                kill_own_group()
                 time.sleep(60)
             return result
 

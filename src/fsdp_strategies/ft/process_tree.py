@@ -38,8 +38,14 @@ def process_tree(root: int) -> list[int]:
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Send ``sig`` to ``root`` and every descendant (a whole replica group); return the pids signalled."""
+    """Send ``sig`` to ``root`` and every descendant (a whole replica group); return the pids signalled.
+
+    A caller inside the tree (a rank that kills its own group) is signalled last: were it signalled in the
+    middle, the rest of the list would never be, and those ranks would live on as orphans."""
     pids = process_tree(root) if os.path.isdir("/proc") else [root]
+    me = os.getpid()
+    if me in pids:
+        pids = [pid for pid in pids if pid != me] + [me]
     for pid in pids:
         try:
             os.kill(pid, sig)

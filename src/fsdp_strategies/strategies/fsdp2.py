@@ -32,6 +32,9 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     load_into_sharded_model,
     optimizer_param_names,
 )
+from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
+from fsdp_strategies.hf.materialize import materialize
+from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_pretrained
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh
@@ -118,6 +121,15 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         async_checkpoint: ``"off"`` (synchronous saves), ``"thread"`` or ``"process"``: stage this rank's
             shards in CPU memory and write them in the background with DCP's ``async_save`` (a thread, or
             DCP's checkpoint process); still atomic, see :mod:`fsdp_strategies.checkpoint.async_writer`.
+        pretrained: a local Hugging Face ``save_pretrained`` folder (``*.safetensors``) whose weights start the
+            training: after sharding, every rank reads only its own shards of it (see
+            :mod:`fsdp_strategies.hf.pretrained`). For modules whose ``configure_model`` builds the HF model
+            with ``from_config``; ``from_pretrained`` in ``configure_model`` needs no option. Skipped when the
+            fit resumes from a checkpoint (``ckpt_path``).
+        pretrained_prefix: the attribute path of the HF model in the LightningModule, e.g. ``"model."`` for
+            ``self.model``; ``""`` for the module itself. Default: the one ``PreTrainedModel`` it holds.
+        pretrained_strict: a parameter missing from ``pretrained``, or a tensor of it the model lacks, is an
+            error (``True``) or a warning naming what keeps its fresh initialisation (``False``: e.g. a new head).
     """
 
     strategy_name = "fsdp2"
@@ -142,6 +154,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         checkpoint_on_preempt: bool = False,
         preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S,
         async_checkpoint: AsyncCheckpointMode = "off",
+        pretrained: str | None = None,
+        pretrained_prefix: str | None = None,
+        pretrained_strict: bool = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -173,6 +188,15 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         }
         self._mp_policy = MixedPrecisionPolicy()
         self._step_calls_root: dict[str, bool] = {}
+        if pretrained is not None:
+            check_folder(pretrained, "pretrained")
+        elif pretrained_prefix is not None:
+            raise ValueError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
+                             "save_pretrained folder, or drop pretrained_prefix.")
+        self.pretrained = pretrained
+        self.pretrained_prefix = pretrained_prefix
+        self.pretrained_strict = pretrained_strict
+        self._deferred_pretrained: list[PretrainedSource] = []  # from_pretrained calls seen in configure_model
 
     # ------------------------------------------------------------------ validation (no process group yet)
     def _mesh_degrees(self) -> HSDPDegrees | None:
@@ -255,10 +279,30 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         if self.meta_init:
-            with torch.device("meta"):
+            with torch.device("meta"), defer_from_pretrained(self._deferred_pretrained):
                 yield
         else:
             yield
+
+    def _pretrained_sources(self) -> list[PretrainedSource]:
+        sources = list(self._deferred_pretrained)
+        if self.pretrained is not None:
+            sources.append(PretrainedSource(self.pretrained, self.pretrained_prefix, self.pretrained_strict,
+                                            origin=f"pretrained={self.pretrained!r}"))
+        return sources
+
+    def load_pretrained_weights(self, trainer: pl.Trainer) -> None:
+        """Read every pretrained source (the ``pretrained`` option, ``from_pretrained`` calls) into the shards."""
+        assert self.model is not None
+        sources = self._pretrained_sources()
+        if not sources:
+            return
+        if trainer.ckpt_path is not None:
+            rank_zero_info(f"{self.strategy_name}: resuming from {trainer.ckpt_path}: the pretrained weights of "
+                           f"{', '.join(s.origin for s in sources)} are not read (the checkpoint's are).")
+            return
+        for source in sources:
+            load_pretrained(self.model, source, log_prefix=f"{self.strategy_name}: ")
 
     # ------------------------------------------------------------------ wrapping
     def shard_module(self, module: nn.Module) -> nn.Module:
@@ -305,7 +349,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             if not seam.has_meta_tensors(self.model):
                 self.model.to(self.root_device)
             self.shard_module(self.model)
-            seam.materialize_meta_module(self.model, self.root_device)
+            materialize(self.model, self.root_device)
+            self.load_pretrained_weights(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -1,0 +1,116 @@
+"""A module built on the meta device made real after sharding, Hugging Face models through their own init.
+
+Lightning's materialisation (``to_empty`` on the root, then ``reset_parameters`` on every submodule that has
+one) leaves what a module has no ``reset_parameters`` for as uninitialised memory. Hugging Face models are made
+of such modules: ``LlamaRMSNorm``, and the rotary embedding whose ``inv_freq`` is a *non-persistent* buffer --
+never in a checkpoint file, so loading pretrained weights cannot repair it, and a model run with it is silently
+wrong. ``transformers`` itself initialises a model through ``PreTrainedModel.initialize_weights`` (each
+sub-model with its own ``_init_weights``; rotary tables recomputed from the config). Here every outermost
+``PreTrainedModel`` the module holds is initialised that way, on its shards (DTensor ``normal_``/``copy_`` act
+on each rank's local shard), and everything else as Lightning does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from itertools import chain
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from fsdp_strategies import _lightning_seam as seam
+
+__all__ = ["clean_name", "hf_models", "materialize", "pretrained_model_class"]
+
+_WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_INIT_FLAG = "_is_hf_initialized"
+
+
+def clean_name(name: str) -> str:
+    """A module or parameter name without the wrapper tokens compile / activation checkpointing insert."""
+    for token in _WRAPPER_TOKENS:
+        name = name.replace(token, "")
+    return name
+
+
+def pretrained_model_class() -> type | None:
+    """``transformers.PreTrainedModel`` when ``transformers`` is imported already, else None (never imports it)."""
+    transformers = sys.modules.get("transformers")
+    return None if transformers is None else transformers.PreTrainedModel
+
+
+def hf_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(prefix, model) of every outermost ``PreTrainedModel`` in ``module``; the prefix ends with ``.`` (root: "")."""
+    base = pretrained_model_class()
+    if base is None:
+        return
+    inside: set[int] = set()
+    for name, sub in module.named_modules():
+        if id(sub) in inside or not isinstance(sub, base):
+            continue
+        inside.update(id(m) for m in sub.modules())
+        cleaned = clean_name(name + ".") if name else ""
+        yield cleaned, sub
+
+
+def _has_own_tensors(module: nn.Module) -> bool:
+    return any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False)))
+
+
+def _tied_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (owner, attribute) slots of every parameter registered under more than one name (tied weights)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner_name, _, attr = name.rpartition(".")
+        slots.setdefault(id(param), []).append((module.get_submodule(owner_name), attr))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """``to_empty`` gives each slot of a shared parameter its own tensor (FSDP2 keeps them shared): share again."""
+    for (first_owner, first_attr), *rest in groups:
+        shared = getattr(first_owner, first_attr)
+        for owner, attr in rest:
+            if getattr(owner, attr) is not shared:
+                setattr(owner, attr, shared)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta tensors of ``module`` on ``device`` and initialise them (see the module docstring).
+
+    Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split them."""
+    if not seam.has_meta_tensors(module):
+        return
+    ties = _tied_slots(module)
+    models = [model for _, model in hf_models(module)]
+    if not models:
+        seam.materialize_meta_module(module, device)
+        _retie(ties)
+        return
+    module.to_empty(device=device)
+    _retie(ties)
+    covered = {id(m) for model in models for m in model.modules()}
+    uninitialized = set()
+    for sub in module.modules():
+        if id(sub) in covered or not _has_own_tensors(sub):
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialized.add(type(sub).__name__)
+    for model in models:
+        for sub in model.modules():  # a fresh init: flags from the meta construction would skip modules
+            sub.__dict__.pop(_INIT_FLAG, None)
+            for tensor in chain(sub.parameters(recurse=False), sub.buffers(recurse=False)):
+                tensor.__dict__.pop(_INIT_FLAG, None)
+        with torch.no_grad():
+            model.initialize_weights()
+    if uninitialized:
+        rank_zero_warn(
+            "Parameter initialization incomplete: these modules outside the Hugging Face models have parameters or "
+            f"buffers but no reset_parameters(), so their memory is uninitialised: {', '.join(sorted(uninitialized))}. "
+            "Fix: give them a reset_parameters(), load weights into them, or build them outside configure_model."
+        )
