@@ -1,9 +1,11 @@
-"""Export: any checkpoint of this package as one plain ``state_dict`` file (the ``fsdp-strategies-export`` command).
+"""Export: any checkpoint of this package as one plain ``state_dict`` file (``fsdp-strategies-export --format torch``).
 
 A sharded (DCP) folder or a full single file is verified against its checksums, read without running
 code from it (restricted unpicklers, in one process with no process group: DCP's ``no_dist`` load into
 full-size tensors), and its ``state_dict`` is written with ``torch.save`` to a temp file renamed into place.
 The result loads into the plain model with ``model.load_state_dict(torch.load(output))``, no package needed.
+:func:`open_checkpoint` (verify, then read the non-tensor entries; tensors on demand) is shared with the
+Hugging Face export (:mod:`fsdp_strategies.hf.export`, whose ``main`` is the console script for both formats).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import os
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from fsdp_strategies.checkpoint.atomic import remove_path, resolve_checkpoint_path, temp_path
+from fsdp_strategies.checkpoint.atomic import (
+    LIGHTNING_META_FILE,
+    remove_path,
+    resolve_checkpoint_path,
+    temp_path,
+)
 from fsdp_strategies.checkpoint.integrity import verify_folder, verify_loaded
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
@@ -27,28 +35,36 @@ from fsdp_strategies.checkpoint.safe_load import (
     SafeLoadPlanner,
     load_dcp_metadata,
     load_file_checkpoint,
+    safe_torch_load,
 )
 
-__all__ = ["export_consolidated", "export_main", "read_sharded_state_dict"]
+__all__ = ["VerifiedCheckpoint", "export_consolidated", "export_main", "open_checkpoint", "read_sharded_state_dict"]
 
 
-def read_sharded_state_dict(folder: Path, key: str = "state_dict") -> dict[str, Any]:
-    """Single process: the full tensors under ``key`` of a DCP folder, read with the restricted reader/planner."""
+def read_sharded_state_dict(folder: Path, key: str = "state_dict", prefix: str = "") -> dict[str, Any]:
+    """Single process: the full tensors under ``key`` of a DCP folder, read with the restricted reader/planner
+    (only the entries whose name starts with ``prefix``, when one is given)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = load_dcp_metadata(folder)
     target: dict[str, Any] = {}
+    has_key = False
     for flat, meta in metadata.state_dict_metadata.items():
         where = tuple((metadata.planner_data or {}).get(flat) or flat.split(".", 1))
         if not where or where[0] != key:
+            continue
+        has_key = True
+        if prefix and not (len(where) > 1 and str(where[1]).startswith(prefix)):
             continue
         node = target
         for part in where[:-1]:
             node = node.setdefault(part, {})
         node[where[-1]] = (torch.empty(meta.size, dtype=meta.properties.dtype)
                            if isinstance(meta, TensorStorageMetadata) else None)
-    if key not in target:
+    if not has_key:
         raise ValueError(f"{folder} holds no {key!r} entry: not a checkpoint written by a Lightning strategy.")
+    if key not in target:
+        return {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load(target, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
@@ -60,6 +76,62 @@ def _warn_unverified(unverified: str | None) -> None:
         rank_zero_warn(f"{unverified}. Exporting it unverified.")
 
 
+@dataclass
+class VerifiedCheckpoint:
+    """A checkpoint whose bytes were checked against its checksums; tensors are read on demand.
+
+    Attributes:
+        path: the checkpoint folder or file (after :func:`resolve_checkpoint_path`).
+        extras: its non-tensor entries: a folder's ``meta.pt``, a file's dict without ``state_dict``.
+    """
+
+    path: Path
+    extras: dict[str, Any]
+    loaded_state: dict[str, Any] | None = field(default=None, repr=False)  # a full file's state_dict
+
+    def keys(self) -> list[str]:
+        """The names in the module's ``state_dict``, without reading a tensor."""
+        if self.loaded_state is not None:
+            return list(self.loaded_state)
+        metadata = load_dcp_metadata(self.path)
+        paths = (tuple((metadata.planner_data or {}).get(flat) or flat.split(".", 1))
+                 for flat in metadata.state_dict_metadata)
+        return [str(where[1]) for where in paths if len(where) > 1 and where[0] == "state_dict"]
+
+    def state_dict(self, prefix: str = "") -> dict[str, Any]:
+        """The module's full tensors whose names start with ``prefix`` (all of them by default)."""
+        if self.loaded_state is None:
+            state = read_sharded_state_dict(self.path, prefix=prefix)
+        else:
+            state = {k: v for k, v in self.loaded_state.items() if k.startswith(prefix)}
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+
+
+def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
+    """Verify a sharded (DCP) folder or a full file and read its non-tensor entries, without running code from it.
+
+    Single process, no process group. A checkpoint without checksums is read with one warning; a damaged one
+    raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` before anything is unpickled.
+    """
+    src = resolve_checkpoint_path(checkpoint)
+    if src.is_dir():
+        unverified = verify_folder(src).require_intact()
+        if unverified is not None and not (src / DCP_METADATA_FILE).is_file():
+            raise ValueError(f"{src} is a folder but not a checkpoint: it has no DCP '{DCP_METADATA_FILE}' file.")
+        _warn_unverified(unverified)
+        meta = src / LIGHTNING_META_FILE
+        extras = safe_torch_load(meta, name=str(meta)) if meta.is_file() else {}
+        return VerifiedCheckpoint(src, extras if isinstance(extras, dict) else {})
+    if src.is_file():
+        loaded = load_file_checkpoint(src)
+        unverified = verify_loaded(loaded, src).require_intact()
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
+            raise ValueError(f"{src} has no 'state_dict' entry: not a checkpoint written by a Lightning strategy.")
+        _warn_unverified(unverified)
+        return VerifiedCheckpoint(src, {k: v for k, v in loaded.items() if k != "state_dict"}, loaded["state_dict"])
+    raise FileNotFoundError(f"{src}: no such checkpoint file or folder.")
+
+
 def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], strip_prefix: str = "") -> Path:
     """Turn a sharded (DCP) or full checkpoint into one plain ``state_dict`` file.
 
@@ -69,27 +141,9 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
     verified against its checksums first and read without running code from it (restricted
     unpicklers); on any failure nothing is left at ``output`` or ``<output>.tmp``.
     """
-    src = resolve_checkpoint_path(checkpoint)
-    if src.is_dir():
-        unverified = verify_folder(src).require_intact()
-        if unverified is not None and not (src / DCP_METADATA_FILE).is_file():
-            raise ValueError(f"{src} is a folder but not a checkpoint: it has no DCP '{DCP_METADATA_FILE}' file.")
-        _warn_unverified(unverified)
-        state = read_sharded_state_dict(src)
-    elif src.is_file():
-        loaded = load_file_checkpoint(src)
-        unverified = verify_loaded(loaded, src).require_intact()
-        if not isinstance(loaded.get("state_dict"), dict):
-            raise ValueError(f"{src} has no 'state_dict' entry: not a checkpoint written by a Lightning strategy.")
-        _warn_unverified(unverified)
-        state = loaded["state_dict"]
-    else:
-        raise FileNotFoundError(f"{src}: no such checkpoint file or folder.")
+    state = open_checkpoint(checkpoint).state_dict()
     plain = {
-        (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): (
-            v.full_tensor() if hasattr(v, "full_tensor") else v
-        )
-        for k, v in state.items()
+        (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()
     }
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +157,8 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """Console script ``fsdp-strategies-export CHECKPOINT OUTPUT [--strip-prefix model.]``: rc 0 written, 1 failed."""
+    """``fsdp-strategies-export CHECKPOINT OUTPUT [--strip-prefix model.]`` (the torch format only; the console
+    script is :func:`fsdp_strategies.hf.export.main`, which adds ``--format hf``): rc 0 written, 1 failed."""
     parser = argparse.ArgumentParser(prog="fsdp-strategies-export", description=export_consolidated.__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint written by an fsdp_strategies strategy (folder or file)")
     parser.add_argument("output", help="where to write the consolidated state_dict (.pt)")

@@ -51,6 +51,7 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     optimizer_param_names,
 )
 from fsdp_strategies.checkpoint.verify import load_full_file
+from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.parallel.mesh import check_torchrun_layout
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
@@ -460,6 +461,7 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         if self.is_global_zero:
             assert self.lightning_module is not None
             checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.lightning_module, self.optimizers)
+            checkpoint.update(hf_checkpoint_metadata(self.lightning_module))  # for `fsdp-strategies-export --format hf`
             if not background:
                 checkpoint = embed_digest(checkpoint)  # travels inside the file, through any CheckpointIO
         if background:  # the digest is computed by the background writer, on its copy
