@@ -216,3 +216,32 @@ def test_ft_hsdp_two_groups_start_from_the_pretrained_weights(tmp_path: Path, fo
                 *_probe_args(tmp_path / "probe")], env=_env(), timeout=300)
     records = _check_ranks(tmp_path / "probe", folders["llama"], 2)
     assert sorted(r["group"] for r in records) == ["0", "1"]
+
+
+@pytest.mark.multiprocess
+def test_worked_example_finetune_export_reload(tmp_path: Path, folders: dict[str, Path]) -> None:
+    # the example as its docstring runs it: fine-tune under fsdp2 (2 ranks, a sharded checkpoint), then
+    # `fsdp-strategies-export CKPT OUT --format hf` and transformers' own from_pretrained on OUT
+    import shutil
+
+    run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", "--trainer.logger", "false",
+                "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "4", "--data.num_train", "32",
+                "--trainer.default_root_dir", str(tmp_path), "--model.pretrained", str(folders["llama"])])
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    script = shutil.which("fsdp-strategies-export", path=str(Path(sys.executable).parent))
+    assert script, "the console script is installed with the package (pip install -e .)"
+    out = tmp_path / "hf"
+    proc = run_python([script, str(ckpt), str(out), "--format", "hf"])  # no --prefix, no --hf-config: recorded
+    assert out.is_dir() and (out / "config.json").is_file(), proc.stdout + proc.stderr
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    # the reference: the checkpoint's own weights (the torch export) in the pretrained architecture
+    plain = tmp_path / "plain.pt"
+    run_python([script, str(ckpt), str(plain), "--strip-prefix", "model."])
+    trained = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"], dtype=torch.float32)
+    trained.load_state_dict(torch.load(plain, weights_only=True))
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"], dtype=torch.float32)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want, before = (m(input_ids=x).logits for m in (exported, trained, pretrained))
+    assert (got - want).abs().max() <= 1e-5
+    assert (want - before).abs().max() > 1e-4, "the fine-tune changed nothing: the comparison would prove nothing"

@@ -14,6 +14,7 @@ from fsdp_strategies.callbacks.straggler import StragglerDetector
 from fsdp_strategies.checkpoint.export import export_consolidated
 from fsdp_strategies.checkpoint.verify import verify_checkpoint
 from fsdp_strategies.ft.strategy import FTHSDPStrategy
+from fsdp_strategies.hf.export import export_hf
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember
 from fsdp_strategies.runtime.clean_exit import register_clean_exit
@@ -46,4 +47,4 @@ register_clean_exit()
 
 __all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",
            "FTHSDPStrategy", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor", "QuorumMember", "StragglerDetector",
-           "export_consolidated", "parallelize", "verify_checkpoint"]
+           "export_consolidated", "export_hf", "parallelize", "verify_checkpoint"]

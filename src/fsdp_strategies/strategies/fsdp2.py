@@ -34,6 +34,7 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
 )
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
 from fsdp_strategies.hf.materialize import materialize
+from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_pretrained
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
@@ -124,8 +125,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         pretrained: a local Hugging Face ``save_pretrained`` folder (``*.safetensors``) whose weights start the
             training: after sharding, every rank reads only its own shards of it (see
             :mod:`fsdp_strategies.hf.pretrained`). For modules whose ``configure_model`` builds the HF model
-            with ``from_config``; ``from_pretrained`` in ``configure_model`` needs no option. Skipped when the
-            fit resumes from a checkpoint (``ckpt_path``).
+            with ``from_config``; ``from_pretrained`` in ``configure_model`` needs no option. A fit that resumes
+            from a checkpoint (``ckpt_path``) reads it too, then the checkpoint's weights replace it.
         pretrained_prefix: the attribute path of the HF model in the LightningModule, e.g. ``"model."`` for
             ``self.model``; ``""`` for the module itself. Default: the one ``PreTrainedModel`` it holds.
         pretrained_strict: a parameter missing from ``pretrained``, or a tensor of it the model lacks, is an
@@ -291,15 +292,11 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                                             origin=f"pretrained={self.pretrained!r}"))
         return sources
 
-    def load_pretrained_weights(self, trainer: pl.Trainer) -> None:
+    def load_pretrained_weights(self) -> None:
         """Read every pretrained source (the ``pretrained`` option, ``from_pretrained`` calls) into the shards."""
         assert self.model is not None
         sources = self._pretrained_sources()
         if not sources:
-            return
-        if trainer.ckpt_path is not None:
-            rank_zero_info(f"{self.strategy_name}: resuming from {trainer.ckpt_path}: the pretrained weights of "
-                           f"{', '.join(s.origin for s in sources)} are not read (the checkpoint's are).")
             return
         for source in sources:
             load_pretrained(self.model, source, log_prefix=f"{self.strategy_name}: ")
@@ -350,7 +347,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 self.model.to(self.root_device)
             self.shard_module(self.model)
             materialize(self.model, self.root_device)
-            self.load_pretrained_weights(trainer)
+            self.load_pretrained_weights()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -419,6 +416,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
+        if self.lightning_module is not None:  # which HF class + config the weights are, for --format hf
+            checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
         background = self._use_async_save()
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
