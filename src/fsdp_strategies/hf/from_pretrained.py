@@ -20,6 +20,7 @@ Outside the meta device (``meta_init=False``), ``from_pretrained`` runs unchange
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from fsdp_strategies.hf.materialize import pretrained_model_class
 from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder
 
 __all__ = ["defer_from_pretrained"]
@@ -119,10 +119,11 @@ def defer_from_pretrained(sources: list[PretrainedSource]) -> Generator[None, No
     """While active, ``from_pretrained`` under the meta device builds on meta and appends to ``sources``.
 
     Does nothing when ``transformers`` has not been imported (a module that calls ``from_pretrained`` imports it)."""
-    base = pretrained_model_class()
-    if base is None:
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
         yield
         return
+    base = transformers.PreTrainedModel  # loads the modelling code if the module has not yet (~0.1 s)
     original = base.__dict__["from_pretrained"]
 
     def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> Any:

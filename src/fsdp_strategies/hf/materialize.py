@@ -36,9 +36,11 @@ def clean_name(name: str) -> str:
 
 
 def pretrained_model_class() -> type | None:
-    """``transformers.PreTrainedModel`` when ``transformers`` is imported already, else None (never imports it)."""
-    transformers = sys.modules.get("transformers")
-    return None if transformers is None else transformers.PreTrainedModel
+    """``transformers.PreTrainedModel`` if its modelling code is loaded (else no module can hold an HF model).
+
+    Never imports anything."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return getattr(modeling, "PreTrainedModel", None) if modeling is not None else None
 
 
 def hf_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -17,21 +17,16 @@ a user subclass) is recorded but needs ``--hf-config`` with a known architecture
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from torch import nn
+
+from fsdp_strategies.hf.materialize import pretrained_model_class
 
 __all__ = ["HF_METADATA_KEY", "hf_checkpoint_metadata", "hf_model_records"]
 
 #: The checkpoint dict's entry that holds the records (a list of dicts, one per HF model).
 HF_METADATA_KEY = "fsdp_strategies_hf_models"
-
-
-def _pretrained_model_class() -> type | None:
-    """``transformers.PreTrainedModel`` if ``transformers``' modelling code is loaded (else no module can hold one)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return getattr(modeling, "PreTrainedModel", None) if modeling is not None else None
 
 
 def _outermost(module: nn.Module, base: type) -> list[tuple[str, nn.Module]]:
@@ -68,7 +63,7 @@ def hf_checkpoint_metadata(module: nn.Module) -> dict[str, Any]:
         (``prefix``, ``class_name``, ``config`` as JSON, ``generation_config`` as JSON when the model has
         one), or ``{}`` when ``transformers`` is not loaded or the module holds no HF model.
     """
-    base = _pretrained_model_class()
+    base = pretrained_model_class()
     if base is None:
         return {}
     models = _outermost(module, base)
