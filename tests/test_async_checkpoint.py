@@ -27,7 +27,7 @@ from fsdp_strategies.checkpoint.async_writer import (
     AsyncCheckpointError,
     validate_async_checkpoint,
 )
-from fsdp_strategies.checkpoint.export import export_main
+from fsdp_strategies.hf.export import main as export_main
 from fsdp_strategies.strategies import DDPHooksStrategy, HSDPStrategy
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"

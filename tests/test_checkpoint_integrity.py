@@ -28,7 +28,6 @@ import torch
 import processes
 from conftest import ROOT, WORKERS, _env, run_python
 from fsdp_strategies.checkpoint.atomic import atomic_save_full, commit_save, prepare_save
-from fsdp_strategies.checkpoint.export import export_main
 from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, embed_digest
 from fsdp_strategies.checkpoint.load_into_fsdp import (
     model_mismatch,
@@ -37,6 +36,7 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
 )
 from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 from fsdp_strategies.checkpoint.verify import verify_checkpoint, verify_main
+from fsdp_strategies.hf.export import main as export_main
 
 WORKER = str(WORKERS / "fsdp_train.py")
 COMMON = ["--devices", "2", "--batch", "4", "--num-train", "32", "--steps", "4"]
@@ -330,7 +330,7 @@ def test_allow_list_round_trips_what_lightning_checkpoints_hold(tmp_path: Path) 
 
 # ---------------------------------------------------------------------------------- export CLI and temps
 def _export_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from fsdp_strategies.checkpoint.export import export_main; sys.exit(export_main())"
+    code = "import sys; from fsdp_strategies.hf.export import main; sys.exit(main())"
     return processes.run([sys.executable, "-c", code, *args], timeout=120, env=_env(), cwd=str(ROOT))
 
 
@@ -360,7 +360,7 @@ def test_export_gives_one_line_errors(kind: str, tmp_path: Path, capsys: pytest.
 def test_export_command_process_exits_1_without_traceback(tmp_path: Path) -> None:
     src, out = tmp_path / "notes.ckpt", tmp_path / "out.pt"
     expected = _make_source("text_file", src)
-    code = "import sys; from fsdp_strategies.checkpoint.export import export_main; sys.exit(export_main())"
+    code = "import sys; from fsdp_strategies.hf.export import main; sys.exit(main())"
     proc = processes.run([sys.executable, "-c", code, str(src), str(out)], timeout=300, env=_env(), cwd=str(ROOT))
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr

@@ -10,9 +10,7 @@ Hugging Face export (:mod:`fsdp_strategies.hf.export`, whose ``main`` is the con
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +36,7 @@ from fsdp_strategies.checkpoint.safe_load import (
     safe_torch_load,
 )
 
-__all__ = ["VerifiedCheckpoint", "export_consolidated", "export_main", "open_checkpoint", "read_sharded_state_dict"]
+__all__ = ["VerifiedCheckpoint", "export_consolidated", "open_checkpoint", "read_sharded_state_dict"]
 
 
 def read_sharded_state_dict(folder: Path, key: str = "state_dict", prefix: str = "") -> dict[str, Any]:
@@ -154,21 +152,3 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
     finally:
         remove_path(tmp)
     return out
-
-
-def export_main(argv: list[str] | None = None) -> int:
-    """``fsdp-strategies-export CHECKPOINT OUTPUT [--strip-prefix model.]`` (the torch format only; the console
-    script is :func:`fsdp_strategies.hf.export.main`, which adds ``--format hf``): rc 0 written, 1 failed."""
-    parser = argparse.ArgumentParser(prog="fsdp-strategies-export", description=export_consolidated.__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint written by an fsdp_strategies strategy (folder or file)")
-    parser.add_argument("output", help="where to write the consolidated state_dict (.pt)")
-    parser.add_argument("--strip-prefix", default="", help="drop this prefix from every key, e.g. 'model.'")
-    args = parser.parse_args(argv)
-    try:
-        out = export_consolidated(args.checkpoint, args.output, args.strip_prefix)
-    except Exception as err:  # one line for the user, not a traceback
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"fsdp-strategies-export: error: {message}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
