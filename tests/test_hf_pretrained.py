@@ -198,8 +198,18 @@ def test_fsdp2_weights_named_in_the_yaml_from_a_bf16_folder(tmp_path: Path, fold
 def test_hsdp_2x2_gpt2_keeps_its_tie(tmp_path: Path, folders: dict[str, Path]) -> None:
     run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", *QUIET, "--trainer.devices", "4",
                 "--trainer.strategy", "hsdp", "--model.pretrained", str(folders["gpt2"]),
+                "--trainer.enable_checkpointing", "true", "--trainer.default_root_dir", str(tmp_path / "run"),
                 *_probe_args(tmp_path / "probe")], env=_env(), timeout=400)
     _check_ranks(tmp_path / "probe", folders["gpt2"], 4, tied=True)
+    # the 2x2 checkpoint exports as a GPT-2 folder: the head written once, tied again on load
+    from fsdp_strategies import export_consolidated, export_hf
+
+    ckpt = next((tmp_path / "run").rglob("*.ckpt"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf"))
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+    state = torch.load(export_consolidated(ckpt, tmp_path / "plain.pt", "model."), weights_only=True)
+    assert torch.equal(exported.transformer.wte.weight, state["transformer.wte.weight"])
+    assert torch.equal(exported.lm_head.weight, state["lm_head.weight"])
 
 
 @pytest.mark.multiprocess
