@@ -71,3 +71,47 @@ def test_parallelize_applies_checkpoint_compile_shard_once_and_computes_the_same
             assert torch.allclose(p.grad, q.grad.full_tensor(), atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+class ScaledNet(Net):
+    """Net with 0-d parameters: a learned temperature at the root and a 0-d gate in the first block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.layers[0].gate = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.layers[0].gate) * self.temperature
+
+
+def test_parallelize_keeps_0d_params_whole_and_hooks_their_gradients(tmp_path: Path) -> None:
+    # fully_shard alone raises "fully_shard doesn't support scalar parameters"; parallelize leaves them whole
+    from fsdp_strategies.parallel.replicated_params import replicated_params, set_all_reduce_hook
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = ScaledNet()
+        model = copy.deepcopy(plain)
+        keys = list(model.state_dict())
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        parallelize(model, mesh)
+        parallelize(model, mesh)  # idempotent
+        assert isinstance(model, FSDPModule) and isinstance(model.layers[0], FSDPModule)
+        assert type(model.temperature) is nn.Parameter and type(model.layers[0].gate) is nn.Parameter
+        replicated = replicated_params(model)
+        assert replicated is not None and sorted(replicated.names) == ["layers.0.gate", "temperature"]
+        seen: list[float] = []
+        set_all_reduce_hook(model, lambda grad: seen.append(float(grad.sum())) if grad.ndim == 0 else None)
+
+        x = torch.randn(3, 4)
+        plain(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+        assert list(model.state_dict()) == keys
+        assert sorted(seen) == sorted([float(plain.temperature.grad), float(plain.layers[0].gate.grad)])
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            got = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+            assert torch.allclose(p.grad, got, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()

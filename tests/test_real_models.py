@@ -1,6 +1,6 @@
 """The real-models matrix, representative cut (the full matrix: ``make matrix``; see tests/matrix/cells.py).
 
-Models nobody here wrote (Hugging Face Llama, Qwen2, GPT-2, BERT, T5, ViT with tiny random configs;
+Models nobody here wrote (Hugging Face Llama, Qwen2, GPT-2, BERT, T5, ViT, CLIP with tiny random configs;
 Lightning's demo Transformer; a ``configure_model`` written for Lightning's ``ModelParallelStrategy``)
 and this repo's example, trained by real processes (gloo) under ``fsdp2`` (2 ranks), ``hsdp`` (2 x 2),
 ``ddp_hooks`` and ``ft_hsdp`` (2 groups, one SIGKILL + live heal), with the callbacks, each cell

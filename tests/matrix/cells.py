@@ -3,6 +3,7 @@
 Used by ``tests/test_real_models.py`` (the representative cut that CI runs) and by the full run::
 
     make matrix            # = python tests/matrix/cells.py --full
+    python tests/matrix/cells.py --full --models hf_clip --merge   # one model's cells, the others' kept
 
 which runs every cell (models x strategies x callbacks x precision, about 25 min on 2 CPU cores),
 writes ``benchmarks/results/real_models_matrix-cpu.json`` and prints the README's table.
@@ -80,6 +81,7 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
         return [_reference("hf_llama", "32-true"), cell("hf_llama", "hsdp"),
                 _reference("hf_llama", "bf16-mixed"), cell("hf_llama", "hsdp", ["sac_selective_op", "mfu"], "bf16-mixed"),
                 _reference("hf_t5", "32-true"), cell("hf_t5", "hsdp"),
+                _reference("hf_clip", "32-true"), cell("hf_clip", "hsdp"),
                 _reference("mps_style_llama", "32-true"), cell("mps_style_llama", "hsdp")]
     cells = []
     for model in MODELS:
@@ -89,6 +91,7 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
               cell("hf_llama", "fsdp2", ["sac_selective_op", "mfu", "straggler"], "bf16-mixed"),
               cell("hf_llama", "ddp_hooks", ["sac_selective_op", "mfu", "straggler"]),
               _reference("lightning_demo", "bf16-mixed"), cell("lightning_demo", "fsdp2", (), "bf16-mixed"),
+              _reference("hf_clip", "bf16-mixed"), cell("hf_clip", "fsdp2", (), "bf16-mixed"),
               cell("hf_gpt2", "fsdp2", ["mfu"]), cell("hf_bert", "fsdp2", ["mfu"]),
               _reference("hf_llama", "bf16-true"), cell("hf_llama", "fsdp2", (), "bf16-true"),
               cell("hf_llama", "fsdp2", (), resume=True)]
@@ -265,6 +268,8 @@ def main() -> None:
     parser.add_argument("--skip-ft", action="store_true")
     parser.add_argument("--only-ft", action="store_true", help="only the ft_hsdp cells")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="only these models' cells")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --models: replace only these models' cells in --out, keep the other models' cells")
     args = parser.parse_args()
 
     def pick(world: int) -> list[dict[str, Any]]:
@@ -291,6 +296,9 @@ def main() -> None:
                     results.append(r)
                     print(f"ft_hsdp {model} {precision}: {'ok' if not r['problems'] else r['problems']}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and args.models and Path(args.out).exists():
+        kept = [r for r in json.loads(Path(args.out).read_text()) if r["cell"]["model"] not in args.models]
+        results = kept + results
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
     failed = [(r["cell"], r["problems"]) for r in results if r["problems"]]

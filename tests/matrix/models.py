@@ -72,6 +72,17 @@ class Images(Dataset):
         return self.images[i], self.labels[i]
 
 
+class ImageCaptions(Images):
+    """(image, caption) pairs for contrastive models: the caption is a token pattern of the image's class,
+    ending with the end-of-text token ``VOCAB - 1`` (where CLIP's text tower pools)."""
+
+    def __getitem__(self, i: int) -> Any:
+        label = int(self.labels[i])
+        caption = (label * 7 + 3 * torch.arange(SEQ // 2)) % (VOCAB - 1)
+        caption[-1] = VOCAB - 1
+        return self.images[i], caption
+
+
 def provide_demo_text(folder: str | os.PathLike[str]) -> None:
     """Lightning's demo ``LightningTransformer`` downloads WikiText2 in ``prepare_data`` unless
     ``./data/wikitext-2.txt`` exists; there is no network here, so a small local text stands in (the
@@ -134,6 +145,12 @@ class HFImageClassifier(_HFModule):
         return self.model(pixel_values=images, labels=labels).loss
 
 
+class HFContrastive(_HFModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, captions = batch
+        return self.model(input_ids=captions, pixel_values=images, return_loss=True).loss
+
+
 def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -180,6 +197,18 @@ def _vit() -> nn.Module:
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def _clip() -> nn.Module:
+    # two towers and a 0-d parameter (``logit_scale``), which fully_shard cannot shard
+    from transformers import CLIPConfig, CLIPModel
+
+    text = {"vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "max_position_embeddings": SEQ, "attention_dropout": 0.0,
+            "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": VOCAB - 1}
+    vision = {"image_size": 16, "patch_size": 4, "hidden_size": DIM, "intermediate_size": FFN,
+              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "attention_dropout": 0.0}
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
+
+
 def _lightning_demo() -> pl.LightningModule:
     from lightning.pytorch.demos.transformer import LightningTransformer
 
@@ -217,6 +246,7 @@ MODELS: dict[str, ModelSpec] = {
     "hf_bert": ModelSpec(lambda: HFMaskedLM(_bert), TokenSequences, {"BertLayer": LAYERS}, (LAYERS, DIM)),
     "hf_t5": ModelSpec(lambda: HFSeq2Seq(_t5), Pairs, {"T5Block": 5}),
     "hf_vit": ModelSpec(lambda: HFImageClassifier(_vit), Images, {"ViTLayer": LAYERS}),
+    "hf_clip": ModelSpec(lambda: HFContrastive(_clip), ImageCaptions, {"CLIPEncoderLayer": 2 * LAYERS}),
     "lightning_demo": ModelSpec(_lightning_demo, Pairs,
                                 {"TransformerEncoderLayer": 2, "TransformerDecoderLayer": 2}),
     "example_llama": ModelSpec(_example_llama, TokenSequences, {"TransformerBlock": LAYERS}, (LAYERS, DIM)),

@@ -49,7 +49,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import ReduceOp
-from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
@@ -77,6 +76,7 @@ from fsdp_strategies.ft.redistribute import redistribute, warn_unless_sharded
 from fsdp_strategies.ft.semi_sync import SemiSync
 from fsdp_strategies.ft.straggler_switch import StragglerSync
 from fsdp_strategies.parallel.mesh import HSDPDegrees
+from fsdp_strategies.parallel.replicated_params import set_all_reduce_hook
 from fsdp_strategies.strategies.hsdp import HSDPStrategy
 
 __all__ = ["LEAVE_EXIT_CODE", "FTHSDPStrategy", "LighthouseUnreachableError"]
@@ -267,9 +267,7 @@ class FTHSDPStrategy(HSDPStrategy):
         module = super().shard_module(module)
         if self.sync != "every_step":  # inner steps: only the group's own FSDP collectives
             return module
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.set_all_reduce_hook(self._cross_group_all_reduce)
+        set_all_reduce_hook(module, self._cross_group_all_reduce)  # every FSDP unit and the replicated 0-d params
         return module
 
     def _cross_group_all_reduce(self, reduce_output: torch.Tensor) -> None:

@@ -8,7 +8,9 @@ strategies are Lightning glue over it, and plain-torch loops can call it too.
 * :mod:`~fsdp_strategies.parallel.mesh` -- device meshes for FSDP2 / HSDP;
 * :mod:`~fsdp_strategies.parallel.activation_checkpointing` -- full / selective checkpointing of the blocks;
 * :mod:`~fsdp_strategies.parallel.ops` -- op names (attention kernels, matmuls) shared with the FLOP counter;
-* :mod:`~fsdp_strategies.parallel.parallelize` -- compile, ``fully_shard`` and :func:`parallelize`.
+* :mod:`~fsdp_strategies.parallel.parallelize` -- compile, ``fully_shard`` and :func:`parallelize`;
+* :mod:`~fsdp_strategies.parallel.replicated_params` -- 0-d parameters ``fully_shard`` cannot shard, kept whole
+  on every rank with data-parallel gradients.
 """
 
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing, is_recomputing

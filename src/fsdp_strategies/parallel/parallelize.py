@@ -34,6 +34,7 @@ from torch.distributed.fsdp import (
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing
 from fsdp_strategies.parallel.blocks import BlockStack, find_block_stacks
+from fsdp_strategies.parallel.replicated_params import replicate_params, scalar_params
 
 __all__ = ["apply_compile", "apply_fsdp", "parallelize"]
 
@@ -59,10 +60,17 @@ def apply_fsdp(
     """``fully_shard`` each block, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP). Idempotent.
 
     ``forward_prefetch`` / ``backward_prefetch``: how many following / preceding blocks to all-gather
-    ahead (0 / 1 = FSDP2's defaults).
+    ahead (0 / 1 = FSDP2's defaults). 0-d parameters, which ``fully_shard`` cannot shard, are left out of
+    every unit (``ignored_params``) and kept replicated with data-parallel gradients
+    (:mod:`fsdp_strategies.parallel.replicated_params`).
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload}
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    scalars = [p for _, p in scalar_params(model)]
+    if scalars and not isinstance(model, FSDPModule):
+        common["ignored_params"] = set(scalars)
+        replicate_params(model, mesh, scalars, reduce_dtype=mp_policy.reduce_dtype)
     for block in blocks:
         if not isinstance(block, FSDPModule):
             fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
