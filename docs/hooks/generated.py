@@ -7,7 +7,8 @@ result file that does not exist, fails the build):
   result file appears without editing any page;
 * ``{{ benchmark NAME.json }}``: one file's section;
 * ``{{ gpu_results }}``: the sections of every file measured on a GPU, or the statement that there is none;
-* ``{{ matrix NAME.json }}``: the real-models compatibility matrix (``make matrix`` writes the file).
+* ``{{ matrix NAME.json }}``: the real-models compatibility matrix (``make matrix`` writes the file);
+* ``{{ pretrained_load NAME.json }}``: the pretrained-load memory table and figure (docs/pretrained.md).
 
 The PNGs next to the JSON files are copied into the site (``assets/benchmarks/``) and embedded. No
 figure is typed into a page: rerunning a benchmark and rebuilding updates the site.
@@ -181,6 +182,88 @@ def _ft_sync(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _verdict(met: Any) -> str:
+    return "-" if met is None else ("yes" if met else "**no**")
+
+
+def _worst_mark(rec: dict[str, Any], mark: str, key: str) -> int | None:
+    values = [r["memory"]["marks"][mark][key] for r in rec.get("per_rank") or []
+              if mark in (r.get("memory") or {}).get("marks", {})]
+    return max(values) if values else None
+
+
+def _pretrained_notes(data: dict[str, Any], overhead_size: Any) -> list[str]:
+    """What the table's columns do not show: the two reference routes' intermediate peaks."""
+    notes = []
+    for case in data.get("cases") or []:
+        if case["size"] == overhead_size:
+            continue
+        where = f"{case['size']}, {case['ranks']} rank{'s' if case['ranks'] > 1 else ''}"
+        single = case["contenders"].get("transformers_single") or {}
+        if single.get("worst_rank") and _worst_mark(single, "after_forward", "peak_growth_bytes") is not None:
+            notes.append(f"- `transformers_single` ({where}): {_mib(single['worst_rank']['peak_growth_bytes'])} MiB "
+                         "peak RSS when `from_pretrained` returns -- the parameters stay memory-mapped, untouched -- and "
+                         f"{_mib(_worst_mark(single, 'after_forward', 'peak_growth_bytes'))} MiB once a forward has read "
+                         f"every weight ({_mib(_worst_mark(single, 'after_forward', 'file_growth_bytes'))} MiB of it "
+                         "file-backed pages).")
+        init = case["contenders"].get("init_from_pretrained") or {}
+        if init.get("worst_rank") and _worst_mark(init, "after_init", "peak_growth_bytes") is not None:
+            notes.append(f"- `init_from_pretrained` ({where}): {_mib(_worst_mark(init, 'after_init', 'peak_growth_bytes'))}"
+                         " MiB peak RSS after `__init__` (the weights mapped, untouched), "
+                         f"{_mib(init['worst_rank']['peak_growth_bytes'])} MiB by `on_fit_start` "
+                         f"({_mib(init['worst_rank']['peak_anon_growth_bytes'])} MiB anonymous): Lightning's `ddp` set-up "
+                         "reads and copies the full model on every rank (DDP's broadcast from rank 0, its gradient "
+                         "buckets).")
+    return [*notes, ""] if notes else []
+
+
+def pretrained_load(data: dict[str, Any]) -> list[str]:
+    """pretrained_load: per model size, rank count and route the worst rank's peak memory while the pretrained model
+    gets onto the ranks, against model/N and the budget model/N + largest tensor + the route's fixed overhead."""
+    if data.get("suite") != "pretrained_load" or not isinstance(data.get("models"), dict):
+        return []
+    overhead_size = (data.get("config") or {}).get("overhead_size")
+    out: list[str] = []
+    rows, fixed = [], []
+    for case in data.get("cases") or []:
+        model = data["models"].get(case["size"], {})
+        for name, rec in case["contenders"].items():
+            if not rec.get("worst_rank"):
+                rows.append([case["size"], case["ranks"], f"`{name}`", "failed: " + _fmt((rec.get("errors") or ["-"])[0]
+                                                                                        .splitlines()[0])]
+                            + ["-"] * 8)
+                continue
+            worst, targets = rec["worst_rank"], rec.get("targets") or {}
+            rss, anon = targets.get("rss") or {}, targets.get("anon") or {}
+            if case["size"] == overhead_size:
+                fixed.append([case["ranks"], f"`{name}`", _mib(worst["peak_growth_bytes"]),
+                              _mib(worst["peak_anon_growth_bytes"]), _verdict(rec.get("weights_ok"))])
+                continue
+            rows.append([f"{case['size']} ({model.get('params', 0) / 1e6:.1f}M, {_mib(model.get('model_bytes'))} MiB)",
+                         case["ranks"], f"`{name}`", _verdict(rec.get("weights_ok")),
+                         _mib(worst["peak_growth_bytes"]), _mib(worst["peak_anon_growth_bytes"]),
+                         _mib(worst["peak_file_growth_bytes"]), _mib(rec.get("model_share_bytes")),
+                         f"{rss['ratio_to_share']:.2f}" if rss else "-", f"{anon['ratio_to_share']:.2f}" if anon else "-",
+                         f"{_mib(rss.get('budget_bytes'))} / {_mib(anon.get('budget_bytes'))}",
+                         f"{_verdict(rss.get('met'))} / {_verdict(anon.get('met'))}"])
+    out += _table(["model (params, fp32 bytes)", "ranks", "route", "weights = pretrained", "peak RSS MiB",
+                   "peak anonymous MiB", "peak file-backed MiB", "model/N MiB", "RSS / (model/N)",
+                   "anonymous / (model/N)", "budget MiB (RSS / anonymous)", "within budget (RSS / anonymous)"], rows)
+    out += _pretrained_notes(data, overhead_size)
+    sizes = ", ".join(f"`{s}` {_mib(m.get('model_bytes'))} MiB, largest tensor {_mib(m.get('largest_tensor_bytes'))} "
+                      f"MiB" for s, m in data["models"].items() if s != overhead_size)
+    if fixed:
+        out += [f"Fixed overhead of each route (its worst-rank peak on the `{overhead_size}` model, the same layers and "
+                f"tensors at {_mib(data['models'].get(overhead_size, {}).get('model_bytes'))} MiB); model sizes: "
+                f"{sizes}.", "",
+                *_table(["ranks", "route", "overhead RSS MiB", "overhead anonymous MiB", "weights = pretrained"], fixed)]
+    return out
+
+
 def _summary(data: dict[str, Any]) -> list[str]:
     rows = data.get("summary")
     if not isinstance(rows, list) or not rows:
@@ -221,7 +304,7 @@ def section(path: Path, page_dir: str, level: int = 3) -> str:
     note = data.get("note") or (data.get("config") or {}).get("note")
     if note:
         lines += [f"> {_fmt(note)}", ""]
-    for part in (_cases, _contenders, _figures, _ft_sync, _summary, _extra):
+    for part in (_cases, _contenders, _figures, _ft_sync, pretrained_load, _summary, _extra):
         lines += part(data)
     png = _png(stem, data)
     if png is not None:
@@ -290,6 +373,11 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             return gpu_results(page_dir)
         if kind == "matrix" and arg:
             return matrix(arg)
+        if kind == "pretrained_load" and arg:
+            data = _load(arg)
+            png = _png(Path(arg).stem, data)
+            figure = [f"![{Path(arg).stem}]({posixpath.relpath(f'{ASSETS}/{png.name}', page_dir or '.')})", ""] if png else []
+            return "\n".join([*pretrained_load(data), *figure])
         raise PluginError(f"docs: {page.file.src_uri}: unknown marker {match.group(0)!r}")
 
     return MARKER.sub(render, markdown)
