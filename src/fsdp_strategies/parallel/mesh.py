@@ -1,14 +1,15 @@
 """Device-mesh degrees: validated before any process group exists, built after.
 
-Named dims: ``("shard",)`` for FSDP and ``("replicate", "shard")`` for HSDP. Ranks are laid
-out row-major, so ``global_rank == replicate_index * shard_degree + shard_index`` and the
-data-parallel rank of every rank equals its global rank.
+Named dims: ``("shard",)`` for FSDP and ``("replicate", "shard")`` for HSDP, each followed by
+``"tensor_parallel"`` when the tensor-parallel degree is above 1. Ranks are laid out row-major with the
+tensor-parallel dim last (the ranks of one TP group are neighbours, i.e. on one node), so
+``global_rank == data_parallel_rank * tp_degree + tp_rank``.
 
-Lightning's ``ModelParallelStrategy`` names its data-parallel dim ``"data_parallel"``, and a
-``configure_model`` written for it shards with ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``.
-The meshes built here answer to that name too: ``mesh["data_parallel"]`` is the whole
-data-parallel mesh (1-D for FSDP; for HSDP the 2-D replicate x shard mesh, so such a
-``configure_model`` gets hybrid sharding unchanged). There is no tensor-parallel dim.
+Lightning's ``ModelParallelStrategy`` names its dims ``"data_parallel"`` and ``"tensor_parallel"``, and a
+``configure_model`` written for it shards with ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``
+(after ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``). The meshes built here answer
+to both names: ``mesh["data_parallel"]`` is the whole data-parallel mesh (1-D for FSDP; for HSDP the 2-D
+replicate x shard mesh, so such a ``configure_model`` gets hybrid sharding unchanged).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DATA_PARALLEL", "HSDPDegrees", "build_mesh", "check_torchrun_layout", "resolve_hsdp_degrees"]
+__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "build_mesh", "check_tensor_parallel_degree",
+           "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
-_TENSOR_PARALLEL = "tensor_parallel"
+#: The name of the tensor-parallel mesh dim (Lightning's ``ModelParallelStrategy`` uses the same).
+TENSOR_PARALLEL = "tensor_parallel"
 
 
 class _DataParallelNamedMesh(DeviceMesh):
@@ -31,13 +34,14 @@ class _DataParallelNamedMesh(DeviceMesh):
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:  # type: ignore[override]
         key = names[0] if isinstance(names, tuple) and len(names) == 1 else names
+        dims = tuple(self.mesh_dim_names or ())
         if key == DATA_PARALLEL:
-            return self
-        if key == _TENSOR_PARALLEL:
+            data = tuple(d for d in dims if d != TENSOR_PARALLEL)
+            return self if data == dims else super().__getitem__(data)
+        if key == TENSOR_PARALLEL and TENSOR_PARALLEL not in dims:
             raise KeyError(
-                f"device_mesh[{names!r}]: this strategy has no tensor-parallel dim (its mesh is "
-                f"{self.mesh_dim_names}). Fix: shard with device_mesh['{DATA_PARALLEL}'] only, or use Lightning's "
-                "ModelParallelStrategy for tensor parallelism."
+                f"device_mesh[{names!r}]: this strategy has no tensor-parallel dim (its mesh is {dims}). Fix: set "
+                "the strategy's tensor_parallel_degree (e.g. 2), or shard with device_mesh['data_parallel'] only."
             )
         return super().__getitem__(names)
 
@@ -100,11 +104,30 @@ def resolve_hsdp_degrees(
     return HSDPDegrees(replicate=replicate, shard=shard)
 
 
-def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: int) -> DeviceMesh:
-    """A 1-D ``("shard",)`` mesh when ``degrees`` is None, else the 2-D HSDP mesh; both answer to ``"data_parallel"``."""
+def check_tensor_parallel_degree(degree: int, world_size: int, devices_per_node: int) -> None:
+    """The tensor-parallel degree divides the ranks of a node (TP stays inside a node) and the world size."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"tensor_parallel_degree={degree!r} is not a positive integer. Fix: 1 (no tensor "
+                         "parallelism) or the number of ranks of a node that split each layer, e.g. 2.")
+    if degree > 1 and (devices_per_node % degree or world_size % degree):
+        choices = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
+        raise ValueError(
+            f"tensor_parallel_degree={degree} does not divide the {devices_per_node} devices per node (world size "
+            f"{world_size}): a tensor-parallel group must sit inside one node, where its per-layer collectives run "
+            f"on the fast links. Fix: choose tensor_parallel_degree from {choices}.")
+
+
+def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: int,
+               tensor_parallel: int = 1) -> DeviceMesh:
+    """The FSDP (1-D) or HSDP (2-D) mesh, plus a last ``tensor_parallel`` dim when ``tensor_parallel > 1``.
+
+    Every mesh answers to ``"data_parallel"``; see the module docstring."""
+    tp = (tensor_parallel,) if tensor_parallel > 1 else ()
+    tp_names = (TENSOR_PARALLEL,) if tensor_parallel > 1 else ()
     if degrees is None:
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device.type, (world_size // tensor_parallel, *tp), mesh_dim_names=("shard", *tp_names))
     else:
-        mesh = init_device_mesh(device.type, (degrees.replicate, degrees.shard), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (degrees.replicate, degrees.shard, *tp),
+                                mesh_dim_names=("replicate", "shard", *tp_names))
     mesh.__class__ = _DataParallelNamedMesh  # same object and state, one more name it answers to
     return mesh

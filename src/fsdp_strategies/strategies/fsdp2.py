@@ -38,7 +38,8 @@ from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_pretrained
 from fsdp_strategies.parallel import parallelize
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
-from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh
+from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh, check_tensor_parallel_degree
+from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 
@@ -89,6 +90,13 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
+class _MeshAwareClipping:
+    """Gradient clipping by norm for gradients on several meshes (tensor parallelism); see ``clip_grad_norm``."""
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+
 class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
@@ -131,6 +139,13 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             ``self.model``; ``""`` for the module itself. Default: the one ``PreTrainedModel`` it holds.
         pretrained_strict: a parameter missing from ``pretrained``, or a tensor of it the model lacks, is an
             error (``True``) or a warning naming what keeps its fresh initialisation (``False``: e.g. a new head).
+        tensor_parallel_degree: ranks that split each planned layer (tensor parallelism, inside a node); the mesh
+            becomes (data-parallel dims..., ``tensor_parallel``) and FSDP shards over the data-parallel dims.
+            1: none. See :mod:`fsdp_strategies.parallel.tensor_parallel`.
+        tp_plan: with ``tensor_parallel_degree > 1``: ``"auto"`` (the model's own plan: Hugging Face models whose
+            config defines ``base_model_tp_plan``, e.g. Llama, Qwen2, Mistral) or a dict of module glob -> style
+            (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``). Not applied when
+            ``configure_model`` applied a plan itself (``parallelize_module`` on ``device_mesh["tensor_parallel"]``).
     """
 
     strategy_name = "fsdp2"
@@ -158,6 +173,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         pretrained: str | None = None,
         pretrained_prefix: str | None = None,
         pretrained_strict: bool = True,
+        tensor_parallel_degree: int = 1,
+        tp_plan: str | dict[str, str] = "auto",
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -194,6 +211,12 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         elif pretrained_prefix is not None:
             raise ValueError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
                              "save_pretrained folder, or drop pretrained_prefix.")
+        check_int("tensor_parallel_degree", tensor_parallel_degree, 1, fix="1 (no tensor parallelism) or the number "
+                  "of ranks of a node that split each layer, e.g. 2.")
+        if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
+            raise ValueError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
+        self.tensor_parallel_degree = tensor_parallel_degree
+        self.tp_plan = tp_plan
         self.pretrained = pretrained
         self.pretrained_prefix = pretrained_prefix
         self.pretrained_strict = pretrained_strict
@@ -243,6 +266,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     def validate_options(self) -> None:
         """Checks that need devices, nodes and precision: precision, mesh degrees (subclasses add theirs)."""
         self._validate_precision()
+        check_tensor_parallel_degree(self.tensor_parallel_degree, self.num_nodes * self.num_processes,
+                                     self.num_processes)
         self._mesh_degrees()
 
     @override
@@ -258,7 +283,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @override
     def setup_environment(self) -> None:
         seam.init_process_group(self)
-        mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size)
+        mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size, self.tensor_parallel_degree)
         if isinstance(self.precision_plugin, _ShardedMixedPrecision):
             self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
@@ -272,8 +297,10 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank; the mesh is laid out row-major over global ranks.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # The mesh is row-major over global ranks with the tensor-parallel dim last: the ranks of one TP group
+        # are neighbours and read the same batch.
+        tp = self.tensor_parallel_degree
+        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
 
     # ------------------------------------------------------------------ meta-device construction
     @contextmanager
@@ -313,6 +340,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
                 "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
             )
+        if self.tensor_parallel_degree > 1:
+            self._apply_tensor_parallel(module)
         stacks = parallelize(
             module, self.shard_mesh, block_class_names=self.block_class_names, compile_blocks=self.compile_blocks,
             compile_options=self.compile_options, mp_policy=self._mp_policy, cpu_offload=self.cpu_offload,
@@ -332,6 +361,21 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             f"mp_policy(param={self._mp_policy.param_dtype}, reduce={self._mp_policy.reduce_dtype})"
         )
         return module
+
+    def _apply_tensor_parallel(self, module: nn.Module) -> None:
+        # gradients will live on two meshes (TP-planned and data-parallel-only): clip them per mesh
+        plugin = self.precision_plugin
+        if not isinstance(plugin, _MeshAwareClipping):
+            plugin.__class__ = type(f"MeshAware{type(plugin).__name__}", (_MeshAwareClipping, type(plugin)), {})
+        if is_tensor_parallel(module):
+            rank_zero_info(f"{self.strategy_name}: configure_model applied a tensor-parallel plan itself; tp_plan is "
+                           "not applied on top of it.")
+            return
+        applied = apply_tensor_parallel(module, self.device_mesh["tensor_parallel"], self.tp_plan)
+        styles = sorted({style for style in applied.values()})
+        rank_zero_info(f"{self.strategy_name}: tensor parallel over {self.tensor_parallel_degree} ranks: "
+                       f"{len(applied)} modules ({', '.join(styles)}) from tp_plan="
+                       f"{self.tp_plan if isinstance(self.tp_plan, str) else 'dict'}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -39,9 +39,10 @@ class HSDPStrategy(FSDP2Strategy):
     @override
     def _mesh_degrees(self) -> HSDPDegrees:
         check_torchrun_layout(self.num_nodes, self.num_processes, "hsdp's shard and replicate groups")
+        tp = self.tensor_parallel_degree  # the data-parallel dims span the ranks of one TP rank
         return resolve_hsdp_degrees(
-            world_size=self.num_nodes * self.num_processes,
-            devices_per_node=self.num_processes,
+            world_size=self.num_nodes * self.num_processes // tp,
+            devices_per_node=self.num_processes // tp,
             replicate_degree=self.replicate_degree,
             shard_degree=self.shard_degree,
         )

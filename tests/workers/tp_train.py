@@ -1,0 +1,129 @@
+"""Worker for the tensor-parallel tests: a model nobody here wrote, a few steps, every rank's facts as JSON.
+
+    python tp_train.py --model hf_llama --strategy fsdp2 --tp 2 --devices 4 --out DIR [--steps 3] [--clip 1.0]
+
+Models come from the real-models matrix (tests/matrix/models.py; HF models built in ``__init__`` from tiny
+random configs with the same seed everywhere, so every strategy starts from the same weights). Each rank writes
+``DIR/rank<R>.json``: its data-parallel rank, its losses, and for every parameter the DTensor placements, mesh
+dims and local/global element counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "matrix")]
+
+from models import MODELS  # noqa: E402
+
+import fsdp_strategies  # noqa: E402,F401
+from fsdp_strategies import FSDP2Strategy, HSDPStrategy  # noqa: E402
+
+
+class Probe(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.losses = out, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = {}
+        for name, p in pl_module.named_parameters():
+            if isinstance(p, DTensor):
+                params[name] = {"placements": [str(x) for x in p.placements], "mesh": list(p.device_mesh.mesh_dim_names),
+                                "local": p.to_local().numel(), "global": p.numel()}
+            else:
+                params[name] = {"placements": None, "mesh": None, "local": p.numel(), "global": p.numel()}
+        kwargs = trainer.strategy.distributed_sampler_kwargs if hasattr(trainer.strategy, "distributed_sampler_kwargs") else {}
+        record = {"rank": trainer.global_rank, "dp_rank": (kwargs or {}).get("rank", trainer.global_rank),
+                  "losses": self.losses, "params": params}
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+#: the example's own plan, as a user writes it for tp_plan (module globs of the LightningModule)
+EXAMPLE_PLAN = {"model.layers.*.attention.wq": "colwise", "model.layers.*.attention.wk": "colwise",
+                "model.layers.*.attention.wv": "colwise", "model.layers.*.attention.wo": "rowwise",
+                "model.layers.*.mlp.w1": "colwise", "model.layers.*.mlp.w3": "colwise",
+                "model.layers.*.mlp.w2": "rowwise", "model.embed": "embedding_rowwise",
+                "model.head": "colwise_gather_output"}
+
+
+class OwnPlanLM(pl.LightningModule):
+    """A ``configure_model`` written for Lightning's ``ModelParallelStrategy``: it applies its own TP plan with
+    ``parallelize_module`` on ``device_mesh["tensor_parallel"]``, then ``fully_shard`` on ``["data_parallel"]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import _example_llama
+
+        self.inner = _example_llama()
+        self.inner.configure_model()  # built and initialised here (same weights everywhere); configure_model shards
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in self.inner.model.layers:
+            parallelize_module(block, tp, {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                                           "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                                           "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+                                           "mlp.w2": RowwiseParallel()})
+            fully_shard(block, mesh=dp)
+        fully_shard(self.inner.model, mesh=dp)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.inner._loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="hf_llama")
+    parser.add_argument("--strategy", default="fsdp2")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4, help="per data-parallel rank")
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--plan", default=None, help="a JSON dict plan, 'example' (EXAMPLE_PLAN); default: auto")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    pl.seed_everything(0)
+    spec = MODELS["example_llama" if args.model == "own_plan" else args.model]
+    module = OwnPlanLM() if args.model == "own_plan" else spec.build()
+    plan = EXAMPLE_PLAN if args.plan == "example" else json.loads(args.plan) if args.plan else "auto"
+    if args.strategy == "fsdp2":
+        strategy: Any = FSDP2Strategy(tensor_parallel_degree=args.tp, tp_plan=plan)
+    elif args.strategy == "lightning_mp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp)
+    elif args.strategy == "hsdp":
+        strategy = HSDPStrategy(replicate_degree=1, tensor_parallel_degree=args.tp, tp_plan=plan)
+    else:
+        strategy = args.strategy
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=args.clip, callbacks=[Probe(Path(args.out))])
+    loader = DataLoader(spec.dataset(), batch_size=args.batch, shuffle=False)
+    trainer.fit(module, loader)
+
+
+if __name__ == "__main__":
+    main()
