@@ -2,7 +2,7 @@
 
     python examples/finetune_hf.py --make-tiny outputs/tiny-llama            # a tiny save_pretrained folder (no download)
     python examples/finetune_hf.py fit --config configs/finetune_hf.yaml      # fine-tune it on 2 CPU ranks
-    fsdp-strategies-export outputs/finetune_hf/checkpoints/last.ckpt outputs/finetune_hf/hf --format hf
+    fsdp-strategies-export outputs/finetune_hf/checkpoints/epoch=0-step=20.ckpt outputs/finetune_hf/hf --format hf
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('outputs/finetune_hf/hf')"
 
 The LightningModule is written as for Lightning's ``ddp``: ``from_pretrained`` in ``configure_model``. Under
