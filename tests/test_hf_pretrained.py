@@ -88,6 +88,28 @@ def test_meta_build_materialise_and_load_gives_the_pretrained_model(arch: str, f
         assert holder.model.lm_head.weight is holder.model.transformer.wte.weight
 
 
+def test_clip_two_towers_and_a_0d_logit_scale_load(tmp_path: Path) -> None:
+    cfg = transformers.CLIPConfig(
+        text_config={"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 8}, projection_dim=16)
+    torch.manual_seed(0)
+    reference = transformers.CLIPModel(cfg)
+    with torch.no_grad():
+        reference.logit_scale.fill_(2.5)  # not the init value: a load that skipped the scalar would show
+    reference.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        holder = Holder(transformers.CLIPModel(cfg))
+    materialize(holder, torch.device("cpu"))
+    report = load_pretrained(holder, PretrainedSource(str(tmp_path)))
+    assert not report["missing"] and not report["unexpected"], report
+    ids, pixels = torch.randint(0, 128, (2, 8)), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        got = holder.model(input_ids=ids, pixel_values=pixels).logits_per_image
+        assert torch.equal(got, reference(input_ids=ids, pixel_values=pixels).logits_per_image)
+
+
 def test_materialise_computes_the_buffers_a_checkpoint_never_holds(folders: dict[str, Path]) -> None:
     holder = _meta_holder(folders["llama"])
     reference = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"])
