@@ -236,6 +236,47 @@ def test_pretrained_load_suite_quick_mode_measures_real_loads(tmp_path: Path) ->
     assert _one("pretrained_load-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.multiprocess
+def test_tensor_parallel_suite_quick_mode_measures_real_tp_runs(tmp_path: Path) -> None:
+    # issue 26: ours with tensor_parallel_degree=2 (the plan of configs/fsdp2_tp.yaml) vs Lightning's
+    # ModelParallelStrategy with the same plan written by hand, 1 x 2 on 2 ranks, one round of 2 steps
+    proc = run_python(["benchmarks/run.py", "tensor_parallel", "--quick", "--contenders", "fsdp2_tp2",
+                       "lightning_mp_tp2", "--out-dir", str(tmp_path)], timeout=600)
+    assert "step time fsdp2_tp2/lightning_mp_tp2" in proc.stdout and "bytes per rank fsdp2_tp2/lightning_mp_tp2" in proc.stdout
+    result = json.loads(_one("tensor_parallel-*.json", tmp_path).read_text())
+    assert result["config"]["ranks"] == [2] and set(result["config"]["contenders"]) == {"fsdp2_tp2", "lightning_mp_tp2"}
+    assert "correctness of cost" in result["note"]
+    [case] = result["cases"]
+    assert case["failures"] == [] and case["size"] == "tiny"
+    # what one TP rank should hold: the planned Linear/Embedding weights halved, the 1-D norm weights whole
+    import torch
+
+    from llama import LlamaLM
+
+    lm = LlamaLM(max_seq_len=common.SIZES["tiny"]["seq_len"], **common.SIZES["tiny"]["model"])
+    with torch.device("meta"):
+        lm.configure_model()
+    whole = sum(p.numel() for p in lm.parameters() if p.dim() < 2)
+    assert case["params"] == sum(p.numel() for p in lm.parameters())
+    for name in ("fsdp2_tp2", "lightning_mp_tp2"):
+        rec = case["contenders"][name]
+        assert rec["errors"] == [] and len(rec["samples_s"]) == 1 and _positive_floats(rec["samples_s"][0])
+        assert rec["median_s"] == statistics.median(rec["samples_s"][0])
+        assert all(math.isfinite(v) for v in rec["loss_last"])
+        assert len(rec["memory_per_rank"]) == 2  # every rank reports, from its own process
+        for mem in rec["memory_per_rank"]:  # measured, not assumed: the tensor-parallel split is real
+            assert mem["param_bytes"] == 4 * (whole + (case["params"] - whole) // 2)
+            assert mem["grad_bytes"] == mem["param_bytes"] and mem["optimizer_state_bytes"] >= 2 * mem["param_bytes"]
+    assert case["worst_rank_bytes"]["fsdp2_tp2"]["total_bytes"] == case["worst_rank_bytes"]["lightning_mp_tp2"][
+        "total_bytes"]  # the same plan, the same shards
+    memory = case["memory_ratios"]["fsdp2_tp2/lightning_mp_tp2"]
+    assert memory["value"] == 1.0 and memory["target"] == 1.05 and memory["met"] is True
+    ratio = case["ratios"]["fsdp2_tp2/lightning_mp_tp2"]
+    a, b = (case["contenders"][n]["rep_medians_s"][0] for n in ("fsdp2_tp2", "lightning_mp_tp2"))
+    assert ratio["per_round"] == pytest.approx([a / b]) and ratio["met"] == (ratio["value"] <= 1.0)
+    assert _one("tensor_parallel-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
+
+
 def test_pretrained_load_worker_fails_a_load_that_is_not_the_pretrained_weights(tmp_path: Path) -> None:
     # the guard that keeps a broken load from looking cheap: a reference loss the weights do not give fails the job
     from suites import pretrained_load

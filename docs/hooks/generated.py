@@ -8,7 +8,11 @@ result file that does not exist, fails the build):
 * ``{{ benchmark NAME.json }}``: one file's section;
 * ``{{ gpu_results }}``: the sections of every file measured on a GPU, or the statement that there is none;
 * ``{{ matrix NAME.json }}``: the real-models compatibility matrix (``make matrix`` writes the file);
-* ``{{ pretrained_load NAME.json }}``: the pretrained-load memory table and figure (docs/pretrained.md).
+* ``{{ pretrained_load NAME.json }}``: the pretrained-load memory table and figure (docs/pretrained.md);
+* ``{{ memory_per_rank NAME.json }}``: a timing suite's worst-rank bytes and peak RSS per contender and case
+  (docs/strategies/tensor_parallel.md);
+* ``{{ hf_tp_plans }}``: which model families of the installed ``transformers`` carry a tensor-parallel plan in
+  their config (``base_model_tp_plan``) and whether this package applies every style in it.
 
 The PNGs next to the JSON files are copied into the site (``assets/benchmarks/``) and embedded. No
 figure is typed into a page: rerunning a benchmark and rebuilding updates the site.
@@ -286,6 +290,82 @@ def _extra(data: dict[str, Any]) -> list[str]:
     return ["Stall model's prediction:", "", *[f"- `{k}`: {_fmt(v)}" for k, v in pred.items()], ""]
 
 
+def memory_per_rank(data: dict[str, Any]) -> list[str]:
+    """Per case and contender: the worst rank's parameter / gradient / optimizer-state bytes (local shards) and peak
+    RSS, with the loss of each round's first and last step (the contenders train the same model)."""
+    out: list[str] = []
+    for case in data.get("cases") or []:
+        rows = []
+        for name, rec in case["contenders"].items():
+            per_rank = rec.get("memory_per_rank") if isinstance(rec, dict) else None
+            if not per_rank:
+                rows.append([f"`{name}`", *["-"] * 7, rec.get("skipped", "failed") if isinstance(rec, dict) else "-"])
+                continue
+            worst = {k: max(m[k] for m in per_rank) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes",
+                                                              "total_bytes", "max_rss_bytes")}
+            losses = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in zip(rec.get("loss_first") or [], rec.get("loss_last") or []))
+            rows.append([f"`{name}`", rec.get("median_s") and f"{rec['median_s'] * 1e3:.1f}", len(per_rank),
+                         *[_mib(worst[k]) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "total_bytes",
+                                                    "max_rss_bytes")], losses or "-"])
+        params = f", {case['params'] / 1e6:.2f}M params" if case.get("params") else ""
+        out += [f"`{case['size']}`{params}, {case['ranks']} ranks (worst rank; MiB):", "",
+                *_table(["contender", "median step ms", "ranks reporting", "params", "grads", "optimizer state",
+                         "params + grads + optimizer", "peak RSS", "loss, first -> last step, per round"], rows)]
+    return out
+
+
+def hf_tp_plans() -> str:
+    """The model families of the installed ``transformers`` (``CONFIG_MAPPING``: model type -> config class) whose
+    config class declares ``base_model_tp_plan`` (a class attribute: nothing is instantiated), split by whether every
+    style in it is one this package applies; and the families without a plan."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    from fsdp_strategies.parallel.tensor_parallel import STYLES
+
+    applied, partly, without = [], [], []
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        try:
+            config_class = CONFIG_MAPPING[model_type]
+        except Exception:  # a config whose optional dependency is missing: not listed as either
+            continue
+        plan = getattr(config_class, "base_model_tp_plan", None)
+        if not plan:
+            without.append(model_type)
+            continue
+        styles = sorted(set(plan.values()))
+        other = [s for s in styles if s not in STYLES]
+        row = [f"`{model_type}`", f"`{config_class.__name__}`", len(plan), ", ".join(f"`{s}`" for s in styles)]
+        if other:
+            partly.append([*row, ", ".join(f"`{s}`" for s in other)])
+        else:
+            applied.append(row)
+    head = ["model type", "config class", "plan entries", "styles"]
+    return "\n".join([
+        f"Generated from the installed `transformers` {transformers.__version__} when this site was built: "
+        f"{len(CONFIG_MAPPING_NAMES)} model types, **{len(applied)}** with a plan that uses only the styles above, "
+        f"**{len(partly)}** with a plan that uses styles this package does not apply, **{len(without)}** without "
+        "a plan.", "",
+        f"### Families whose plan uses only the styles above ({len(applied)})", "",
+        "`tp_plan: auto` applies these plans as they are (a plan of few entries splits only those layers: see the "
+        "entries column).", "", *_table(head, applied),
+        f"### Families whose plan uses other styles ({len(partly)})", "",
+        "`tp_plan: auto` refuses these before training: it names the style it does not apply, or, for packed MoE "
+        "experts, the plan entries that name parameters rather than modules. A dict plan may name the layers that take "
+        "the four styles, but what it leaves out stays whole on every TP rank, which is right only where that "
+        "parameter's gradient is the same on every TP rank (not for a norm applied per head after a column-wise "
+        "projection, such as Qwen3's `q_norm` / `k_norm`, which their plans mark `replicated_with_grad_allreduce`). "
+        "Not tested here.", "",
+        *_table([*head, "styles not applied here"], partly),
+        f"### Families without a plan ({len(without)})", "",
+        "These need a dict `tp_plan` (or a `configure_model` that applies its own). Composite models are listed by "
+        "their top-level config: one whose language model has a config of its own with a plan (e.g. a vision-language "
+        "model) is listed here; `auto` uses the outermost submodule that carries a plan, and whether it finds the "
+        "language model's is not tested.", "",
+        '??? note "The model types without a plan"', "", "    " + ", ".join(f"`{t}`" for t in without), "",
+    ])
+
+
 def section(path: Path, page_dir: str, level: int = 3) -> str:
     data = json.loads(path.read_text())
     stem = path.stem
@@ -378,6 +458,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             png = _png(Path(arg).stem, data)
             figure = [f"![{Path(arg).stem}]({posixpath.relpath(f'{ASSETS}/{png.name}', page_dir or '.')})", ""] if png else []
             return "\n".join([*pretrained_load(data), *figure])
+        if kind == "memory_per_rank" and arg:
+            return "\n".join(memory_per_rank(_load(arg)))
+        if kind == "hf_tp_plans" and not arg:
+            return hf_tp_plans()
         raise PluginError(f"docs: {page.file.src_uri}: unknown marker {match.group(0)!r}")
 
     return MARKER.sub(render, markdown)
