@@ -146,3 +146,30 @@ def test_a_glob_that_matches_nothing_and_sizes_that_do_not_split_are_refused() -
     _check_sizes(llama, exact, 2)  # 4 heads, 2 KV heads: fine
     with pytest.raises(TensorParallelPlanError, match=r"num_key_value_heads=2.*tensor_parallel_degree=4"):
         _check_sizes(llama, exact, 4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+def test_plans_with_styles_this_package_does_not_apply_are_refused_by_style(family: str) -> None:
+    # Mixtral's plan names expert parameters with MoE/packed styles; Qwen3's per-head q_norm/k_norm need a
+    # gradient all-reduce over the TP ranks: applying the rest and leaving those whole would train wrongly
+    import torch
+    import transformers
+
+    from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel
+
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    with torch.device("meta"):
+        if family == "mixtral":
+            model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=2, **sizes))
+        else:
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes))
+    style = {"mixtral": "moe_tp_experts", "qwen3": "replicated_with_grad_allreduce"}[family]
+    with pytest.raises(TensorParallelPlanError, match=rf"does not apply: .*'{style}'.*Fix: pass a dict plan"):
+        apply_tensor_parallel(model, object(), "auto")
+
+
+def test_a_glob_naming_a_parameter_says_so() -> None:
+    llama = _Holder(MODELS["hf_llama"].build().model)
+    with pytest.raises(TensorParallelPlanError, match=r"names parameters, not modules.*drop the '\.weight'"):
+        _expand(llama, {"model.model.layers.*.self_attn.q_proj.weight": "colwise"})

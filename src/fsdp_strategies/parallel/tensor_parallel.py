@@ -18,8 +18,11 @@ style                      torch ``ParallelStyle``
 
 Applied with ``torch.distributed.tensor.parallel.parallelize_module`` on the mesh's ``tensor_parallel`` dim,
 before ``fully_shard`` shards everything on the data-parallel dims (:func:`fsdp_strategies.parallel.parallelize`).
-Parameters the plan leaves alone (norms, biases of other modules) stay whole on every TP rank; their
-gradients are identical there, and FSDP2 shards them on the data-parallel dims only. Gradient clipping then
+Parameters the plan leaves alone (norms, biases of other modules) stay whole on every TP rank, and FSDP2
+shards them on the data-parallel dims only. That is right for modules whose input is the same on every TP
+rank (the embedding's or a row-wise layer's output: the norms of Llama, Qwen2, Mistral); a per-head norm after
+a column-wise projection (Qwen3's ``q_norm``, a ``replicated_with_grad_allreduce`` entry in HF plans) sees
+other heads on each rank, so plans with that style are refused, as are MoE and packed styles. Gradient clipping then
 sees DTensors on two meshes; :func:`clip_grad_norm` computes the norm per mesh and combines them.
 
 Checked before anything is applied: every glob matches a module; the planned modules are ``nn.Linear`` /
@@ -59,9 +62,18 @@ def _style(name: str, style: str) -> Any:
         return ColwiseParallel(output_layouts=Replicate())
     if style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
-    raise TensorParallelPlanError(
-        f"tp_plan: style {style!r} for {name!r} is not supported. Fix: use one of {list(STYLES)} (a dict plan), "
-        "or leave the module out of the plan (it then stays whole on every tensor-parallel rank).")
+    raise TensorParallelPlanError(_unsupported({name: style}))
+
+
+def _unsupported(entries: Mapping[str, str]) -> str:
+    listed = "; ".join(f"{style!r} for {name!r}" for name, style in list(entries.items())[:6])
+    more = f" ... ({len(entries)} in all)" if len(entries) > 6 else ""
+    return (f"tp_plan: styles this package does not apply: {listed}{more} (supported: {', '.join(STYLES)}; MoE "
+            "experts, packed projections and per-head norms that need a gradient all-reduce are not). Fix: pass a "
+            "dict plan with the supported styles for the dense attention and MLP projections, or "
+            "tensor_parallel_degree: 1. Leave a module out of the plan only if its input is the same on every "
+            "tensor-parallel rank (after a rowwise layer or the embedding): a per-head norm after a colwise "
+            "projection sees other heads on each rank, and its weights would drift apart.")
 
 
 def find_model_plan(model: nn.Module) -> dict[str, str] | None:
@@ -103,6 +115,11 @@ def _expand(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             unmatched.append(glob)
         for name in hits:
             exact[name] = style
+    params = [name for name, _ in model.named_parameters()]
+    for glob in unmatched:
+        if any(fnmatch.fnmatchcase(p, glob) for p in params):
+            raise TensorParallelPlanError(f"tp_plan: {glob!r} names parameters, not modules. Fix: name the module "
+                                          "that holds them (its Linear or Embedding), e.g. drop the '.weight'.")
     if unmatched:
         sample = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
         raise TensorParallelPlanError(f"tp_plan: {unmatched} match no module of the model (its modules: {sample}). "
@@ -155,6 +172,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, tp_plan: str | Mapping
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = resolve_plan(model, tp_plan)
+    unsupported = {glob: style for glob, style in plan.items() if style not in STYLES}
+    if unsupported:  # before the globs: an MoE plan names parameters, and the style is the real problem
+        raise TensorParallelPlanError(_unsupported(unsupported))
     exact = _expand(model, plan)
     styles = {name: _style(name, style) for name, style in exact.items()}
     _check_sizes(model, exact, tp_mesh.size())
