@@ -17,6 +17,12 @@ FLOPs per batch come from one of (the log says which):
 * ``analytic``: ``6 * N * tokens + 12 * L * H * S * tokens`` (N = non-embedding parameters,
   L = blocks, H = attention width, S = sequence length), the usual transformer estimate.
 * ``flops_per_batch``: an int, or a callable ``f(batch) -> int`` given by import path in YAML.
+
+Under tensor parallelism (a ``tensor_parallel`` mesh dim) the ranks of a TP group read one batch and
+each does its share of the work: ``count`` counts the ops on this device's shards (a planned Linear
+on TP 2 costs half per rank), ``analytic`` divides by the TP degree, and the batch's samples and
+tokens are credited 1/TP to each device, so per-device rates and MFU mean what they mean without TP
+(the sums over ranks are the global rates). ``flops_per_batch`` is taken as given (per device).
 """
 
 from __future__ import annotations
@@ -53,14 +59,14 @@ _RATES = ("tflops_per_device", "mfu", "hfu", "tokens_per_sec_per_device", "sampl
 class _Window:
     steps: int = 0
     batches: int = 0
-    samples: int = 0
-    tokens: int = 0
+    samples: float = 0
+    tokens: float = 0
     model_flops: float = 0.0
     hardware_flops: float = 0.0
     start: float = 0.0
     paused: float = 0.0
 
-    def add(self, samples: int, tokens: int, flops: StepFlops, scale: float) -> None:
+    def add(self, samples: float, tokens: float, flops: StepFlops, scale: float) -> None:
         self.batches += 1
         self.samples += samples
         self.tokens += tokens
@@ -77,6 +83,14 @@ class _Window:
             self.tokens / elapsed,
             self.samples / elapsed,
         ]
+
+
+def _tensor_parallel_degree(trainer: pl.Trainer) -> int:
+    """Ranks that split each layer (a ``tensor_parallel`` mesh dim: this package's strategies, Lightning's
+    ``ModelParallelStrategy``); 1 without one."""
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return int(mesh["tensor_parallel"].size()) if mesh is not None and "tensor_parallel" in names else 1
 
 
 def _sync(device: torch.device) -> None:
@@ -158,6 +172,7 @@ class MFUMonitor(Callback):
         self.seq_len = seq_len
         self.hidden_size = hidden_size
         self.block_class_names = list(block_class_names or [])
+        self._tp_degree = 1
         self.prog_bar = prog_bar
         self.prefix = prefix
         # results, readable after (or during) training
@@ -220,6 +235,7 @@ class MFUMonitor(Callback):
         if stage == "fit":
             self.peak = self._resolve_peak(trainer)
             self._reset()
+            self._tp_degree = _tensor_parallel_degree(trainer)
 
     # ------------------------------------------------------------------ batch bookkeeping
     def _samples_tokens(self, batch: Any) -> tuple[int, int]:
@@ -246,6 +262,7 @@ class MFUMonitor(Callback):
                 f"seq_len={seq} from the model/batch. Fix: set block_class_names, hidden_size and seq_len."
             )
         flops = analytic_transformer_flops(n, layers, hidden, seq, samples * seq, causal_discount=self.causal_discount)
+        flops //= self._tp_degree  # N counts whole (global) parameters; a tensor-parallel rank does its share
         return StepFlops(flops, flops)
 
     @override
@@ -276,9 +293,10 @@ class MFUMonitor(Callback):
             self._first_batch_flops(pl_module, batch, samples, tokens)
         assert self.flops is not None
         scale = samples / self._counted_samples if self._counted_samples else 1.0
-        if self._measuring:
-            self._window.add(samples, tokens, self.flops, scale)
-            self._total.add(samples, tokens, self.flops, scale)
+        if self._measuring:  # the ranks of a tensor-parallel group share one batch: a device gets its share
+            tp = self._tp_degree
+            self._window.add(samples / tp, tokens / tp, self.flops, scale)
+            self._total.add(samples / tp, tokens / tp, self.flops, scale)
         if trainer.global_step == self._last_step:
             return  # a micro-batch of gradient accumulation: the optimizer step is not over yet
         self._last_step = trainer.global_step

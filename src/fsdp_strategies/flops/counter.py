@@ -9,6 +9,10 @@ checkpointing, and the attention scores that fused/flash attention kernels recom
   hardware-only FLOPs (it reports recomputation through :func:`~fsdp_strategies.parallel.is_recomputing`).
   SDPA kernels without a formula in PyTorch (the CPU flash kernel) get one registered here. Exact on
   meta tensors; kernels hidden from the dispatcher (``torch.compile``'d regions) are not seen.
+  Under tensor parallelism an op on DTensors reaches the counter with the *global* shapes, while the
+  device runs it on its local shards: every formula here is given the local tensors, so the count is
+  what this device executes (a column-/row-wise Linear on TP 2: half its FLOPs per rank). Exact for
+  ops whose inputs need no redistribution first (the matmuls of a TP plan).
 * :func:`analytic_transformer_flops`: ``(6 N + 12 L H S) * tokens``, the usual transformer estimate.
 
 Usable without Lightning (the benchmarks call it on plain modules).
@@ -95,6 +99,34 @@ def _causal_mapping() -> dict[Any, Any]:
     return mapping
 
 
+def _local_shard(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, (list, tuple)) and any(isinstance(v, DTensor) for v in value):
+        return type(value)(_local_shard(v) for v in value)
+    return value
+
+
+def _on_local_shards(formula: Callable[..., int]) -> Callable[..., int]:
+    """A formula that counts an op on DTensors by the shards this device holds (see the module docstring)."""
+
+    def local(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        args = tuple(_local_shard(a) for a in args)
+        kwargs = {k: _local_shard(v) for k, v in kwargs.items()}
+        return formula(*args, out_val=_local_shard(out_val), **kwargs)
+
+    return _torch_seam.raw_tensor_formula(local)  # the registry's formulas take tensors and read their shapes
+
+
+def _formulas(causal_discount: bool) -> dict[Any, Any]:
+    mapping = dict(flop_counter.flop_registry)
+    if causal_discount:
+        mapping.update(_causal_mapping())
+    return {packet: _on_local_shards(formula) for packet, formula in mapping.items()}
+
+
 def _score_recompute_fraction(args: tuple[Any, ...]) -> float:
     """Share of an SDPA backward formula that recomputes ``q @ k^T``: d_q / (3 d_q + 2 d_v)."""
     d_q, d_v = args[1].shape[-1], args[3].shape[-1]
@@ -105,7 +137,7 @@ class StepFlopCounter(_torch_seam.HookedFlopCounter):
     """FlopCounterMode that also books the recomputed share of the FLOPs (hardware-only FLOPs)."""
 
     def __init__(self, causal_discount: bool = False) -> None:
-        super().__init__(display=False, custom_mapping=_causal_mapping() if causal_discount else None)
+        super().__init__(display=False, custom_mapping=_formulas(causal_discount))
         self.recomputed = 0.0
 
     def on_flops(self, func_packet: Any, flops: int, args: Any) -> None:

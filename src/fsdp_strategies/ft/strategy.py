@@ -68,6 +68,7 @@ from fsdp_strategies.ft.options import (
     Transport,
     check_ft_options,
     check_group_size,
+    check_no_tensor_parallel,
     resolve_placement,
 )
 from fsdp_strategies.ft.outer_sync import SyncMode
@@ -161,6 +162,7 @@ class FTHSDPStrategy(HSDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
+        check_no_tensor_parallel(self.tensor_parallel_degree)
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
         check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
                          checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
