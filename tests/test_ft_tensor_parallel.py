@@ -1,26 +1,72 @@
-"""ft_hsdp and tensor parallelism (issue #26): not implemented inside a replica group, refused up front.
+"""ft_hsdp with tensor parallelism inside each replica group (issue #26).
 
-ft_hsdp's data layout (the sampler's shard ``rank + group_size * group``, the redistribution of a failed
-group's samples, the samples per DiLoCo round) and its heal treat every rank of a group as a data-parallel
-rank; with tensor parallelism the ranks of a TP group share one shard. Until that is adapted, the strategy
-refuses ``tensor_parallel_degree > 1`` when it is built -- before any process group, lighthouse or launcher.
+Each replica group is 1 (data-parallel) x 2 (tensor-parallel) ranks of the example Llama with its explicit
+plan; torchft averages the gradients across groups. The ranks of a TP group share one data shard
+(``data_parallel_rank``), and a killed group heals from its peer rank by rank: TP+FSDP DTensor shards of
+parameters and optimizer state arrive through torchft's transport.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
+import yaml
 
-from fsdp_strategies import FTHSDPStrategy
+from conftest import WORKERS, run_python
+
+WORKER = str(WORKERS / "ft_train.py")
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+        "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
+        "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
+        "--data.num_train", "64", "--data.num_val", "8"]
 
 
-def test_tensor_parallel_under_ft_hsdp_is_a_clear_error_before_anything_starts() -> None:
-    # no lighthouse, no replica group id, no process group: the TP check comes first
-    with pytest.raises(ValueError, match=r"ft_hsdp: tensor_parallel_degree=2 is not supported.*Fix: "
-                                         r"tensor_parallel_degree: 1 for ft_hsdp.*fsdp2/hsdp"):
-        FTHSDPStrategy(tensor_parallel_degree=2, tp_plan="auto")
+def _plan_config(tmp: Path) -> Path:
+    plan = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "fsdp2_tp.yaml").read_text())
+    tp = {"trainer": {"strategy": {"init_args": {
+        "tensor_parallel_degree": 2, "tp_plan": plan["trainer"]["strategy"]["init_args"]["tp_plan"],
+        "timeout_s": 10, "connect_timeout_s": 5}}}}
+    path = tmp / "tp.yaml"
+    path.write_text(yaml.safe_dump(tp))
+    return path
 
 
-def test_ft_hsdp_without_tensor_parallelism_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
-    strategy = FTHSDPStrategy(replica_group_id=0, num_replica_groups=2, tensor_parallel_degree=1)
-    assert strategy.tensor_parallel_degree == 1
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.multiprocess
+def test_two_tp_groups_kill_heal_and_end_identical(tmp_path: Path) -> None:
+    max_steps = 24
+    events, out = tmp_path / "events", tmp_path / "out"
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
+                "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout", "380",
+                "--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1",
+                "--", WORKER, "fit", "--config", "configs/ft_hsdp.yaml", "--config", str(_plan_config(tmp_path)),
+                *TINY, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+               env={"FT_TEST_OUT": str(out), "FT_TEST_SLEEP_ALONE": "0.5"}, timeout=400)
+    launcher = _jsonl(events / "launcher.jsonl")
+    exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
+    assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
+    for rank in (0, 1):
+        a = torch.load(out / f"group0_rank{rank}.pt", weights_only=False)
+        b = torch.load(out / f"group1_rank{rank}.pt", weights_only=False)
+        assert b["incarnation"] == 1 and b["ft_stats"]["heals"] >= 1  # the restarted group healed
+        assert a["global_step"] == b["global_step"] == max_steps
+        # the TP ranks hold different halves, the groups the same ones: bit-identical shards after the heal
+        assert a["shards"].keys() == b["shards"].keys() and any(k.startswith("opt0.") for k in a["shards"])
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+    # the two ranks of a TP group read one data shard and compute one loss; the groups read different shards
+    for group in (0, 1):
+        r0, r1 = (_jsonl(out / f"group{group}_rank{r}.jsonl") for r in (0, 1))
+        pairs = [(x, y) for x, y in zip(r0, r1) if x["incarnation"] == y["incarnation"] == 0]
+        assert pairs and all(x["batch_sum"] == y["batch_sum"] and x["loss"] == y["loss"] for x, y in pairs)
+    first = [_jsonl(out / f"group{g}_rank0.jsonl")[0]["batch_sum"] for g in (0, 1)]
+    assert first[0] != first[1], first
+    halves = [torch.load(out / f"group0_rank{r}.pt", weights_only=False)["shards"] for r in (0, 1)]
+    planned = [k for k in halves[0] if "attention.wq" in k and not k.startswith("opt")]
+    assert planned and not torch.equal(halves[0][planned[0]], halves[1][planned[0]])

@@ -25,7 +25,7 @@ from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV, NUM_GROUPS_ENV, REPLICA_
 from fsdp_strategies.ft.straggler_switch import validate_straggler_sync
 
 __all__ = ["DataOnFailure", "GroupPlacement", "Transport", "check_ft_options", "check_group_size",
-           "check_no_tensor_parallel", "resolve_placement"]
+           "resolve_placement"]
 
 #: how a healing group fetches the live state
 Transport = Literal["pg", "http"]
@@ -108,15 +108,3 @@ def check_group_size(shard_degree: int | str, num_nodes: int, devices: int) -> N
             f"its ranks. Fix: set shard_degree to {group_size} or 'auto', or run each group with "
             f"{shard_degree} devices."
         )
-
-
-def check_no_tensor_parallel(degree: int) -> None:
-    """ft_hsdp has no tensor parallelism inside a replica group (yet): refused when the strategy is built."""
-    if degree > 1:
-        # the data layout (sampler shards, redistribution after a failure, samples per round) and the
-        # cross-group heal assume every rank of a group is a data-parallel rank
-        raise ValueError(
-            f"ft_hsdp: tensor_parallel_degree={degree} is not supported: tensor parallelism inside a replica group "
-            "is not implemented for ft_hsdp (its data sharding, redistribution and heal treat every rank as a "
-            "data-parallel rank). Fix: tensor_parallel_degree: 1 for ft_hsdp, or use strategy fsdp2/hsdp with "
-            "tensor_parallel_degree for tensor parallelism without fault tolerance.")

@@ -68,7 +68,6 @@ from fsdp_strategies.ft.options import (
     Transport,
     check_ft_options,
     check_group_size,
-    check_no_tensor_parallel,
     resolve_placement,
 )
 from fsdp_strategies.ft.outer_sync import SyncMode
@@ -162,7 +161,6 @@ class FTHSDPStrategy(HSDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
-        check_no_tensor_parallel(self.tensor_parallel_degree)
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
         check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
                          checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
@@ -261,8 +259,8 @@ class FTHSDPStrategy(HSDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # torchft.data.DistributedSampler's layout: shard = group_rank + group_size * replica_group_id.
-        return {"num_replicas": self.world_size * self.num_replica_groups,
-                "rank": self.global_rank + self.world_size * self.replica_group_id}
+        return {"num_replicas": self.data_parallel_size * self.num_replica_groups,
+                "rank": self.data_parallel_rank + self.data_parallel_size * self.replica_group_id}
 
     @override
     def shard_module(self, module: nn.Module) -> nn.Module:
@@ -410,7 +408,7 @@ class FTHSDPStrategy(HSDPStrategy):
                 self._wait_quorum()
                 batch, self._step.extra_samples, self._step.grad_scale = redistribute(
                     batch, step, data=self._data, manager=self._manager, replica_group_id=self.replica_group_id,
-                    num_replica_groups=self.num_replica_groups, rank=self.global_rank, world_size=self.world_size,
+                    num_replica_groups=self.num_replica_groups, rank=self.data_parallel_rank, world_size=self.data_parallel_size,
                     device=self.root_device, prepare=prepare)
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -490,7 +488,7 @@ class FTHSDPStrategy(HSDPStrategy):
         assert outer is not None
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._data is not None and self._step.position is not None:
-            self._semi.round_samples += self._data.batch_size_of(self._step.position) * self.world_size
+            self._semi.round_samples += self._data.batch_size_of(self._step.position) * self.data_parallel_size
         t0 = time.perf_counter()
         committed = outer.after_inner_step()
         sync_s = time.perf_counter() - t0
@@ -524,7 +522,7 @@ class FTHSDPStrategy(HSDPStrategy):
         data = self._accounting.data_record(
             self._step, committed=committed, participants=participants, data=self._data,
             round_of=self._semi.outer if self._semi.active else None, round_samples=self._semi.round_samples,
-            quorum_step=self._committed_step() - int(committed), world_size=self.world_size)
+            quorum_step=self._committed_step() - int(committed), world_size=self.data_parallel_size)
         metrics = self._accounting.finish(
             self._step, committed=committed, committed_step=self._committed_step(), participants=participants,
             quorum_id=_torch_seam.quorum_id(self._manager), commit_s=commit_s, data=data,

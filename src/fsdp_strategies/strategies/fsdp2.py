@@ -295,12 +295,19 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         return self.device_mesh["data_parallel"]
 
     @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their batch)."""
+        return self.global_rank // self.tensor_parallel_degree  # row-major mesh, tensor-parallel dim last
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many distinct batches the ranks of this job train per step (world size / TP degree)."""
+        return self.world_size // self.tensor_parallel_degree
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The mesh is row-major over global ranks with the tensor-parallel dim last: the ranks of one TP group
-        # are neighbours and read the same batch.
-        tp = self.tensor_parallel_degree
-        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     # ------------------------------------------------------------------ meta-device construction
     @contextmanager
