@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies.parallel.ties import retie, tied_slots
 
 __all__ = ["clean_name", "hf_models", "materialize", "pretrained_model_class"]
 
@@ -61,38 +62,20 @@ def _has_own_tensors(module: nn.Module) -> bool:
     return any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False)))
 
 
-def _tied_slots(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The (owner, attribute) slots of every parameter registered under more than one name (tied weights)."""
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        owner_name, _, attr = name.rpartition(".")
-        slots.setdefault(id(param), []).append((module.get_submodule(owner_name), attr))
-    return [group for group in slots.values() if len(group) > 1]
-
-
-def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
-    """``to_empty`` gives each slot of a shared parameter its own tensor (FSDP2 keeps them shared): share again."""
-    for (first_owner, first_attr), *rest in groups:
-        shared = getattr(first_owner, first_attr)
-        for owner, attr in rest:
-            if getattr(owner, attr) is not shared:
-                setattr(owner, attr, shared)
-
-
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta tensors of ``module`` on ``device`` and initialise them (see the module docstring).
 
     Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split them."""
     if not seam.has_meta_tensors(module):
         return
-    ties = _tied_slots(module)
+    ties = tied_slots(module)
     models = [model for _, model in hf_models(module)]
     if not models:
         seam.materialize_meta_module(module, device)
-        _retie(ties)
+        retie(ties)
         return
     module.to_empty(device=device)
-    _retie(ties)
+    retie(ties)
     covered = {id(m) for model in models for m in model.modules()}
     uninitialized = set()
     for sub in module.modules():

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_strategies.parallel.ties import retie, tied_slots
+
 __all__ = ["STYLES", "TensorParallelPlanError", "apply_tensor_parallel", "clip_grad_norm", "find_model_plan",
            "resolve_plan"]
 
@@ -178,30 +180,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, tp_plan: str | Mapping
     exact = _expand(model, plan)
     styles = {name: _style(name, style) for name, style in exact.items()}
     _check_sizes(model, exact, tp_mesh.size())
-    ties = _tied(model)
+    ties = tied_slots(model)
     parallelize_module(model, tp_mesh, styles)
-    _retie(ties)
+    retie(ties)
     return exact
-
-
-def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner, _, attr = name.rpartition(".")
-        slots.setdefault(id(param), []).append((model.get_submodule(owner), attr))
-    return [group for group in slots.values() if len(group) > 1]
-
-
-def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
-    """Distributing a module gives its parameter a new object: the other slots of a tied weight follow it."""
-    for group in groups:
-        current = [getattr(owner, attr) for owner, attr in group]
-        from torch.distributed.tensor import DTensor
-
-        shared = next((p for p in current if isinstance(p, DTensor)), current[0])
-        for owner, attr in group:
-            if getattr(owner, attr) is not shared:
-                setattr(owner, attr, shared)
 
 
 @torch.no_grad()
