@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from conftest import WORKERS, run_python
 
@@ -22,16 +21,6 @@ TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trai
         "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
         "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
         "--data.num_train", "64", "--data.num_val", "8"]
-
-
-def _plan_config(tmp: Path) -> Path:
-    plan = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "fsdp2_tp.yaml").read_text())
-    tp = {"trainer": {"strategy": {"init_args": {
-        "tensor_parallel_degree": 2, "tp_plan": plan["trainer"]["strategy"]["init_args"]["tp_plan"],
-        "timeout_s": 10, "connect_timeout_s": 5}}}}
-    path = tmp / "tp.yaml"
-    path.write_text(yaml.safe_dump(tp))
-    return path
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -45,8 +34,9 @@ def test_two_tp_groups_kill_heal_and_end_identical(tmp_path: Path) -> None:
     run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout", "380",
                 "--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1",
-                "--", WORKER, "fit", "--config", "configs/ft_hsdp.yaml", "--config", str(_plan_config(tmp_path)),
-                *TINY, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+                "--", WORKER, "fit", "--config", "configs/ft_hsdp_tp.yaml", *TINY,
+                "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.connect_timeout_s", "5",
+                "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
                env={"FT_TEST_OUT": str(out), "FT_TEST_SLEEP_ALONE": "0.5"}, timeout=400)
     launcher = _jsonl(events / "launcher.jsonl")
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]

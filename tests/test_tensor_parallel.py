@@ -76,6 +76,16 @@ def test_fsdp2_2x2_hf_llama_gqa_equals_ddp(tmp_path: Path, ddp_llama: list[dict]
 
 
 @pytest.mark.multiprocess
+def test_fsdp2_2x2_tied_embeddings_stay_one_tensor_and_equal_ddp(tmp_path: Path) -> None:
+    # the embedding (vocab-parallel rows) and the head (column-wise: the same rows) are one parameter: still one
+    # after the plan and FSDP, updated once, so the losses follow ddp's
+    reference = _run(tmp_path / "ddp", "--model", "hf_llama_tied", "--strategy", "ddp", "--devices", "2")
+    run = _run(tmp_path / "tp", "--model", "hf_llama_tied", "--strategy", "fsdp2", "--tp", "2", "--devices", "4")
+    assert all(r["tied"] for r in run + reference)
+    _same_losses(run, reference)
+
+
+@pytest.mark.multiprocess
 def test_hsdp_1x2x2_hf_llama_equals_ddp(tmp_path: Path, ddp_llama: list[dict]) -> None:
     run = _run(tmp_path, "--model", "hf_llama", "--strategy", "hsdp", "--tp", "2", "--devices", "4")
     _same_losses(run, ddp_llama)

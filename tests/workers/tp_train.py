@@ -67,6 +67,9 @@ class Probe(pl.Callback):
         record = {"rank": trainer.global_rank, "dp_rank": (kwargs or {}).get("rank", trainer.global_rank),
                   "losses": self.losses, "steps": self.steps, "params": params,
                   "compiled": sum(_torch_seam.is_compiled_module(m) for m in pl_module.modules())}
+        inner = getattr(pl_module, "model", None)
+        if hasattr(inner, "lm_head") and hasattr(inner, "get_input_embeddings"):
+            record["tied"] = inner.lm_head.weight is inner.get_input_embeddings().weight
         from fsdp_strategies.callbacks import MFUMonitor
 
         mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
@@ -120,6 +123,16 @@ class OwnPlanLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+def tied_llama() -> pl.LightningModule:
+    """The matrix's HF Llama with its LM head tied to the embedding (one tensor, vocab-parallel in both roles)."""
+    from models import DIM, FFN, HEADS, LAYERS, VOCAB, HFCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return HFCausalLM(lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="hf_llama")
@@ -142,8 +155,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     pl.seed_everything(0)
-    spec = MODELS["example_llama" if args.model == "own_plan" else args.model]
-    module = OwnPlanLM() if args.model == "own_plan" else spec.build()
+    spec = MODELS[{"own_plan": "example_llama", "hf_llama_tied": "hf_llama"}.get(args.model, args.model)]
+    module = OwnPlanLM() if args.model == "own_plan" else tied_llama() if args.model == "hf_llama_tied" else spec.build()
     plan = EXAMPLE_PLAN if args.plan == "example" else json.loads(args.plan) if args.plan else "auto"
     if args.strategy == "fsdp2":
         strategy: Any = FSDP2Strategy(tensor_parallel_degree=args.tp, tp_plan=plan, compile_blocks=args.compile,
