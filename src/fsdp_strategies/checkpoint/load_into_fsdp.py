@@ -50,7 +50,7 @@ from fsdp_strategies.checkpoint.safe_load import (
 )
 from fsdp_strategies.checkpoint.verify import load_full_file, verify_folder_before_load
 
-__all__ = ["PARAM_NAMES_KEY", "CheckpointMismatchError", "load_into_sharded_model", "optimizer_param_names"]
+__all__ = ["PARAM_NAMES_KEY", "CheckpointMismatchError", "clean_name", "load_into_sharded_model", "optimizer_param_names"]
 
 #: Checkpoints written by this package's full-file saves record, per optimizer and group, the
 #: names of the parameters behind the optimizer-state ids, so a resume can check the mapping.
@@ -70,7 +70,7 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint was written for a different model or optimizer layout than the one resuming."""
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
     for token in _WRAPPER_TOKENS:
         name = name.replace(token, "")
     return name
@@ -78,7 +78,7 @@ def _clean(name: str) -> str:
 
 def optimizer_param_names(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[list[list[str]]]:
     """For each optimizer, for each param group, the parameter names in the group's order."""
-    names = {id(p): _clean(n) for n, p in module.named_parameters(remove_duplicate=False)}
+    names = {id(p): clean_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
     return [[[names.get(id(p), f"<unnamed #{i}>") for i, p in enumerate(g["params"])] for g in opt.param_groups]
             for opt in optimizers]
 
@@ -147,7 +147,7 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
             saved_labels, now_labels = None, names
         if saved_labels is not None:
             diff = [f"#{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(saved_labels, now_labels))
-                    if _clean(str(a)) != _clean(str(b))]
+                    if clean_name(str(a)) != clean_name(str(b))]
             if len(saved_labels) != len(now_labels) or diff:
                 problems.append(f"group {g} maps its state to other parameters than the checkpoint did "
                                 f"(checkpoint vs now: {_listing(diff) or 'different lengths'})")
@@ -179,7 +179,7 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
 
 
 def _model_shapes(module: nn.Module) -> dict[str, tuple[int, ...] | None]:
-    return {_clean(k): _shape(v) for k, v in module.state_dict().items()}
+    return {clean_name(k): _shape(v) for k, v in module.state_dict().items()}
 
 
 def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path, *, strict: bool,

@@ -21,19 +21,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
 from fsdp_strategies.parallel.ties import retie, tied_slots
 
-__all__ = ["clean_name", "hf_models", "materialize", "pretrained_model_class"]
+__all__ = ["hf_models", "materialize", "pretrained_model_class"]
 
-_WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _INIT_FLAG = "_is_hf_initialized"
-
-
-def clean_name(name: str) -> str:
-    """A module or parameter name without the wrapper tokens compile / activation checkpointing insert."""
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
 
 
 def pretrained_model_class() -> type | None:

@@ -35,7 +35,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp_strategies.hf.materialize import clean_name, hf_models
+from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
+from fsdp_strategies.hf.materialize import hf_models
 
 __all__ = ["PretrainedMismatchError", "PretrainedSource", "load_pretrained", "resolve_prefix", "safetensors_keys"]
 
