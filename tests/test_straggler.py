@@ -27,7 +27,7 @@ def _window(rng: np.random.Generator, ranks: int, steps: int, base: float, slow:
         self_steps[r] += extra
     n = np.full(ranks, steps, dtype=float)
     header = np.stack([n, 0.2 * self_steps.sum(1), 0.7 * self_steps.sum(1), 0.1 * self_steps.sum(1),
-                       self_steps.sum(1), self_steps.sum(1), np.zeros(ranks)], axis=1)
+                       self_steps.sum(1), self_steps.sum(1), np.zeros(ranks), np.zeros(ranks)], axis=1)
     return header, self_steps
 
 

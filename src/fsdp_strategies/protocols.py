@@ -1,12 +1,28 @@
-"""What callbacks need from a strategy, as small protocols: callbacks depend on these, never on a
-concrete strategy class. Any strategy (this package's or a user's) that has the methods qualifies.
+"""What callbacks need from a strategy, or from another callback, as small protocols: callbacks depend on
+these, never on a concrete strategy class or on each other. Any object (this package's or a user's) that has
+the methods qualifies.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["LocalAveragingSwitch", "QuorumMember", "SyncModeSwitch"]
+__all__ = ["HostPauseSource", "LocalAveragingSwitch", "QuorumMember", "SyncModeSwitch"]
+
+
+@runtime_checkable
+class HostPauseSource(Protocol):
+    """A callback that pauses this rank's host on purpose and says for how long (e.g.
+    :class:`~fsdp_strategies.callbacks.GarbageCollection`'s scheduled collections), so that timing callbacks
+    (:class:`~fsdp_strategies.callbacks.StragglerDetector`) do not count the pause as slowness of the rank.
+
+    Protocol: a consumer finds sources in ``trainer.callbacks`` and calls :meth:`take_host_pause_s` once per
+    step, at the end of its own timing of the step; the pause belongs to the step whose timing it fell in.
+    """
+
+    def take_host_pause_s(self) -> float:
+        """Seconds of deliberate pauses on this rank since the previous call (0.0 when none); resets the count."""
+        ...
 
 
 @runtime_checkable

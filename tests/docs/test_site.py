@@ -37,6 +37,7 @@ PAGES = {
     "strategies/ft_hsdp": fsdp_strategies.FTHSDPStrategy,
     "strategies/ddp_hooks": fsdp_strategies.DDPHooksStrategy,
     "callbacks/activation_checkpointing": callbacks.ActivationCheckpointing,
+    "callbacks/garbage_collection": callbacks.GarbageCollection,
     "callbacks/mfu_monitor": callbacks.MFUMonitor,
     "callbacks/straggler_detector": callbacks.StragglerDetector,
 }

@@ -1,7 +1,8 @@
 """Callbacks for an unmodified Lightning project."""
 
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
+from fsdp_strategies.callbacks.garbage_collection import GarbageCollection
 from fsdp_strategies.callbacks.mfu import MFUMonitor
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 
-__all__: list[str] = ["ActivationCheckpointing", "MFUMonitor", "StragglerDetector"]
+__all__: list[str] = ["ActivationCheckpointing", "GarbageCollection", "MFUMonitor", "StragglerDetector"]

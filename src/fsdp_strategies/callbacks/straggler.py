@@ -15,6 +15,14 @@ CPU time on CPU devices (time blocked in a collective is not CPU time), CUDA-eve
 includes waits the compute stream has on the communication stream, so under synchronous DDP/FSDP a
 slow GPU is visible in the relative scores only as far as its compute stream is slower.
 
+Deliberate host pauses are not slowness: callbacks that implement
+:class:`~fsdp_strategies.protocols.HostPauseSource` (e.g. :class:`~fsdp_strategies.callbacks.GarbageCollection`)
+are asked at the end of every step how long they paused since the previous step, and that time is
+subtracted from the step's self time (whether the pause fell into the step's ``data`` part, when the source
+is listed after the detector, or into its ``optimizer`` part, when listed before). It is reported per rank
+as ``pause`` (seconds per step, each window) and ``pause_s`` (run total), and is neither self time nor
+waiting. A pause from anything else (an unscheduled collection, a stall) counts as the rank's own time.
+
 Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers; it is
 started without waiting and read one step later, so no rank blocks on the detector. Every rank scores
 the same gathered window with :class:`~fsdp_strategies.callbacks.straggler_scoring.StragglerScorer`
@@ -47,7 +55,7 @@ from typing_extensions import override
 from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._options import check_choice, check_int
 from fsdp_strategies.callbacks.straggler_scoring import HEADER, StragglerScorer
-from fsdp_strategies.protocols import LocalAveragingSwitch, QuorumMember, SyncModeSwitch
+from fsdp_strategies.protocols import HostPauseSource, LocalAveragingSwitch, QuorumMember, SyncModeSwitch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -150,12 +158,13 @@ class StragglerDetector(Callback):
         self._cuda = False
         self._report_file: Path | None = None
         self._pending: tuple[Callable[[], np.ndarray], int] | None = None  # a window's gather in flight
+        self._pause_sources: list[HostPauseSource] = []
 
     # ------------------------------------------------------------------ setup
     def _reset_window(self) -> None:
         self._sums = np.zeros(HEADER, dtype=np.float64)
         self._self_steps = np.full(getattr(self, "window", 2), np.nan, dtype=np.float64)
-        self._events: list[tuple[int, float, Any, Any, Any, Any, float]] = []
+        self._events: list[tuple[int, float, Any, Any, Any, float, float]] = []
         self._slot = 0
 
     @override
@@ -206,6 +215,7 @@ class StragglerDetector(Callback):
             strategy = trainer.strategy
             assert isinstance(strategy, LocalAveragingSwitch)
             strategy.set_local_sgd(False, average=False)
+        self._pause_sources = [c for c in trainer.callbacks if isinstance(c, HostPauseSource) and c is not self]
         self._t_prev_end = None
         self._t_train_start = time.perf_counter()
         if self.action == "semi_sync":
@@ -247,6 +257,7 @@ class StragglerDetector(Callback):
         cpu0 = time.thread_time()
         t_end, c_end = time.perf_counter(), self._busy_clock()
         ev_end = self._cuda_event() if self._cuda else None
+        pause = sum(source.take_host_pause_s() for source in self._pause_sources)  # taken every step, measured or not
         t_opt = self._t_opt if self._t_opt is not None else t_end
         c_opt = self._c_opt if self._t_opt is not None else c_end
         compute, optim = t_opt - self._t_start, t_end - t_opt
@@ -254,10 +265,10 @@ class StragglerDetector(Callback):
         if measured and self._slot < self.window:
             if self._cuda:
                 self._events.append((self._slot, self._data, self._ev_start, self._ev_opt if self._t_opt else ev_end,
-                                     ev_end, None, compute + optim))
+                                     ev_end, pause, compute + optim))
             else:
                 busy = (c_opt - self._c_start) + (c_end - c_opt)
-                self._record(self._slot, self._data, compute, optim, busy)
+                self._record(self._slot, self._data, compute, optim, busy, pause)
             self._slot += 1
         self._skip_next = False
         self._batches += 1
@@ -275,22 +286,22 @@ class StragglerDetector(Callback):
         self._cpu_s += time.thread_time() - cpu0
         self._t_prev_end = time.perf_counter()  # the detector's own time is not part of the next step
 
-    def _record(self, slot: int, data: float, compute: float, optim: float, busy: float) -> None:
+    def _record(self, slot: int, data: float, compute: float, optim: float, busy: float, pause: float) -> None:
         step = data + compute + optim
-        own = data + min(busy, compute + optim)
-        self._sums += np.array([1.0, data, compute, optim, step, own, max(0.0, step - own)])
+        own = max(0.0, data + min(busy, compute + optim) - pause)  # a reported pause is not the rank's slowness
+        self._sums += np.array([1.0, data, compute, optim, step, own, max(0.0, step - own - pause), pause])
         self._self_steps[slot] = own
 
     def _resolve_cuda(self) -> None:
         if not self._events:
             return
         self._events[-1][4].synchronize()
-        for slot, data, ev_s, ev_o, ev_e, _, wall in self._events:
+        for slot, data, ev_s, ev_o, ev_e, pause, wall in self._events:
             compute_gpu = ev_s.elapsed_time(ev_o) / 1e3
             opt_gpu = ev_o.elapsed_time(ev_e) / 1e3
             # wall parts are not known separately here; attribute the wall time by the GPU split
             frac = compute_gpu / max(compute_gpu + opt_gpu, 1e-9)
-            self._record(slot, data, wall * frac, wall * (1 - frac), compute_gpu + opt_gpu)
+            self._record(slot, data, wall * frac, wall * (1 - frac), compute_gpu + opt_gpu, pause)
         self._events = []
 
     @override
@@ -367,7 +378,8 @@ class StragglerDetector(Callback):
                    "straggler/step_time_max": result["step_max"], "straggler/lost_frac": result["lost_frac"],
                    "straggler/lost_s_total": self.scorer.lost_s if self.scorer else 0.0,
                    "straggler/wait_s_total": self.scorer.wait_s if self.scorer else 0.0,
-                   "straggler/persistent_count": float(len(result["persistent"]))}
+                   "straggler/persistent_count": float(len(result["persistent"])),
+                   "straggler/pause_s_max": max(result["pause_s"])}
         for i, worst in enumerate(result["worst"]):
             metrics[f"straggler/worst{i + 1}_rank"] = float(worst["rank"])
             metrics[f"straggler/worst{i + 1}_score"] = float(worst["ewma"])
@@ -486,6 +498,7 @@ class StragglerDetector(Callback):
             "stalls": [t.stalls for t in scorer.tracks] if scorer else [],
             "slow_windows": [t.slow_windows for t in scorer.tracks] if scorer else [],
             "lost_s": scorer.lost_s if scorer else 0.0, "wait_s": scorer.wait_s if scorer else 0.0,
+            "pause_s": [sum(w["pause_s"][r] for w in self.history) for r in range(len(scorer.tracks))] if scorer else [],
             "detector_gather_s": self._gather_s, "detector_hook_s": self._hook_s, "train_s": self._train_s,
             "detector_overhead_frac": (self._gather_s + self._hook_s) / self._train_s if self._train_s else None,
             "detector_cpu_s": self._cpu_s,

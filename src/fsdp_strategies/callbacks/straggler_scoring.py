@@ -28,8 +28,9 @@ import numpy as np
 
 __all__ = ["HEADER", "HEADER_COLUMNS", "StragglerScorer"]
 
-#: What each rank sums over a window, in the order of a gathered window's header columns
-HEADER_COLUMNS: tuple[str, ...] = ("n", "data", "compute", "optimizer", "step", "self", "wait")
+#: What each rank sums over a window, in the order of a gathered window's header columns (``pause``: deliberate
+#: host pauses reported by a :class:`~fsdp_strategies.protocols.HostPauseSource`, already left out of ``self``)
+HEADER_COLUMNS: tuple[str, ...] = ("n", "data", "compute", "optimizer", "step", "self", "wait", "pause")
 HEADER = len(HEADER_COLUMNS)
 
 
@@ -153,7 +154,8 @@ class StragglerScorer:
             "ewma": [t.ewma for t in self.tracks], "mean_step": mean_step.tolist(), "mean_self": mean_self.tolist(),
             "step_min": float(mean_step.min()), "step_median": float(np.median(mean_step)), "step_max": float(mean_step.max()),
             "data": (header[:, 1] / n).tolist(), "compute": (header[:, 2] / n).tolist(),
-            "optimizer": (header[:, 3] / n).tolist(), "stalls": stalls.sum(axis=1).tolist(), "lost_s": lost,
+            "optimizer": (header[:, 3] / n).tolist(), "pause": (header[:, 7] / n).tolist(),
+            "pause_s": header[:, 7].tolist(), "stalls": stalls.sum(axis=1).tolist(), "lost_s": lost,
             "lost_frac": lost_frac, "wait_s": wait, "newly_persistent": newly, "cleared": cleared,
             "persistent": [r for r, t in enumerate(self.tracks) if t.persistent],
         }
