@@ -5,9 +5,9 @@ An import of ``fsdp_strategies.a.b`` also runs ``fsdp_strategies.a``'s ``__init_
 import of that package too (the root ``fsdp_strategies/__init__`` is left out of that chain: it is the front
 door that imports every layer to register the strategies, and it runs first whatever one imports). The rule is the one docs/architecture.md draws:
 
-    base <- parallel <- flops
+    base <- parallel <- flops <- memory
     base <- parallel <- checkpoint <- hf <- runtime <- strategies <- ft
-    callbacks <- base, parallel, flops (and protocols, which is base)
+    callbacks <- base, parallel, flops, memory (and protocols, which is base)
     testing: imported by nothing in the package
 """
 
@@ -27,16 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "parallel": {"base"},
     "flops": {"base", "parallel"},
+    "memory": {"base", "parallel", "flops"},
     "checkpoint": {"base", "parallel"},
     "hf": {"base", "parallel", "checkpoint"},
     "runtime": {"base", "parallel", "checkpoint", "hf"},
     "strategies": {"base", "parallel", "flops", "checkpoint", "hf", "runtime"},
     "ft": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies"},
-    "callbacks": {"base", "parallel", "flops"},
+    "callbacks": {"base", "parallel", "flops", "memory"},
     # the package's front doors: may import any layer, never `testing`
-    "top": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks"},
+    "top": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks"},
     # fault injectors for tests, benchmarks and demo configs: may import anything, imported by nothing
-    "testing": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks", "top"},
+    "testing": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks", "top"},
 }
 TOP = {"__init__", "cli"}
 MAX_MODULE_LINES = 600

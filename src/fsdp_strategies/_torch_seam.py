@@ -25,6 +25,7 @@ __all__ = [
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
+    "live_storage_nbytes",
     "loader_iterator",
     "numpy_pickle_globals",
     "op_schema",
@@ -58,6 +59,18 @@ def is_op_overload(op: Any) -> bool:
 def op_schema(packet: Any) -> Any:
     """The schema of an op packet's default overload (``OpOverload._schema``): argument names and defaults."""
     return packet.default._schema
+
+
+def live_storage_nbytes(ref: Any) -> int:
+    """Current size in bytes of the storage a ``torch.multiprocessing.reductions.StorageWeakRef`` points to, 0 once
+    it was freed (``torch.UntypedStorage._new_with_weak_ptr``: a storage from the weak reference's ``cdata``).
+
+    The size is read now, not when the reference was taken: FSDP2 frees its all-gathered parameters by
+    resizing their storage to 0 bytes, which a size recorded at creation would miss.
+    """
+    if ref.expired():
+        return 0
+    return int(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
 
 
 def inside_autograd_backward() -> bool:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -26,12 +25,11 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from typing_extensions import override
 
-from fsdp_strategies._torch_seam import TorchDispatchMode
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 from fsdp_strategies.ft.heal_state import local
+from fsdp_strategies.memory.saved_bytes import SavedBytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,30 +67,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return _bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-class KeptBytes(TorchDispatchMode):
-    """Bytes of every storage an op creates during forward that is still alive afterwards.
-
-    That is what is kept for backward: autograd's saved tensors *and* the outputs selective
-    checkpointing caches itself (those never pass through ``saved_tensors_hooks``). Used by the
-    activation-checkpointing tests and the ``sac`` benchmark.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-    def alive(self, exclude: set[int]) -> int:
-        """Bytes still alive, leaving out storages whose data pointers are in ``exclude`` (weights)."""
-        gc.collect()
-        return sum(n for ptr, (ref, n) in self.refs.items() if not ref.expired() and ptr not in exclude)
+class KeptBytes(SavedBytes):
+    """Bytes of every storage an op creates during forward that is still alive afterwards (weights excluded by
+    the caller): :class:`fsdp_strategies.memory.SavedBytes` under the name the tests and benchmarks use."""
 
 
 # ---------------------------------------------------------------------------------------------- stalls

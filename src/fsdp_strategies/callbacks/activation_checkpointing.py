@@ -20,6 +20,14 @@ compile -> shard) is described there. This callback adds what Lightning needs:
   validation, test, predict and after ``fit``. Any other forward/recompute mismatch raised in
   backward is re-raised as
   :class:`~fsdp_strategies.parallel.activation_checkpointing.RecomputationMismatchError` naming the block and the fix.
+* ``mode: budget`` (:mod:`fsdp_strategies.memory.budget`): the module's ``training_step`` is wrapped (an
+  instance attribute, removed again at the end of ``fit``) so that a
+  :class:`~fsdp_strategies.memory.BudgetPlanner` sees the first two training forwards whole, inside any
+  dispatch mode another callback opened for the step: the first profiles and chooses (rank 0's choice
+  broadcast by the strategy, so every rank recomputes alike), the second measures. The choice, the
+  prediction and the measurement are logged (rank 0) and kept in :attr:`ActivationCheckpointing.budget_report`.
+* ``offload`` wraps the blocks with :func:`fsdp_strategies.memory.apply_activation_offload`, after
+  checkpointing and before the strategy shards.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from fsdp_strategies._options import check_bool, check_int, check_number
+from fsdp_strategies.memory.budget import BudgetChoice, BudgetPlanner
+from fsdp_strategies.memory.offload import OffloadStats, apply_activation_offload
 from fsdp_strategies.parallel.activation_checkpointing import (
     DEFAULT_SAVE_OPS,
     Mode,
@@ -53,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["ActivationCheckpointing"]
 
 _HOOKED = "_fsdp_strategies_ac_configure_model"  # on a LightningModule's wrapped configure_model
+_PLANNED = "_fsdp_strategies_ac_budget"  # on a LightningModule's training_step wrapped for the budget planner
 
 
 class ActivationCheckpointing(Callback):
@@ -64,6 +76,18 @@ class ActivationCheckpointing(Callback):
             (matmuls, attention kernels, reduce-scatter: costly to recompute) and recompute the
             rest (norms, activations, rotary, elementwise: cheap but memory-hungry).
             ``selective_layer`` -- fully checkpoint every ``layer_interval``-th block only.
+            ``budget`` -- keep what fits ``memory_budget`` and costs most to recompute: the first training step
+            profiles one block per kind on the real batch and chooses which op outputs to keep, the second
+            measures (both logged); see :mod:`fsdp_strategies.memory.budget`.
+            ``none`` -- checkpoint nothing (with ``offload: true``: offload only).
+        memory_budget: for ``budget``: bytes kept for backward as a fraction (0 < f <= 1) of what the step keeps
+            without checkpointing (the whole model: blocks, embeddings, head and loss). A value below what
+            recomputing every block keeps is an error at the first step naming the lowest reachable fraction.
+        offload: move what autograd saves inside the blocks that are not checkpointed to host memory (pinned,
+            asynchronous copies on CUDA) and back for backward: every block with ``none``, the blocks between
+            ``selective_layer``'s checkpointed ones (with the other modes every block is checkpointed and nothing is
+            left to move: a warning says so); see :mod:`fsdp_strategies.memory.offload`.
+        offload_min_bytes: saved tensors smaller than this stay on the device.
         block_class_names: class names of the blocks; empty: the same heuristic as the strategies.
         layer_interval: for ``selective_layer``, checkpoint blocks ``n-1, 2n-1, ...`` (1 = all).
         save_ops: op names whose outputs ``selective_op`` keeps, as ``namespace.op[.overload]``
@@ -84,9 +108,30 @@ class ActivationCheckpointing(Callback):
         extra_save_ops: list[str] | None = None,
         save_every_nth_matmul: int = 1,
         preserve_rng_state: bool = True,
+        memory_budget: float | None = None,
+        offload: bool = False,
+        offload_min_bytes: int = 1 << 20,
     ) -> None:
         super().__init__()
         validate_options(mode, layer_interval, save_every_nth_matmul)
+        check_bool("offload", offload, prefix="ActivationCheckpointing: ")
+        check_int("offload_min_bytes", offload_min_bytes, 0, prefix="ActivationCheckpointing: ")
+        if mode == "budget":
+            if memory_budget is None:
+                raise ValueError("ActivationCheckpointing: mode='budget' needs memory_budget. Fix: set memory_budget to "
+                                 "the fraction of activation memory to keep, e.g. memory_budget: 0.5.")
+            check_number("memory_budget", memory_budget, prefix="ActivationCheckpointing: ",
+                         fix="a fraction 0 < memory_budget <= 1, e.g. 0.5.")
+            if memory_budget > 1:
+                raise ValueError(f"ActivationCheckpointing: memory_budget={memory_budget!r} is above 1. Fix: a fraction "
+                                 "0 < memory_budget <= 1 of the activation memory kept without checkpointing (1 = "
+                                 "keep as much as without checkpointing, recompute as little as possible).")
+        elif memory_budget is not None:
+            raise ValueError(f"ActivationCheckpointing: memory_budget only applies to mode='budget', got mode={mode!r}. "
+                             "Fix: remove memory_budget or set mode: budget.")
+        if mode == "none" and not offload:
+            raise ValueError("ActivationCheckpointing: mode='none' without offload does nothing. Fix: offload: true, "
+                             "or a checkpointing mode (full, selective_op, selective_layer, budget).")
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if mode != "selective_op" and (save_ops is not None or extra_save_ops or save_every_nth_matmul != 1):
@@ -105,6 +150,12 @@ class ActivationCheckpointing(Callback):
         self.save_ops = ops  # default names missing from this torch build are skipped when applied
         self.save_every_nth_matmul = save_every_nth_matmul
         self.preserve_rng_state = preserve_rng_state
+        self.memory_budget = memory_budget
+        self.offload = offload
+        self.offload_min_bytes = offload_min_bytes
+        self.offload_stats: OffloadStats | None = None
+        self.budget_report: dict[str, Any] = {}
+        self._planner: BudgetPlanner | None = None
         self.checkpointed: list[nn.Module] = []
         self._cache_configs: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its own use_cache)
         self._told_cache = False
@@ -117,6 +168,19 @@ class ActivationCheckpointing(Callback):
             save_every_nth_matmul=self.save_every_nth_matmul, preserve_rng_state=self.preserve_rng_state,
         )
         self.checkpointed = [m for m in module.modules() if is_checkpointed(m)]
+        if self.offload and self.offload_stats is None:
+            self.offload_stats = apply_activation_offload(
+                module, block_class_names=self.block_class_names or None, min_bytes=self.offload_min_bytes)
+            if self.offload_stats.blocks:
+                rank_zero_info(f"ActivationCheckpointing: offloading saved activations of >= {self.offload_min_bytes} "
+                               f"bytes in {self.offload_stats.blocks} uncheckpointed block(s) to host memory")
+            else:
+                rank_zero_warn(f"ActivationCheckpointing: offload: true moves nothing with mode={self.mode!r}: every block "
+                               "is checkpointed, and a checkpointed block keeps only its input (and what selective "
+                               "checkpointing keeps, which stays on the device). Fix: mode: selective_layer (offload "
+                               "the blocks in between) or mode: none (offload every block), or offload: false.")
+        if self.mode == "none":
+            return new
         if new:
             rank_zero_info(
                 f"ActivationCheckpointing: mode={self.mode} on {len(new)} block(s) "
@@ -208,6 +272,7 @@ class ActivationCheckpointing(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_caches()
+        self._unwrap_training_step(pl_module)
 
     def _apply_after_configure_model(self, pl_module: pl.LightningModule) -> None:
         current: Callable[[], None] = pl_module.configure_model
@@ -225,3 +290,51 @@ class ActivationCheckpointing(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.checkpointed = [m for m in pl_module.modules() if is_checkpointed(m)]
+        if self.mode == "budget" and self.checkpointed:
+            self._plan_budget(trainer, pl_module)
+
+    # ------------------------------------------------------------------ budget: plan on the first two training forwards
+    def _plan_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.memory_budget is not None
+
+        def agree(choice: BudgetChoice | BaseException) -> BudgetChoice | BaseException:
+            return trainer.strategy.broadcast(choice, src=0)
+
+        def log(line: str) -> None:
+            rank_zero_info(line)
+            if self._planner is not None and self._planner.done and trainer.is_global_zero:
+                report = self._planner.report()
+                metrics = {f"ac/budget/{k}": float(v) for k, v in report.items()
+                           if isinstance(v, (int, float)) and v is not None}
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
+
+        self._planner = BudgetPlanner(pl_module, self.memory_budget, agree=agree, log=log)
+        current: Callable[..., Any] = pl_module.training_step
+        planner = self._planner
+
+        @functools.wraps(current)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            with planner.forward():
+                out = current(*args, **kwargs)
+            self.budget_report = planner.report()
+            return out
+
+        setattr(training_step, _PLANNED, current)
+        object.__setattr__(pl_module, "training_step", training_step)
+
+    def _unwrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        original = getattr(pl_module.__dict__.get("training_step"), _PLANNED, None)
+        if original is not None:
+            if getattr(original, "__self__", None) is pl_module and original.__func__ is type(pl_module).training_step:
+                del pl_module.__dict__["training_step"]
+            else:
+                object.__setattr__(pl_module, "training_step", original)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unwrap_training_step(pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwrap_training_step(pl_module)

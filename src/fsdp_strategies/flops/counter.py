@@ -32,7 +32,7 @@ from fsdp_strategies import _torch_seam
 from fsdp_strategies.parallel.activation_checkpointing import is_recomputing
 from fsdp_strategies.parallel.ops import ATTENTION_OPS, attention_backward_name, resolve_or_none
 
-__all__ = ["StepFlopCounter", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
+__all__ = ["OpFlopCounter", "StepFlopCounter", "StepFlops", "analytic_transformer_flops", "count_step_flops"]
 
 aten = torch.ops.aten
 
@@ -145,6 +145,20 @@ class StepFlopCounter(_torch_seam.HookedFlopCounter):
             self.recomputed += flops
         elif func_packet in _ATTENTION_BACKWARD:
             self.recomputed += flops * _score_recompute_fraction(args)
+
+
+class OpFlopCounter(_torch_seam.HookedFlopCounter):
+    """FlopCounterMode that reports each op's FLOPs (counted on this device's shards) to ``on_op(packet, flops)``.
+
+    The memory planner enters it below its own dispatch mode to learn what each op call would cost to recompute.
+    """
+
+    def __init__(self, on_op: Callable[[Any, int], None]) -> None:
+        super().__init__(display=False, custom_mapping=_formulas(False))
+        self._on_op = on_op
+
+    def on_flops(self, func_packet: Any, flops: int, args: Any) -> None:
+        self._on_op(func_packet, flops)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Activation checkpointing of transformer blocks, as a transform on an ``nn.Module`` (no Lightning).
 
-Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the rest) and
-``selective_layer`` (every n-th block). :class:`fsdp_strategies.callbacks.ActivationCheckpointing`
+Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the rest),
+``selective_layer`` (every n-th block), ``budget`` (keep the outputs of the op calls a planner chose,
+:mod:`fsdp_strategies.memory.budget`; until it has chosen, nothing is kept, as ``full``) and ``none``. :class:`fsdp_strategies.callbacks.ActivationCheckpointing`
 is the Lightning glue over :func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize`
 applies it first in the order checkpoint -> compile -> shard.
 
@@ -21,6 +22,12 @@ applies it first in the order checkpoint -> compile -> shard.
   :class:`RecomputationMismatchError` naming the block and the fix.
 * Which ops ``selective_op`` keeps, and which count as matmuls, are op names resolved by
   :mod:`fsdp_strategies.parallel.ops`.
+* ``budget``: the blocks of one call share a :class:`BudgetDecision`: per block kind (the class name
+  at the time of checkpointing), the set of op calls ``(op name, k-th call of that op in the block)``
+  whose outputs are kept. Its ``on_first_call`` hook (set by the planner) runs before a block's
+  checkpointed forward in training, with the block's inner forward and inputs, so the planner can
+  profile one block of each kind on the real batch. Each checkpoint call takes the decision current
+  at its forward, and its recomputation uses the same one.
 """
 
 from __future__ import annotations
@@ -39,13 +46,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fsdp_strategies import _torch_seam
 from fsdp_strategies._options import check_choice, check_int
 from fsdp_strategies.parallel.blocks import find_transformer_blocks
-from fsdp_strategies.parallel.ops import ATTENTION_OPS, MATMUL_OPS, resolve_ops
+from fsdp_strategies.parallel.ops import ATTENTION_OPS, MATMUL_OPS, op_name, resolve_ops
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
     "MODES",
+    "BudgetDecision",
     "RecomputationMismatchError",
     "apply_activation_checkpointing",
+    "block_kind",
+    "budget_decision",
+    "checkpointed_blocks",
+    "inside_checkpointed_block",
     "is_checkpointed",
     "is_mismatch",
     "is_recomputing",
@@ -53,7 +65,7 @@ __all__ = [
     "validate_options",
 ]
 
-Mode = Literal["full", "selective_op", "selective_layer"]
+Mode = Literal["full", "selective_op", "selective_layer", "budget", "none"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 # Outputs worth keeping: expensive to recompute, cheap to store relative to their cost.
@@ -69,6 +81,7 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 _MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
 _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
 _CALL = "_fsdp_strategies_ac_call"  # on a block: checkpoint() with the plan's options bound
+_KIND = "_fsdp_strategies_ac_kind"  # on a block: its class name when it was checkpointed
 
 
 class _RecomputeState(threading.local):
@@ -80,6 +93,23 @@ class _RecomputeState(threading.local):
 
 
 _RECOMPUTE = _RecomputeState()
+
+
+class _BlockDepth(threading.local):
+    """Per thread: how many checkpointed blocks' forwards are running (0 = outside every block)."""
+
+    depth = 0
+
+
+_BLOCK = _BlockDepth()
+
+
+def inside_checkpointed_block() -> bool:
+    """True while the forward of a block checkpointed by this module runs (in the thread running it).
+
+    The memory planner uses it to tell activations the blocks create from those made outside them.
+    """
+    return _BLOCK.depth > 0
 
 # Messages torch raises when a recomputation does not replay the forward (see torch.utils.checkpoint).
 _MISMATCH_MARKERS = ("not found in storage", "different metadata", "different number of tensors",
@@ -138,6 +168,40 @@ class _SelectiveOpPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _SavedCallsPolicy:
+    """Per checkpoint call (``budget``): keep the outputs of the op calls in ``keys``, recompute the rest.
+
+    A key is ``(op name, k)``: the k-th call (from 0) of that op in the block. Forward and recomputation
+    are counted separately so their decisions line up (older PyTorch calls the policy in both).
+    """
+
+    def __init__(self, keys: frozenset[tuple[str, int]]) -> None:
+        self.keys = keys
+        self.counts: dict[bool, dict[str, int]] = {False: {}, True: {}}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = op_name(op)
+        counts = self.counts[ctx.is_recompute]
+        index = counts.get(name, 0)
+        counts[name] = index + 1
+        return CheckpointPolicy.MUST_SAVE if (name, index) in self.keys else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class BudgetDecision:
+    """What ``budget`` keeps, shared by the blocks of one :func:`apply_activation_checkpointing` call.
+
+    Attributes:
+        keep: block kind -> the op calls ``(op name, k)`` whose outputs are kept; a kind missing here keeps
+            nothing (the same as ``full``).
+        on_first_call: called as ``hook(block, inner_forward, args, kwargs)`` before each checkpointed forward
+            of a block in training (grad enabled, not in backward, not compiling); ``None``: not called.
+    """
+
+    def __init__(self) -> None:
+        self.keep: dict[str, frozenset[tuple[str, int]]] = {}
+        self.on_first_call: Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None = None
+
+
 class _BlockPlan:
     """What to do inside a block's checkpoint; one instance is shared by the blocks of one call."""
 
@@ -146,16 +210,19 @@ class _BlockPlan:
         self.mode = mode
         self.save, self.matmuls, self.every_nth_matmul = save, matmuls, every_nth_matmul
         self.preserve_rng_state = preserve_rng_state
+        self.budget = BudgetDecision() if mode == "budget" else None
 
-    @property
-    def context_fn(self) -> Callable[[], Any]:
-        """``checkpoint(context_fn=...)``: torch's no-op for full checkpointing, else a fresh selective policy
-        per call. A plain function, not a bound method: ``torch.compile`` keeps the function it is given and
-        calls it without ``self``."""
-        if self.mode != "selective_op":
-            from torch.utils.checkpoint import noop_context_fn
+    def context_fn(self, kind: str) -> Callable[[], Any]:
+        """``checkpoint(context_fn=...)`` for a block of ``kind``: a fresh selective policy per call. A plain
+        function, not a bound method: ``torch.compile`` keeps the function it is given and calls it without
+        ``self``."""
+        if self.budget is not None:
+            budget = self.budget
 
-            return noop_context_fn
+            def budget_contexts() -> Any:
+                return create_selective_checkpoint_contexts(_SavedCallsPolicy(budget.keep.get(kind, frozenset())))
+
+            return budget_contexts
         save, matmuls, nth = self.save, self.matmuls, self.every_nth_matmul
         assert save is not None and matmuls is not None
 
@@ -164,12 +231,12 @@ class _BlockPlan:
 
         return selective_contexts
 
-    def checkpoint_fn(self) -> Callable[..., Any]:
+    def checkpoint_fn(self, kind: str) -> Callable[..., Any]:
         """``torch.utils.checkpoint.checkpoint`` with this plan's options bound (a ``functools.partial``, the
         shape ``torch.compile`` traces through, as torch's own ``checkpoint_wrapper`` builds it)."""
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state}
-        if self.mode == "selective_op":  # full: torch's default context (passing noop_context_fn breaks compile)
-            options["context_fn"] = self.context_fn
+        if self.mode in ("selective_op", "budget"):  # full: torch's default context (noop_context_fn breaks compile)
+            options["context_fn"] = self.context_fn(kind)
         return functools.partial(checkpoint, **options)
 
 
@@ -205,15 +272,25 @@ def mismatch_error(err: BaseException, mode: str) -> RecomputationMismatchError:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
+    budget = getattr(self, _MARK).budget
+    if (budget is not None and budget.on_first_call is not None and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not _torch_seam.inside_autograd_backward()):
+        budget.on_first_call(self, getattr(self, _INNER), args, kwargs)
+    _BLOCK.depth += 1
+    try:
+        return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
+    finally:
+        _BLOCK.depth -= 1
 
 
 def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
     if getattr(block, _MARK, None) is not None:
         return False  # applied already (setup runs again for validate/test)
+    kind = type(block).__name__
     object.__setattr__(block, _INNER, block.forward)  # bound method: deepcopy re-binds it to the copy
     object.__setattr__(block, _MARK, plan)
-    object.__setattr__(block, _CALL, plan.checkpoint_fn())
+    object.__setattr__(block, _KIND, kind)
+    object.__setattr__(block, _CALL, plan.checkpoint_fn(kind))
     object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
     return True
 
@@ -221,6 +298,23 @@ def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` is a block checkpointed by this module."""
     return getattr(module, _MARK, None) is not None
+
+
+def checkpointed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model`` checkpointed by this module, in module order."""
+    return [m for m in model.modules() if is_checkpointed(m)]
+
+
+def block_kind(block: nn.Module) -> str:
+    """A checkpointed block's class name when it was checkpointed (FSDP2 renames the class later)."""
+    return str(getattr(block, _KIND))
+
+
+def budget_decision(model: nn.Module) -> BudgetDecision | None:
+    """The :class:`BudgetDecision` shared by ``model``'s ``budget``-checkpointed blocks; ``None`` for other modes."""
+    for block in checkpointed_blocks(model):
+        return getattr(block, _MARK).budget
+    return None
 
 
 def apply_activation_checkpointing(
@@ -235,9 +329,13 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Checkpoint ``model``'s transformer blocks in place; returns the blocks newly checkpointed.
 
-    Idempotent: blocks already checkpointed are skipped. Usable without Lightning.
+    Idempotent: blocks already checkpointed are skipped. Usable without Lightning. ``mode="none"``
+    checkpoints nothing; ``mode="budget"`` keeps nothing until a planner fills :func:`budget_decision`
+    (:class:`fsdp_strategies.memory.BudgetPlanner`).
     """
     validate_options(mode, layer_interval, save_every_nth_matmul)
+    if mode == "none":
+        return []
     save = matmuls = None
     if mode == "selective_op":
         names = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops)

@@ -20,7 +20,8 @@ import torch
 
 from fsdp_strategies import _torch_seam
 
-__all__ = ["ATTENTION_OPS", "MATMUL_OPS", "attention_backward_name", "resolve_op", "resolve_ops", "resolve_or_none"]
+__all__ = ["ATTENTION_OPS", "MATMUL_OPS", "attention_backward_name", "op_name", "resolve_op", "resolve_ops",
+           "resolve_or_none"]
 
 #: Fused attention forward kernels (SDPA's flash / memory-efficient / cuDNN / CPU-flash / overrideable
 #: backends and the raw flash / efficient kernels under them); each is missing from some PyTorch builds.
@@ -43,6 +44,11 @@ def attention_backward_name(forward: str) -> str:
     """The backward op of an attention forward op: ``..._attention`` -> ``..._attention_backward``,
     ``aten._flash_attention_forward`` -> ``aten._flash_attention_backward``."""
     return forward.removesuffix("_forward") + "_backward"
+
+
+def op_name(op: Any) -> str:
+    """The name of an op as it reaches a dispatch mode, without the overload: ``aten.mm.default`` -> ``"aten.mm"``."""
+    return str(getattr(op, "overloadpacket", op))
 
 
 def resolve_op(name: str, option: str) -> Any:
