@@ -13,7 +13,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # Configs that need more than one Lightning job (a lighthouse + replica groups) run in their own tests.
 COVERED_ELSEWHERE = {"ft_hsdp.yaml": "test_ft_hsdp.py", "ft_hsdp_diloco.yaml": "test_ft_sync.py",
                      "ft_hsdp_local_sgd.yaml": "test_ft_sync.py", "ft_hsdp_straggler_sync.yaml": "test_ft_switch.py",
-                     "ft_hsdp_tp.yaml": "test_ft_tensor_parallel.py",
+                     "ft_hsdp_tp.yaml": "test_ft_tensor_parallel.py", "sac_budget.yaml": "test_memory_budget.py",
                      # the Hugging Face fine-tune runs examples/finetune_hf.py on a save_pretrained folder it writes
                      "finetune_hf.yaml": "test_hf_pretrained.py", "finetune_hf_yaml_weights.yaml": "test_hf_pretrained.py"}
 

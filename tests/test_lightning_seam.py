@@ -378,6 +378,19 @@ def test__python_dispatch_TorchDispatchMode() -> None:
     assert kept.alive(set()) >= 1024 and kept_tensor is not None
 
 
+def test_UntypedStorage__new_with_weak_ptr() -> None:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    t = torch.ones(256)
+    ref = StorageWeakRef(t.untyped_storage())
+    live = tseam.live_storage(ref)
+    assert live is not None and live.nbytes() == 1024 and live.data_ptr() == t.data_ptr()
+    t.untyped_storage().resize_(0)  # what FSDP2 does to its all-gathered parameters: read now, not at creation
+    assert tseam.live_storage(ref).nbytes() == 0
+    del t, live
+    assert tseam.live_storage(ref) is None
+
+
 def test__iterator_and__shutdown_workers() -> None:
     loader = DataLoader(list(range(4)), num_workers=1, persistent_workers=True)
     assert tseam.loader_iterator(loader) is None

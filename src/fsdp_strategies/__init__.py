@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
+from fsdp_strategies.callbacks.garbage_collection import GarbageCollection
 from fsdp_strategies.callbacks.mfu import MFUMonitor
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 from fsdp_strategies.checkpoint.export import export_consolidated
@@ -46,5 +47,5 @@ for _name, (_cls, _description) in _REGISTERED.items():
 register_clean_exit()
 
 __all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",
-           "FTHSDPStrategy", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor", "QuorumMember", "StragglerDetector",
+           "FTHSDPStrategy", "GarbageCollection", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor", "QuorumMember", "StragglerDetector",
            "export_consolidated", "export_hf", "parallelize", "verify_checkpoint"]

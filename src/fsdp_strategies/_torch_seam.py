@@ -25,7 +25,7 @@ __all__ = [
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
-    "live_storage_nbytes",
+    "live_storage",
     "loader_iterator",
     "numpy_pickle_globals",
     "op_schema",
@@ -61,16 +61,16 @@ def op_schema(packet: Any) -> Any:
     return packet.default._schema
 
 
-def live_storage_nbytes(ref: Any) -> int:
-    """Current size in bytes of the storage a ``torch.multiprocessing.reductions.StorageWeakRef`` points to, 0 once
-    it was freed (``torch.UntypedStorage._new_with_weak_ptr``: a storage from the weak reference's ``cdata``).
+def live_storage(ref: Any) -> torch.UntypedStorage | None:
+    """The storage a ``torch.multiprocessing.reductions.StorageWeakRef`` points to, ``None`` once it was freed
+    (``torch.UntypedStorage._new_with_weak_ptr``: a storage from the weak reference's ``cdata``).
 
-    The size is read now, not when the reference was taken: FSDP2 frees its all-gathered parameters by
-    resizing their storage to 0 bytes, which a size recorded at creation would miss.
+    Its size and address are read now, not when the reference was taken: FSDP2 frees its all-gathered
+    parameters by resizing their storage to 0 bytes, which a size recorded at creation would miss.
     """
     if ref.expired():
-        return 0
-    return int(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
+        return None
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
 def inside_autograd_backward() -> bool:

@@ -6,8 +6,9 @@ every variant under FSDP2 on the ranks it is started with and writes ``OUT/rank<
     torchrun --nproc_per_node 2 memory_fsdp.py --out DIR [--models example_llama,hf_llama,hf_qwen2] [--steps 3]
 
 Each variant starts from the same weights (seeded build) and sees the same rank-dependent batches; per step it
-records the loss, the bytes the forward left alive for backward (``SavedBytes``, weights excluded) and, after
-the first backward, a checksum of this rank's gradient shards. ``budget`` variants also record the planner's
+records the loss, the bytes the forward left alive for backward (``SavedBytes``, weights excluded; on CPU that
+includes offload's host copies), the bytes offload moved to the host and, after the first backward, a checksum of
+this rank's gradient shards. ``budget`` variants also record the planner's
 report. The models are ones nobody here wrote (Hugging Face Llama and Qwen2 from tiny random configs) and the
 example's Llama.
 """
@@ -100,7 +101,9 @@ def prepare(name: str, label: str, agree: Any = None, offload_min_bytes: int = 0
 
 def step(name: str, model: nn.Module, planner: BudgetPlanner | None, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
     """One forward (the planner around it), the bytes it left alive for backward, then backward."""
-    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    from fsdp_strategies.memory.saved_bytes import plain_tensors, storage_key
+
+    weights = {storage_key(t) for t in plain_tensors([*model.parameters(), *model.buffers()])}  # DTensor: local shard
     kept = SavedBytes()
     with kept, planner.forward() if planner is not None else contextlib.nullcontext():
         loss = loss_of(name, model, tokens)
@@ -151,11 +154,14 @@ def main() -> None:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            run: dict[str, Any] = {"losses": [], "kept": []}
+            stats = apply_activation_offload(model) if VARIANTS[label][2] else None  # applied already: its counters
+            run: dict[str, Any] = {"losses": [], "kept": [], "offloaded": []}
             for i in range(args.steps):
+                before = stats.bytes if stats is not None else 0
                 loss, alive = step(name, model, planner, batch(i, rank))
                 run["losses"].append(float(loss))
                 run["kept"].append(alive)
+                run["offloaded"].append((stats.bytes if stats is not None else 0) - before)
                 if i == 0:
                     run["grad_checksum"] = _grad_checksum(model)
                 optimizer.step()

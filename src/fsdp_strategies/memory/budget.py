@@ -46,7 +46,7 @@ from fsdp_strategies.memory.saved_bytes import (
     input_tensors,
     is_activation_op,
     plain_tensors,
-    storage_key,
+    storage_id,
 )
 from fsdp_strategies.parallel.activation_checkpointing import (
     block_kind,
@@ -114,13 +114,13 @@ class _Profiler(SavedBytes):
         self.counts[name] = index + 1
         if name.endswith("_") or "out" in kwargs:  # in place: whatever made the written tensor cannot be kept
             for t in plain_tensors([*args[:1], kwargs.get("out")]):
-                made = self.producer.get(storage_key(t))
+                made = self.producer.get(storage_id(t))
                 if made is not None:
                     self.raw[made]["keepable"] = False
         self._flops = 0
         out = func(*args, **kwargs)
         outs = list(plain_tensors(out))
-        sizes = {storage_key(t): t.untyped_storage().nbytes() for t in outs}
+        sizes = {storage_id(t): t.untyped_storage().nbytes() for t in outs}
         new = self.note(outs, input_tensors(args, kwargs)) if is_activation_op(func) else []
         self.raw.append({"name": name, "index": index, "new": {k: sizes[k] for k in new}, "flops": self._flops,
                          "elements": sum(t.numel() for t in outs), "keepable": True})
@@ -135,9 +135,9 @@ def profile_block(kind: str, forward: Callable[..., Any], args: tuple[Any, ...],
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), OpFlopCounter(profiler.on_flops), profiler:
         out = forward(*args, **kwargs)
-    out_keys = {storage_key(t) for t in plain_tensors(_torch_seam.tree_leaves(out))}
+    out_keys = {storage_id(t) for t in plain_tensors(_torch_seam.tree_leaves(out))}
     none_bytes = profiler.alive()
-    output_bytes = profiler.alive(exclude=set(profiler.refs) - out_keys)
+    output_bytes = profiler.alive(ids=out_keys)
     del out
     calls = []
     for raw in profiler.raw:

@@ -5,7 +5,10 @@ reference, so it keeps nothing alive). Read after a forward pass, the storages s
 forward left for backward: autograd's saved tensors *and* the outputs selective checkpointing caches
 (those never pass through ``saved_tensors_hooks``), plus the outputs the caller still holds.
 
-* Sizes are read when asked (:func:`fsdp_strategies._torch_seam.live_storage_nbytes`), not when created:
+* Storages are told apart by identity (:func:`storage_id`), never by data address: an address freed in
+  the forward is soon reused by another tensor (the CPU allocator reuses it at once), and the weak
+  references held here keep every noted storage's identity from being reused.
+* Sizes are read when asked (:func:`fsdp_strategies._torch_seam.live_storage`), not when created:
   FSDP2 frees all-gathered parameters by resizing their storage to 0 bytes.
 * Storages that are not activations are not noted: those made by allocation ops (``empty``,
   ``resize_``...) and by collectives and FSDP's own ops (the all-gather buffers).
@@ -23,10 +26,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fsdp_strategies._torch_seam import TorchDispatchMode, live_storage_nbytes, tree_leaves
+from fsdp_strategies._torch_seam import TorchDispatchMode, live_storage, tree_leaves
 from fsdp_strategies.parallel.ops import op_name
 
-__all__ = ["SavedBytes", "input_tensors", "is_activation_op", "plain_tensors", "storage_key"]
+__all__ = ["SavedBytes", "input_tensors", "is_activation_op", "plain_tensors", "storage_id", "storage_key"]
 
 # Ops whose outputs are buffers, not activations: allocations (filled in place later by FSDP's copy-out)
 # and communication. Activations made by ``empty`` + an in-place fill are missed: a model detail we accept.
@@ -56,8 +59,14 @@ def input_tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage (its data pointer)."""
+    """A tensor's data address (weights are excluded by it; compare live tensors only)."""
     return int(tensor.untyped_storage().data_ptr())
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage object (``StorageWeakRef.cdata``): the same for every view of it, and not
+    reused for another storage while a weak reference to it is held."""
+    return int(StorageWeakRef(tensor.untyped_storage()).cdata)
 
 
 def is_activation_op(func: Any) -> bool:
@@ -80,19 +89,20 @@ class SavedBytes(TorchDispatchMode):
 
     def note(self, tensors: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = ()) -> list[int]:
         """Note these tensors' storages (first time only), except those of ``inputs`` (a view makes no storage);
-        returns the keys newly noted."""
+        returns the :func:`storage_id` of each storage newly noted."""
         tag = self._tag() if self._tag is not None else ""
-        old = {storage_key(t) for t in inputs}
+        old = {storage_id(t) for t in inputs}
         new = []
         for t in tensors:
             storage = t.untyped_storage()
-            key = int(storage.data_ptr())
-            if key == 0 or key in old or storage.nbytes() == 0:
+            if storage.nbytes() == 0:
                 continue
-            known = self.refs.get(key)
-            if known is None or known[0].expired():
-                self.refs[key] = (StorageWeakRef(storage), tag)
-                new.append(key)
+            ref = StorageWeakRef(storage)
+            key = int(ref.cdata)
+            if key in old or key in self.refs:
+                continue
+            self.refs[key] = (ref, tag)
+            new.append(key)
         return new
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -101,10 +111,22 @@ class SavedBytes(TorchDispatchMode):
             self.note(plain_tensors(out), input_tensors(args, kwargs))
         return out
 
-    def alive(self, exclude: Iterable[int] = (), tag: str | None = None) -> int:
-        """Bytes of the noted storages still alive now, leaving out the keys in ``exclude`` (e.g. weights) and,
-        with ``tag``, storages noted with another tag."""
+    def alive(self, exclude: Iterable[int] = (), tag: str | None = None, ids: Iterable[int] | None = None) -> int:
+        """Bytes of the noted storages still alive now.
+
+        Args:
+            exclude: data addresses (:func:`storage_key`) of live storages to leave out (e.g. the weights).
+            tag: count only storages noted with this tag.
+            ids: count only these storages (:func:`storage_id`).
+        """
         gc.collect()
         skip = set(exclude)
-        return sum(live_storage_nbytes(ref) for key, (ref, t) in self.refs.items()
-                   if key not in skip and (tag is None or t == tag))
+        wanted = None if ids is None else set(ids)
+        total = 0
+        for key, (ref, t) in self.refs.items():
+            if (tag is not None and t != tag) or (wanted is not None and key not in wanted):
+                continue
+            storage = live_storage(ref)
+            if storage is not None and int(storage.data_ptr()) not in skip:
+                total += storage.nbytes()
+        return total
