@@ -106,6 +106,18 @@ def test_a_budget_below_the_floor_is_a_clear_error_naming_the_best_reachable() -
     step("example_llama", model, planner, batch(1, 0))
 
 
+def test_blocks_that_were_never_profiled_are_a_clear_error() -> None:
+    from fsdp_strategies.memory.budget import BudgetNotProfiledError
+
+    model = build("example_llama")
+    apply_activation_checkpointing(model, "budget")
+    planner = BudgetPlanner(model, 0.5)
+    with (pytest.raises(BudgetNotProfiledError, match=r"nothing to profile.*Fix: do not compile the blocks"),
+          planner.forward(), torch.no_grad()):  # the blocks run, but not a training forward
+        loss_of_example = model(batch(0, 0))
+    assert planner.done and loss_of_example is not None
+
+
 def test_offload_keeps_gradients_and_moves_the_uncheckpointed_blocks_saved_tensors() -> None:
     from fsdp_strategies.memory import apply_activation_offload
 

@@ -87,10 +87,16 @@ def test_fsdp2_2x2_tied_embeddings_stay_one_tensor_and_equal_ddp(tmp_path: Path)
 
 @pytest.mark.multiprocess
 def test_hsdp_1x2x2_hf_llama_equals_ddp(tmp_path: Path, ddp_llama: list[dict]) -> None:
-    run = _run(tmp_path, "--model", "hf_llama", "--strategy", "hsdp", "--tp", "2", "--devices", "4")
+    """Also with activation checkpointing to a memory budget (profiled on DTensor blocks, one choice for all ranks):
+    the same losses as ddp without checkpointing, and the budget met on every rank."""
+    run = _run(tmp_path, "--model", "hf_llama", "--strategy", "hsdp", "--tp", "2", "--devices", "4",
+               "--ac", "budget", "--memory-budget", "0.5")
     _same_losses(run, ddp_llama)
     for record in run:
         _planned_are_2d(record, ("q_proj.weight", "up_proj.weight"), ["replicate", "shard"])
+        budget = record["budget"]
+        assert budget["floor_bytes"] < budget["measured_bytes"] <= 0.5 * budget["none_bytes"] * 1.05, budget
+        assert budget["kept_calls"] == run[0]["budget"]["kept_calls"]
 
 
 @pytest.mark.multiprocess

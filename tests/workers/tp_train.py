@@ -2,7 +2,7 @@
 
     python tp_train.py --model hf_llama --strategy fsdp2 --tp 2 --devices 4 --out DIR [--steps 3] [--clip 1.0]
         [--save-at 3,6 --ckpt-dir D] [--resume CKPT] [--full-file] [--accumulate 2] [--precision bf16-mixed]
-        [--ac full|selective_op] [--compile] [--mfu]
+        [--ac full|selective_op|budget [--memory-budget F]] [--compile] [--mfu]
 
 Models come from the real-models matrix (tests/matrix/models.py; HF models built in ``__init__`` from tiny
 random configs with the same seed everywhere, so every strategy starts from the same weights). Each rank writes
@@ -70,7 +70,11 @@ class Probe(pl.Callback):
         inner = getattr(pl_module, "model", None)
         if hasattr(inner, "lm_head") and hasattr(inner, "get_input_embeddings"):
             record["tied"] = inner.lm_head.weight is inner.get_input_embeddings().weight
-        from fsdp_strategies.callbacks import MFUMonitor
+        from fsdp_strategies.callbacks import ActivationCheckpointing, MFUMonitor
+
+        ac = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+        if ac is not None and ac.budget_report:
+            record["budget"] = ac.budget_report
 
         mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
         if mfu is not None and mfu.flops is not None:
@@ -150,6 +154,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ac", default=None, help="ActivationCheckpointing mode (full, selective_op, ...)")
+    parser.add_argument("--memory-budget", type=float, default=None, help="with --ac budget")
     parser.add_argument("--compile", action="store_true", help="fsdp2/hsdp: compile_blocks=True")
     parser.add_argument("--mfu", action="store_true", help="an MFUMonitor counting the first batch's FLOPs")
     parser.add_argument("--out", required=True)
@@ -175,7 +180,7 @@ def main() -> None:
     if args.ac:
         from fsdp_strategies.callbacks import ActivationCheckpointing
 
-        callbacks.append(ActivationCheckpointing(mode=args.ac))
+        callbacks.append(ActivationCheckpointing(mode=args.ac, memory_budget=args.memory_budget))
     if args.mfu:
         from fsdp_strategies.callbacks import MFUMonitor
 

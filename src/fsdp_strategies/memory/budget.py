@@ -56,11 +56,15 @@ from fsdp_strategies.parallel.activation_checkpointing import (
 )
 from fsdp_strategies.parallel.ops import op_name
 
-__all__ = ["BlockProfile", "BudgetChoice", "BudgetNotMetError", "BudgetPlanner", "OpCall", "choose", "profile_block"]
+__all__ = ["BlockProfile", "BudgetChoice", "BudgetNotMetError", "BudgetNotProfiledError", "BudgetPlanner", "OpCall", "choose", "profile_block"]
 
 
 class BudgetNotMetError(RuntimeError):
     """The memory budget is below what recomputing every block keeps."""
+
+
+class BudgetNotProfiledError(RuntimeError):
+    """No block could be profiled in the first training forward (compiled blocks, or no grad)."""
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,15 @@ class BudgetPlanner:
     def _finish(self, tracker: SavedBytes) -> None:
         if self.phase == "profile":
             outside, outputs = tracker.alive(tag="outside"), tracker.alive(tag="block")
+            if not self.profiles:
+                self.phase = "done"
+                raise BudgetNotProfiledError(
+                    "ActivationCheckpointing(mode='budget'): no checkpointed block ran a training forward in the first "
+                    "step, so there was nothing to profile (the blocks ran compiled -- compile_blocks or torch.compile "
+                    "trace past the profiling hook -- or the forward ran under torch.no_grad). The blocks stay fully "
+                    "checkpointed. Fix: do not compile the blocks with mode='budget', or use a fixed mode "
+                    "(selective_op, full) with compiled blocks."
+                )
             missing = sorted(set(self.counts) - set(self.profiles))
             if missing:  # a block kind not run in this forward keeps nothing (as full) until a later step runs it
                 self.profiles.update({k: BlockProfile(k, [], 0, 0) for k in missing})
