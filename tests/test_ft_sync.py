@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
-from conftest import WORKERS, run_python
+from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies.ft.outer_sync import _fragments, validate_sync_options
 
 WORKER = str(WORKERS / "ft_train.py")
@@ -250,6 +251,55 @@ def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int,
     return counts
 
 
+def outer_step_errors(out: Path, groups: int, lr: float, momentum: float) -> list[float]:
+    """Each outer sync that every group committed together (all present, none healing in it) recomputed by hand from
+    the saved inputs (``workers/ft_train.py`` writes them): pseudo-gradient ``mean over groups(backup - local)``, then
+    torch's Nesterov SGD (``buf = momentum * buf + g`` -- ``g`` itself on the first step --, ``backup - lr * (g +
+    momentum * buf)``; ``momentum == 0``: ``backup - lr * g``). Returns, per sync and rank, the largest absolute
+    difference from what the run produced (parameters and momentum buffers) -- independent of ``check_semi_sync_run``,
+    which only compares the groups with each other (two groups applying the same wrong step would pass there)."""
+    dumps: dict[tuple[int, int], dict[str, dict]] = {}
+    for path in sorted((out / "syncs").glob("group*_rank*_inc*_m*.pt")):
+        group, rank, _, step = path.stem.split("_")
+        dumps.setdefault((int(rank[4:]), int(step[1:])), {})[group] = torch.load(path, weights_only=False)
+    errors = []
+    for (_, _), by_group in sorted(dumps.items()):
+        records = list(by_group.values())
+        if len(records) != groups or not all(r["committed"] and r["participants"] == groups and not r["healed"]
+                                             for r in records):
+            continue
+        first = records[0]
+        if any(not torch.equal(r["before"]["backup"][n], first["before"]["backup"][n])
+               for r in records[1:] for n in first["before"]["backup"]):
+            continue  # not a round all groups started from the same backup (a heal before it)
+        worst = 0.0
+        for name, backup in first["before"]["backup"].items():
+            g = sum(backup - r["before"]["local"][name] for r in records) / groups
+            update = g
+            if momentum:
+                previous = first["before"]["momentum"][name]
+                buf = g.clone() if previous is None else momentum * previous + g
+                update = g + momentum * buf
+                for r in records:
+                    worst = max(worst, float((r["after"]["momentum"][name] - buf).abs().max()))
+            expected = backup - lr * update
+            for r in records:
+                worst = max(worst, float((r["after"]["params"][name] - expected).abs().max()))
+        errors.append(worst)
+    return errors
+
+
+def check_outer_steps_by_hand(out: Path, lr: float, momentum: float, at_least: int) -> None:
+    """The run's outer steps equal the hand-computed ones, and the check would see a 10% error in lr or a
+    momentum off by 0.1 (both recomputed with the wrong value must miss)."""
+    tolerance = 2e-6
+    errors = outer_step_errors(out, 2, lr, momentum)
+    assert len(errors) >= at_least and max(errors) <= tolerance, errors
+    assert min(outer_step_errors(out, 2, lr * 1.1, momentum)) > 10 * tolerance
+    wrong_momentum = momentum + 0.1 if momentum < 0.85 else momentum - 0.1
+    assert min(outer_step_errors(out, 2, lr, wrong_momentum)) > 10 * tolerance
+
+
 @pytest.mark.multiprocess
 def test_diloco_kill_during_an_outer_sync_then_live_heal(tmp_path: Path) -> None:
     # Group 1 SIGKILLs itself (torchrun + both ranks) inside the 2nd cross-group all-reduce of the outer sync
@@ -267,6 +317,9 @@ def test_diloco_kill_during_an_outer_sync_then_live_heal(tmp_path: Path) -> None
     assert counts["discarded_syncs"] >= 2, counts  # group 0's sync at step 8 (rank 0 and rank 1)
     assert counts["heals"] >= 2, counts  # group 1 healed on both ranks
     assert counts["compared_syncs"] >= 6, counts
+    # configs/ft_hsdp_diloco.yaml: outer_lr 0.7, outer_momentum 0.6 -- read from the YAML, not from the run
+    diloco = yaml.safe_load((ROOT / "configs" / "ft_hsdp_diloco.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    check_outer_steps_by_hand(tmp_path / "diloco", diloco["outer_lr"], diloco["outer_momentum"], at_least=4)
     for rank in (0, 1):
         # the healed group starts from its peer's state of that sync: weights AND inner-optimizer state (the
         # outer state and backups are compared above)
@@ -289,6 +342,7 @@ def test_local_sgd_kill_between_outer_syncs(tmp_path: Path) -> None:
     assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
     counts = check_semi_sync_run(tmp_path / "local_sgd", 2, 32, 4)
     assert counts["heals"] >= 2 and counts["compared_syncs"] >= 6, counts
+    check_outer_steps_by_hand(tmp_path / "local_sgd", 1.0, 0.0, at_least=4)  # plain averaging of the groups
 
 
 @pytest.mark.multiprocess

@@ -19,6 +19,10 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
     FT_TEST_AWAIT_SPARES  "STEP:N": after committed step STEP, the first incarnation waits until N warm spares are
                        ready (``*.ready`` files beside the events file): a kill after STEP then hits a ready spare
+    (semi-sync: every outer sync also writes ``syncs/group<G>_rank<R>_inc<I>_m<MANAGER STEP>.pt``: this rank's
+    DiLoCo backup, local parameters and outer momentum before the sync, parameters and momentum after it, and
+    whether it committed, with how many groups and whether this group healed -- the inputs and outputs of one
+    outer step, for tests that recompute it by hand)
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -172,7 +176,43 @@ class FTProbe(pl.Callback):
 
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
+    def _dump_syncs(self, trainer: pl.Trainer) -> None:
+        """Wrap the strategy's OuterSync.sync (once) to save each outer step's inputs and outputs (see above)."""
+        outer = _outer(trainer.strategy)
+        if outer is None or getattr(outer, "_probe_dumps", False):
+            return
+        outer._probe_dumps = True
+        real, manager, folder = outer.sync, trainer.strategy.manager, self.out / "syncs"
+        folder.mkdir(exist_ok=True)
+
+        def local(value: torch.Tensor) -> torch.Tensor:
+            return (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+
+        def momentum(fragment: Any) -> dict[str, torch.Tensor | None]:
+            state = fragment._outer_optimizer.state
+            return {n: (state.get(p, {}).get("momentum_buffer") if p in state else None)
+                    for n, p in fragment._model_fragment.named_parameters()}
+
+        def dumping_sync(*args: Any, **kwargs: Any) -> bool:
+            fragments = outer._diloco._fragments
+            if len(fragments) != 1:
+                return real(*args, **kwargs)
+            fragment, step = fragments[0], int(manager.current_step())
+            before = {"backup": {n: v.detach().clone() for n, v in fragment.original_parameters.items()},
+                      "local": {n: local(p) for n, p in fragment._model_fragment.named_parameters()},
+                      "momentum": {n: None if b is None else local(b) for n, b in momentum(fragment).items()}}
+            committed = real(*args, **kwargs)
+            after = {"params": {n: local(p) for n, p in fragment._model_fragment.named_parameters()},
+                     "momentum": {n: None if b is None else local(b) for n, b in momentum(fragment).items()}}
+            torch.save({"before": before, "after": after, "committed": bool(committed), "healed": bool(outer.healed),
+                        "participants": int(outer.last_participants), "manager_step": step},
+                       folder / f"group{self.group}_rank{trainer.global_rank}_inc{self.incarnation}_m{step}.pt")
+            return committed
+
+        outer.sync = dumping_sync
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._dump_syncs(trainer)
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
         self._allreduces_before = getattr(self, "allreduces", 0)
