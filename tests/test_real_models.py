@@ -62,3 +62,18 @@ def test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp(results
 def test_ft_hsdp_hf_llama_kill_and_heal(tmp_path: Path) -> None:
     result = run_ft_cell("hf_llama", tmp_path)
     assert check_ft_cell(result) == []
+
+
+def test_a_cell_whose_reference_is_missing_fails() -> None:
+    """No silent pass: a cell compared with nothing is a problem (the reference cell itself is not)."""
+    from cells import STEPS, cell
+
+    def result(c: dict[str, Any]) -> dict[str, Any]:
+        return {"cell": c, "global_step": STEPS, "world": 2, "losses": [[2.0, 1.0]], "blocks": {},
+                "state_dict_keys_equal": True}
+
+    ours = result(cell("hf_llama", "ddp_hooks"))
+    assert any("no result of its reference cell" in p for p in check_cell(ours, None))
+    reference = result(cell("hf_llama", "ddp"))
+    assert check_cell(reference, None) == []
+    assert check_cell(ours, reference) == []

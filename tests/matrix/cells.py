@@ -168,6 +168,9 @@ def check_cell(result: dict[str, Any], reference: dict[str, Any] | None) -> list
     if result["global_step"] != STEPS:
         problems.append(f"trained {result['global_step']} steps, not {STEPS}")
     meta_init = MODELS[c["model"]].meta_init and c["strategy"] in ("fsdp2", "hsdp")
+    if reference is None and c != _reference(c["model"], c["precision"]) and not meta_init:
+        problems.append(f"no result of its reference cell ({MODELS[c['model']].reference}, {c['precision']}) to "
+                        "compare with: a cell without a reference proves nothing")
     if meta_init:
         for rank, losses in enumerate(result["losses"]):
             if not all(x == x for x in losses) or not losses[-1] < losses[0]:
