@@ -27,10 +27,44 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 
+#: Ports handed out by :func:`free_port` lie below the kernel's ephemeral range
+#: (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default), from which ``bind(0)`` and outgoing
+#: connections take theirs: between the check here and the server's own bind, nothing but an explicit bind can take
+#: the port. Explicit binds by this suite's tests are kept apart by a counter shared through a locked file, so two
+#: tests (or two pytest sessions) never get the same port.
+_PORT_RANGE = (20000, 32000)
+_PORT_COUNTER = Path(os.environ.get("TMPDIR", "/tmp")) / "fsdp_strategies_test_ports"
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now that no ephemeral allocation can take before the caller binds it (see above)."""
+    import fcntl
+
+    low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_low())
+    with _PORT_COUNTER.open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        text = fh.read().strip()
+        port = int(text) if text.isdigit() else low + os.getpid() % 1000 * 10
+        for _ in range(high - low):
+            port = port + 1 if low <= port + 1 < high else low
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            fh.seek(0)
+            fh.truncate()
+            fh.write(str(port))
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def as_torchrun_rank0(monkeypatch: pytest.MonkeyPatch, world_size: int, local_world_size: int) -> None:

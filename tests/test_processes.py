@@ -149,3 +149,15 @@ def test_a_rank_that_kills_its_own_group_takes_every_sibling_with_it(tmp_path: P
         sibling, killer = _pids(pids)
         assert job.wait(timeout=60) == -signal.SIGKILL
         assert _gone([sibling, killer]), "a rank of the group outlived its group's kill"
+
+
+def test_free_port_is_outside_the_ephemeral_range_bindable_and_never_handed_out_twice() -> None:
+    from conftest import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == len(ports)
+    assert all(p < _ephemeral_low() for p in ports)  # bind(0) and outgoing connections cannot take them
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
