@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-lightning-range lint bench matrix docs clean
+.PHONY: install train test test-slurm test-lightning-range lint bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,18 @@ train: install
 # tests/docs checks the built site in Chromium: `make docs` runs it, right after the build.
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
-	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 --ignore=tests/docs
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm
+
+# The SLURM scripts on a real two-node SLURM cluster on this machine (tests/slurm/cluster.sh: installs the Debian
+# packages when missing -- needs root and apt-get, else the suite is skipped with that reason -- and starts
+# munged, slurmctld and two slurmd). The cluster is stopped whatever the tests' outcome.
+test-slurm: install
+	@tests/slurm/cluster.sh start; rc=$$?; \
+	if [ $$rc = 3 ]; then echo "test-slurm: SKIPPED -- SLURM cannot be installed on this machine (needs root and apt-get)"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	SLURM_CONF=$${SLURM_TEST_DIR:-/var/tmp/fsdp_strategies-slurm}/slurm.conf $(PY) -m pytest tests/slurm -m slurm -q \
+		-p no:cacheprovider --durations=10; rc=$$?; \
+	tests/slurm/cluster.sh stop; exit $$rc
 
 # Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
 # supported release and against the newest that pip resolves within the pin. Each is installed without
