@@ -112,7 +112,7 @@ def test_background_error_is_raised_at_the_next_poll_and_keeps_the_previous(tmp_
     import fsdp_strategies.checkpoint.async_writer as engine
 
     def failing_save(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise OSError(28, "No space left on device (injected)")
+        raise OSError(5, "Input/output error (injected)")  # a full disk (ENOSPC) is tests/test_disk_full.py's
 
     previous = tmp_path / "last.ckpt"
     previous.write_bytes(b"previous checkpoint")

@@ -67,20 +67,32 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from fsdp_strategies._distributed import is_multi_rank, rank_and_world
-from fsdp_strategies.checkpoint.agreement import AgreementGroup, AgreementMixin, all_gather_object
+from fsdp_strategies.checkpoint.agreement import AgreementGroup, AgreementMixin
 from fsdp_strategies.checkpoint.atomic import (
     LIGHTNING_META_FILE,
-    abandon_save,
+    SAVE_ERRORS,
+    SaveFailure,
+    agree_on_save,
     atomic_save_full,
     commit_sharded,
+    failure_report,
     hash_share,
     prepare_save,
     remove_path,
+    run_agreed,
     temp_path,
+)
+from fsdp_strategies.checkpoint.disk_full import (
+    CheckpointDiskFullError,
+    describe_error,
+    disk_full_evidence,
+    let_go,
+    state_bytes,
 )
 
 __all__ = [
     "ASYNC_CHECKPOINT_MODES",
+    "AsyncCheckpointDiskFullError",
     "AsyncCheckpointError",
     "AsyncCheckpointMixin",
     "AsyncCheckpointMode",
@@ -96,6 +108,11 @@ ASYNC_CHECKPOINT_MODES: tuple[str, ...] = ("off", "thread", "process")
 
 class AsyncCheckpointError(RuntimeError):
     """A background checkpoint write failed; the previous checkpoint is untouched."""
+
+
+class AsyncCheckpointDiskFullError(CheckpointDiskFullError, AsyncCheckpointError):
+    """A background checkpoint write ran out of disk space: the one clear full-disk error (an ``OSError``,
+    ``ENOSPC``), still caught by ``except AsyncCheckpointError``."""
 
 
 def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: str = "") -> str:
@@ -117,19 +134,6 @@ def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: 
     return str(value)
 
 
-def _describe(err: BaseException, rank: int | None = None) -> str:
-    """One line naming the rank and the error (DCP's ``CheckpointException`` names the ranks that failed)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:  # the same on every rank: DCP gathered them
-        first_rank, wrapped = sorted(failures.items(), key=lambda kv: kv[0])[0]
-        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        more = f" (and on {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
-        return f"{_describe(cause, first_rank)}{more}"
-    text = " ".join(str(err).split())
-    where = f"rank {rank}: " if rank is not None else ""
-    return f"{where}{type(err).__name__}: {text[:400]}" if text else f"{where}{type(err).__name__}"
-
-
 @dataclass
 class _Write:
     """One checkpoint write in flight on this rank (every rank of the group has one, symmetric)."""
@@ -138,6 +142,8 @@ class _Write:
     started: float
     thread: threading.Thread | None = None
     error: str | None = None  # set by the background job; the same on every rank once it finished
+    failure: SaveFailure | None = None  # what the ranks agreed on (a full disk: the one clear error)
+    needed: int = 0  # bytes of the checkpoint, for a full-disk report
     removals: list[Path] = field(default_factory=list)
 
     def running(self) -> bool:
@@ -225,11 +231,15 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self._before_save()
         tmp = temp_path(path)
-        if is_rank_zero:
-            prepare_save(path)
-            tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(metadata, tmp / LIGHTNING_META_FILE)  # small; part of the manifest like the shards
-        barrier()
+        needed = state_bytes(tensors)
+
+        def prepare() -> None:
+            if is_rank_zero:
+                prepare_save(path)
+                tmp.mkdir(parents=True, exist_ok=True)
+                torch.save(metadata, tmp / LIGHTNING_META_FILE)  # small; part of the manifest like the shards
+
+        run_agreed(path, prepare, needed=needed, is_rank_zero=is_rank_zero)  # stands for the barrier
         distributed = is_multi_rank()
         bg_group = self._background.group()  # on the training thread: every rank creates it at this point
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
@@ -237,7 +247,7 @@ class AsyncCheckpointer:
                                 async_checkpointer_type=kind, async_stager=self._get_stager(), no_dist=not distributed)
         if hasattr(future, "upload_completion"):  # an AsyncSaveResponse (asynchronous staging)
             future = future.upload_completion
-        write = _Write(path=path, started=time.perf_counter())
+        write = _Write(path=path, started=time.perf_counter(), needed=needed)
         write.thread = threading.Thread(target=self._finish_sharded, args=(write, future, tmp, is_rank_zero, bg_group),
                                         name=f"{self.name}-checkpoint-commit", daemon=False)
         self._write = write
@@ -246,38 +256,35 @@ class AsyncCheckpointer:
         self.last_save_s = time.perf_counter() - t0
 
     def _finish_sharded(self, write: _Write, future: Any, tmp: Path, is_rank_zero: bool, group: Any) -> None:
-        """Background, every rank: wait for DCP, hash this rank's share, gather, rank 0 commits, share the outcome."""
-        error: str | None = None
+        """Background, every rank: wait for DCP, hash this rank's share, agree (a failure: rank 0 removes the
+        temp), rank 0 commits, agree again: every rank ends with the same outcome."""
+        error: BaseException | None = None
         share: dict[str, tuple[int, str]] = {}
         rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        agreed = {"needed": write.needed, "is_rank_zero": is_rank_zero, "group": group}
         try:
             share = hash_share(tmp, future.result(), rank, world)
         except BaseException as err:
-            error = _describe(err, rank)
+            error = err
         try:
-            gathered = all_gather_object((share, error), group)
-            errors = sorted({e for _, e in gathered if e})
-            outcome: list[Any] = [None]
-            if is_rank_zero:
-                if errors:
-                    outcome = ["; ".join(errors)]
-                    abandon_save(write.path)
-                else:
-                    try:
-                        commit_sharded(write.path, (s for s, _ in gathered))
-                    except BaseException as err:
-                        outcome = [f"commit: {_describe(err, rank)}"]
-            if group is not None:
-                dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-            write.error = outcome[0]
+            shares, failure = agree_on_save(write.path, error, payload=share, **agreed)
+            if failure is None:
+                try:
+                    if is_rank_zero:
+                        commit_sharded(write.path, shares)
+                except SAVE_ERRORS as err:
+                    error = err
+                _, failure = agree_on_save(write.path, error, **agreed)
+            write.failure = failure
+            write.error = None if failure is None else failure.message
         except BaseException as err:
-            write.error = error or _describe(err, rank)
+            write.error = describe_error(error or err, rank)
 
     def save_full(self, checkpoint: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
         """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a thread."""
         t0 = time.perf_counter()
         self._before_save()
-        write = _Write(path=path, started=time.perf_counter())
+        write = _Write(path=path, started=time.perf_counter(), needed=state_bytes(checkpoint) if is_rank_zero else 0)
         if is_rank_zero:
             staged = self._get_stager().stage(checkpoint)
             write.thread = threading.Thread(target=self._finish_full, args=(write, staged), daemon=False,
@@ -290,11 +297,16 @@ class AsyncCheckpointer:
 
     @staticmethod
     def _finish_full(write: _Write, staged: dict[str, Any]) -> None:
+        """Background, rank 0 only: digest + ``torch.save`` + rename; a failure removes the temp (the other ranks
+        learn it at the next agreement point, :meth:`_fail`)."""
         try:
             atomic_save_full(staged, write.path)
         except BaseException as err:
-            write.error = _describe(err, 0)
-            abandon_save(write.path)
+            let_go(err)  # its open temp file would keep the space after the removal
+            write.failure = failure_report(
+                write.path, [(describe_error(err, 0), disk_full_evidence(err, write.path.parent, write.needed))],
+                write.needed)
+            write.error = write.failure.message
 
     # ------------------------------------------------------------------ ModelCheckpoint bookkeeping
     def defer_removal(self, filepath: Any) -> bool:
@@ -328,9 +340,13 @@ class AsyncCheckpointer:
         self.poll()
 
     def _fail(self, write: _Write) -> None:
-        errors = self._agreement.all_gather_object(write.error)
-        first = next((e for e in errors if e), "unknown error")
+        gathered = self._agreement.all_gather_object((write.error, write.failure))
+        first = next((e for e, _ in gathered if e), "unknown error")
         self._write = None  # the deferred removals are dropped: the previous checkpoints stay
+        disk_full = next((f for _, f in gathered if f is not None and f.disk_full), None)
+        if disk_full is not None:  # the one clear error, the same on every rank
+            raise AsyncCheckpointDiskFullError(disk_full.message, path=write.path, needed=disk_full.needed,
+                                               free=disk_full.free, last_good=disk_full.last_good)
         raise AsyncCheckpointError(
             f"{self.name}: the background write of checkpoint {write.path} failed ({first}). It was not committed: "
             f"the previous checkpoint is untouched. Fix: check the checkpoint directory (space, permissions) and "

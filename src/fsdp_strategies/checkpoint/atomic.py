@@ -20,6 +20,14 @@ One sequence, two writers: :func:`prepare_save` -> write -> (:func:`hash_share` 
 :func:`commit_sharded`) or :func:`atomic_save_full` -> :func:`commit_save`, or :func:`abandon_save` after a
 failure. :func:`atomic_save_sharded` / :func:`atomic_save_full` run it on the training thread; the
 background writer (:mod:`fsdp_strategies.checkpoint.async_writer`) runs the same functions on its thread.
+
+Failures (:func:`agree_on_save`): after each step of a save that not every rank does (rank 0's preparation
+and commit) or that can fail on one rank only, every rank reports its outcome in one all-gather; if any
+rank failed, rank 0 removes the partial temp, and every rank raises the same error -- so no rank waits in a
+barrier for a rank that has already raised. A full disk
+(:mod:`fsdp_strategies.checkpoint.disk_full`) becomes one :class:`CheckpointDiskFullError` naming the bytes
+needed and free and the last good checkpoint (:func:`last_good_checkpoint`), instead of DCP's per-rank
+tracebacks.
 """
 
 from __future__ import annotations
@@ -28,17 +36,28 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._distributed import rank_and_world
+from fsdp_strategies._distributed import is_multi_rank, rank_and_world
 from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies.checkpoint.disk_full import (
+    CheckpointDiskFullError,
+    describe_error,
+    disk_full_evidence,
+    disk_full_message,
+    free_bytes,
+    let_go,
+    path_bytes,
+)
 from fsdp_strategies.checkpoint.integrity import embed_digest, hash_files, write_manifest
 
 try:
@@ -47,17 +66,28 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "CheckpointDiskFullError",
+    "SaveFailure",
     "abandon_save",
+    "agree_on_save",
     "atomic_save_full",
+    "atomic_save_full_agreed",
     "atomic_save_sharded",
     "commit_save",
     "commit_sharded",
+    "failure_report",
     "hash_share",
+    "last_good_checkpoint",
     "prepare_save",
+    "raise_save_failure",
     "remove_path",
     "resolve_checkpoint_path",
+    "run_agreed",
     "temp_path",
 ]
+
+#: what a save step may raise: DCP's CheckpointException is a BaseException, not an Exception
+SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, dcp.CheckpointException)
 
 TMP_SUFFIX = ".tmp"
 LIGHTNING_META_FILE = seam.LIGHTNING_META_FILE  # "meta.pt": what Lightning's own ModelParallelStrategy reads back
@@ -223,22 +253,124 @@ def commit_sharded(path: Path, shares: Iterable[dict[str, tuple[int, str]]]) -> 
     commit_save(path)
 
 
+def last_good_checkpoint(path: Path) -> Path | None:
+    """The checkpoint a failed save of ``path`` leaves as the newest good one: ``path`` itself (a save never
+    touches it before its commit), else the newest committed checkpoint next to it (not a temp, not hidden,
+    a file with the same suffix or a folder); None if there is none."""
+    current = resolve_checkpoint_path(path)
+    if current.exists():
+        return current
+    if not path.parent.is_dir():
+        return None
+    candidates = [p for p in path.parent.iterdir() if not p.name.startswith(".")
+                  and not p.name.endswith((TMP_SUFFIX, OLD_SUFFIX)) and (p.is_dir() or p.suffix == path.suffix)]
+    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """What every rank learns about a failed save: the message to raise, and whether the disk was full."""
+
+    message: str
+    disk_full: bool = False
+    needed: int = 0
+    free: int = 0
+    last_good: Path | None = None
+
+    def error(self, path: Path) -> BaseException:
+        """The exception every rank raises for it."""
+        if self.disk_full:
+            return CheckpointDiskFullError(self.message, path=path, needed=self.needed, free=self.free,
+                                           last_good=self.last_good)
+        return RuntimeError(f"Checkpoint {path} was not saved: {self.message}. The previous checkpoint is untouched.")
+
+
+def failure_report(path: Path, failures: list[tuple[str, bool]], needed: int) -> SaveFailure:
+    """Rank 0, once any rank's part of the save of ``path`` failed (``failures``: each failed rank's
+    description and full-disk evidence): remove the partial temp, then measure."""
+    abandon_save(path)
+    causes = "; ".join(dict.fromkeys(cause for cause, _ in failures))
+    if not any(full for _, full in failures):
+        return SaveFailure(causes)
+    last_good = last_good_checkpoint(path)
+    needed = max(needed, path_bytes(last_good))
+    free = free_bytes(path.parent)
+    return SaveFailure(disk_full_message(path, needed=needed, free=free, last_good=last_good,
+                                         temp_removed=temp_path(path), cause=causes),
+                       disk_full=True, needed=needed, free=free, last_good=last_good)
+
+
+def agree_on_save(path: Path, error: BaseException | None, *, needed: int, is_rank_zero: bool, payload: Any = None,
+                  group: Any = None) -> tuple[list[Any], SaveFailure | None]:
+    """Every rank of ``group`` (the default group when None), at the same point of a save of ``path``: share
+    this rank's ``payload`` and outcome (``error``, None if its part went well; classified here, while the
+    temp is still on disk: ``needed`` is the save's size in bytes). Returns every rank's payload and, if any
+    rank failed, the same :class:`SaveFailure` on every rank (rank 0 removed the partial temp first)."""
+    rank = dist.get_rank(group) if is_multi_rank() else 0
+    if error is not None:
+        let_go(error)  # a failed writer's open file would keep the temp's space after its removal
+    mine = None if error is None else (describe_error(error, rank), disk_full_evidence(error, path.parent, needed))
+    gathered = all_gather_object((payload, mine), group)
+    failures = [outcome for _, outcome in gathered if outcome is not None]
+    payloads = [p for p, _ in gathered]
+    if not failures:
+        return payloads, None
+    report: list[Any] = [failure_report(path, failures, needed) if is_rank_zero else None]
+    if is_multi_rank():
+        dist.broadcast_object_list(report, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+    return payloads, report[0]
+
+
+def raise_save_failure(path: Path, failure: SaveFailure | None, error: BaseException | None) -> None:
+    """Raise what every rank agreed on (nothing if ``failure`` is None). A full disk: the one clear error,
+    without the writer's chain (its cause is in the message). Otherwise this rank's own error if it has one
+    (its traceback is the useful one), else an error naming the rank that failed."""
+    if failure is None:
+        return
+    if failure.disk_full or error is None:
+        raise failure.error(path) from None
+    raise error
+
+
+def run_agreed(path: Path, step: Callable[[], Any], *, needed: int, is_rank_zero: bool, share: bool = False) -> Any:
+    """Run this rank's ``step`` of the save, then :func:`agree_on_save`; its result (gathered if ``share``)."""
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = step()
+    except SAVE_ERRORS as err:
+        error = err
+    payloads, failure = agree_on_save(path, error, needed=needed, is_rank_zero=is_rank_zero,
+                                      payload=result if share else None)
+    raise_save_failure(path, failure, error)
+    return payloads if share else result
+
+
 def atomic_save_sharded(
-    tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool, barrier: Any
+    tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool, barrier: Any = None,
+    needed: int = 0,
 ) -> None:
     """Write a DCP checkpoint folder (every rank its shard) plus Lightning's ``meta.pt`` and a checksum
-    manifest, atomically. Each rank hashes a share of the shard files right after DCP wrote them."""
+    manifest, atomically. Each rank hashes a share of the shard files right after DCP wrote them.
+
+    The ranks agree after each step (:func:`agree_on_save`), which also stands for the barriers: a failure
+    anywhere is raised on every rank, after rank 0 removed the partial temp. ``barrier`` is unused (kept for
+    callers of the earlier signature); ``needed``: the save's size in bytes, for a full-disk report.
+    """
     tmp = temp_path(path)
-    if is_rank_zero:
-        prepare_save(path)
-    barrier()
-    written = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp))
     rank, world = rank_and_world()
-    shares = all_gather_object(hash_share(tmp, written, rank, world))
-    if is_rank_zero:
-        torch.save(metadata, tmp / LIGHTNING_META_FILE)
-        commit_sharded(path, shares)
-    barrier()
+    agreed = {"needed": needed, "is_rank_zero": is_rank_zero}
+    run_agreed(path, lambda: prepare_save(path) if is_rank_zero else None, **agreed)
+    shares = run_agreed(path, lambda: hash_share(tmp, dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp)),
+                                              rank, world), share=True, **agreed)
+
+    def commit() -> None:
+        if is_rank_zero:
+            torch.save(metadata, tmp / LIGHTNING_META_FILE)
+            commit_sharded(path, shares)
+
+    run_agreed(path, commit, **agreed)
 
 
 def atomic_save_full(checkpoint: dict[str, Any], path: Path) -> None:
@@ -246,3 +378,15 @@ def atomic_save_full(checkpoint: dict[str, Any], path: Path) -> None:
     tmp = prepare_save(path)
     torch.save(embed_digest(checkpoint), tmp)
     commit_save(path)
+
+
+def atomic_save_full_agreed(checkpoint: dict[str, Any] | None, path: Path, *, is_rank_zero: bool,
+                            needed: int = 0) -> None:
+    """Every rank: rank 0 runs :func:`atomic_save_full`, then the ranks agree on its outcome (a failure, e.g. a
+    full disk, is raised on every rank instead of leaving the others in a barrier)."""
+    def write() -> None:
+        if is_rank_zero:
+            assert checkpoint is not None
+            atomic_save_full(checkpoint, path)
+
+    run_agreed(path, write, needed=needed, is_rank_zero=is_rank_zero)

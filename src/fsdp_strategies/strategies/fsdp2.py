@@ -26,7 +26,12 @@ from typing_extensions import override
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._options import check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
-from fsdp_strategies.checkpoint.atomic import atomic_save_full, atomic_save_sharded, resolve_checkpoint_path
+from fsdp_strategies.checkpoint.atomic import (
+    atomic_save_full_agreed,
+    atomic_save_sharded,
+    resolve_checkpoint_path,
+)
+from fsdp_strategies.checkpoint.disk_full import state_bytes
 from fsdp_strategies.checkpoint.load_into_fsdp import (
     PARAM_NAMES_KEY,
     load_into_sharded_model,
@@ -473,18 +478,23 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            save = self.async_checkpointer.save_sharded if background else atomic_save_sharded
-            save(tensors, checkpoint, path, is_rank_zero=self.is_global_zero, barrier=self.barrier)
+            if background:
+                self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero,
+                                                     barrier=self.barrier)
+            else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
+                atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero,
+                                    needed=state_bytes(tensors))
         else:
             if self.is_global_zero:
                 assert self.model is not None
                 # Lightning numbers this file's optimizer state by module order: record the names behind it
                 checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.model, self.optimizers)
-                if not background:
-                    atomic_save_full(checkpoint, path)
             if background:
                 self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
-            self.barrier()
+                self.barrier()
+            else:  # rank 0 writes; every rank learns its outcome (no rank left in a barrier if it fails)
+                atomic_save_full_agreed(checkpoint, path, is_rank_zero=self.is_global_zero,
+                                        needed=state_bytes(checkpoint) if self.is_global_zero else 0)
 
     @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
