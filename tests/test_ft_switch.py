@@ -201,7 +201,9 @@ def test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps(tmp
     _launch(tmp_path, {"groups": [1], "seconds_per_mb": 3.0, "start_step": 0, "end_step": 10}, 24, [], {})
     res = check_switch_run(tmp_path, 24)
     (to_semi, s1), (to_sync, s2) = res["switches"]
-    assert (to_semi, to_sync) == ("diloco", "every_step") and s1 <= 8 and 10 < s2 < 24, res["switches"]
+    # the switch steps depend on measured cost ratios (wall time), so the bounds are the phases themselves, not a
+    # tighter guess: into DiLoCo while the link is slow (before step 10), back once it is fast again
+    assert (to_semi, to_sync) == ("diloco", "every_step") and s1 < 10 and 10 < s2 < 24, res["switches"]
     assert s1 % 2 == 0 and s2 % 2 == 0  # at boundaries (sync_every=2)
     assert res["inner_steps"] >= 2 * (s2 - s1) // 2 and res["syncs"] >= 2 * (s2 - s1) // 2, res
     assert res["compared"] >= 16, res

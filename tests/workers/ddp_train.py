@@ -102,24 +102,34 @@ class Recorder(pl.Callback):
 
 
 class StallProbe(pl.Callback):
-    """Rank 1 stalls for 2 s before step 4; every rank records when each step ends (no collective per step)."""
+    """Rank 1 is held after 4 steps until rank 0 has finished 9 (a file rank 0 writes then), or 120 s.
 
-    def __init__(self) -> None:
-        self.ends: list[float] = []
+    With local steps (no collective per step, not even DDP's buffer broadcast) rank 0 runs on and rank 1 sees the
+    file; if any step before the next averaging synchronised the ranks, rank 0 could not finish 9 steps while rank 1
+    is held, and rank 1 gives up after 120 s without seeing it. An order of events, not a wall-clock threshold.
+    """
+
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+        self.saw_rank0_ahead: bool | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if trainer.global_rank == 1 and trainer.global_step == 4:
-            time.sleep(2.0)
+        if trainer.global_rank == 1 and trainer.global_step == 4:  # after 4 steps
+            deadline = time.monotonic() + 120
+            while not self.flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.saw_rank0_ahead = self.flag.exists()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
+        if trainer.global_rank == 0 and trainer.global_step == 9:
+            self.flag.write_text("rank 0 finished step 9")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         gathered: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(gathered, [b - a for a, b in zip(self.ends, self.ends[1:])])
-        self.step_s = gathered  # per rank: duration of steps 1, 2, ... (end to end)
+        dist.all_gather_object(gathered, self.saw_rank0_ahead)
+        self.gathered = gathered
 
 
 def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -220,12 +230,12 @@ def main() -> None:
             trainer = cli.trainer
         elif run.startswith("stall:"):
             # rank 1 stalls during local steps: rank 0 must not wait for it before the next averaging
-            probe = StallProbe()
+            probe = StallProbe(out_dir / f"{run[6:]}.rank0_ahead")
             trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:], cap), max_steps=12,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
-            results[run] = {"step_s": probe.step_s}
+            results[run] = {"saw_rank0_ahead": probe.gathered}
             continue
         elif run.startswith("recap:"):
             # resume the checkpoint of an earlier ``resume:NAME`` run with DDP's default (one) bucket instead
