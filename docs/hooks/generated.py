@@ -268,6 +268,21 @@ def pretrained_load(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _sac(data: dict[str, Any]) -> list[str]:
+    """The sac suite (checkpointing modes, ``budget``, offload): per model a row per contender, with the suite's
+    own renderer (``benchmarks/suites/sac.py``)."""
+    cases = data.get("cases") if data.get("suite") == "sac" else None
+    if not isinstance(cases, list) or not cases or not all("family" in c for c in cases):
+        return []
+    import importlib.util  # the suite by its path (imports torch and the package)
+
+    spec = importlib.util.spec_from_file_location("bench_suite_sac", ROOT / "benchmarks" / "suites" / "sac.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.markdown(data)
+
+
 def _summary(data: dict[str, Any]) -> list[str]:
     rows = data.get("summary")
     if not isinstance(rows, list) or not rows:
@@ -384,7 +399,7 @@ def section(path: Path, page_dir: str, level: int = 3) -> str:
     note = data.get("note") or (data.get("config") or {}).get("note")
     if note:
         lines += [f"> {_fmt(note)}", ""]
-    for part in (_cases, _contenders, _figures, _ft_sync, pretrained_load, _summary, _extra):
+    for part in (_cases, _contenders, _figures, _ft_sync, pretrained_load, _sac, _summary, _extra):
         lines += part(data)
     png = _png(stem, data)
     if png is not None:
