@@ -202,7 +202,9 @@ def test_preempt_checkpoint_requeue_and_exact_resume(tmp_path: Path, how: str,
     if high is not None:
         assert job_info(high)["JobState"] == "COMPLETED"
     output = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("hsdp-*.out"))
-    assert f"hsdp.sbatch: the ranks were stopped by SIGTERM (status 1); requeueing job {job}" in output, output[-5000:]
+    # srun's status is not 75: torchrun, signalled itself, exits 1 (srun reported 1, or 143 when srun was signalled too)
+    assert re.search(rf"hsdp.sbatch: the ranks were stopped by SIGTERM \(status \d+\); requeueing job {job}\n", output), \
+        output[-5000:]
 
     recs = records(tmp_path)
     assert sorted(recs) == [f"rank{r}" for r in range(4)], sorted(recs)
