@@ -1,30 +1,40 @@
 """One test per private name of Lightning / torch / torchft / jsonargparse this package relies on.
 
 Every access lives in :mod:`fsdp_strategies._lightning_seam` or :mod:`fsdp_strategies._torch_seam`;
-each test is named after the private name and checks the behaviour the package needs in the
-*installed* version (or, where behaviour needs a process group, the name and signature), so an
-upgrade that renames or changes one fails here, by name, instead of deep inside a training run.
-Run against the oldest and newest supported Lightning (docs/getting-started.md: "Supported versions").
-All single-process and fast (one tiny ``fit`` shared by the loop tests).
+each test is named after the private name and exercises the behaviour the package needs in the
+*installed* version -- never the library's source text -- so an upgrade that renames or changes one
+fails here, by name, instead of deep inside a training run. Where that behaviour needs a process group,
+the test starts a one-process gloo group in this process (:func:`_one_process_group`); torchft's
+``Manager`` runs against a real in-process lighthouse. Run against the oldest and newest supported
+Lightning (docs/getting-started.md: "Supported versions"). All single-process and fast.
 """
 
 from __future__ import annotations
 
 import inspect
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 import processes
+from conftest import free_port
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
 
@@ -33,6 +43,46 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
                                 "enable_progress_bar": False, "enable_model_summary": False}
     return pl.Trainer(**{**defaults, **kwargs})
+
+
+class _RecordingEnvironment(LightningEnvironment):
+    """Lightning's own environment for one process, recording the world size / rank set on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set: list[tuple[str, int, bool]] = []  # (what, value, process group already up)
+
+    def set_world_size(self, size: int) -> None:
+        self.set.append(("world_size", size, dist.is_initialized()))
+        super().set_world_size(size)
+
+    def set_global_rank(self, rank: int) -> None:
+        self.set.append(("global_rank", rank, dist.is_initialized()))
+        super().set_global_rank(rank)
+
+
+def _one_cpu_process(strategy: Any) -> Any:
+    """Give ``strategy`` what the accelerator connector would for ``accelerator="cpu", devices=1``."""
+    strategy.accelerator = CPUAccelerator()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = _RecordingEnvironment()
+    return strategy
+
+
+@contextmanager
+def _one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModelParallelStrategy]:
+    """A ``ModelParallelStrategy`` for one CPU process whose ``_setup_distributed`` (through the seam, as
+    ``FSDP2Strategy.setup_environment`` calls it) started a gloo process group of world size 1; destroyed after."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert not dist.is_initialized()
+    strategy = _one_cpu_process(ModelParallelStrategy(process_group_backend="gloo"))
+    try:
+        seam.init_process_group(strategy)
+        yield strategy
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ fabric helpers
@@ -61,12 +111,53 @@ def test__optimizers_to_device() -> None:
     assert all(v.device.type == "meta" for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
 
 
-def test__METADATA_FILENAME() -> None:
-    from lightning.fabric.strategies import model_parallel as fabric_mp
+def test__METADATA_FILENAME(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our sharded folders (DCP shards + ``seam.LIGHTNING_META_FILE``) load in Lightning's own
+    ``ModelParallelStrategy`` loader, and folders Lightning writes load in ours (which reads that file back)."""
+    from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+    from lightning.fabric.strategies.model_parallel import _load_checkpoint
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_strategies import FSDP2Strategy
+    from fsdp_strategies.checkpoint.load_into_fsdp import load_into_sharded_model
 
     assert seam.LIGHTNING_META_FILE == "meta.pt"
-    # Lightning's own sharded-checkpoint loader reads this file back (so our folders load there too)
-    assert "_METADATA_FILENAME" in inspect.getsource(fabric_mp)
+    with _one_process_group(monkeypatch) as strategy:
+        torch.manual_seed(0)
+        model = fully_shard(nn.Linear(3, 2), mesh=init_device_mesh("cpu", (1,)))
+        saved = {k: v.full_tensor().clone() for k, v in get_model_state_dict(model).items()}
+
+        def scramble() -> None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(-7.0)
+
+        def loaded() -> bool:
+            return all(torch.equal(v.full_tensor(), saved[k]) for k, v in get_model_state_dict(model).items())
+
+        # ours -> Lightning's: FSDP2Strategy.save_checkpoint (DCP shards, the non-tensor part in meta.pt)
+        ours = tmp_path / "ours"
+        writer = _one_cpu_process(FSDP2Strategy())
+        writer.save_checkpoint({"state_dict": get_model_state_dict(model), "epoch": 3, "global_step": 7}, ours)
+        assert (ours / seam.LIGHTNING_META_FILE).is_file() and _is_sharded_checkpoint(ours)
+        scramble()
+        rest = _load_checkpoint(ours, {"state_dict": model}, optimizer_states_from_list=True)
+        assert rest == {"epoch": 3, "global_step": 7} and loaded()  # the metadata came from our meta.pt
+
+        # the same shards without that file: not a sharded checkpoint for Lightning
+        (ours / seam.LIGHTNING_META_FILE).unlink()
+        assert not _is_sharded_checkpoint(ours)
+        with pytest.raises(ValueError, match="does not point to a valid checkpoint"):
+            _load_checkpoint(ours, {"state_dict": model}, optimizer_states_from_list=True)
+
+        # Lightning's -> ours: ModelParallelStrategy.save_checkpoint's folder, read back through seam.LIGHTNING_META_FILE
+        theirs = tmp_path / "theirs"
+        strategy.save_checkpoint({"state_dict": get_model_state_dict(model), "epoch": 5}, theirs)
+        assert (theirs / seam.LIGHTNING_META_FILE).is_file()
+        scramble()
+        assert load_into_sharded_model(model, [], theirs) == {"epoch": 5} and loaded()
 
 
 def test__set_sampler_epoch() -> None:
@@ -96,12 +187,32 @@ def test__update_dataloader() -> None:
 
 
 # ------------------------------------------------------------------------------ strategy internals
-def test__setup_distributed() -> None:
-    # needs a process group to run; its shape is what fsdp2's setup_environment relies on
-    method = ModelParallelStrategy._setup_distributed
-    assert list(inspect.signature(method).parameters) == ["self"]
-    source = inspect.getsource(method)
-    assert "set_world_ranks" in source and "_init_dist_connection" in source and "device_mesh" not in source
+def test__setup_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``FSDP2Strategy.setup_environment`` relies on: world ranks set and the default process group up
+    (world size 1 here, the strategy's backend), but no device mesh -- the strategy builds its own right after."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_strategies.parallel.mesh import build_mesh
+
+    meshes: list[Any] = []
+    original_init = DeviceMesh.__init__
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        meshes.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceMesh, "__init__", counting_init)
+    with _one_process_group(monkeypatch) as strategy:
+        environment = strategy.cluster_environment
+        assert isinstance(environment, _RecordingEnvironment)
+        # world ranks set first (Lightning's connection reads them), then the process group
+        assert ("world_size", 1, False) in environment.set and ("global_rank", 0, False) in environment.set
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+        assert dist.get_backend() == "gloo" and (strategy.global_rank, strategy.world_size) == (0, 1)
+        assert meshes == [] and strategy._device_mesh is None  # no mesh: Lightning's own would be dp x tp
+        mesh = build_mesh(strategy.root_device, None, strategy.world_size)  # what fsdp2 builds next
+        assert meshes and mesh.size() == 1  # (the counter sees a mesh being built)
+    assert not dist.is_initialized()
 
 
 def test__device_mesh() -> None:
@@ -164,20 +275,112 @@ def test_set_world_ranks_is_called_before_the_launcher_with_devices_and_precisio
     assert seen and seen[0] == ("bf16-true", 2, 1, True)
 
 
+def _trainer_in(fn: TrainerFn = TrainerFn.FITTING) -> Any:
+    """The part of a ``Trainer`` a strategy's ``setup`` reads."""
+    return SimpleNamespace(state=SimpleNamespace(fn=fn))
+
+
 def test_configure_ddp_wraps_then_registers_hooks() -> None:
-    """ddp_hooks overrides the public ``configure_ddp`` instead of the private ``_register_ddp_hooks``."""
-    assert "self.configure_ddp()" in inspect.getsource(DDPStrategy.setup)
-    source = inspect.getsource(DDPStrategy.configure_ddp)
-    assert source.index("_setup_model") < source.index("_register_ddp_hooks")
-    assert DDPStrategy()._ddp_comm_hook is None  # so Lightning's own registration has nothing to register
+    """ddp_hooks overrides the public ``configure_ddp`` instead of the private ``_register_ddp_hooks``: ``setup``
+    calls it while fitting, before the optimizers; it wraps first, and Lightning's own registration (a
+    ``DDPStrategy`` given no hook, as ddp_hooks' is) registers nothing, so ours is the one hook DDP accepts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    calls: list[Any] = []
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+    class Recording(DDPStrategy):
+        def _setup_model(self, model: nn.Module) -> nn.Module:
+            calls.append("_setup_model")
+            return Wrapped(model)
+
+        def _register_ddp_hooks(self) -> None:
+            calls.append(("_register_ddp_hooks", type(self.model).__name__))  # what it sees: the wrapped model
+
+        def configure_ddp(self) -> None:
+            calls.append("configure_ddp")
+            super().configure_ddp()
+
+        def model_to_device(self) -> None:
+            calls.append("model_to_device")
+
+        def setup_optimizers(self, trainer: Any) -> None:
+            calls.append("setup_optimizers")
+
+    strategy = _one_cpu_process(Recording())
+    strategy.connect(BoringModel())
+    strategy.setup(_trainer_in())
+    assert calls == ["model_to_device", "configure_ddp", "_setup_model", ("_register_ddp_hooks", "Wrapped"),
+                     "setup_optimizers"]
+    assert isinstance(strategy.model, Wrapped)
+    calls.clear()
+    strategy = _one_cpu_process(Recording())
+    strategy.connect(BoringModel())
+    with mock.patch("lightning.pytorch.strategies.ddp._sync_module_states"):  # (needs a process group)
+        strategy.setup(_trainer_in(TrainerFn.VALIDATING))
+    assert calls == ["model_to_device"]  # not fitting: no DDP wrapper, no hooks
+
+    # Lightning's own registration (it acts on CUDA only): nothing without a hook, the given hook otherwise
+    for given, registered in ((None, 0), (lambda state, bucket: bucket.buffer(), 1)):
+        lightning = DDPStrategy(parallel_devices=[torch.device("cuda", 0)], ddp_comm_hook=given)
+        lightning.model = mock.create_autospec(DistributedDataParallel, instance=True)
+        lightning._register_ddp_hooks()
+        assert lightning.model.register_comm_hook.call_count == registered  # type: ignore[attr-defined]
 
 
-def test_ModelParallelStrategy_setup_steps() -> None:
-    """``FSDP2Strategy.setup`` re-orders these steps of the parent's ``setup``: they must all still be there."""
-    source = inspect.getsource(ModelParallelStrategy.setup)
-    for step in ("accelerator.setup", "_materialize_distributed_module", "convert_module", "model_to_device",
-                 "barrier", "setup_optimizers", "setup_precision_plugin", "_optimizers_to_device"):
-        assert step in source, step
+def test_ModelParallelStrategy_setup_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FSDP2Strategy.setup`` re-implements the parent's ``setup`` with its steps re-ordered (the strategy
+    shards and bf16-true casts before materialising, instead of a user ``configure_model`` that shards):
+    the parent's steps must be exactly these, so a step Lightning adds or drops shows up here."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import model_parallel as pl_mp
+
+    calls: list[str] = []
+
+    def record(name: str) -> Any:
+        return lambda *args, **kwargs: calls.append(name)
+
+    monkeypatch.setattr(pl_mp, "_materialize_distributed_module", record("_materialize_distributed_module"))
+    monkeypatch.setattr(pl_mp, "_optimizers_to_device", record("_optimizers_to_device"))
+
+    class Module(BoringModel):
+        def configure_model(self) -> None:  # the parent requires it (it shards there)
+            pass
+
+    class RecordingPrecision(Precision):
+        def convert_module(self, module: nn.Module) -> nn.Module:
+            calls.append("convert_module")
+            return module
+
+    class Recording(ModelParallelStrategy):
+        def model_to_device(self) -> None:
+            calls.append("model_to_device")
+
+        def barrier(self, *args: Any, **kwargs: Any) -> None:
+            calls.append("barrier")
+
+        def setup_optimizers(self, trainer: Any) -> None:
+            calls.append("setup_optimizers")
+
+        def setup_precision_plugin(self) -> None:
+            calls.append("setup_precision_plugin")
+
+    for fn, optimizer_steps in ((TrainerFn.FITTING, True), (TrainerFn.VALIDATING, False)):
+        calls.clear()
+        strategy = _one_cpu_process(Recording())
+        strategy.accelerator = mock.Mock(setup=record("accelerator.setup"))
+        strategy.precision_plugin = RecordingPrecision()
+        strategy.connect(Module())
+        strategy.setup(_trainer_in(fn))
+        expected = ["accelerator.setup", "_materialize_distributed_module", "convert_module", "model_to_device",
+                    "barrier", "setup_optimizers", "setup_precision_plugin", "_optimizers_to_device"]
+        if not optimizer_steps:
+            expected = [step for step in expected if step not in ("setup_optimizers", "_optimizers_to_device")]
+        assert calls == expected, fn
 
 
 def test_LightningOptimizer_optimizer() -> None:
@@ -270,10 +473,36 @@ def test__on_before_batch_transfer(fitted: _Probe) -> None:
     assert fitted.record["transfer"] == 1000.0
 
 
-def test__broadcast_sigterm_tensor() -> None:
+def test__broadcast_sigterm_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a distributed fit (process group up, world size > 1) the epoch loop calls it once before each
+    training batch: the replacement installed at ``on_train_start`` (as the preemption mixin does) runs
+    instead, once per step; after :func:`seam.restore_sigterm_broadcast` the class's method applies again."""
     method = _TrainingEpochLoop._broadcast_sigterm_tensor
-    assert list(inspect.signature(method).parameters) == ["self"]
-    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    checks: list[int] = []
+
+    class TwoRanks(SingleDeviceStrategy):  # one process that the loop takes for a 2-rank job
+        @property
+        def world_size(self) -> int:
+            return 2
+
+        @world_size.setter
+        def world_size(self, _: int) -> None:  # (SingleDeviceStrategy.__init__ sets 1)
+            pass
+
+        def on_train_start(self) -> None:
+            super().on_train_start()
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            self.replaced = seam.replace_sigterm_broadcast(trainer, lambda: checks.append(trainer.global_step))
+
+    strategy = TwoRanks(device=torch.device("cpu"))
+    with _one_process_group(monkeypatch):
+        fit_trainer = _trainer(strategy=strategy, max_steps=3, limit_val_batches=0)
+        assert fit_trainer.world_size == 2
+        fit_trainer.fit(BoringModel())
+    assert strategy.replaced is fit_trainer.fit_loop.epoch_loop
+    assert checks == [0, 1, 2]  # before each of the three steps, with the step count so far
+
     trainer = _trainer()
     calls: list[int] = []
     loop = seam.replace_sigterm_broadcast(trainer, lambda: calls.append(1))
@@ -431,34 +660,122 @@ def test_numpy__reconstruct() -> None:
 
 
 # ------------------------------------------------------------------------------ torchft
+class _OneReplicaManager:
+    """Single-process stand-in for ``torchft.Manager`` as DiLoCo uses it: the only replica (the all-reduce
+    average is the tensor itself); ``commit`` decides each outer step."""
+
+    _use_async_quorum = False  # DiLoCo refuses an async quorum
+
+    def __init__(self) -> None:
+        self.commit = True
+        self.fns: dict[str, Any] = {}
+
+    def register_state_dict_fn(self, key: str, load: Any, save: Any) -> None:
+        self.fns[key] = (load, save)
+
+    def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(wait=lambda *a, **k: True)
+
+    def should_commit(self, *args: Any, **kwargs: Any) -> bool:
+        return self.commit
+
+    def current_step(self) -> int:
+        return 0
+
+
 def test_torchft_DiLoCo__fragments() -> None:
-    # _ft_sync drives each fragment's prepare_sync/perform_sync itself (and save_parameters when straggler_sync
-    # starts rounds from the current weights): the list and those methods must exist
-    import inspect
+    """``OuterSync`` drives each fragment itself, in model order: ``prepare_sync``/``perform_sync`` (rolls the
+    fragment's parameters back to its backup, outer step on commit) and ``save_parameters`` (straggler_sync
+    starts rounds from the current weights)."""
+    from torchft.local_sgd import DiLoCo
 
-    from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    parts = [model[0], model[1]]
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = [torch.optim.SGD(p.parameters(), lr=1.0) for p in parts]
+    manager = _OneReplicaManager()
+    diloco = DiLoCo(manager, parts, inner, outer, sync_every=2, pin_memory=False)  # type: ignore[arg-type]
 
-    assert "self._fragments" in inspect.getsource(DiLoCo.__init__)
-    for name in ("prepare_sync", "perform_sync", "save_parameters"):
-        assert callable(getattr(_StreamingDiLoCoFragment, name))
+    def params(i: int) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in parts[i].parameters()]
 
-    class Fake:
-        _fragments = ("a", "b")
+    def inner_step() -> None:
+        inner.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        inner.step()
 
-    assert tseam.diloco_fragments(Fake()) == ["a", "b"]
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    fragments = tseam.diloco_fragments(diloco)
+    assert isinstance(fragments, list) and len(fragments) == 2
+    start = [params(0), params(1)]
+    inner_step()
+    local = [params(0), params(1)]
+    assert not same(local[0], start[0]) and not same(local[1], start[1])
+
+    manager.commit = False  # a discarded sync of fragment 0: its parameters (and only its) roll back
+    fragments[0].prepare_sync()
+    assert fragments[0].perform_sync() is False
+    assert same(params(0), start[0]) and same(params(1), local[1])
+
+    inner_step()
+    moved = params(0)
+    manager.commit = True  # one replica, outer lr 1: the committed outer step lands on the local weights
+    fragments[0].prepare_sync()
+    assert fragments[0].perform_sync() is True
+    assert all(torch.allclose(a, b) for a, b in zip(params(0), moved))
+
+    fragments[1].save_parameters()  # fragment 1's rollback point becomes its current weights...
+    saved = params(1)
+    assert not same(saved, start[1])
+    inner_step()
+    manager.commit = False
+    fragments[1].prepare_sync()
+    assert fragments[1].perform_sync() is False
+    assert same(params(1), saved)  # ...so a discarded sync returns there, not to the start
 
 
-def test_torchft_Manager__quorum_id_and__quorum_future() -> None:
+@pytest.fixture
+def ft_manager() -> Iterator[Any]:
+    """A real ``torchft.Manager`` (rank 0 of a one-rank group, synchronous quorum) against a real lighthouse
+    and TCPStore in this process."""
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseServer
     from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
 
-    source = inspect.getsource(Manager)
-    assert "self._quorum_id" in source and "self._quorum_future" in source
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=10,
+                                  heartbeat_timeout_ms=5000)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=30)
+    manager = None
+    try:
+        manager = Manager(pg=ProcessGroupGloo(), load_state_dict=lambda state: None, state_dict=lambda: {},
+                          min_replica_size=1, use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1",
+                          store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id="seam", port=0,
+                          hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        yield manager
+    finally:
+        if manager is not None:
+            manager.shutdown(wait=False)
+        lighthouse.shutdown()
+        del store
 
-    class Fake:
-        _quorum_id = 4
-        _quorum_future = None
 
-    assert tseam.quorum_id(Fake()) == 4 and tseam.quorum_started(Fake()) is False
+def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
+    """``ft_hsdp`` asks whether a quorum was started (before the first ``start_quorum`` there is nothing to wait
+    for or commit) and records the quorum's id with each step."""
+    assert tseam.quorum_started(ft_manager) is False and tseam.quorum_id(ft_manager) == -1
+    ft_manager.start_quorum()
+    assert tseam.quorum_started(ft_manager) is True
+    first = tseam.quorum_id(ft_manager)
+    assert first >= 0 and ft_manager.num_participants() == 1
+    assert ft_manager.should_commit() is True
+    ft_manager.start_quorum()  # same members: the same quorum
+    assert tseam.quorum_started(ft_manager) is True and tseam.quorum_id(ft_manager) == first
 
 
 def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
