@@ -607,6 +607,14 @@ def test__python_dispatch_TorchDispatchMode() -> None:
     assert kept.alive(set()) >= 1024 and kept_tensor is not None
 
 
+def test_Tensor__version() -> None:
+    t = torch.zeros(3)
+    before = tseam.tensor_version(t)
+    t.add_(1)
+    assert tseam.tensor_version(t) == before + 1
+    assert tseam.tensor_version(t.view(3)) == before + 1  # views share the counter
+
+
 def test_UntypedStorage__new_with_weak_ptr() -> None:
     from torch.multiprocessing.reductions import StorageWeakRef
 

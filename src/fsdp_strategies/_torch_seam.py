@@ -34,6 +34,7 @@ __all__ = [
     "raw_tensor_formula",
     "run_exit_handlers",
     "shutdown_loader_workers",
+    "tensor_version",
     "tree_leaves",
 ]
 
@@ -71,6 +72,11 @@ def live_storage(ref: Any) -> torch.UntypedStorage | None:
     if ref.expired():
         return None
     return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How often ``tensor`` was modified in place (``Tensor._version``, autograd's version counter)."""
+    return int(tensor._version)
 
 
 def inside_autograd_backward() -> bool:

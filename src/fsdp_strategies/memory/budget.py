@@ -7,7 +7,10 @@ How a :class:`BudgetPlanner` chooses, on the real model and batch:
    forward once more on the same inputs, under a dispatch mode that notes every op call: the bytes of
    the new storages it creates and what recomputing it costs (its FLOPs from ``FlopCounterMode``'s
    formulas; ops without a formula -- norms, activations, elementwise -- one FLOP per output element).
-   The RNG state is forked around it, so dropout draws are unchanged; the result is dropped.
+   Ops after the last producer of a tensor autograd saves cost nothing: non-reentrant checkpointing stops
+   recomputing before them. The RNG state is forked around it, so dropout draws are unchanged, and the
+   autocast cast cache is cleared after it (the real forward must cast as its recomputation will); the
+   result is dropped.
    Meanwhile :class:`~fsdp_strategies.memory.saved_bytes.SavedBytes` notes what the whole forward
    creates, tagged inside/outside the checkpointed blocks. When the forward returns, the storages still
    alive give the bytes kept *outside* the blocks (embeddings, head, loss) and the blocks' outputs.
@@ -73,8 +76,9 @@ class OpCall:
 
     Attributes:
         bytes: new storage it creates that saving it would keep (0 for its block's own output).
-        cost: what recomputing it costs: FLOPs, or output elements for ops without a FLOP formula.
-        flops: its FLOPs from the formulas (0 without one).
+        cost: what recomputing it costs: FLOPs, or output elements for ops without a FLOP formula; 0 for the ops
+            recomputation never reaches (after the last producer of a tensor autograd saves).
+        flops: its FLOPs from the formulas (0 without one, or when recomputation never reaches it).
         keepable: False when a later in-place op overwrites its output (selective checkpointing would refuse it).
     """
 
@@ -136,18 +140,38 @@ class _Profiler(SavedBytes):
 def profile_block(kind: str, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockProfile:
     """Run ``forward(*args, **kwargs)`` once (grad enabled, RNG forked) and note its op calls; the result is dropped."""
     profiler = _Profiler()
+    saved: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:  # what autograd keeps: recomputation must reach its producer
+        saved.update(storage_id(t) for t in plain_tensors(tensor))
+        # a detached alias keeps the storage alive as autograd would; the tensor itself would tie an output to its
+        # own grad_fn, a cycle only a backward breaks -- this graph is dropped without one (measured: the profiled
+        # block's activations then stayed alive through the step)
+        return tensor.detach()
+
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), OpFlopCounter(profiler.on_flops), profiler:
+    with (torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          OpFlopCounter(profiler.on_flops), profiler):
         out = forward(*args, **kwargs)
+    # Autocast caches its casts of the weights for the rest of the region: the block's real forward would then
+    # dispatch fewer casts than its recomputation (which starts with an empty cache) and selective checkpointing
+    # would find casts it never stored. Forget what this extra forward cached.
+    torch.clear_autocast_cache()
     out_keys = {storage_id(t) for t in plain_tensors(_torch_seam.tree_leaves(out))}
     none_bytes = profiler.alive()
     output_bytes = profiler.alive(ids=out_keys)
     del out
+    # Non-reentrant checkpointing stops recomputing once every tensor autograd saved is back: the ops after the
+    # last producer of one (typically the block's last matmul and residual add) never run again -- keeping their
+    # outputs would cost memory and save nothing.
+    last_needed = max((profiler.producer[k] for k in saved if k in profiler.producer), default=len(profiler.raw) - 1)
     calls = []
-    for raw in profiler.raw:
+    for position, raw in enumerate(profiler.raw):
         extra = sum(n for k, n in raw["new"].items() if k not in out_keys)
-        cost = raw["flops"] or (raw["elements"] if raw["new"] else 0)
-        calls.append(OpCall(raw["name"], raw["index"], extra, float(cost), raw["flops"], raw["keepable"]))
+        recomputed = position <= last_needed
+        cost = (raw["flops"] or (raw["elements"] if raw["new"] else 0)) if recomputed else 0
+        calls.append(OpCall(raw["name"], raw["index"], extra, float(cost), raw["flops"] if recomputed else 0,
+                            raw["keepable"]))
     return BlockProfile(kind, calls, none_bytes, output_bytes)
 
 
@@ -198,7 +222,7 @@ def choose(profiles: dict[str, BlockProfile], counts: dict[str, int], outside_by
     used, keep = 0.0, {kind: set() for kind in profiles}
     for kind, call in candidates:
         extra = counts[kind] * call.bytes
-        if floor + used + extra <= target:
+        if floor + used + extra <= target + 1:  # whole bytes: a target computed as a fraction may round just below
             keep[kind].add((call.name, call.index))
             used += extra
     recompute = sum(counts[k] * c.flops for k, p in profiles.items() for c in p.calls if (c.name, c.index) not in keep[k])
