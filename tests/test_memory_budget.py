@@ -8,6 +8,7 @@ leaves alive), weights excluded, never taken from the planner's own prediction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -22,7 +23,7 @@ from fsdp_strategies.callbacks import ActivationCheckpointing
 from fsdp_strategies.flops import count_step_flops
 from fsdp_strategies.memory import BudgetNotMetError, BudgetPlanner
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing
-from workers.memory_fsdp import VARIANTS, batch, build, prepare, step
+from workers.memory_fsdp import VARIANTS, batch, build, loss_of, prepare, step
 
 MODELS = ["example_llama", "hf_llama", "hf_qwen2"]
 SLACK = 1.05  # the issue's tolerance on the target
@@ -106,6 +107,31 @@ def test_a_budget_below_the_floor_is_a_clear_error_naming_the_best_reachable() -
     step("example_llama", model, planner, batch(1, 0))
 
 
+@pytest.mark.parametrize("backward_in_autocast", [False, True])
+def test_budget_under_bf16_autocast_has_the_gradients_of_no_checkpointing(backward_in_autocast: bool) -> None:
+    """Lightning's bf16-mixed runs the forward under autocast, whose cast cache would make the k-th cast of a block
+    a different tensor in forward and recomputation (after the profiled extra forward; or when backward runs inside
+    the autocast region): budget keeps no cast, and the profile leaves no cached cast behind."""
+    grads = {}
+    for label in ("none", "budget_0.5"):
+        model, planner = prepare("example_llama", label)
+        for i in range(3):
+            region = torch.autocast("cpu", dtype=torch.bfloat16)
+            with region, planner.forward() if planner is not None else contextlib.nullcontext():
+                loss = loss_of("example_llama", model, batch(i, 0))
+                if backward_in_autocast:
+                    loss.backward()
+            if not backward_in_autocast:
+                loss.backward()
+            if i == 0:
+                grads[label] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            for p in model.parameters():
+                p.grad = None
+        assert planner is None or (planner.done and "aten._to_copy" not in str(planner.choice.kept_calls))
+    for n, g in grads["none"].items():
+        assert torch.equal(grads["budget_0.5"][n], g), n
+
+
 def test_blocks_that_were_never_profiled_are_a_clear_error() -> None:
     from fsdp_strategies.memory.budget import BudgetNotProfiledError
 
@@ -131,6 +157,8 @@ def test_offload_keeps_gradients_and_moves_the_uncheckpointed_blocks_saved_tenso
     stats = apply_activation_offload(model, min_bytes=0)
     assert stats.blocks == len(model.model.layers)
     step("hf_llama", model, None, batch(0, 0))
+    # one host copy per saved tensor, not one per op that saves it (q, k and v save the same input)
+    assert stats.bytes < ref["kept"][0]
     params = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
     assert stats.tensors > 0 and stats.bytes > 0
     # weights stay where they are: what moved is activations only (less than the blocks' weights would add)

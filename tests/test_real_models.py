@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _ids(cells: list[dict[str, Any]]) -> list[str]:
     return [f"{c['model']}-{c['strategy']}-{'+'.join(c['callbacks']) or 'none'}-{c['precision']}"
-            + ("-resume" if c["resume"] else "") for c in cells]
+            + ("-resume" if c["resume"] else "") + ("-eager_init" if c.get("eager_init") else "") for c in cells]
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,14 @@ PRECISIONS = ["32-true", "bf16-mixed"]
 
 
 def cell(model: str, strategy: str, callbacks: Iterable[str] = (), precision: str = "32-true",
-         resume: bool = False) -> dict[str, Any]:
-    return {"model": model, "strategy": strategy, "callbacks": list(callbacks), "precision": precision,
-            "resume": resume}
+         resume: bool = False, eager_init: bool = False) -> dict[str, Any]:
+    """One cell. ``eager_init``: a model that builds its layers in ``configure_model`` is built for real on every
+    rank (the strategy's ``meta_init=False``) from the same seed as the reference, so its losses are compared with
+    the reference's instead of only checked to be finite and falling."""
+    c = {"model": model, "strategy": strategy, "callbacks": list(callbacks), "precision": precision, "resume": resume}
+    if eager_init:
+        c["eager_init"] = True
+    return c
 
 
 def _reference(model: str, precision: str) -> dict[str, Any]:
@@ -69,9 +74,11 @@ def full_cells(world: int) -> list[dict[str, Any]]:
                 if strategy == "ddp_hooks" and spec.reference != "ddp":
                     continue  # a configure_model that calls fully_shard itself cannot run under DDP
                 cells += [cell(model, strategy, cbs, precision) for cbs in CALLBACK_SETS]
+                if spec.meta_init and strategy in ("fsdp2", "hsdp"):  # and once built like the reference
+                    cells.append(cell(model, strategy, (), precision, eager_init=True))
     if world == 2:
         cells += [_reference("hf_llama", "bf16-true"), cell("hf_llama", "fsdp2", (), "bf16-true"),
-                  cell("hf_llama", "fsdp2", (), resume=True)]
+                  cell("hf_llama", "fsdp2", (), resume=True), cell("hf_llama", "hsdp")]  # hsdp: 2 replicas x 1 shard
     return cells
 
 
@@ -82,10 +89,13 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
                 _reference("hf_llama", "bf16-mixed"), cell("hf_llama", "hsdp", ["sac_selective_op", "mfu"], "bf16-mixed"),
                 _reference("hf_t5", "32-true"), cell("hf_t5", "hsdp"),
                 _reference("hf_clip", "32-true"), cell("hf_clip", "hsdp"),
-                _reference("mps_style_llama", "32-true"), cell("mps_style_llama", "hsdp")]
+                _reference("mps_style_llama", "32-true"), cell("mps_style_llama", "hsdp"),
+                _reference("example_llama", "32-true"), cell("example_llama", "hsdp", eager_init=True)]
     cells = []
     for model in MODELS:
         cells += [_reference(model, "32-true"), cell(model, "fsdp2")]
+        if MODELS[model].meta_init:  # built on the meta device above; built like the reference here: same losses
+            cells.append(cell(model, "fsdp2", eager_init=True))
     cells += [cell("hf_llama", "fsdp2", [name]) for name in ("sac_full", "sac_selective_op", "sac_selective_layer")]
     cells += [_reference("hf_llama", "bf16-mixed"),
               cell("hf_llama", "fsdp2", ["sac_selective_op", "mfu", "straggler"], "bf16-mixed"),
@@ -94,7 +104,8 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
               _reference("hf_clip", "bf16-mixed"), cell("hf_clip", "fsdp2", (), "bf16-mixed"),
               cell("hf_gpt2", "fsdp2", ["mfu"]), cell("hf_bert", "fsdp2", ["mfu"]),
               _reference("hf_llama", "bf16-true"), cell("hf_llama", "fsdp2", (), "bf16-true"),
-              cell("hf_llama", "fsdp2", (), resume=True)]
+              cell("hf_llama", "fsdp2", (), resume=True),
+              cell("hf_llama", "hsdp")]  # hsdp as 2 replicas x 1 shard
     return cells
 
 
@@ -167,7 +178,7 @@ def check_cell(result: dict[str, Any], reference: dict[str, Any] | None) -> list
     problems = []
     if result["global_step"] != STEPS:
         problems.append(f"trained {result['global_step']} steps, not {STEPS}")
-    meta_init = MODELS[c["model"]].meta_init and c["strategy"] in ("fsdp2", "hsdp")
+    meta_init = MODELS[c["model"]].meta_init and c["strategy"] in ("fsdp2", "hsdp") and not c.get("eager_init")
     if reference is None and c != _reference(c["model"], c["precision"]) and not meta_init:
         problems.append(f"no result of its reference cell ({MODELS[c['model']].reference}, {c['precision']}) to "
                         "compare with: a cell without a reference proves nothing")
@@ -256,6 +267,8 @@ def table(results: list[dict[str, Any]]) -> str:
         mark = f"{'ok' if not problems else 'FAIL'} {c['precision'].replace('-true', '').replace('-mixed', 'm')}"
         if c.get("resume"):
             mark += " +resume"
+        if c.get("eager_init"):
+            mark += " +eager_init"
         rows.setdefault((c["model"], c["strategy"]), {}).setdefault(_label(c), []).append(mark)
     columns = ["none", *("+".join(s) for s in CALLBACK_SETS[1:])]
     lines = ["| model | strategy | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]

@@ -54,11 +54,12 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(loss.detach().float()))
 
 
-def _strategy(name: str, world: int) -> Any:
+def _strategy(name: str, world: int, eager_init: bool = False) -> Any:
     if name == "fsdp2":
-        return FSDP2Strategy(timeout=timedelta(seconds=120))
+        return FSDP2Strategy(timeout=timedelta(seconds=120), meta_init=not eager_init)
     if name == "hsdp":
-        return HSDPStrategy(replicate_degree=2, shard_degree=world // 2, timeout=timedelta(seconds=120))
+        return HSDPStrategy(replicate_degree=2, shard_degree=world // 2, timeout=timedelta(seconds=120),
+                            meta_init=not eager_init)
     if name == "ddp_hooks":
         return DDPHooksStrategy(timeout=timedelta(seconds=120))
     if name == "ddp":
@@ -95,7 +96,7 @@ def _fit(cell: dict[str, Any], world: int, *, max_steps: int, ckpt_dir: Path | N
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="ckpt-{step}", every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=_strategy(cell["strategy"], world), precision=cell["precision"],
+        accelerator="cpu", devices=world, strategy=_strategy(cell["strategy"], world, cell.get("eager_init", False)), precision=cell["precision"],
         max_steps=max_steps, callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=True,

@@ -62,6 +62,12 @@ from fsdp_strategies.parallel.ops import op_name
 __all__ = ["BlockProfile", "BudgetChoice", "BudgetNotMetError", "BudgetNotProfiledError", "BudgetPlanner", "OpCall", "choose", "profile_block"]
 
 
+#: Ops whose number of calls in a block can differ between its forward and its recomputation, so that "the k-th
+#: call" names different tensors in the two: autocast's casts (its cast cache may hold a weight's cast in one pass and
+#: not in the other, e.g. when backward runs inside the autocast region). Never kept; cheap to recompute anyway.
+_UNKEYABLE = frozenset({"aten._to_copy"})
+
+
 class BudgetNotMetError(RuntimeError):
     """The memory budget is below what recomputing every block keeps."""
 
@@ -216,7 +222,7 @@ def choose(profiles: dict[str, BlockProfile], counts: dict[str, int], outside_by
             "of the model (block_class_names)."
         )
     candidates = [(kind, call) for kind, p in profiles.items() for call in p.calls
-                  if call.keepable and call.cost > 0 and (call.bytes > 0 or call.flops > 0)]
+                  if call.keepable and call.cost > 0 and (call.bytes > 0 or call.flops > 0) and call.name not in _UNKEYABLE]
     candidates.sort(key=lambda kc: (-(kc[1].cost / kc[1].bytes if kc[1].bytes else math.inf), kc[0], kc[1].name,
                                     kc[1].index))
     used, keep = 0.0, {kind: set() for kind in profiles}
