@@ -27,12 +27,14 @@ test: install
 # The SLURM scripts on a real two-node SLURM cluster on this machine (tests/slurm/cluster.sh: installs the Debian
 # packages when missing -- needs root and apt-get, else the suite is skipped with that reason -- and starts
 # munged, slurmctld and two slurmd). The cluster is stopped whatever the tests' outcome.
+# SLURM_SELECT: a pytest -k expression for a cut (CI runs the sbatch submit and the scancel --signal=TERM requeue;
+# `make test-slurm` alone runs every test, the preemption by a higher-priority partition too).
 test-slurm: install
 	@tests/slurm/cluster.sh start; rc=$$?; \
 	if [ $$rc = 3 ]; then echo "test-slurm: SKIPPED -- SLURM cannot be installed on this machine (needs root and apt-get)"; exit 0; fi; \
 	[ $$rc = 0 ] || exit $$rc; \
 	SLURM_CONF=$${SLURM_TEST_DIR:-/var/tmp/fsdp_strategies-slurm}/slurm.conf $(PY) -m pytest tests/slurm -m slurm -q \
-		-p no:cacheprovider --durations=10; rc=$$?; \
+		-p no:cacheprovider --durations=10 $(if $(SLURM_SELECT),-k "$(SLURM_SELECT)"); rc=$$?; \
 	tests/slurm/cluster.sh stop; exit $$rc
 
 # Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
