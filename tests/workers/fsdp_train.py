@@ -143,7 +143,7 @@ class BreakWrite(pl.Callback):
         def write_data(writer, plan, planner):  # type: ignore[no-untyped-def]
             self.count += 1
             if self.count == self.nth and self.mode == "fail" and me == self.rank:
-                raise OSError(28, "No space left on device (injected)")
+                raise OSError(5, "Input/output error (injected)")  # a full disk: tests/test_disk_full.py
             result = real(writer, plan, planner)
             if self.count == self.nth and self.mode == "kill":
                 result.wait()
