@@ -56,7 +56,7 @@ def test_literal_on_a_strategy_through_the_script(tmp_path: Path) -> None:
     # Literal on a callback, in YAML and on the command line
     (lambda tmp: ["--config", _yaml(tmp, "sac_selective_op.yaml", "mode: selective_op", "mode: selectiv_op")],
      r"trainer\.callbacks \(fsdp_strategies\.callbacks\.ActivationCheckpointing\): mode='selectiv_op' is not a valid "
-     r"value; valid values: 'full', 'selective_op', 'selective_layer'\. Fix: did you mean mode: selective_op\?"),
+     r"value; valid values: 'full', 'selective_op', 'selective_layer', 'budget', 'none'\. Fix: did you mean mode: selective_op\?"),
     (lambda tmp: ["--config", _yaml(tmp, "straggler.yaml", "  action: hierarchical_sgd ", "  action: evict_all ")],
      r"\(fsdp_strategies\.callbacks\.StragglerDetector\): action='evict_all' is not a valid value; valid values: "
      r"'warn', 'hierarchical_sgd', 'semi_sync', 'evict', 'stop'\. Fix: did you mean action: evict\?"),
