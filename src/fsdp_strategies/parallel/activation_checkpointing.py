@@ -272,9 +272,11 @@ def mismatch_error(err: BaseException, mode: str) -> RecomputationMismatchError:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():  # traced: no profiling hook, no thread-local state for dynamo to guard on
+        return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
     budget = getattr(self, _MARK).budget
     if (budget is not None and budget.on_first_call is not None and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not _torch_seam.inside_autograd_backward()):
+            and not _torch_seam.inside_autograd_backward()):
         budget.on_first_call(self, getattr(self, _INNER), args, kwargs)
     _BLOCK.depth += 1
     try:
