@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies.memory.saved_bytes import plain_tensors, storage_id, storage_key
+from fsdp_strategies.memory.saved_bytes import plain_tensors, storage_key
 from fsdp_strategies.parallel.activation_checkpointing import is_checkpointed
 from fsdp_strategies.parallel.blocks import find_transformer_blocks
 
@@ -54,7 +55,8 @@ class _OnHost:
         self.device, self.host = device, host
 
 
-def _pack(params: set[int], stats: OffloadStats, copies: dict[tuple[Any, ...], _OnHost], tensor: torch.Tensor) -> Any:
+def _pack(params: set[int], stats: OffloadStats, copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]],
+          tensor: torch.Tensor) -> Any:
     if (type(tensor) is not torch.Tensor or tensor.is_sparse or tensor.device.type == "meta"
             or tensor.numel() * tensor.element_size() < stats.min_bytes or storage_key(tensor) in params):
         # left on the device (a detached alias: the values are all backward needs, and a graph dropped without a
@@ -62,17 +64,22 @@ def _pack(params: set[int], stats: OffloadStats, copies: dict[tuple[Any, ...], _
         return tensor.detach()
     # several ops save the same tensor (q, k and v projections all save their input): one host copy serves them
     # (unless it was modified in place in between: the version counter is part of the key)
-    key = (storage_id(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+    # The storage is named by its identity, and the weak reference kept with the copy stops that identity from
+    # being reused by a later tensor of this forward (without it, a freed storage's address went to a new tensor
+    # of the same shape, which then got the old tensor's host copy -- seen under bf16 autocast)
+    ref = StorageWeakRef(tensor.untyped_storage())
+    key = (int(ref.cdata), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
            _torch_seam.tensor_version(tensor))
     known = copies.get(key)
     if known is not None:
-        return known
+        return known[1]
     pinned = tensor.device.type == "cuda"
     host = torch.empty_like(tensor, device="cpu", pin_memory=pinned)
     host.copy_(tensor, non_blocking=pinned)
     stats.tensors += 1
     stats.bytes += tensor.numel() * tensor.element_size()
-    copies[key] = packed = _OnHost(tensor.device, host)
+    packed = _OnHost(tensor.device, host)
+    copies[key] = (ref, packed)
     return packed
 
 
@@ -85,7 +92,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     stats: OffloadStats = getattr(self, _MARK)
     params = {storage_key(t) for p in self.parameters() for t in plain_tensors(p)}  # unsharded now, under FSDP2
-    copies: dict[tuple[Any, ...], _OnHost] = {}  # this forward's host copies, by the tensor they copy
+    copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]] = {}  # this forward's host copies, by their tensor
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, params, stats, copies), _unpack):
         return getattr(self, _INNER)(*args, **kwargs)
 
