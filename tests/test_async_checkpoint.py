@@ -139,7 +139,7 @@ def test_sharded_writer_single_process(tmp_path: Path) -> None:
     path = tmp_path / "s.ckpt"
     state = {"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}}
     with pytest.warns(UserWarning, match="single process"):
-        checkpointer.save_sharded(state, {"epoch": 3}, path, is_rank_zero=True, barrier=lambda: None)
+        checkpointer.save_sharded(state, {"epoch": 3}, path, is_rank_zero=True)
         checkpointer.finish()
     assert verify_checkpoint(path).ok and (path / "meta.pt").is_file()
     assert export_main([str(path), str(tmp_path / "plain.pt")]) == 0

@@ -50,7 +50,7 @@ from fsdp_strategies.parallel.activation_checkpointing import (
     Mode,
     RecomputationMismatchError,
     apply_activation_checkpointing,
-    is_checkpointed,
+    checkpointed_blocks,
     is_mismatch,
     mismatch_error,
     validate_options,
@@ -167,7 +167,7 @@ class ActivationCheckpointing(Callback):
             save_ops=[n for n in self.save_ops if resolve_or_none(n) is not None],
             save_every_nth_matmul=self.save_every_nth_matmul, preserve_rng_state=self.preserve_rng_state,
         )
-        self.checkpointed = [m for m in module.modules() if is_checkpointed(m)]
+        self.checkpointed = checkpointed_blocks(module)
         if self.offload and self.offload_stats is None:
             self.offload_stats = apply_activation_offload(
                 module, block_class_names=self.block_class_names or None, min_bytes=self.offload_min_bytes)
@@ -289,7 +289,7 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.checkpointed = [m for m in pl_module.modules() if is_checkpointed(m)]
+        self.checkpointed = checkpointed_blocks(pl_module)
         if self.mode == "budget" and self.checkpointed:
             self._plan_budget(trainer, pl_module)
 
@@ -304,8 +304,7 @@ class ActivationCheckpointing(Callback):
             rank_zero_info(line)
             if self._planner is not None and self._planner.done and trainer.is_global_zero:
                 report = self._planner.report()
-                metrics = {f"ac/budget/{k}": float(v) for k, v in report.items()
-                           if isinstance(v, (int, float)) and v is not None}
+                metrics = {f"ac/budget/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -55,7 +55,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -223,8 +222,7 @@ class AsyncCheckpointer:
             )
         self.finish()
 
-    def save_sharded(self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool,
-                     barrier: Callable[[], None]) -> None:
+    def save_sharded(self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
         """Every rank: stage this rank's shards, start DCP's async save into ``<path>.tmp``, return."""
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 

@@ -57,6 +57,7 @@ from fsdp_strategies.checkpoint.disk_full import (
     free_bytes,
     let_go,
     path_bytes,
+    state_bytes,
 )
 from fsdp_strategies.checkpoint.integrity import embed_digest, hash_files, write_manifest
 
@@ -348,19 +349,17 @@ def run_agreed(path: Path, step: Callable[[], Any], *, needed: int, is_rank_zero
 
 
 def atomic_save_sharded(
-    tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool, barrier: Any = None,
-    needed: int = 0,
+    tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool
 ) -> None:
     """Write a DCP checkpoint folder (every rank its shard) plus Lightning's ``meta.pt`` and a checksum
     manifest, atomically. Each rank hashes a share of the shard files right after DCP wrote them.
 
     The ranks agree after each step (:func:`agree_on_save`), which also stands for the barriers: a failure
-    anywhere is raised on every rank, after rank 0 removed the partial temp. ``barrier`` is unused (kept for
-    callers of the earlier signature); ``needed``: the save's size in bytes, for a full-disk report.
+    anywhere is raised on every rank, after rank 0 removed the partial temp.
     """
     tmp = temp_path(path)
     rank, world = rank_and_world()
-    agreed = {"needed": needed, "is_rank_zero": is_rank_zero}
+    agreed = {"needed": state_bytes(tensors), "is_rank_zero": is_rank_zero}
     run_agreed(path, lambda: prepare_save(path) if is_rank_zero else None, **agreed)
     shares = run_agreed(path, lambda: hash_share(tmp, dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp)),
                                               rank, world), share=True, **agreed)
@@ -380,8 +379,7 @@ def atomic_save_full(checkpoint: dict[str, Any], path: Path) -> None:
     commit_save(path)
 
 
-def atomic_save_full_agreed(checkpoint: dict[str, Any] | None, path: Path, *, is_rank_zero: bool,
-                            needed: int = 0) -> None:
+def atomic_save_full_agreed(checkpoint: dict[str, Any] | None, path: Path, *, is_rank_zero: bool) -> None:
     """Every rank: rank 0 runs :func:`atomic_save_full`, then the ranks agree on its outcome (a failure, e.g. a
     full disk, is raised on every rank instead of leaving the others in a barrier)."""
     def write() -> None:
@@ -389,4 +387,5 @@ def atomic_save_full_agreed(checkpoint: dict[str, Any] | None, path: Path, *, is
             assert checkpoint is not None
             atomic_save_full(checkpoint, path)
 
+    needed = state_bytes(checkpoint) if is_rank_zero and checkpoint is not None else 0  # for a full-disk report
     run_agreed(path, write, needed=needed, is_rank_zero=is_rank_zero)

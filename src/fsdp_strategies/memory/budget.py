@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,9 +135,9 @@ class _Profiler(SavedBytes):
         self._flops = 0
         out = func(*args, **kwargs)
         outs = list(plain_tensors(out))
-        sizes = {storage_id(t): t.untyped_storage().nbytes() for t in outs}
         new = self.note(outs, input_tensors(args, kwargs)) if is_activation_op(func) else []
-        self.raw.append({"name": name, "index": index, "new": {k: sizes[k] for k in new}, "flops": self._flops,
+        sizes = {k: _torch_seam.live_storage(self.refs[k][0]).nbytes() for k in new}  # now: freed later, maybe
+        self.raw.append({"name": name, "index": index, "new": sizes, "flops": self._flops,
                          "elements": sum(t.numel() for t in outs), "keepable": True})
         for key in new:
             self.producer[key] = len(self.raw) - 1
@@ -262,9 +263,7 @@ class BudgetPlanner:
                              "apply_activation_checkpointing(model, 'budget') first.")
         self.decision = decision
         self.memory_budget = memory_budget
-        self.counts: dict[str, int] = {}
-        for block in checkpointed_blocks(model):
-            self.counts[block_kind(block)] = self.counts.get(block_kind(block), 0) + 1
+        self.counts = Counter(block_kind(block) for block in checkpointed_blocks(model))
         self.agree, self.log = agree, log
         self.phase = "profile"
         self.profiles: dict[str, BlockProfile] = {}
@@ -293,15 +292,12 @@ class BudgetPlanner:
         tracker = SavedBytes(tag=lambda: "block" if inside_checkpointed_block() else "outside")
         if self.phase == "profile":
             self.decision.on_first_call = self._profile
-        ok = False
         try:
             with tracker:
                 yield
-            ok = True
         finally:
             self.decision.on_first_call = None
-            if ok:
-                self._finish(tracker)
+        self._finish(tracker)
 
     def _finish(self, tracker: SavedBytes) -> None:
         if self.phase == "profile":

@@ -31,7 +31,6 @@ from fsdp_strategies.checkpoint.atomic import (
     atomic_save_sharded,
     resolve_checkpoint_path,
 )
-from fsdp_strategies.checkpoint.disk_full import state_bytes
 from fsdp_strategies.checkpoint.load_into_fsdp import (
     PARAM_NAMES_KEY,
     load_into_sharded_model,
@@ -479,11 +478,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
             if background:
-                self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero,
-                                                     barrier=self.barrier)
+                self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
             else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
-                atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero,
-                                    needed=state_bytes(tensors))
+                atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
         else:
             if self.is_global_zero:
                 assert self.model is not None
@@ -493,8 +490,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
                 self.barrier()
             else:  # rank 0 writes; every rank learns its outcome (no rank left in a barrier if it fails)
-                atomic_save_full_agreed(checkpoint, path, is_rank_zero=self.is_global_zero,
-                                        needed=state_bytes(checkpoint) if self.is_global_zero else 0)
+                atomic_save_full_agreed(checkpoint, path, is_rank_zero=self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
