@@ -25,6 +25,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_strategies.ft.timeouts import LighthouseTimeouts, check_lighthouse_timeouts
+
 __all__ = ["RUNNERS", "LaunchOptionError", "LaunchOptions", "build_parser", "core_sets", "parse_args",
            "parse_kill_at"]
 
@@ -60,7 +62,8 @@ class LaunchOptions:
         "lighthouse: how long a quorum waits for more groups to join once --min-replicas are there"))
     quorum_tick_ms: int = field(default=100, metadata=_help("lighthouse: how often it checks whether a quorum can form"))
     heartbeat_timeout_ms: int = field(default=2000, metadata=_help(
-        "a dead group counts as alive this long: the survivors' stall per fault"))
+        "a dead group counts as alive this long: the survivors' stall per fault (>= 200: groups heartbeat every "
+        "100 ms; each group's quorum_timeout_s must cover it + --join-timeout-ms + --quorum-tick-ms)"))
     kill_every: float | None = field(default=None, metadata=_help(
         "SIGKILL a random live group (one that has committed a step since its start; never the last) every SECONDS",
         metavar="SECONDS"))
@@ -117,6 +120,9 @@ class LaunchOptions:
                                     "port) or a port in 1..65535.")
         for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
             _at_least(self, name, 1, "a duration in milliseconds must be positive")
+        problem = check_lighthouse_timeouts(self.lighthouse_timeouts())
+        if problem:
+            raise LaunchOptionError(problem)
         for name in ("kill_every", "timeout"):
             if getattr(self, name) is not None:
                 _positive(self, name)
@@ -137,6 +143,11 @@ class LaunchOptions:
                                     "options (e.g. -- examples/train_llama.py fit ...)")
         parse_kill_at(self.kill_at_steps, self.groups)
         core_sets(self.pin_cores, self.groups)
+
+    def lighthouse_timeouts(self) -> LighthouseTimeouts:
+        """The lighthouse's three timeouts; ``.to_env()`` is what the groups' strategy checks its own against
+        (:mod:`fsdp_strategies.ft.timeouts`)."""
+        return LighthouseTimeouts(self.heartbeat_timeout_ms, self.join_timeout_ms, self.quorum_tick_ms)
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

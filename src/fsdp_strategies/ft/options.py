@@ -5,8 +5,10 @@
 * :func:`resolve_placement` -- fills what was not given from the environment the launcher sets
   (:class:`fsdp_strategies.ft.protocol.FTEnvironment`: lighthouse address, replica group id, number of
   groups, events file with ``{replica_group_id}`` substituted) and checks that the result names a group;
-* :func:`check_ft_options` -- the remaining values (quorum size, transport, timeouts, the data policy and
-  the sync modes of :mod:`~fsdp_strategies.ft.outer_sync` / :mod:`~fsdp_strategies.ft.straggler_switch`);
+* :func:`check_ft_options` -- the remaining values (quorum size, transport, the data policy and the sync modes
+  of :mod:`~fsdp_strategies.ft.outer_sync` / :mod:`~fsdp_strategies.ft.straggler_switch`) and the timeouts:
+  those not given are derived and the set is checked as a whole (:func:`resolve_timeouts`, the rule and the
+  checks in :mod:`~fsdp_strategies.ft.timeouts`);
 * :func:`check_group_size` -- ``shard_degree`` against the job's ranks (once Lightning knows them).
 
 Every error names the option, its value and a "Fix:". The lighthouse itself is contacted later, in
@@ -23,9 +25,10 @@ from fsdp_strategies.ft.manager import HOW_TO_START, lighthouse_host_port
 from fsdp_strategies.ft.outer_sync import validate_sync_options
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV, NUM_GROUPS_ENV, REPLICA_GROUP_ENV, FTEnvironment
 from fsdp_strategies.ft.straggler_switch import validate_straggler_sync
+from fsdp_strategies.ft.timeouts import LighthouseTimeouts, Timeouts, check_timeouts, derive_timeouts
 
 __all__ = ["DataOnFailure", "GroupPlacement", "Transport", "check_ft_options", "check_group_size",
-           "resolve_placement"]
+           "resolve_placement", "resolve_timeouts"]
 
 #: how a healing group fetches the live state
 Transport = Literal["pg", "http"]
@@ -80,22 +83,40 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
     return GroupPlacement(lighthouse_addr, int(replica_group_id), int(num_replica_groups), events_file or None)
 
 
-def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoint_transport: str, timeout_s: float,
-                     quorum_timeout_s: float, connect_timeout_s: float, data_on_failure: str, sync: str,
-                     sync_every: int, outer_lr: float, outer_momentum: float, num_fragments: int,
-                     straggler_sync: str) -> None:
-    """Raise ``ValueError`` naming the option, its value and the fix."""
+def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoint_transport: str,
+                     timeout_s: float | None, quorum_timeout_s: float | None, connect_timeout_s: float | None,
+                     data_on_failure: str, sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
+                     num_fragments: int, straggler_sync: str) -> Timeouts:
+    """Raise ``ValueError`` naming the option, its value and the fix; return the timeouts to use."""
     check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
               fix=f"1 <= min_replica_size <= num_replica_groups ({num_replica_groups}).")
     check_choice("checkpoint_transport", checkpoint_transport, Transport)
-    for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
-                        ("connect_timeout_s", connect_timeout_s)):
-        check_number(name, value, fix="a positive number of seconds.")
     check_choice("data_on_failure", data_on_failure, DataOnFailure, prefix="ft_hsdp: ")
     validate_straggler_sync(straggler_sync, sync, sync_every, outer_lr, outer_momentum, num_fragments,
                             data_on_failure)
     if straggler_sync == "off":
         validate_sync_options(sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure)
+    rounds = sync != "every_step" or straggler_sync != "off"
+    return resolve_timeouts(num_replica_groups, sync_every if rounds else 1, timeout_s, quorum_timeout_s,
+                            connect_timeout_s)
+
+
+def resolve_timeouts(num_replica_groups: int, sync_every: int, timeout_s: float | None,
+                     quorum_timeout_s: float | None, connect_timeout_s: float | None) -> Timeouts:
+    """The given timeouts, the others derived by :func:`~fsdp_strategies.ft.timeouts.derive_timeouts` (with the
+    lighthouse's values when the launcher passed them), checked together; an explicit set is returned as given."""
+    for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
+                        ("connect_timeout_s", connect_timeout_s)):
+        check_number(name, value, optional=True, prefix="ft_hsdp: ",
+                     fix="a positive number of seconds, or leave it unset to derive it (see fsdp_strategies.ft.timeouts).")
+    lighthouse = LighthouseTimeouts.from_env()
+    derived = derive_timeouts(num_replica_groups, sync_every=sync_every, lighthouse=lighthouse)
+    timeout = derived.timeout_s if timeout_s is None else timeout_s
+    quorum = max(derived.quorum_timeout_s, timeout) if quorum_timeout_s is None else quorum_timeout_s
+    connect = min(derived.connect_timeout_s, quorum) if connect_timeout_s is None else connect_timeout_s
+    timeouts = Timeouts(timeout, quorum, connect)
+    check_timeouts(timeouts, lighthouse)
+    return timeouts
 
 
 def check_group_size(shard_degree: int | str, num_nodes: int, devices: int) -> None:

@@ -97,9 +97,9 @@ class FTHSDPStrategy(HSDPStrategy):
             is checked against that.
         checkpoint_transport: how a healing group fetches the live state: ``"pg"`` (send/recv over
             the cross-group process group) or ``"http"`` (torchft's HTTP server).
-        timeout_s: collectives, ``should_commit`` and checkpoint transfer.
-        quorum_timeout_s: longest wait for a quorum.
-        connect_timeout_s: connecting to the lighthouse and to peers' managers.
+        timeout_s: cross-group collectives, ``should_commit`` and the heal transfer; ``None``: 60 s.
+        quorum_timeout_s: longest wait for a quorum; ``None``: derived from N, the lighthouse's timeouts and a round.
+        connect_timeout_s: connecting to the lighthouse and peers' managers; ``None``: min(10 s, quorum timeout).
         init_sync: at step 0 every group copies the weights of one group. With torchft 0.2.0 the copying
             groups contribute zero gradients to that first step while the average still divides by every
             group, so set ``False`` when all groups are seeded identically (``seed_everything``): no
@@ -144,9 +144,9 @@ class FTHSDPStrategy(HSDPStrategy):
         min_replica_size: int = 1,
         shard_degree: int | str = "auto",
         checkpoint_transport: Transport = "pg",
-        timeout_s: float = 60.0,
-        quorum_timeout_s: float = 60.0,
-        connect_timeout_s: float = 10.0,
+        timeout_s: float | None = None,
+        quorum_timeout_s: float | None = None,
+        connect_timeout_s: float | None = None,
         init_sync: bool = True,
         max_retries: int | None = None,
         hostname: str | None = None,
@@ -162,7 +162,7 @@ class FTHSDPStrategy(HSDPStrategy):
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
-        check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
+        limits = check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
                          checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
                          connect_timeout_s=connect_timeout_s, data_on_failure=data_on_failure, sync=sync,
                          sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
@@ -175,7 +175,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self.replica_group_id = where.replica_group_id
         self.num_replica_groups = where.num_replica_groups
         self.min_replica_size, self.checkpoint_transport = min_replica_size, checkpoint_transport
-        self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = timeout_s, quorum_timeout_s, connect_timeout_s
+        self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = limits.timeout_s, limits.quorum_timeout_s, limits.connect_timeout_s
         self.init_sync, self.max_retries, self.hostname = init_sync, max_retries, hostname
         self.events_file = where.events_file
         self._events = EventLog(self.events_file) if self.events_file else None
