@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
-from cells import check_cell, check_ft_cell, ci_cells, reference_for, run_cells, run_ft_cell
+from cells import check_cell, check_ft_cell, ci_cells, reference_for, replay_problems, run_cells, run_ft_cell
+from ft_replay import committed_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,8 +61,13 @@ def test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp(results
 
 
 def test_ft_hsdp_hf_llama_kill_and_heal(tmp_path: Path) -> None:
+    """Two groups, one SIGKILLed and healed; the committed steps must equal a plain-torch replay of them (the
+    mean gradient of the groups that took part in each step, ft_replay.py), which a wrong learning rate misses."""
     result = run_ft_cell("hf_llama", tmp_path)
     assert check_ft_cell(result) == []
+    alone = [k for k, (groups, _) in committed_steps(Path(result["out"])).items() if len(groups) == 1]
+    assert alone, "no step was trained by one group alone: the replay did not see a fault"
+    assert replay_problems(result, lr_scale=1.1), "the replay cannot tell a 10% different learning rate"
 
 
 def test_a_cell_whose_reference_is_missing_fails() -> None:

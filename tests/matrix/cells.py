@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from ft_replay import replay  # noqa: E402
 from models import MODELS  # noqa: E402
 from worker import STEPS  # noqa: E402
 
@@ -152,7 +153,7 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
         if (events / "launcher.jsonl").exists() else []
     groups = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("group*_rank*.json"))} if out.exists() else {}
     return {"cell": cell(model, "ft_hsdp", callbacks, precision), "returncode": proc.returncode, "steps": steps,
-            "launcher": launcher, "groups": groups, "stderr_tail": proc.stderr[-3000:]}
+            "out": str(out), "launcher": launcher, "groups": groups, "stderr_tail": proc.stderr[-3000:]}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -244,6 +245,25 @@ def check_ft_cell(result: dict[str, Any]) -> list[str]:
             problems.append("a block is not an FSDP unit")
         if not g["losses"] or any(x != x for x in g["losses"]):
             problems.append("no or NaN losses")
+    if result["cell"]["precision"] == "32-true" and not result["cell"]["callbacks"]:
+        problems += replay_problems(result)
+    return problems
+
+
+def replay_problems(result: dict[str, Any], lr_scale: float = 1.0) -> list[str]:
+    """The cell against its independent reference: its committed steps replayed in plain torch (ft_replay.py)."""
+    try:
+        rep = replay(result["cell"]["model"], Path(result["out"]), lr_scale)
+    except (AssertionError, FileNotFoundError) as e:
+        return [f"replay: {e}"]
+    tol = TOLERANCE["32-true"]
+    problems = []
+    if rep["steps"] != result["steps"] or rep["finals"] != 2 or rep["losses_compared"] < rep["steps"]:
+        problems.append(f"replay: {rep['steps']} committed steps (want {result['steps']}), {rep['finals']} final "
+                        f"weights, {rep['losses_compared']} losses compared")
+    if rep["loss_deviation"] > tol or rep["weight_deviation"] > tol:
+        problems.append(f"replay: losses differ by {rep['loss_deviation']:.2e}, weights by "
+                        f"{rep['weight_deviation']:.2e} (tolerance {tol:.0e})")
     return problems
 
 

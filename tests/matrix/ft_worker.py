@@ -8,6 +8,12 @@ peer's restart overlaps training (it then heals live instead of finding nobody).
 rank writes ``group<G>_rank<R>.json``: its global and committed step, heals, every committed loss,
 the sharded fraction of the expected blocks, and a digest of the full parameters, which must be
 equal across groups.
+
+For the independent reference (``ft_replay.py``), every incarnation of a group also writes, as it goes (a
+SIGKILLed group keeps what it wrote): the batch it trains at each step (``batch_g<G>_s<P>.pt``, P = the
+committed step when the step began), and after the step a line of ``steps_g<G>.jsonl`` (position, committed
+step after it, committed?, participating?, participants, loss); group 0 saves its initial weights and its
+final weights (``init.pt``, ``final_g<G>.pt``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,41 @@ class PaceWhenAlone(pl.Callback):
             time.sleep(self.seconds)
 
 
+def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in module.state_dict().items()}
+
+
+class StepRecorder(pl.Callback):
+    """What each step trained and how it ended, written as it goes (see the module docstring)."""
+
+    def __init__(self, out: Path, group: int) -> None:
+        self.out, self.group, self.position = out, group, -1
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        if self.group == 0 and trainer.strategy.manager.current_step() == 0:
+            torch.save(_full_state(pl_module), self.out / "init.pt")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.position = int(trainer.strategy.manager.current_step())  # the batch is already the committed step's
+        torch.save(batch, self.out / f"batch_g{self.group}_s{self.position}.pt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        manager = trainer.strategy.manager
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        line = {"group": self.group, "pid": os.getpid(), "position": self.position,
+                "step_after": int(manager.current_step()), "committed": trainer.strategy.last_step_committed,
+                "participating": bool(manager.is_participating()), "participants": int(manager.num_participants()),
+                "loss": float(loss.detach().float())}
+        with open(self.out / f"steps_g{self.group}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        torch.save(_full_state(pl_module), self.out / f"final_g{self.group}.pt")
+
+
 def _digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(module.state_dict().items()):
@@ -77,10 +118,11 @@ def main() -> None:
     strategy = FTHSDPStrategy(timeout_s=20, connect_timeout_s=10)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    steps = StepRecorder(out, int(os.environ.get("REPLICA_GROUP_ID", "0")))
     provide_demo_text(out)  # also makes the output folder the working folder
     trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, precision=args.precision,
                          default_root_dir=out,  # where callbacks write their files (e.g. the straggler report)
-                         max_steps=args.steps, callbacks=[recorder, pace, *extra.values()], logger=False,
+                         max_steps=args.steps, callbacks=[recorder, pace, steps, *extra.values()], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     dataset = spec.dataset()
