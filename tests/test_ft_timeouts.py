@@ -41,17 +41,17 @@ def strategy(groups: int = 2, **kwargs: object) -> FTHSDPStrategy:
 def test_the_rule_by_hand_for_a_few_group_counts() -> None:
     assert lighthouse_wait_s(LAUNCHER) == pytest.approx(3.1)
     assert lighthouse_wait_s(TORCHFT_LIGHTHOUSE_DEFAULTS) == pytest.approx(65.1)
-    assert quorum_p99_s(2) == pytest.approx(0.102)
-    assert quorum_p99_s(1024) == pytest.approx(1.124)
-    # the launcher's lighthouse, every step of 10 s: 2 x (3.1 + 0.102 + 10) = 26.4 s < the 60 s floor
+    assert quorum_p99_s(2) == pytest.approx(0.108)
+    assert quorum_p99_s(1024) == pytest.approx(4.196)
+    # the launcher's lighthouse, every step of 10 s: 2 x (3.1 + 0.108 + 10) = 26.4 s < the 60 s floor
     assert derive_timeouts(2, lighthouse=LAUNCHER) == Timeouts(60.0, 60.0, 10.0)
-    # 16,384 groups: 2 x (3.1 + 16.484 + 10) = 59.168 -> still the floor; 32,768: 2 x (3.1 + 32.868 + 10) = 91.936
-    assert derive_timeouts(16384, lighthouse=LAUNCHER).quorum_timeout_s == 60.0
-    assert derive_timeouts(32768, lighthouse=LAUNCHER).quorum_timeout_s == pytest.approx(91.936)
-    # rounds of 8 steps of 10 s at 1,024 groups: 2 x (3.1 + 1.124 + 80) = 168.448
-    assert derive_timeouts(1024, sync_every=8, lighthouse=LAUNCHER).quorum_timeout_s == pytest.approx(168.448)
-    # an unknown lighthouse is assumed to be torchft_lighthouse's defaults: 2 x (65.1 + 0.102 + 10) = 150.404
-    assert derive_timeouts(2).quorum_timeout_s == pytest.approx(150.404)
+    # 4,096 groups: 2 x (3.1 + 16.484 + 10) = 59.168 -> still the floor; 8,192: 2 x (3.1 + 32.868 + 10) = 91.936
+    assert derive_timeouts(4096, lighthouse=LAUNCHER).quorum_timeout_s == 60.0
+    assert derive_timeouts(8192, lighthouse=LAUNCHER).quorum_timeout_s == pytest.approx(91.936)
+    # rounds of 8 steps of 10 s at 1,024 groups: 2 x (3.1 + 4.196 + 80) = 174.592
+    assert derive_timeouts(1024, sync_every=8, lighthouse=LAUNCHER).quorum_timeout_s == pytest.approx(174.592)
+    # an unknown lighthouse is assumed to be torchft_lighthouse's defaults: 2 x (65.1 + 0.108 + 10) = 150.416
+    assert derive_timeouts(2).quorum_timeout_s == pytest.approx(150.416)
     # a 40 GB state per rank at 1 Gbit/s: 2 x 40e9 / 125e6 + 10 = 650 s collective/heal timeout, and the quorum
     # timeout follows it (it is longer than the lighthouse's wait)
     assert heal_timeout_s(40e9) == pytest.approx(650.0)
@@ -74,12 +74,12 @@ def test_derived_defaults_pass_their_own_checks(groups: int, sync_every: int, li
 # ------------------------------------------------------------------------------------------------ the strategy
 def test_strategy_defaults_come_from_the_rule_and_the_launchers_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     s = strategy()
-    assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (60.0, pytest.approx(150.404), 10.0)
+    assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (60.0, pytest.approx(150.416), 10.0)
     monkeypatch.setenv(LIGHTHOUSE_TIMEOUTS_ENV, "2000,1000,100")  # what the launcher passes with its defaults
     s = strategy()
     assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (60.0, 60.0, 10.0)
-    s = strategy(groups=4, sync="diloco", sync_every=8)  # 2 x (3.1 + 0.104 + 80)
-    assert s.quorum_timeout_s == pytest.approx(166.408)
+    s = strategy(groups=4, sync="diloco", sync_every=8)  # 2 x (3.1 + 0.116 + 80)
+    assert s.quorum_timeout_s == pytest.approx(166.432)
     # an explicit collective/heal timeout lifts the derived quorum timeout with it
     s = strategy(timeout_s=300)
     assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (300, 300, 10.0)
@@ -89,9 +89,9 @@ def test_an_explicit_consistent_set_is_kept_exactly(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(LIGHTHOUSE_TIMEOUTS_ENV, "2000,30000,100")
     s = strategy(timeout_s=30, quorum_timeout_s=60, connect_timeout_s=10)  # configs/ft_hsdp*.yaml's values
     assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (30, 60, 10)
-    # the tests' workers leave the quorum timeout out: derived, 2 x (2 + 30 + 0.1 + 0.102 + 10)
+    # the tests' workers leave the quorum timeout out: derived, 2 x (2 + 30 + 0.1 + 0.108 + 10)
     s = strategy(timeout_s=10, connect_timeout_s=5)
-    assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (10, pytest.approx(84.404), 5)
+    assert (s.timeout_s, s.quorum_timeout_s, s.connect_timeout_s) == (10, pytest.approx(84.416), 5)
 
 
 # ------------------------------------------------------------------------------------------------ clear errors
