@@ -1,6 +1,6 @@
 """Separate "hosts" on one machine: Linux network namespaces with their own addresses on a bridge.
 
-A :class:`Hosts` (a context manager) builds 2-4 hosts ``fsdpns0``.. ``fsdpns3``: each is a network namespace with its
+A :class:`Hosts` (a context manager) builds up to 8 hosts ``fsdpns0``, ``fsdpns1``, ...: each is a network namespace with its
 loopback up and one interface ``eth0`` (a veth pair whose other end, ``fsdpnsv<i>``, is a port of the bridge
 ``fsdpnsbr`` in the root namespace) holding ``10.77.0.<i+1>/24``. Traffic between two hosts crosses both hosts'
 veth pairs and the bridge; traffic inside one host (its ranks talking to its own address) stays on that
@@ -49,7 +49,7 @@ PREFIX = "fsdpns"
 BRIDGE = f"{PREFIX}br"
 SUBNET = "10.77.0"
 IFNAME = "eth0"
-MAX_HOSTS = 4
+MAX_HOSTS = 8
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "fsdp_strategies_netns.lock"
 
 

@@ -124,9 +124,10 @@ def test_hsdp_across_two_hosts_shards_within_and_replicates_across(tmp_path: Pat
         assert [s["params"] for s in rec["steps"]] == [s["params"] for s in records[peer]["steps"]], (rank, peer)
     # the replicate all-reduces crossed the links: each step every rank all-reduces its shard (half the model's
     # gradients) with its peer on the other host -- a 2-rank all-reduce sends about its whole input -- so each
-    # host's 2 ranks sent at least the model's fp32 bytes per step over its link
+    # host's 2 ranks sent about the model's fp32 bytes per step over its link (10% margin; without the crossing it
+    # would be kilobytes of rendezvous)
     assert records[0]["param"]["placements"] == ["R", "S(0)"]
-    min_bytes = steps * _model_bytes()
+    min_bytes = int(0.9 * steps * _model_bytes())
     assert all(s >= min_bytes for s in sent), (sent, min_bytes)
 
 

@@ -72,8 +72,8 @@ def _losses(log_dir: Path) -> list[float]:
     return rows
 
 
-def _group_cmd(host: netns.Host, group: int, name: str, steps: int, work: Path) -> list[str]:
-    script = ["fit", "--config", str(ROOT / "configs" / CONFIGS[name]), "--trainer.devices=1",
+def _group_cmd(host: netns.Host, group: int, config: str, steps: int, work: Path) -> list[str]:
+    script = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.devices=1",
               f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
               "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
               "--trainer.log_every_n_steps=1", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
@@ -85,43 +85,47 @@ def _group_cmd(host: netns.Host, group: int, name: str, steps: int, work: Path) 
             f"--rdzv-id=slow-link-{group}", "--max-restarts=0", str(ROOT / "examples" / "train_llama.py"), *script]
 
 
-def _run_one(hosts: netns.Hosts, work: Path, name: str, steps: int, rate_mbit: float, timeout: float) -> dict[str, Any]:
+def run_job(hosts: netns.Hosts, work: Path, config: str, steps: int, rate_mbit: float | None, timeout: float,
+            groups: int = GROUPS, name: str = "") -> dict[str, Any]:
+    """One ft_hsdp job: the lighthouse on host 0, group g (1 rank, ``configs/CONFIG``) on host g+1, the last
+    group's host link shaped to ``rate_mbit`` (None: not shaped). Returns the run's measurements (see above);
+    ``straggler_switch`` runs its 4-group jobs through here too."""
     import processes
 
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    shaped = name != "every_step_fast"
-    if shaped:
-        hosts.shape(hosts[2], rate_mbit)
+    shaped = rate_mbit is not None
+    if rate_mbit is not None:
+        hosts.shape(hosts[groups], rate_mbit)
     else:
-        hosts.unshape(hosts[2])
+        hosts.unshape(hosts[groups])
     env_base = common.worker_env({"OMP_NUM_THREADS": "1"})
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         env_base.pop(key, None)
     jobs: dict[str, processes.Job] = {}
     logs = {}
     try:
-        lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), f"--min_replicas={GROUPS}",
+        lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), f"--min_replicas={groups}",
                       f"--bind=[::]:{LIGHTHOUSE_PORT}", "--heartbeat_timeout_ms=5000"]
         logs["lighthouse"] = (work / "lighthouse.log").open("wb")
         jobs["lighthouse"] = hosts.start(hosts[0], lighthouse, env=env_base, stdout=logs["lighthouse"],
                                          stderr=subprocess.STDOUT)
-        sent_before = {g: hosts.tx_bytes(hosts[g + 1]) for g in range(GROUPS)}
+        sent_before = {g: hosts.tx_bytes(hosts[g + 1]) for g in range(groups)}
         t0 = time.monotonic()
-        for g in range(GROUPS):
+        for g in range(groups):
             host = hosts[g + 1]
             env = {**env_base, **host.env(), "TORCHFT_LIGHTHOUSE": f"http://{hosts[0].ip}:{LIGHTHOUSE_PORT}",
-                   "REPLICA_GROUP_ID": str(g), "NUM_REPLICA_GROUPS": str(GROUPS),
+                   "REPLICA_GROUP_ID": str(g), "NUM_REPLICA_GROUPS": str(groups),
                    "FSDP_STRATEGIES_FT_EVENTS": str(work / f"group{g}.jsonl")}
             logs[f"group{g}"] = (work / f"group{g}.log").open("wb")
-            jobs[f"group{g}"] = hosts.start(host, _group_cmd(host, g, name, steps, work), env=env, cwd=str(ROOT),
+            jobs[f"group{g}"] = hosts.start(host, _group_cmd(host, g, config, steps, work), env=env, cwd=str(ROOT),
                                             stdout=logs[f"group{g}"], stderr=subprocess.STDOUT)
         codes = {}
-        for g in range(GROUPS):
+        for g in range(groups):
             codes[g] = jobs[f"group{g}"].wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
         wall = time.monotonic() - t0
-        sent = {g: hosts.tx_bytes(hosts[g + 1]) - sent_before[g] for g in range(GROUPS)}
+        sent = {g: hosts.tx_bytes(hosts[g + 1]) - sent_before[g] for g in range(groups)}
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{name}: groups still running after {timeout} s (logs in {work})") from None
     finally:
@@ -130,19 +134,18 @@ def _run_one(hosts: netns.Hosts, work: Path, name: str, steps: int, rate_mbit: f
         for fh in logs.values():
             fh.close()
     if any(codes.values()):
-        tail = (work / "group0.log").read_text(errors="replace")[-3000:] + (work / "group1.log").read_text(
-            errors="replace")[-3000:]
+        tail = "".join((work / f"group{g}.log").read_text(errors="replace")[-3000:] for g in codes if codes[g])
         raise RuntimeError(f"{name}: groups exited {codes} (logs in {work})\n{tail}")
-    timelines = {g: _events(work / f"group{g}.jsonl") for g in range(GROUPS)}
+    timelines = {g: _events(work / f"group{g}.jsonl") for g in range(groups)}
     points = [(r["t"], r["step"]) for tl in timelines.values() for r in tl if r.get("committed") and "step" in r]
     t_first, t_last = min(t for t, _ in points), max(t for t, _ in points)
     s_first, s_last = min(s for _, s in points), max(s for _, s in points)
     committed = s_last - s_first
-    losses = {g: _losses(work / f"logs{g}") for g in range(GROUPS)}
+    losses = {g: _losses(work / f"logs{g}") for g in range(groups)}
     switches = [{"to": r["switch"], "step": r["switch_step"], "cost": r["cost"]} for r in timelines[0] if "switch" in r]
-    return {"samples_per_s": committed * BATCH * GROUPS / (t_last - t_first), "committed_steps": committed,
+    return {"samples_per_s": committed * BATCH * groups / (t_last - t_first), "committed_steps": committed,
             "seconds": t_last - t_first, "wall_s": wall, "final_step": s_last,
-            "bytes_sent_per_step": {g: sent[g] / max(1, s_last) for g in range(GROUPS)},
+            "bytes_sent_per_step": {g: sent[g] / max(1, s_last) for g in range(groups)},
             "bytes_sent": sent, "loss_last8": {g: statistics.fmean(v[-8:]) if v else None for g, v in losses.items()},
             "losses_group0": losses[0], "switches": switches, "shaped": shaped}
 
@@ -161,8 +164,9 @@ def run(quick: bool, out_dir: Path, steps: int | None = None, reps: int | None =
     work = Path(out_dir) / f"{SUITE}-work"
     bar = common.progress(len(names) * reps, SUITE)
     with netns.Hosts(3) as hosts:
-        rounds = common.interleave(names, reps, lambda name, rep: _run_one(hosts, work / f"{name}-{rep}", name, steps,
-                                                                            rate_mbit, 600.0), bar)
+        rounds = common.interleave(names, reps, lambda name, rep: run_job(
+            hosts, work / f"{name}-{rep}", CONFIGS[name], steps, None if name == "every_step_fast" else rate_mbit, 600.0,
+            name=name), bar)
     bar.close()
     figures: dict[str, Any] = {}
     for name in names:
