@@ -474,6 +474,7 @@ def _summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"N={n}: lighthouse RSS max [MiB]", (lh["rss_bytes_max"] or 0) / 2**20)
         add(f"N={n}: simulated groups' CPU [cores], host load (1 min)",
             f"{s['pools_cpu_s_per_s']:.2f}, {s['host_load_1min']:.1f}")
+        add(f"N={n}: events files: bytes per group-step", s["events"]["bytes_per_group_step"])
         la = s.get("launcher") or {}
         if "pass_s" in la:
             add(f"N={n}: launcher pass p50 / p99 [ms], CPU [cores]",
