@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-slurm test-lightning-range lint bench matrix docs clean
+.PHONY: install train test test-full test-slurm test-lightning-range lint bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,19 @@ install: $(VENV)/.installed
 train: install
 	$(PY) examples/train_llama.py fit --config $(CONFIG)
 
+# JUNIT_DIR: also write pytest's junit XML there (.ci/run does, to check that every test the docs call tested passed).
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
+
 # tests/docs checks the built site in Chromium: `make docs` runs it, right after the build.
+# The `full` tests (longer fault runs) are a stage of their own: `make test-full`; `soak` ones need FSDP_STRATEGIES_FULL=1.
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
-	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm
+	$(PY) -m pytest tests -m "not full" -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm \
+		$(call junit,test)
+
+test-full: install
+	$(PY) -m pytest tests -m full -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm \
+		$(call junit,test-full)
 
 # The SLURM scripts on a real two-node SLURM cluster on this machine (tests/slurm/cluster.sh: installs the Debian
 # packages when missing -- needs root and apt-get, else the suite is skipped with that reason -- and starts
@@ -40,19 +49,22 @@ test-slurm: install
 # Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
 # supported release and against the newest that pip resolves within the pin. Each is installed without
 # dependencies into its own folder, put first on PYTHONPATH (the venv's other packages serve both);
-# tests/conftest.py stops the run if another Lightning is imported. tests/test_lightning_range.py adds
-# one fit per strategy (and a resume) in one process.
+# tests/conftest.py stops the run if another Lightning is imported; the workers of the multi-process tests get the
+# same PYTHONPATH. tests/test_lightning_range.py adds one fit per strategy (and a resume) in one process; two real
+# multi-process runs (marker lightning_range: fsdp2 on 2 ranks against one process, an ft_hsdp kill + heal) too.
 LIGHTNING_OLDEST ?= 2.6.0
 LIGHTNING_PIN := $(shell sed -n 's/^ *"\(lightning[<>=!~][^"]*\)",*$$/\1/p' pyproject.toml)
 RANGE_TESTS ?= tests/test_lightning_range.py tests/test_lightning_seam.py tests/test_registry_and_errors.py tests/test_blocks.py \
 	tests/test_resume.py tests/test_throughput.py tests/test_straggler.py tests/test_ddp_hooks.py tests/test_ft_data.py \
-	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy
+	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy \
+	tests/test_fsdp_hsdp.py::test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping \
+	tests/test_ft_hsdp.py::test_kill_heal_and_bit_identical_groups
 define lightning_range_run
 	rm -rf $(2) && $(PY) -m pip install -q --no-deps --target $(2) "$(1)"
 	v=$$(cd $(2) && ls -d lightning-*.dist-info | sed 's/^lightning-\(.*\)\.dist-info$$/\1/') && \
 	echo "== fast tests against lightning $$v ($(1))" && \
 	FSDP_STRATEGIES_EXPECT_LIGHTNING=$$v FSDP_STRATEGIES_LIGHTNING_DIR=$(abspath $(2)) PYTHONPATH=$(abspath $(2)):$(CURDIR)/src \
-		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess" -q -p no:cacheprovider
+		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess or lightning_range" -q -p no:cacheprovider
 endef
 
 test-lightning-range: install

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import processes
 from fsdp_strategies.ft.process_tree import process_tree
 
 RDZV_BACKEND = "c10d"
@@ -51,6 +52,8 @@ def start_lighthouse(*, port: int, min_replicas: int, heartbeat_timeout_ms: int,
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     args = lighthouse_args(min_replicas=min_replicas, port=port, heartbeat_timeout_ms=heartbeat_timeout_ms)
     with log.open("wb") as fh:
+        if processes.before_start is not None:
+            processes.before_start([str(binary), *args])
         proc = subprocess.Popen([str(binary), *args], stdout=fh, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -94,6 +97,8 @@ def run_agents(agent_args: Sequence[Sequence[str]], *, env: dict[str, str], log_
     try:
         for i, args in enumerate(agent_args):
             with (log_dir / f"agent{i}.log").open("wb") as log:
+                if processes.before_start is not None:
+                    processes.before_start([sys.executable, "-m", "torch.distributed.run", *args])
                 procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args],
                                               env={**env, **(agent_env[i] if agent_env else {})}, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -130,6 +130,38 @@ def no_process_left_behind() -> Iterator[None]:
         pytest.fail(f"the test left {len(leaked)} process(es) running {LEAK_GRACE_S:.0f} s after it ended (now "
                     "killed):\n" + "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in leaked.items())
                     + "\nFix: start jobs with tests/processes.py (run / start), which kill the whole tree.")
+
+
+#: node id -> the names of its markers, for the check below
+_MARKS: dict[str, set[str]] = {}
+PROCESS_MARKERS = {"multiprocess", "subprocess", "slurm"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Record every test's markers; skip the ``soak`` ones unless ``FSDP_STRATEGIES_FULL=1``."""
+    _MARKS.update({item.nodeid: {m.name for m in item.iter_markers()} for item in items})
+    if os.environ.get("FSDP_STRATEGIES_FULL") != "1":
+        soak = pytest.mark.skip(reason="soak run (minutes): FSDP_STRATEGIES_FULL=1 runs it; CI runs its short form")
+        for item in items:
+            if "soak" in _MARKS[item.nodeid]:
+                item.add_marker(soak)
+
+
+def require_process_marker(cmd: Sequence[str]) -> None:
+    """Fail the running test if it starts a process without a marker saying so (``processes.before_start``)."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    if not current:
+        return
+    nodeid = current.rsplit(" (", 1)[0]
+    marks = _MARKS.get(nodeid)
+    if marks is not None and not marks & PROCESS_MARKERS:
+        pytest.fail(f"{nodeid} starts a process ({' '.join(map(str, cmd))[:200]}) but is not marked: selections by "
+                    "marker (the Lightning-range run's `not multiprocess`) would misclassify it. Fix: add "
+                    "@pytest.mark.multiprocess (a distributed job: several ranks or replica groups) or "
+                    "@pytest.mark.subprocess (one child process).")
+
+
+processes.before_start = require_process_marker
 
 
 def pytest_configure(config: pytest.Config) -> None:

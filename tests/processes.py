@@ -27,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +115,16 @@ class Job(subprocess.Popen):  # type: ignore[type-arg]
         super().__exit__(*exc)
 
 
+#: Called with the command before every start. ``tests/conftest.py`` sets it to fail a test that starts a process
+#: without the ``multiprocess`` or ``subprocess`` marker, so that ``-m "not multiprocess"`` and the other
+#: selections by marker mean what they say.
+before_start: Callable[[Sequence[str]], None] | None = None
+
+
 def start(cmd: Sequence[str], **popen_kwargs: Any) -> Job:
     """Start ``cmd`` in a new session (see :class:`Job`); ``popen_kwargs`` as for ``subprocess.Popen``."""
+    if before_start is not None:
+        before_start(cmd)
     popen_kwargs.setdefault("start_new_session", True)
     if not popen_kwargs["start_new_session"]:
         raise ValueError("start(start_new_session=False): a job runs in a session of its own so that its whole "

@@ -6,13 +6,12 @@ next step; the previous checkpoint stays, and ``ModelCheckpoint``'s removal of i
 async resume from that checkpoint that must equal the uninterrupted run exactly (4 + 4 == 8 steps).
 Plus fast single-process checks of the engine and the option's validation.
 
-``FSDP_STRATEGIES_FULL=1`` adds: SIGKILL in the middle of a background write, the ``"process"`` type,
-``ddp_hooks`` (full-file background writer) and ``hsdp``.
+``make test-full`` (the ``full`` marker, its own CI stage) adds: SIGKILL in the middle of a background write, the
+``"process"`` type, ``hsdp`` and an ``ft_hsdp`` group dying mid-write.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,6 @@ from fsdp_strategies.checkpoint.async_writer import (
 from fsdp_strategies.hf.export import main as export_main
 from fsdp_strategies.strategies import DDPHooksStrategy, HSDPStrategy
 
-FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 WORKER = str(WORKERS / "fsdp_train.py")
 # 2 ranks x batch 4, 32 samples: 4 steps per epoch (as tests/test_checkpoint.py)
 COMMON = ["--devices", "2", "--batch", "4", "--num-train", "32", "--meta-init", "1", "--steps", "8"]
@@ -186,7 +184,7 @@ def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tm
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not FULL, reason="CI time: in the full set (FSDP_STRATEGIES_FULL=1)")
+@pytest.mark.full
 def test_sigkill_during_background_write_keeps_previous(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     killed, proc = _run(tmp_path, "killed", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--save-last", "0",
@@ -204,7 +202,7 @@ def test_sigkill_during_background_write_keeps_previous(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not FULL, reason="CI time: in the full set (FSDP_STRATEGIES_FULL=1)")
+@pytest.mark.full
 @pytest.mark.parametrize("strategy", ["fsdp2_process", "hsdp_thread"])
 def test_async_resume_is_exact_other_types(tmp_path: Path, strategy: str) -> None:
     name, kind = strategy.split("_")
@@ -222,7 +220,7 @@ def test_async_resume_is_exact_other_types(tmp_path: Path, strategy: str) -> Non
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not FULL, reason="CI time: in the full set (FSDP_STRATEGIES_FULL=1)")
+@pytest.mark.full
 def test_ft_hsdp_group_dying_mid_write_leaves_no_half_checkpoint(tmp_path: Path) -> None:
     """2 replica groups x 2 ranks: group 0 (the writer) dies in the middle of its second background write (step 4);
     group 1 trains on alone, becomes the writer, and its next save succeeds; step 4 never appears."""

@@ -236,6 +236,7 @@ def test_pretrained_load_suite_quick_mode_measures_real_loads(tmp_path: Path) ->
     assert _one("pretrained_load-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.subprocess
 def test_sac_suite_quick_mode_measures_modes_budget_and_offload(tmp_path: Path) -> None:
     # issue 28: every checkpointing mode, budget at 0.25/0.5/0.75 and at the fixed modes' kept bytes, offload, on
     # the example and an HF Llama (tiny); one process. Bytes and FLOPs are exact, so they are checked; times are not.
@@ -333,6 +334,7 @@ def test_tensor_parallel_suite_quick_mode_measures_real_tp_runs(tmp_path: Path) 
     assert _one("tensor_parallel-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.subprocess
 def test_pretrained_load_worker_fails_a_load_that_is_not_the_pretrained_weights(tmp_path: Path) -> None:
     # the guard that keeps a broken load from looking cheap: a reference loss the weights do not give fails the job
     from suites import pretrained_load

@@ -172,6 +172,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random], None], str]] = {
 }
 
 
+@pytest.mark.multiprocess
 def test_intact_checkpoint_verifies_and_exports(runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verify_main([str(runs["sharded"])]) == 0
     assert capsys.readouterr().out.startswith("OK: ")
@@ -186,6 +187,7 @@ def test_intact_checkpoint_verifies_and_exports(runs: dict[str, Any], tmp_path: 
     assert export_main([str(runs["ddp_file"]), str(tmp_path / "ddp.pt")]) == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 def test_every_corruption_is_detected(case: str, runs: dict[str, Any], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -277,6 +279,7 @@ def test_export_and_verify_refuse_a_file_that_runs_code(tmp_path: Path, capsys: 
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "out.pt.tmp").exists()
 
 
+@pytest.mark.multiprocess
 def test_hostile_dcp_metadata_is_never_unpickled(runs: dict[str, Any], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from torch.distributed.checkpoint import FileSystemReader
@@ -357,6 +360,7 @@ def test_export_gives_one_line_errors(kind: str, tmp_path: Path, capsys: pytest.
     assert not out.exists() and not out.with_name("out.pt.tmp").exists()
 
 
+@pytest.mark.subprocess
 def test_export_command_process_exits_1_without_traceback(tmp_path: Path) -> None:
     src, out = tmp_path / "notes.ckpt", tmp_path / "out.pt"
     expected = _make_source("text_file", src)
@@ -397,6 +401,7 @@ def _writer(directory: Path, name: str, mode: str) -> processes.Job:
     return proc
 
 
+@pytest.mark.subprocess
 def test_next_save_of_any_name_removes_stale_temps_but_not_live_ones(tmp_path: Path) -> None:
     # our writer side: while a save is in progress its lock is held, so no other process would remove its temp
     tmp = prepare_save(tmp_path / "mine.ckpt")

@@ -32,6 +32,7 @@ def _error_line(stderr: str) -> str:
     return lines[-1]
 
 
+@pytest.mark.subprocess
 def test_literal_on_a_strategy_through_the_script(tmp_path: Path) -> None:
     """The real command line: exit status 2 and the explanation first (YAML comm_hook misspelled)."""
     config = _yaml(tmp_path, "ddp_hooks_powersgd.yaml", "comm_hook: powersgd", "comm_hook: powersdg")

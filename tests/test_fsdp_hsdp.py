@@ -24,6 +24,7 @@ def _full_numel(params: dict[str, torch.Tensor]) -> int:
     return sum(p.numel() for p in params.values())
 
 
+@pytest.mark.lightning_range
 def test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping(tmp_path: Path) -> None:
     # 2 ranks x batch 4 x 2 micro-batches == one process with batch 16; clipping at 0.5 is active.
     steps = 4

@@ -9,15 +9,14 @@ steps they were down -- which is what the strategy reported (per-step records an
 with ``redistribute`` the groups in a step also trained the missing groups' batches of that step, so every
 data epoch trains every sample exactly once.
 
-CI runs ``skip`` with 2 kills (one launcher kill, one kill during the heal that follows);
-``FSDP_STRATEGIES_FULL=1`` runs both modes with 6 kills (4 launcher kills, 2 of them followed by a kill
-during the heal).
+Both modes run with 2 kills in CI (one launcher kill, one kill during the heal that follows; ``skip`` in
+``make test``, ``redistribute`` in ``make test-full``); ``FSDP_STRATEGIES_FULL=1`` adds both with 6 kills (4
+launcher kills, 2 of them followed by a kill during the heal).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from conftest import WORKERS, run_python
 WORKER = str(WORKERS / "ft_data.py")
 GROUPS, NUM_SAMPLES, BATCH, SEED = 2, 96, 4, 7
 PER_EPOCH = NUM_SAMPLES // GROUPS // BATCH  # committed steps per data epoch
-FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -146,19 +144,22 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["skip", pytest.param("redistribute", marks=pytest.mark.skipif(
-    not FULL, reason="CI time: the redistribute run is in the full set (FSDP_STRATEGIES_FULL=1, 6 kills); its "
-                     "batch sharing and gradient weighting are unit-tested below"))])
+@pytest.mark.parametrize("mode", ["skip", pytest.param("redistribute", marks=pytest.mark.full)])
 def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str) -> None:
-    if FULL:  # 4 launcher kills + 2 kills during the heals that follow (group 1's 1st and group 0's 1st restart)
-        steps, kill_at, heal_kill = 200, "1@5,0@30,1@60,0@90", "1:1,0:1"
-        launcher_kills, heal_kills = 4, 2
-    else:  # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals
-        steps, kill_at, heal_kill = 100, "1@5", "1:1"
-        launcher_kills, heal_kills = 1, 1
-    records, launcher = _run(tmp_path, mode, steps, kill_at, heal_kill, timeout=900 if FULL else 420)
-    figures = _check(mode, records, launcher, steps, launcher_kills, heal_kills)
+    # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals
+    records, launcher = _run(tmp_path, mode, 100, "1@5", "1:1", timeout=420)
+    figures = _check(mode, records, launcher, 100, 1, 1)
     print(f"data accounting ({mode}): {figures}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.soak  # the 2-kill form above runs in CI (skip: make test, redistribute: make test-full)
+@pytest.mark.parametrize("mode", ["skip", "redistribute"])
+def test_every_sample_is_accounted_for_across_six_kills(tmp_path: Path, mode: str) -> None:
+    # 4 launcher kills + 2 kills during the heals that follow (group 1's 1st and group 0's 1st restart)
+    records, launcher = _run(tmp_path, mode, 200, "1@5,0@30,1@60,0@90", "1:1,0:1", timeout=900)
+    figures = _check(mode, records, launcher, 200, 4, 2)
+    print(f"data accounting ({mode}, 6 kills): {figures}")
 
 
 # ---------------------------------------------------------------------------- no processes

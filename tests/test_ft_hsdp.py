@@ -22,7 +22,10 @@ from fsdp_strategies.ft import LEAVE_EXIT_CODE, LighthouseUnreachableError
 from fsdp_strategies.ft.launch_options import parse_kill_at
 
 WORKER = str(WORKERS / "ft_train.py")
-TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+# val_check_interval 1.0: Lightning 2.6.0 (make test-lightning-range) refuses configs/ft_hsdp.yaml's 100 against a
+# 16-batch epoch even with validation off
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.val_check_interval", "1.0",
+        "--trainer.enable_progress_bar", "false",
         "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
         "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
         "--data.num_train", "32", "--data.num_val", "8"]
@@ -50,6 +53,7 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.lightning_range
 @pytest.mark.multiprocess
 def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
     # Group 1 SIGKILLs itself (torchrun + both ranks) just before its 2nd cross-group all-reduce of step 3;
@@ -319,6 +323,7 @@ def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> 
         assert (trainer.strategy.replica_group_id, trainer.strategy.num_replica_groups) == (1, 2)
 
 
+@pytest.mark.subprocess
 def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
     # The straggler callback's `evict`: the rank records why, shuts torchft down and exits with
     # LEAVE_EXIT_CODE (the launcher restarts any non-zero exit; the heal path is the one tested above).

@@ -109,6 +109,7 @@ def test_events_written_by_the_group_are_what_the_launcher_reads(tmp_path: Path)
     assert left.left_since(since=2e9) is None  # a record of an earlier incarnation does not count
 
 
+@pytest.mark.subprocess
 def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
     # the launcher starts a spare under SCHED_IDLE; activation puts every thread (those started before too) back to
     # SCHED_OTHER -- or, without the privilege to do so, warns with the fix

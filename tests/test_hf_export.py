@@ -358,6 +358,7 @@ def test_no_record_without_an_hf_model() -> None:
     assert [r["prefix"] for r in hf_checkpoint_metadata(gpt2)[HF_METADATA_KEY]] == [""]  # the module is the model
 
 
+@pytest.mark.subprocess
 def test_the_record_does_not_import_transformers_models() -> None:
     code = ("import sys, torch; from fsdp_strategies.hf.metadata import hf_checkpoint_metadata; "
             "assert hf_checkpoint_metadata(torch.nn.Linear(2, 2)) == {}; "

@@ -50,6 +50,7 @@ TINY = ["--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.va
         "--data.seq_len=32", "--data.batch_size=2", "--data.num_train=16", "--data.num_val=8"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (RANGE_RUN or FULL), reason="make test-lightning-range (or FSDP_STRATEGIES_FULL=1) runs it; "
                     "make test fits every strategy on 2-4 ranks in test_configs / test_fsdp_hsdp / test_ft_hsdp")
 def test_one_fit_per_strategy_and_a_resume_on_this_lightning(tmp_path: Path) -> None:

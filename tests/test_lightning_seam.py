@@ -786,6 +786,7 @@ def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
     assert tseam.quorum_started(ft_manager) is True and tseam.quorum_id(ft_manager) == first
 
 
+@pytest.mark.subprocess
 def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
     """A process that ends with ``os._exit`` runs its atexit handlers only through the seam."""
     import sys

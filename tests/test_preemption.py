@@ -80,6 +80,7 @@ _WATCHDOG = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_watchdog_bounds_the_stop_and_exits_with_the_requeue_status() -> None:
     t0 = time.time()
     proc = run_python(["-c", _WATCHDOG, "1.5"], timeout=120, check=False)

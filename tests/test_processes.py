@@ -59,6 +59,7 @@ def _gone(pids: list[int], timeout: float = 15) -> bool:
     return not any(_alive(p) for p in pids)
 
 
+@pytest.mark.subprocess
 def test_a_timeout_kills_the_whole_tree_even_a_worker_in_its_own_session(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     with pytest.raises(subprocess.TimeoutExpired):
@@ -91,6 +92,7 @@ def _inner_pytest(tmp_path: Path, body: str) -> subprocess.Popen[str]:
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.subprocess
 def test_a_test_that_leaves_an_orphan_fails_and_the_orphan_is_killed(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     inner = _inner_pytest(tmp_path, f"""
@@ -107,12 +109,36 @@ def test_a_test_that_leaves_an_orphan_fails_and_the_orphan_is_killed(tmp_path: P
     assert _gone([launcher, worker])
 
 
+@pytest.mark.subprocess
+def test_a_test_that_starts_a_process_without_a_marker_fails(tmp_path: Path) -> None:
+    # `-m "not multiprocess"` (the Lightning-range run) must not pick up a test that starts processes unmarked
+    inner = _inner_pytest(tmp_path, """
+        import sys
+        import processes
+        import pytest
+
+        def test_unmarked():
+            processes.run([sys.executable, "-c", "pass"], timeout=60)
+
+        @pytest.mark.subprocess
+        def test_marked():
+            processes.run([sys.executable, "-c", "pass"], timeout=60)
+    """)
+    with inner:
+        out, _ = inner.communicate(timeout=120)
+    assert inner.returncode == 1 and "1 failed, 1 passed" in out, out
+    assert "test_inner.py::test_unmarked starts a process" in out and "Fix: add @pytest.mark.multiprocess" in out, out
+
+
+@pytest.mark.subprocess
 def test_ctrl_c_in_the_middle_of_a_test_leaves_no_process(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     inner = _inner_pytest(tmp_path, f"""
         import sys
         import processes
+        import pytest
 
+        @pytest.mark.subprocess
         def test_runs_a_long_job():
             processes.run([sys.executable, "-c", {LAUNCHER!r}, {str(pids_file)!r}, "wait"], timeout=600)
     """)
@@ -140,6 +166,7 @@ SELF_KILLING_GROUP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_kills_its_own_group_takes_every_sibling_with_it(tmp_path: Path) -> None:
     # kill_tree walks the root's tree before signalling; a caller inside the tree must come last, or the ranks
     # after it in the walk (here the sibling, listed after the later-started killer) are never signalled and
