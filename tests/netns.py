@@ -18,8 +18,8 @@ Processes run in a host through ``ip netns exec`` (:meth:`Host.argv`), which ent
 command: the pid is the one :mod:`processes` started, so :meth:`Hosts.start` / :meth:`Hosts.run` are the usual
 tree-killing helpers and the suite's leak check sees everything a test left behind. Only the network is separate:
 file system, pids and hostname are shared (``socket.gethostname()`` resolves to 127.0.0.1 everywhere, so programs
-must be told their host's address: torchrun ``--local-addr``, ``GLOO_SOCKET_IFNAME`` (:meth:`Host.env`),
-ft_hsdp's ``hostname``).
+must be told their host's address: torchrun ``--local-addr`` and, on the rendezvous host, ``--rdzv-conf=is_host=1``;
+``GLOO_SOCKET_IFNAME`` (:meth:`Host.env`); ft_hsdp's ``hostname``).
 
 The names are fixed, so one :class:`Hosts` exists at a time on the machine: it holds an exclusive ``flock`` on
 ``$TMPDIR/fsdp_strategies_netns.lock`` while it lives, and on entry removes whatever an earlier, killed run left
