@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-full test-slurm test-lightning-range lint bench matrix docs clean
+.PHONY: install train test test-full check-guarantees test-slurm test-lightning-range lint bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,7 @@ test-slurm: install
 	if [ $$rc = 3 ]; then echo "test-slurm: SKIPPED -- SLURM cannot be installed on this machine (needs root and apt-get)"; exit 0; fi; \
 	[ $$rc = 0 ] || exit $$rc; \
 	SLURM_CONF=$${SLURM_TEST_DIR:-/var/tmp/fsdp_strategies-slurm}/slurm.conf $(PY) -m pytest tests/slurm -m slurm -q \
-		-p no:cacheprovider --durations=10 $(if $(SLURM_SELECT),-k "$(SLURM_SELECT)"); rc=$$?; \
+		-p no:cacheprovider --durations=10 $(call junit,slurm) $(if $(SLURM_SELECT),-k "$(SLURM_SELECT)"); rc=$$?; \
 	tests/slurm/cluster.sh stop; exit $$rc
 
 # Supported Lightning range (pyproject.toml: lightning>=2.6,<2.7): the fast tests against the oldest
@@ -64,7 +64,8 @@ define lightning_range_run
 	v=$$(cd $(2) && ls -d lightning-*.dist-info | sed 's/^lightning-\(.*\)\.dist-info$$/\1/') && \
 	echo "== fast tests against lightning $$v ($(1))" && \
 	FSDP_STRATEGIES_EXPECT_LIGHTNING=$$v FSDP_STRATEGIES_LIGHTNING_DIR=$(abspath $(2)) PYTHONPATH=$(abspath $(2)):$(CURDIR)/src \
-		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess or lightning_range" -q -p no:cacheprovider
+		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess or lightning_range" -q -p no:cacheprovider \
+		$(call junit,range$(subst .,,$(2)))
 endef
 
 test-lightning-range: install
@@ -95,7 +96,12 @@ docs: $(VENV)/.docs-installed
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 		{ echo "installing chromium (apt-get)"; $(SUDO) apt-get update -qq && \
 		  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-	$(PY) -m pytest tests/docs -q -p no:cacheprovider
+	$(PY) -m pytest tests/docs -q -p no:cacheprovider $(call junit,docs)
+
+# Every test the docs call tested (tests/guarantees.py) passed in one of this run's stages (their junit XML).
+check-guarantees: install
+	@test -n "$(JUNIT_DIR)" || { echo "check-guarantees: set JUNIT_DIR to the folder the stages wrote their junit XML to"; exit 2; }
+	$(PY) tests/check_guarantees.py $(JUNIT_DIR)/*.xml
 
 clean:
 	rm -rf $(VENV) lightning_logs checkpoints site

@@ -70,6 +70,7 @@ class GroupStarter:
                                   restart_count=restart_count,
                                   standby_file=str(standby_file) if standby_file else None,
                                   launcher_pid=os.getpid() if standby_file else None).to_env())
+        genv.update(self.options.lighthouse_timeouts().to_env())  # the strategy checks its quorum timeout against them
         genv.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                      "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"})
         return genv
