@@ -22,6 +22,12 @@ def test_configs_exist() -> None:
     assert {"fsdp2.yaml", "fsdp2_class_path.yaml", "hsdp.yaml"} <= {c.name for c in CONFIGS}
 
 
+def test_no_config_names_a_test_helper() -> None:
+    """configs/ is what users copy: fault and slowness injectors live in tests and demo overlays (examples/)."""
+    offenders = [c.name for c in CONFIGS if "fsdp_strategies.testing" in c.read_text()]
+    assert not offenders, f"configs naming fsdp_strategies.testing: {offenders}"
+
+
 @pytest.mark.parametrize("name", sorted(COVERED_ELSEWHERE))
 def test_config_is_covered_by_its_own_test(name: str) -> None:
     if not (ROOT / "configs" / name).exists():

@@ -166,9 +166,14 @@ def test_two_ranks_clean_transient_persistent_and_stop(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- 4 ranks
 @pytest.mark.multiprocess
 def test_four_ranks_detects_and_switches_hierarchical_sgd_from_yaml(tmp_path: Path) -> None:
-    # configs/straggler.yaml with a shorter window and the stall ending at step 14: callbacks are a list, so the
-    # overrides go into a copy of the file (a command-line override would reach only the list's last entry)
+    # configs/straggler.yaml + its demo overlay (examples/straggler_demo_stall.yaml: rank 1 made slow), with a
+    # shorter window and the stall ending at step 14: callbacks are a list, so the overrides go into a copy of
+    # the file (a command-line override would reach only the list's last entry)
     config = yaml.safe_load((ROOT / "configs" / "straggler.yaml").read_text())
+    overlay = yaml.safe_load((ROOT / "examples" / "straggler_demo_stall.yaml").read_text())
+    (shipped,) = config["trainer"]["callbacks"]  # the shipped config: the detector alone, no test helper
+    assert overlay["trainer"]["callbacks"][1] == shipped, "the demo overlay's detector differs from the config's"
+    config["trainer"]["callbacks"] = overlay["trainer"]["callbacks"]
     injector, detector = config["trainer"]["callbacks"]
     assert injector["class_path"] == "fsdp_strategies.testing.StallInjector"
     assert detector["class_path"] == "fsdp_strategies.callbacks.StragglerDetector"
