@@ -163,7 +163,8 @@ _LAYOUT = _ids("test_layout.py", "test_the_scan_sees_the_package", "test_depende
                "test_modules_stay_small_and_the_root_stays_short", "test_the_architecture_page_maps_every_module")
 _CORRUPTIONS = _ids("test_checkpoint_integrity.py", "test_every_corruption_is_detected",
                     "test_single_file_corruption_is_detected", "test_resuming_a_corrupted_checkpoint_stops_before_training")
-_DISK_FULL = _ids("test_disk_full.py", "test_full_disk_gives_one_clear_error_on_every_rank")
+_DISK_FULL = _ids("test_disk_full.py", "test_full_disk_gives_one_clear_error_on_every_rank",
+                  "test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group")
 _DDP_TO_FSDP2 = _ids("test_checkpoint_integrity.py", "test_ddp_checkpoint_resumes_under_fsdp2")
 _ATOMIC = _ids("test_checkpoint.py", "test_resume_is_exact_and_saves_are_atomic")
 _ASYNC_CI = _ids("test_async_checkpoint.py", "test_full_file_writer_commits_in_background_and_defers_removals",
@@ -413,7 +414,6 @@ NOT_CLAIMS: tuple[NotAClaim, ...] = (
     NotAClaim("README.md", "(tested: 2.13.0, CPU build)",
               "the torch build CI installs (Makefile TORCH_SPEC), not a behaviour; no test asserts the version"),
     NotAClaim("README.md", "what the tests check", "a link to docs/testing.md in the docs table"),
-    NotAClaim("docs/checkpoints.md", "it is not covered by a test of its own", "says what is not tested"),
     NotAClaim("docs/getting-started.md", "| package | range (`pyproject.toml`) | tested |",
               "the header of the versions table: the versions CI installs (Makefile), not a behaviour"),
     NotAClaim("docs/multi-node.md", "It needs root; the tests skip with the reason elsewhere",

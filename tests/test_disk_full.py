@@ -12,6 +12,7 @@ soon as rank 0 raises, before they print their error.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from conftest import WORKERS, run_torchrun
+from conftest import WORKERS, run_python, run_torchrun
 from fsdp_strategies import verify_checkpoint
 from fsdp_strategies.checkpoint.atomic import last_good_checkpoint, temp_path
 from fsdp_strategies.checkpoint.disk_full import (
@@ -38,7 +39,7 @@ WORKER = WORKERS / "disk_full_train.py"
 DISK_KIB = 2500  # one checkpoint of the worker's model is ~1.7 MB (sharded folder or full file)
 _MESSAGE = re.compile(r"CheckpointDiskFullError: Checkpoint (?P<path>\S+) was not saved: no space left on device\. "
                       r"It needs about (?P<needed>[\d,]+) bytes .*?; (?P<free>[\d,]+) bytes \([\d.]+ MiB\) are free "
-                      r"on the filesystem of (?P<dir>\S+) \(after removing the partial last\.ckpt\.tmp\)\. The last "
+                      r"on the filesystem of (?P<dir>\S+) \(after removing the partial (?P<tmp>\S+)\)\. The last "
                       r"good checkpoint is (?P<last_good>\S+); it is untouched .*Fix: free space")
 
 
@@ -144,7 +145,8 @@ def test_full_disk_gives_one_clear_error_on_every_rank(case: str, small_disk: Pa
         assert len(found) == 1, f"rank {rank}: expected the disk-full error once, got {len(found)}:\n{out[-4000:]}"
         match = _MESSAGE.search(out)
         assert match is not None
-        assert (match["path"], match["dir"], match["last_good"]) == (str(last), str(small_disk), str(last))
+        assert (match["path"], match["dir"], match["last_good"], match["tmp"]) == (str(last), str(small_disk),
+                                                                                str(last), "last.ckpt.tmp")
         needed, free = int(match["needed"].replace(",", "")), int(match["free"].replace(",", ""))
         assert needed >= path_bytes(last) > free, (needed, free, path_bytes(last))
         assert abs(free - free_bytes(small_disk)) <= 16 * 4096, (free, free_bytes(small_disk))  # measured after cleanup
@@ -158,3 +160,48 @@ def test_full_disk_gives_one_clear_error_on_every_rank(case: str, small_disk: Pa
     resumed = run_torchrun(WORKER, 2, ["--dir", str(tmp_path / "resume"), "--steps", "4", "--resume", str(last),
                                        *CASES[case]], timeout=120)
     assert "RESUMED 0 global_step=4" in resumed.stdout and "RESUMED 1 global_step=4" in resumed.stdout, resumed.stdout
+
+
+@pytest.mark.multiprocess
+def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: Path, tmp_path: Path) -> None:
+    """ft_hsdp, 2 replica groups x 1 rank (``fsdp-strategies-ft``, no restarts), ``step<N>.ckpt`` every 2 steps.
+
+    Only the group ranked 0 in the current quorum writes (FTHSDPStrategy._is_checkpoint_writer): group 0 writes
+    step2.ckpt, and its save of step4.ckpt runs out of space -- it raises the disk-full error and exits. The other
+    group, which did not write, is not told: it trains on alone (the lighthouse drops group 0 within
+    --heartbeat-timeout-ms), is then the quorum's rank 0, so it writes step6.ckpt -- on the same full disk -- and
+    ends with the same clear error naming step6.ckpt. Neither group hangs: the launcher reports both given up
+    long before the run's timeout, and step2.ckpt is the intact last good checkpoint.
+    """
+    from test_ft_hsdp import FT
+
+    events = tmp_path / "events"
+    proc = run_python(
+        ["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms", "1000",
+         "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", "150", "--min-replicas", "1",
+         "--max-restarts", "0", "--", str(WORKERS / "ft_train.py"), "fit", *FT, "--trainer.devices", "1",
+         "--trainer.max_steps", "8", "--trainer.enable_checkpointing", "true"],
+        env={"FT_TEST_OUT": str(tmp_path / "out"), "FT_TEST_CKPT": str(small_disk), "FT_TEST_CKPT_EVERY": "2"},
+        timeout=180, check=False)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines() if line.strip()]
+    gave_up = {e["group"]: e for e in launcher if e["event"] == "give_up"}
+    assert sorted(gave_up) == [0, 1], launcher  # neither group hung: both exited and were given up on (no restarts)
+    assert all("CheckpointDiskFullError: Checkpoint" in e["last_error"] for e in gave_up.values()), gave_up
+    good = small_disk / "step2.ckpt"
+    for group, failed in ((0, "step4.ckpt"), (1, "step6.ckpt")):
+        log = _rank_lines((events / f"group{group}.log").read_text(), 0)  # the rank's output, not torchrun's
+        found = _MESSAGE.findall(log)
+        assert len(found) == 1, f"group {group}: expected the disk-full error once, got {len(found)}:\n{log[-4000:]}"
+        match = _MESSAGE.search(log)
+        assert match is not None
+        assert (match["path"], match["dir"], match["last_good"], match["tmp"]) == (
+            str(small_disk / failed), str(small_disk), str(good), failed + ".tmp"), match.groups()
+        needed, free = int(match["needed"].replace(",", "")), int(match["free"].replace(",", ""))
+        assert needed >= path_bytes(good) > free, (group, needed, free, path_bytes(good))
+        assert log.count("Traceback") <= 1, f"group {group} printed more than one traceback:\n{log[-6000:]}"
+    # group 1 took over as the writer only after group 0 was gone: it committed steps alone in between
+    records = [json.loads(line) for line in (tmp_path / "out" / "group1_rank0.jsonl").read_text().splitlines()]
+    assert [r["step_after"] for r in records if r["committed"] and r["participants"] == 1][:2] == [5, 6], records
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step2.ckpt"]  # no temp, lock or partial step4/6
+    assert verify_checkpoint(good).ok, verify_checkpoint(good).message
