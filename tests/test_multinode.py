@@ -240,7 +240,7 @@ import json, os, sys
 with open(os.environ["STUB_LOG"], "a") as fh:
     fh.write(json.dumps({"tool": "scontrol", "argv": sys.argv[1:]}) + "\n")
 if sys.argv[1:3] == ["show", "job"]:  # the scripts' preemption checks: a running job, never preempted
-    print(f"JobId={sys.argv[3]} JobState=RUNNING PreemptTime=None")
+    print(f"JobId={sys.argv[3]} JobState=RUNNING PreemptTime=None\n   StdOut=/dev/null")
     sys.exit(0)
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
 print("\n".join(os.environ["STUB_NODES"].split()))

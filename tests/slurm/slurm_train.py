@@ -87,6 +87,7 @@ class SlurmProbe(pl.Callback):
         if isinstance(strategy, fsdp_strategies.FTHSDPStrategy):
             record["committed"] = strategy.last_step_committed
             record["participants"] = int(strategy.manager.num_participants())
+            record["heals"] = int(strategy.ft_stats["heals"])
         self.write(**record)
         if self.sleep:
             time.sleep(self.sleep)

@@ -4,8 +4,11 @@ Run with ``make test-slurm`` (it starts the cluster, runs ``pytest tests/slurm -
 without a running cluster every test here is skipped, saying so. ``make test`` leaves this folder out.
 The jobs are ``examples/slurm/*.sbatch`` as shipped, with environment overrides (``GPUS_PER_NODE=2``,
 ``TRAIN_SCRIPT=tests/slurm/slurm_train.py``, a probe around the example's LightningCLI) and the CLI arguments of
-a tiny CPU model; ``sbatch``'s own options (``--cpus-per-task``, ``--gpus-per-node=0``, ``--output``) override the
-scripts' ``#SBATCH`` lines, as on any cluster. Job states come from ``scontrol show job`` (no ``sacct``
+a tiny CPU model; ``sbatch``'s own options (``--cpus-per-task``, ``--gpus-per-node=0``, ``--output``, ``--nodes``)
+override the scripts' ``#SBATCH`` lines, as on any cluster. ``ft_hsdp.sbatch`` runs with ``NODES_PER_GROUP=1``
+(a replica group per node) and its groups' events files (``FSDP_STRATEGIES_FT_EVENTS``): as shipped, with one
+group's job step SIGKILLed (restarted by the script, heals), and with ``scancel --signal=TERM`` (requeued, no
+group restart). Job states come from ``scontrol show job`` (no ``sacct``
 without ``slurmdbd``; the cluster keeps finished jobs for an hour).
 """
 
@@ -76,10 +79,18 @@ def submit(script: str, args: list[str], *, env: dict[str, str], out: Path, sbat
 def wait_job(job: str, out: Path, timeout: float = 420, restarts: int = 0) -> dict[str, str]:
     """Poll until the job is in a final state (after ``restarts`` requeues); cancel it and fail on the timeout."""
     deadline = time.monotonic() + timeout
+    ended = None  # since when the job is in a final state without the requeues expected
     while time.monotonic() < deadline:
         info = job_info(job)
         if info["JobState"] in TERMINAL and int(info.get("Restarts", 0)) >= restarts:
             return info
+        if info["JobState"] in TERMINAL:  # a requeue leaves the final state within a second: fail fast
+            ended = ended or time.monotonic()
+            if time.monotonic() - ended > 20:
+                pytest.fail(f"job {job} ended {info['JobState']} without being requeued ({restarts} expected)\n"
+                            f"{info}\n{_output(out)}")
+        else:
+            ended = None
         time.sleep(2)
     subprocess.run(["scancel", job], timeout=30)
     pytest.fail(f"job {job} still {job_info(job)['JobState']} after {timeout} s\n{_output(out)}")
@@ -231,3 +242,149 @@ def test_preempt_checkpoint_requeue_and_exact_resume(tmp_path: Path, how: str,
     (step,) = stopped_at
     assert 5 <= step < MAX_STEPS
     assert (ckpt / "last-preempt.ckpt").exists(), sorted(p.name for p in ckpt.iterdir())
+
+
+# ---------------------------------------------------------------------------------------- ft_hsdp.sbatch
+# 2 nodes, NODES_PER_GROUP=1: the lighthouse on n1, replica group 0 on n1 and group 1 on n2, 2 ranks each
+FT_ENV = {"GPUS_PER_NODE": "2", "NODES_PER_GROUP": "1", "HEARTBEAT_TIMEOUT_MS": "2000"}
+FT_ARGS = ["--trainer.strategy.init_args.timeout_s=10", "--trainer.strategy.init_args.connect_timeout_s=10",
+           "--trainer.strategy.init_args.quorum_timeout_s=60", *TINY]
+
+
+def _ft_submit(out: Path, ports: int, args: list[str], env: dict[str, str] = {}) -> str:  # noqa: B006
+    """``ft_hsdp.sbatch`` on both nodes; rendezvous ports ``ports``, ``ports + 1``, the lighthouse ``ports + 9``."""
+    return submit("ft_hsdp.sbatch", [*args, *FT_ARGS], out=out, sbatch=["--nodes=2"],
+                  env={**FT_ENV, "RDZV_PORT": str(ports), "LIGHTHOUSE_PORT": str(ports + 9),
+                       "FSDP_STRATEGIES_FT_EVENTS": str(out / "events" / "group{replica_group_id}.jsonl"), **env})
+
+
+def events(out: Path, group: int) -> list[dict]:
+    """Group ``group``'s events file (its rank 0 writes a line per step, every run of the group appends)."""
+    path = out / "events" / f"group{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _ft_output(out: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(out.glob("ft_hsdp-*.out")))
+
+
+def _check_ft_starts(recs: dict[str, list[dict]], job: str, lighthouse_port: int) -> None:
+    """Every rank of both groups ran where the script says: group g on node n<g+1>, the lighthouse on n1."""
+    assert sorted(recs) == [f"rank{r}-group{g}" for r in (0, 1) for g in (0, 1)], sorted(recs)
+    for name, rs in recs.items():
+        group = int(name.rsplit("group", 1)[1])
+        env = rs[0]["env"]
+        assert rs[0]["event"] == "start" and rs[0]["strategy"] == "FTHSDPStrategy", rs[0]
+        assert (env["SLURM_JOB_ID"], env["SLURMD_NODENAME"], env["REPLICA_GROUP_ID"]) == (job, f"n{group + 1}",
+                                                                                         str(group)), env
+        assert (env["NUM_REPLICA_GROUPS"], env["TORCHFT_LIGHTHOUSE"]) == ("2", f"http://n1:{lighthouse_port}"), env
+        assert rs[0]["mesh"]["shape"] == [2], rs[0]["mesh"]  # FSDP2 over the group's 2 ranks
+
+
+def _committed(evs: list[dict]) -> list[int]:
+    return [e["step"] for e in evs if e.get("committed") and "step" in e]
+
+
+@pytest.mark.multiprocess
+def test_ft_hsdp_job_lighthouse_and_two_replica_groups(tmp_path: Path) -> None:
+    steps = 20
+    job = _ft_submit(tmp_path, 29620, [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"])
+    info = wait_job(job, tmp_path)
+    output = _ft_output(tmp_path)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), f"{info}\n{output}"
+    assert info["NodeList"] == "n[1-2]" and "restart" not in output, output[-5000:]
+    recs = records(tmp_path)
+    _check_ft_starts(recs, job, 29629)
+    for name, rs in recs.items():
+        step_recs = [r for r in rs if r["event"] == "step"]
+        assert [r["global_step"] for r in step_recs] == list(range(1, steps + 1)), name
+        assert all(r["committed"] and r["participants"] == 2 for r in step_recs), (name, step_recs)
+        losses = [r["loss"] for r in step_recs]
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # the loss falls (ln 64 = 4.16 at first)
+        assert rs[-2]["event"] == "end" and rs[-2]["global_step"] == steps and rs[-1]["event"] == "exit"
+    # the groups committed the same steps, and torchft's averaging left them with the same state
+    committed = [_committed(events(tmp_path, g)) for g in (0, 1)]
+    assert committed[0] == committed[1] and committed[0][-1] == steps, committed
+    for rank in (0, 1):
+        assert recs[f"rank{rank}-group0"][-2]["digest"] == recs[f"rank{rank}-group1"][-2]["digest"]
+
+
+def _group_step(job: str, node: str) -> str:
+    """The id (JOB.STEP) of the running replica group step (torchrun) on ``node``."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j %N"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    (step,) = [line.split()[0] for line in out.splitlines() if line.split()[1:] == ["torchrun", node]]
+    return step
+
+
+@pytest.mark.multiprocess
+def test_ft_hsdp_job_group_step_killed_restarts_and_heals(tmp_path: Path) -> None:
+    steps = 40  # 1 s per step: group 0 trains ~30 s alone, the restart took 12-15 s here
+    job = _ft_submit(tmp_path, 29640, [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"],
+                     env={"SLURM_TEST_STEP_SLEEP": "1"})
+    wait_for_step(tmp_path, 5, job)
+    step = _group_step(job, "n2")
+    subprocess.run(["scancel", "--signal=KILL", step], timeout=60, check=True)  # group 1's node step: SIGKILL
+    killed = time.time()
+    info = wait_job(job, tmp_path)
+    output = _ft_output(tmp_path)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), f"{info}\n{output}"
+    assert "ft_hsdp.sbatch: replica group 1 failed; restart 1 of 3." in output, output[-5000:]
+    assert "replica group 0 failed" not in output and "requeue" not in output, output[-5000:]
+
+    recs = records(tmp_path)
+    _check_ft_starts(recs, job, 29649)
+    ev0, ev1 = events(tmp_path, 0), events(tmp_path, 1)
+    # group 0 kept committing while group 1 was down (alone: 1 participant), without a restart of its own
+    assert all(len(_runs(recs[f"rank{r}-group0"])) == 1 for r in (0, 1))
+    alone = [e["step"] for e in ev0 if e.get("committed") and e["participants"] == 1 and e["t"] > killed]
+    assert len(alone) >= 3, ev0
+    for rank in (0, 1):
+        first, second = _runs(recs[f"rank{rank}-group1"])
+        # the killed run: SIGKILLed (no exit record), no step after the kill
+        assert first[-1]["event"] == "step" and first[-1]["t"] < killed + 1, first[-3:]
+        # the restarted run: same job, same node, healed from group 0 and ran with it to the end
+        assert second[0]["env"]["SLURMD_NODENAME"] == "n2" and second[0]["env"]["SLURM_JOB_ID"] == job
+        heals = [r for r in second if r["event"] == "step" and r.get("heals")]
+        assert heals and heals[0]["global_step"] > alone[0], (heals[:1], alone[:3])
+        assert second[-2]["event"] == "end" and second[-2]["global_step"] == steps
+        assert recs[f"rank{rank}-group0"][-2]["global_step"] == steps
+        assert second[-2]["digest"] == recs[f"rank{rank}-group0"][-2]["digest"]  # identical at the end
+    # (its first run healed too, at step 1: init_sync copies one group's weights to the others)
+    healed = [i for i, e in enumerate(ev1) if e.get("healed") and e["t"] > killed]
+    assert healed and ev1[healed[0]]["step"] > alone[0], ev1[-5:]
+    # the healing step counts group 0 alone (the healing group gets the state, contributes nothing); then both
+    assert all(e["participants"] == 2 for e in ev1[healed[0] + 1:] if "step" in e), ev1[healed[0]:]
+    assert _committed(ev0)[-1] == _committed(ev1)[-1] == steps
+    assert set(_committed(ev1)) < set(_committed(ev0))  # group 1 missed the steps group 0 committed alone
+
+
+@pytest.mark.multiprocess
+def test_ft_hsdp_job_sigterm_requeues_without_group_restart(tmp_path: Path) -> None:
+    steps, ckpt = 30, tmp_path / "ckpt"
+    job = _ft_submit(tmp_path, 29660, [f"--trainer.max_steps={steps}",
+                                       "--trainer.strategy.init_args.checkpoint_on_preempt=true",
+                                       f"--trainer.strategy.init_args.preempt_grace_s={GRACE_S:g}", "--ckpt_path=last"],
+                     env={"SLURM_TEST_CKPT": str(ckpt), "SLURM_TEST_STEP_SLEEP": "0.5"})
+    wait_for_step(tmp_path, 5, job)
+    subprocess.run(["scancel", "--signal=TERM", job], timeout=60, check=True)
+    info = wait_job(job, tmp_path, timeout=480, restarts=1)
+    output = _ft_output(tmp_path)
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), f"{info}\n{output}"
+    # the groups were not started again after the SIGTERM: the job was requeued instead
+    assert "restart 1 of" not in output, output[-5000:]
+    assert f"ft_hsdp.sbatch: the replica groups were stopped by SIGTERM; requeueing job {job}\n" in output, output[-5000:]
+    recs = records(tmp_path)
+    assert sorted(recs) == [f"rank{r}-group{g}" for r in (0, 1) for g in (0, 1)], sorted(recs)
+    for name, rs in recs.items():
+        first, second = _runs(rs)  # exactly two runs: the signalled one and the requeued one
+        assert first[0]["env"]["SLURM_RESTART_COUNT"] in (None, "0")
+        (exc,) = [r for r in first if r["event"] == "exception"]
+        assert exc["type"] == "Preempted" and [r for r in first if r["event"] == "exit"], (name, first[-3:])
+        assert second[0]["env"]["SLURM_RESTART_COUNT"] == "1" and second[0]["env"]["SLURM_JOB_ID"] == job
+        assert second[0]["global_step"] > 0, second[0]  # resumed from a preemption checkpoint (--ckpt_path last)
+        assert second[-2]["event"] == "end" and second[-2]["global_step"] == steps, (name, second[-3:])
+    assert sorted(p.name for p in ckpt.glob("last-preempt-group*.ckpt")) == \
+        ["last-preempt-group0.ckpt", "last-preempt-group1.ckpt"], sorted(p.name for p in ckpt.iterdir())
+    for rank in (0, 1):
+        assert recs[f"rank{rank}-group0"][-2]["digest"] == recs[f"rank{rank}-group1"][-2]["digest"]
