@@ -36,7 +36,8 @@ test-full: install
 # The SLURM scripts on a real two-node SLURM cluster on this machine (tests/slurm/cluster.sh: installs the Debian
 # packages when missing -- needs root and apt-get, else the suite is skipped with that reason -- and starts
 # munged, slurmctld and two slurmd). The cluster is stopped whatever the tests' outcome.
-# SLURM_SELECT: a pytest -k expression for a cut (CI runs the sbatch submit and the scancel --signal=TERM requeue;
+# SLURM_SELECT: a pytest -k expression for a cut (CI runs the hsdp sbatch submit, the scancel --signal=TERM requeue
+# and ft_hsdp's group-step kill + heal;
 # `make test-slurm` alone runs every test, the preemption by a higher-priority partition too).
 test-slurm: install
 	@tests/slurm/cluster.sh start; rc=$$?; \

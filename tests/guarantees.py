@@ -311,6 +311,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "test_ft_hsdp_replica_group_spanning_two_nodes", "test_ft_hsdp_two_replica_groups_of_two_nodes_each",
         "test_slurm_hsdp_script_runs_the_local_two_agent_lines",
         "test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart")),
+    Guarantee("docs/testing.md", "In CI (`.ci/run`) these are tested: the hsdp submit", (
+        "tests/slurm/test_slurm.py::test_hsdp_sbatch_two_nodes_shard_groups_are_the_nodes",
+        "tests/slurm/test_slurm.py::test_preempt_checkpoint_requeue_and_exact_resume[scancel_signal_term]",
+        "tests/slurm/test_slurm.py::test_ft_hsdp_job_group_step_killed_restarts_and_heals")),
     Guarantee("docs/multi-node.md", "On separate hosts with their own addresses (`tests/test_netns.py`", _NETNS),
     Guarantee("docs/multi-node.md", "**`hsdp` across two hosts** (`tests/test_netns.py`", _NETNS[:1]),
     Guarantee("docs/multi-node.md", "Both groups ended at step 40 with bit-identical parameters and optimizer state. The "
