@@ -26,6 +26,9 @@ import fsdp_strategies
 import processes
 from fsdp_strategies import callbacks
 
+# each check reads a built page through one headless Chromium process
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "site"
 RESULTS = ROOT / "benchmarks" / "results"
