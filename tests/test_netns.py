@@ -36,6 +36,7 @@ import netns
 import processes
 from _multinode import hsdp_script_args, lighthouse_args, torchrun_args
 from conftest import ROOT, WORKERS, _env
+from fsdp_strategies.ft.protocol import EventLog
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 TINY = ["--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
@@ -158,15 +159,8 @@ def _ft_group_cmd(host: netns.Host, group: int, steps: int) -> list[str]:
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """A group's events file as the launcher reads it (a line cut short by a kill is skipped; no file: none)."""
+    return list(EventLog(path).records())
 
 
 def _committed(path: Path) -> list[dict[str, Any]]:

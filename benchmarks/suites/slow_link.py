@@ -26,7 +26,6 @@ events files), each group's train loss (mean of the last 8 logged steps) and the
 from __future__ import annotations
 
 import csv
-import json
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ import common
 ROOT = common.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
 import netns  # noqa: E402  (tests/netns.py: the namespace hosts)
+from fsdp_strategies.ft.protocol import EventLog  # noqa: E402
 
 SUITE = "slow_link"
 CONTENDERS = ("every_step", "local_sgd", "diloco", "straggler_sync", "every_step_fast")
@@ -55,13 +55,8 @@ MODEL = ["--model.vocab_size=64", "--data.vocab_size=64", "--model.dim=64", "--m
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """A group's events file as the launcher reads it (a line cut short by a kill is skipped; no file: none)."""
+    return list(EventLog(path).records())
 
 
 def _losses(log_dir: Path) -> list[float]:
