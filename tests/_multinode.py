@@ -52,8 +52,7 @@ def start_lighthouse(*, port: int, min_replicas: int, heartbeat_timeout_ms: int,
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     args = lighthouse_args(min_replicas=min_replicas, port=port, heartbeat_timeout_ms=heartbeat_timeout_ms)
     with log.open("wb") as fh:
-        if processes.before_start is not None:
-            processes.before_start([str(binary), *args])
+        processes.check_start([str(binary), *args])
         proc = subprocess.Popen([str(binary), *args], stdout=fh, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -97,8 +96,7 @@ def run_agents(agent_args: Sequence[Sequence[str]], *, env: dict[str, str], log_
     try:
         for i, args in enumerate(agent_args):
             with (log_dir / f"agent{i}.log").open("wb") as log:
-                if processes.before_start is not None:
-                    processes.before_start([sys.executable, "-m", "torch.distributed.run", *args])
+                processes.check_start([sys.executable, "-m", "torch.distributed.run", *args])
                 procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args],
                                               env={**env, **(agent_env[i] if agent_env else {})}, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))

@@ -121,10 +121,15 @@ class Job(subprocess.Popen):  # type: ignore[type-arg]
 before_start: Callable[[Sequence[str]], None] | None = None
 
 
-def start(cmd: Sequence[str], **popen_kwargs: Any) -> Job:
-    """Start ``cmd`` in a new session (see :class:`Job`); ``popen_kwargs`` as for ``subprocess.Popen``."""
+def check_start(cmd: Sequence[str]) -> None:
+    """Run :data:`before_start` for ``cmd`` (every start goes through here, also those that cannot use :func:`start`)."""
     if before_start is not None:
         before_start(cmd)
+
+
+def start(cmd: Sequence[str], **popen_kwargs: Any) -> Job:
+    """Start ``cmd`` in a new session (see :class:`Job`); ``popen_kwargs`` as for ``subprocess.Popen``."""
+    check_start(cmd)
     popen_kwargs.setdefault("start_new_session", True)
     if not popen_kwargs["start_new_session"]:
         raise ValueError("start(start_new_session=False): a job runs in a session of its own so that its whole "
