@@ -5,7 +5,8 @@
     python benchmarks/gpu.py --quick               # CPU smoke mode (tiny model, gloo), ~70 s CPU time
     python benchmarks/gpu.py --report FILE.json    # markdown tables of a result
 
-Sections, in order; each is guarded, so a failure is recorded with its error tail and the rest go on:
+Sections, in the priority order of ../shared/GPU_CHECKLIST.md (smoke, contenders, sac, memory, compile,
+pretrained); each is guarded, so a failure is recorded with its error tail and the rest go on:
 
 ``contenders``  the example at ~1B parameters (``configs/fsdp2_gpu_1b.yaml``'s model, sequence length
                 and per-device batch), bf16-mixed, world size 1: ``fsdp2`` vs Lightning
@@ -61,11 +62,13 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-SECTIONS = ("contenders", "compile", "sac", "memory", "smoke")
+# The priority order of ../shared/GPU_CHECKLIST.md: with --budget-s, later sections are the ones skipped.
+SECTIONS = ("smoke", "contenders", "sac", "memory", "compile", "pretrained")
 EXAMPLE_CONFIG = BENCH.parent / "configs" / "fsdp2_gpu_1b.yaml"
 QUICK_OUT_DIR = BENCH.parent / "outputs" / "gpu-quick"
 QUICK_PEAK_FLOPS = 1e12  # nominal, labelled as such: lets the MFU arithmetic run on a CPU
 MFU_RATIO_SLACK = 5e-4  # see mfu_ratio_target
+ACCUMULATE = 4  # the memory section's accumulate_grad_batches run (against the contenders' 1)
 OOM_PATTERNS = ("out of memory", "outofmemoryerror", "cuda error: out of memory", "cudaerrormemoryallocation")
 
 # The example's family (Llama shapes, the example's vocabulary and sequence length, 8 KV heads): the
@@ -80,7 +83,14 @@ LADDER: dict[str, dict[str, int]] = {
     "70b": {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "mlp_hidden": 28672},
 }
 
-CONTENDERS = ("fsdp2", "lightning_model_parallel", "lightning_fsdp", "torch_fsdp2")
+CONTENDERS = ("fsdp2", "torch_fsdp2", "lightning_model_parallel")
+OPTIONAL_CONTENDERS = ("lightning_fsdp",)  # FSDP1: only with --contenders (a budgeted run has no time for it)
+# Seconds a section is expected to take before anything was measured (GPU, the 1B example; --quick on a CPU).
+# Once jobs have run, the measured median wall time of a job replaces JOB_S. See section_estimate.
+JOB_S = {"gpu": 45.0, "quick": 25.0}
+FIXED_S = {"smoke": (150.0, 150.0), "sac": (90.0, 40.0), "pretrained": (150.0, 60.0), "compile_extra": (90.0, 30.0)}
+BISECT_PROBE_S = 90.0
+SMOKE_CAP = 1.5  # the smoke section stops after this many times its estimate (a hung run is killed there)
 COMPILED = {"fsdp2+compile": "fsdp2", "torch_fsdp2+compile": "torch_fsdp2"}
 OFFLOADABLE = ("fsdp2", "torch_fsdp2", "lightning_fsdp")  # contenders with a cpu_offload switch
 
@@ -188,6 +198,33 @@ def error_tail(exc: BaseException, lines: int = 30) -> list[str]:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()[-lines:]
 
 
+def fit_reps(planned: int, jobs: int, job_s: float, left_s: float) -> int:
+    """Rounds of ``jobs`` jobs of ``job_s`` seconds each that fit in ``left_s`` (at least 1, at most ``planned``).
+
+    Interleaved ratios need paired rounds, so rounds are cut, not jobs; one round is always tried (a section
+    is only started when its estimate, one round at least, fits)."""
+    if jobs <= 0 or job_s <= 0:
+        return planned
+    return max(1, min(planned, int(left_s // (jobs * job_s))))
+
+
+def budget_reason(estimate_s: float, plan: Any) -> str:
+    return (f"--budget-s {plan.budget_s:g}: estimated {estimate_s:.0f}s, {max(0.0, plan.left_s()):.0f}s left; "
+            "not started (a run cut off half-way would measure nothing)")
+
+
+def section_estimate(name: str, plan: Any) -> float:
+    """Seconds the section needs at least (its smallest useful form): what the budget check compares."""
+    job, quick = plan.job_s(), plan.quick
+    if name == "contenders":
+        return len(plan.contenders) * job  # one round; more rounds only as the budget allows (fit_reps)
+    if name == "compile":
+        return 2 * (job + FIXED_S["compile_extra"][quick])
+    if name == "memory":
+        return 2 * job  # the offload run; the rest only as the budget allows, job by job
+    return FIXED_S[name][quick]
+
+
 # ---------------------------------------------------------------------------------------------- plan
 class Plan:
     """What one invocation runs: the device, the model, sizes of each section."""
@@ -198,6 +235,11 @@ class Plan:
         import common
 
         self.quick: bool = ns.quick
+        self.started = time.monotonic()
+        self.budget_s: float | None = ns.budget_s
+        self.job_walls: list[float] = []  # wall seconds of every single-device job so far (for the estimates)
+        self.contenders: list[str] = list(ns.contenders or CONTENDERS)
+        self.wanted: list[str] = [s for s in SECTIONS if not ns.sections or s in ns.sections]
         self.gpu = torch.cuda.is_available()
         self.device_count = torch.cuda.device_count() if self.gpu else 0
         self.device_name = torch.cuda.get_device_name(0) if self.gpu else common.device_name()
@@ -224,6 +266,22 @@ class Plan:
             # the CPU side of cpu_offload (AdamW on offloaded state) needs the cores
             self.env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
 
+    def left_s(self) -> float:
+        """Seconds left of --budget-s (infinite without one)."""
+        if self.budget_s is None:
+            return float("inf")
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def job_timeout(self) -> float:
+        """A job's timeout: the per-job limit, and never past the budget's end."""
+        return max(1.0, min(self.timeout, self.left_s()))
+
+    def job_s(self) -> float:
+        """Expected wall seconds of one single-device job: measured so far, else the default."""
+        import common
+
+        return common.median(self.job_walls) or JOB_S["quick" if self.quick else "gpu"]
+
     def config(self) -> dict[str, Any]:
         ex = self.example
         return {
@@ -233,7 +291,8 @@ class Plan:
             "world_size": 1, "precision": self.precision, "reps": self.reps, "steps": self.steps, "warmup": self.warmup,
             "compile": {"reps": self.compile_reps, "warmup": self.compile_warmup,
                         "backend": self.compile_backend or "inductor (torch.compile default)"},
-            "job_timeout_s": self.timeout, "worker_env": self.env,
+            "job_timeout_s": self.timeout, "worker_env": self.env, "budget_s": self.budget_s,
+            "contenders": self.contenders,
             "peak_flops_note": (f"--quick: nominal {QUICK_PEAK_FLOPS:g} FLOP/s via FSDP_STRATEGIES_PEAK_FLOPS, not "
                                 "this CPU's peak; the MFU figures only show that the arithmetic runs")
             if self.quick else "dense bf16 peak from fsdp_strategies.flops.peaks by device name",
@@ -253,7 +312,11 @@ def _job(plan: Plan, base: str, args: list[str]) -> dict[str, Any]:
     """One single-device job of the contender ``base``'s worker (torchrun, 1 process), its JSON result."""
     import common
 
-    return common.run_worker(common.contender(base).script, 1, args, timeout=plan.timeout, env=plan.env)
+    t0 = time.perf_counter()
+    try:
+        return common.run_worker(common.contender(base).script, 1, args, timeout=plan.job_timeout(), env=plan.env)
+    finally:
+        plan.job_walls.append(time.perf_counter() - t0)
 
 
 def _contender_record(plan: Plan, runs: list[Any]) -> dict[str, Any]:
@@ -343,13 +406,18 @@ def section_contenders(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
 
     jobs: dict[str, tuple[str, list[str]]] = {}
     skipped: dict[str, str] = {}
-    for name in CONTENDERS:
+    for name in plan.contenders:
         reason = common.contender(name).skip_reason(1)
         if reason:
             skipped[name] = reason
             continue
         jobs[name] = (name, ["--mfu"] if common.contender(name).script == "lightning_fit.py" else [])
-    out = _timing_section(plan, jobs, skipped, plan.reps, fsdp.RATIOS, "contenders")
+    # more rounds only where the next checklist sections (sac, memory) keep their minimum
+    reserve = sum(section_estimate(n, plan) for n in ("sac", "memory") if n in plan.wanted)
+    reps = fit_reps(plan.reps, len(jobs), plan.job_s(), plan.left_s() - reserve)
+    out = _timing_section(plan, jobs, skipped, reps, fsdp.RATIOS, "contenders")
+    if reps < plan.reps:
+        out["reps_cut_by_budget"] = {"planned": plan.reps, "run": reps, "job_s_estimate": plan.job_s()}
     mon = out["contenders"].get("fsdp2", {}).get("mfu_monitor") or {}
     if mon.get("mfu_over_torchtitan") is not None:
         target = round(mfu_ratio_target(plan.example["model"], plan.example["seq_len"]), 5)
@@ -376,7 +444,12 @@ def section_compile(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         jobs["fsdp2"] = ("fsdp2", ["--mfu"])
     specs = (common.RatioSpec("fsdp2+compile", "torch_fsdp2+compile", 1.03, "ours / plain torch, both compiled per block"),
              common.RatioSpec("fsdp2+compile", "fsdp2", None, "what compile_blocks gives ours (below 1: faster)"))
-    return _timing_section(plan, jobs, skipped, plan.compile_reps, specs, "compile")
+    per_job = plan.job_s() + FIXED_S["compile_extra"][plan.quick]
+    reps = fit_reps(plan.compile_reps, len(jobs), per_job, plan.left_s())
+    out = _timing_section(plan, jobs, skipped, reps, specs, "compile")
+    if reps < plan.compile_reps:
+        out["reps_cut_by_budget"] = {"planned": plan.compile_reps, "run": reps, "job_s_estimate": per_job}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- sac
@@ -395,7 +468,7 @@ def section_sac(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         args = ["sac", "--model", json.dumps(ex["model"]), "--seq-len", str(ex["seq_len"]), "--batch", str(ex["batch"]),
                 "--reps", str(1 if plan.quick else 2), "--steps", str(2 if plan.quick else 5),
                 "--warmup", str(1 if plan.quick else 2), "--precision", plan.precision, "--out", str(out)]
-        proc = _run_section_worker(plan, args, timeout=plan.timeout * 2)
+        proc = _run_section_worker(plan, args, timeout=min(plan.timeout * 2, max(1.0, plan.left_s())))
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"sac worker exit {proc.returncode}\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
         data = json.loads(out.read_text())
@@ -452,7 +525,7 @@ def _probe(plan: Plan, size: str, offload: bool) -> dict[str, Any]:
     args = plan.worker_args("fsdp2", steps=1, warmup=1, model=model, extra=["--cpu-offload"] if offload else [])
     t0 = time.perf_counter()
     try:
-        out = common.run_worker("lightning_fit.py", 1, args, timeout=plan.timeout, env=plan.env)
+        out = common.run_worker("lightning_fit.py", 1, args, timeout=plan.job_timeout(), env=plan.env)
     except common.WorkerError as exc:
         text = str(exc)
         rec.update({"wall_s": time.perf_counter() - t0, "error_tail": text.splitlines()[-12:]})
@@ -466,6 +539,9 @@ def _probe(plan: Plan, size: str, offload: bool) -> dict[str, Any]:
 
 
 def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
+    """Peak memory per strategy (from the contenders' runs), cpu_offload on/off, accumulation 1 vs 4, then
+    (budget permitting) the largest size of the family that fits. Jobs run in that order; one whose estimate
+    exceeds what is left of the budget is not started (recorded as skipped)."""
     import common
 
     reused = done.get("contenders", {}).get("contenders", {})
@@ -473,40 +549,52 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     measure = "peak_cuda_bytes (torch.cuda.max_memory_allocated)" if plan.gpu else \
         "max_rss_bytes (CPU: peak resident set of the worker process, interpreter and libraries included)"
     jobs: dict[str, tuple[str, list[str]]] = {}
-    skipped: dict[str, str] = {}
-    for name in CONTENDERS:
+    for name in plan.contenders:
         reason = common.contender(name).skip_reason(1)
-        for offload in (False, True):
-            key = f"{name}{'+offload' if offload else ''}"
-            if reason:
-                skipped[key] = reason
-            elif offload and name not in OFFLOADABLE:
-                skipped[key] = ("ModelParallelStrategy has no offload option (a user passes offload_policy to "
-                                "fully_shard by hand); not measured")
-            elif not offload and reused.get(name, {}).get("memory_per_rank"):
-                rows[key] = {"from_section": "contenders", "cpu_offload": False, **_memory_row(plan, reused[name])}
-            elif plan.quick and offload and name != "fsdp2":
-                skipped[key] = "--quick: only fsdp2's offload run (the plain loop's offload path runs in the full mode)"
-            else:
-                jobs[key] = (name, ["--cpu-offload"] if offload else [])
-    if jobs:
-        bar = common.progress(len(jobs), "gpu/memory")
+        if reason:
+            rows[name] = {"skipped": reason}
+        elif reused.get(name, {}).get("memory_per_rank"):
+            rows[name] = {"from_section": "contenders", "cpu_offload": False, **_memory_row(plan, reused[name])}
+        else:
+            jobs[name] = (name, [])
+    jobs["fsdp2+accumulate4"] = ("fsdp2", ["--accumulate", str(ACCUMULATE)])
+    for name in plan.contenders:
+        if "skipped" in rows.get(name, {}):
+            continue
+        if name not in OFFLOADABLE:
+            rows[f"{name}+offload"] = {"skipped": "ModelParallelStrategy has no offload option (a user passes "
+                                                  "offload_policy to fully_shard by hand); not measured"}
+        elif plan.quick and name != "fsdp2":
+            rows[f"{name}+offload"] = {"skipped": "--quick: only fsdp2's offload run (the others run in the full mode)"}
+        else:
+            jobs[f"{name}+offload"] = (name, ["--cpu-offload"])
+    # the checklist's order: offload on vs off and accumulation 1 vs 4 first, then what the contenders did not run
+    order = sorted(jobs, key=lambda k: 0 if k == "fsdp2+offload" else 1 if "accumulate" in k else 2)
+    for key in order:
+        base, extra = jobs[key]
+        estimate = plan.job_s() * (2 if "offload" in key else 1)
+        if estimate > plan.left_s():
+            rows[key] = {"skipped": budget_reason(estimate, plan)}
+            continue
         try:
-            runs = common.interleave(list(jobs), 1, lambda key, rep: _job(plan, jobs[key][0], plan.worker_args(
-                jobs[key][0], steps=2, warmup=1, extra=jobs[key][1])), bar)
-        finally:
-            bar.close()
-        for key, r in runs.items():
-            rec = _contender_record(plan, r)
-            rows[key] = {"from_section": "memory", "cpu_offload": "+offload" in key, **_memory_row(plan, rec)}
-    for key, reason in skipped.items():
-        rows[key] = {"skipped": reason}
+            run: Any = _job(plan, base, plan.worker_args(base, steps=4 if "accumulate" in key else 2, warmup=1,
+                                                         extra=extra))
+        except Exception as exc:  # recorded in the row
+            run = exc
+        rec = _contender_record(plan, [run])
+        rows[key] = {"from_section": "memory", "cpu_offload": "+offload" in key, **_memory_row(plan, rec)}
+        if isinstance(run, dict) and "accumulate" in key:
+            first = (run.get("per_rank") or [{}])[0]
+            rows[key].update({k: first.get(k) for k in ("accumulate_grad_batches", "grad_bytes_held_after_backward",
+                                                        "cuda_allocated_after_backward")})
     result: dict[str, Any] = {"status": "ok", "measure": measure, "strategies": rows}
-    if plan.gpu:
-        result["largest_fitting"] = _bisect_ladder(plan, reused.get("fsdp2", {}))
-    else:
+    if not plan.gpu:
         result["largest_fitting"] = {"skipped": "no CUDA device: out-of-memory probes would exhaust the host's RAM, "
                                                 "which other work shares, not a device limit"}
+    elif plan.left_s() < 2 * BISECT_PROBE_S:
+        result["largest_fitting"] = {"skipped": budget_reason(2 * BISECT_PROBE_S, plan)}
+    else:
+        result["largest_fitting"] = _bisect_ladder(plan, reused.get("fsdp2", {}))
     failed = sorted(k for k, r in rows.items() if r.get("errors") and not r.get("peak_memory_bytes"))
     if failed:
         result.update(failed_rows=failed, status="partial")
@@ -531,6 +619,10 @@ def _bisect_ladder(plan: Plan, fsdp2_record: dict[str, Any]) -> dict[str, Any]:
         probes: list[dict[str, Any]] = []
 
         def fits(i: int, offload: bool = offload, probes: list = probes) -> bool | None:
+            if plan.left_s() < BISECT_PROBE_S:
+                probes.append({"size": names[i], "cpu_offload": offload, "fits": None,
+                               "not_started": budget_reason(BISECT_PROBE_S, plan)})
+                return None
             rec = _probe(plan, names[i], offload)
             probes.append(rec)
             return rec["fits"]
@@ -551,6 +643,8 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     """All smoke runs in one process; a crash restarts the rest in a fresh one, a failure is retried alone."""
     results: dict[str, Any] = {}
     planned: list[str] = []
+    # a hang (an NCCL collective that never returns) must not eat the budget of the sections after this one
+    deadline = time.monotonic() + min(plan.left_s(), FIXED_S["smoke"][plan.quick] * SMOKE_CAP)
 
     def launch(names: list[str] | None) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as tmp:
@@ -559,7 +653,7 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             if plan.quick:
                 args.append("--quick")
             try:
-                proc = _run_section_worker(plan, args, timeout=plan.timeout * 2)
+                proc = _run_section_worker(plan, args, timeout=max(1.0, deadline - time.monotonic()))
                 tail = (proc.stdout + proc.stderr).splitlines()[-30:]
                 code: int | str = proc.returncode
             except subprocess.TimeoutExpired as exc:
@@ -590,7 +684,8 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             break
         pending = remaining
     for name, rec in list(results.items()):
-        if rec.get("status") == "failed":  # in a fresh process, so an earlier run's state cannot be the cause
+        if rec.get("status") == "failed" and deadline - time.monotonic() > 10:
+            # in a fresh process, so an earlier run's state cannot be the cause
             alone = launch([name]).get(name, {"status": "failed", "reason": "no result"})
             results[name] = {**alone, "first_attempt": rec, "retried_alone": True}
     failed = sorted(n for n, r in results.items() if r.get("status") == "failed")
@@ -598,10 +693,56 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     return {"status": status, "runs": results, "failed_runs": failed}
 
 
+# ---------------------------------------------------------------------------------------------- pretrained
+# ~1B LlamaForCausalLM (Llama 3's vocabulary, the suite's 8 layers); --quick: the suite's own quick size
+PRETRAINED_SIZE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "vocab_size": 128256}
+PRETRAINED_GPU_TOLERANCE = 1e-4  # fp32 reference loss on the CPU vs the loaded model on the GPU (other kernels)
+
+
+def section_pretrained(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
+    """A ``save_pretrained`` folder of a random ~1B Llama loaded into ``fsdp2`` (``from_pretrained`` in
+    ``configure_model``, the pretrained_load suite's route) on the one device: peak host memory the load adds,
+    peak device memory, load time; the loaded weights checked against the saved model's reference loss."""
+    import common
+    from suites import pretrained_load
+
+    size = "quick-6m" if plan.quick else "gpu-1b"
+    if not plan.quick:
+        pretrained_load.SIZES[size] = PRETRAINED_SIZE
+    with tempfile.TemporaryDirectory(prefix="gpu-pretrained-") as tmp:
+        folder = Path(tmp) / size
+        t0 = time.perf_counter()
+        model = pretrained_load.save_model(size, folder)
+        save_s = time.perf_counter() - t0
+        ref = Path(tmp) / f"{size}-ref.json"
+        if plan.gpu:
+            spec = json.loads(ref.read_text())
+            ref.write_text(json.dumps({**spec, "tolerance": PRETRAINED_GPU_TOLERANCE}))
+        args = ["--contender", "fsdp2_configure_model", "--folder", str(folder), "--ref", str(ref),
+                "--accelerator", "gpu" if plan.gpu else "cpu"]
+        t0 = time.perf_counter()
+        run = common.run_worker("pretrained_load.py", 1, args, timeout=plan.job_timeout(), env=plan.env)
+        job_s = time.perf_counter() - t0
+    [rank] = run["per_rank"]
+    mem = rank["memory"]
+    return {"status": "ok" if run["weights_ok"] else "failed", "size": size,
+            "model": {k: v for k, v in model.items() if k != "config"}, "config": model["config"],
+            "route": "fsdp2_configure_model (from_pretrained in configure_model under fsdp2, world size 1)",
+            "weights_ok": run["weights_ok"], "ref_loss": rank["ref_loss"], "expected_ref_loss": run["ref_loss"],
+            "tolerance": PRETRAINED_GPU_TOLERANCE if plan.gpu else pretrained_load.TOLERANCE,
+            "load_s": mem["load_s"], "job_wall_s": job_s, "save_pretrained_s": save_s,
+            "peak_host_growth_bytes": mem["peak_growth_bytes"], "peak_host_anon_growth_bytes":
+            mem["peak_anon_growth_bytes"], "peak_cuda_bytes": mem.get("peak_cuda_bytes"),
+            "peak_host_growth_over_model": mem["peak_growth_bytes"] / model["model_bytes"],
+            "measured": "the pretrained_load suite's window: host RSS growth from before the model exists to "
+                        "on_fit_start; peak CUDA memory (max_memory_allocated) at on_fit_start"}
+
+
 # ---------------------------------------------------------------------------------------------- orchestration
 SECTION_FUNCS: dict[str, Callable[[Plan, dict[str, Any]], dict[str, Any]]] = {
     "contenders": section_contenders, "compile": section_compile, "sac": section_sac, "memory": section_memory,
-    "smoke": section_smoke,
+    "smoke": section_smoke, "pretrained": section_pretrained,
 }
 
 
@@ -845,12 +986,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ladder", nargs="+", default=None, metavar="SIZE",
                         help=f"sizes the memory bisection may probe ({' '.join(LADDER)})")
     parser.add_argument("--job-timeout", type=float, default=None, help="seconds per job (480; --quick 300)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget in seconds: sections run in priority order, one whose estimate "
+                             "exceeds what is left is skipped (recorded), no job runs past the end")
+    parser.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
+                        help=f"contenders ({' '.join(CONTENDERS)} by default; also {' '.join(OPTIONAL_CONTENDERS)})")
     parser.add_argument("--report", type=Path, default=None, metavar="FILE.json",
                         help="print markdown tables of a result file and exit")
     ns = parser.parse_args(argv)
     for name in ns.sections or []:
         if name not in SECTIONS:
             parser.error(f"--sections: unknown section {name!r}. Fix: choose from {list(SECTIONS)}.")
+    for name in ns.contenders or []:
+        if name not in CONTENDERS + OPTIONAL_CONTENDERS:
+            parser.error(f"--contenders: unknown contender {name!r}. Fix: choose from "
+                         f"{list(CONTENDERS + OPTIONAL_CONTENDERS)}.")
+    if ns.budget_s is not None and ns.budget_s <= 0:
+        parser.error(f"--budget-s {ns.budget_s:g}: must be > 0 seconds.")
     for size in ns.ladder or []:
         if size not in LADDER:
             parser.error(f"--ladder: unknown size {size!r}. Fix: choose from {list(LADDER)}.")
@@ -878,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
               "for the CPU smoke mode.", file=sys.stderr)
         return 2
     plan = Plan(ns)
-    wanted = [s for s in SECTIONS if not ns.sections or s in ns.sections]
+    wanted = plan.wanted
     path = common.result_path("gpu", plan.out_dir)
     result = common.header("gpu", plan.config())
     result.update({"device_name": plan.device_name, "sections": {}})  # the one device used
@@ -894,8 +1046,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     done: dict[str, Any] = dict(result["sections"])  # kept sections count (memory reuses the contenders' runs)
     for name in wanted:
-        print(f"[gpu] {name} ...", file=sys.stderr, flush=True)
+        estimate = section_estimate(name, plan)
+        if estimate > plan.left_s():  # never start a section that cannot finish: record why instead
+            done[name] = {"status": "skipped", "reason": budget_reason(estimate, plan), "estimate_s": estimate,
+                          "wall_s": 0.0}
+            result["sections"][name] = done[name]
+            print(f"[gpu] {name}: skipped ({done[name]['reason']})", file=sys.stderr, flush=True)
+            common.write_result("gpu", result, plan.out_dir)
+            continue
+        print(f"[gpu] {name} (estimate {estimate:.0f}s, {plan.left_s():.0f}s left) ...", file=sys.stderr, flush=True)
         done[name] = run_section(name, plan, done)
+        done[name]["estimate_s"] = estimate
         result["sections"][name] = done[name]
         print(f"[gpu] {name}: {done[name]['status']} in {done[name]['wall_s']:.0f}s", file=sys.stderr, flush=True)
         common.write_result("gpu", result, plan.out_dir)  # after every section: a crash keeps what was measured
@@ -911,7 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     path = common.write_result("gpu", result, plan.out_dir)
     print(result.get("table", ""))
     print(f"wrote {', '.join(str(p) for p in [path, *pngs] if p)} in {result['wall_s']:.0f}s")
-    return 0 if all(result["sections"][s]["status"] == "ok" for s in wanted) and "report_error" not in result else 1
+    ok = ("ok", "skipped") if plan.budget_s is not None else ("ok",)
+    return 0 if all(result["sections"][s]["status"] in ok for s in wanted) and "report_error" not in result else 1
 
 
 if __name__ == "__main__":

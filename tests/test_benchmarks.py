@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -579,7 +580,7 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     monkeypatch.setattr(gpu_harness, "host_available_bytes", lambda: 200 * 2**30)
     plan = object.__new__(gpu_harness.Plan)
     plan.__dict__.update(example=ex, precision="bf16-mixed", ladder=list(gpu_harness.LADDER), timeout=10, env={},
-                         total_device_bytes=80 * 2**30)
+                         total_device_bytes=80 * 2**30, budget_s=None, started=time.monotonic())
     fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})  # 1b ran in the contenders section
     no, off = fit["no_offload"], fit["cpu_offload"]
     assert no["largest"] == "1b" and off["largest"] == "7b" and not no["inconclusive"] and not off["inconclusive"]
@@ -629,8 +630,9 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
         return subprocess.CompletedProcess(args, code, "", "Fatal Python error: Segmentation fault")
 
     monkeypatch.setattr(gpu_harness, "_run_section_worker", fake_worker)
-    plan = type("P", (), {"precision": "bf16-mixed", "quick": True, "timeout": 10})()
-    smoke = gpu_harness.section_smoke(plan, {})  # type: ignore[arg-type]
+    plan = object.__new__(gpu_harness.Plan)
+    plan.__dict__.update(precision="bf16-mixed", quick=True, timeout=10, budget_s=None, started=time.monotonic())
+    smoke = gpu_harness.section_smoke(plan, {})
     assert calls == [["a", "b", "c"], ["c"], ["b"], ["c"]]
     runs = smoke["runs"]
     assert runs["a"]["status"] == "ok" and "retried_alone" not in runs["a"]
@@ -638,6 +640,34 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert "died" in runs["b"]["first_attempt"]["reason"] and "Segmentation" in runs["b"]["first_attempt"]["error_tail"][-1]
     assert runs["c"]["retried_alone"] and runs["c"]["first_attempt"]["status"] == "failed"
     assert smoke["status"] == "ok" and smoke["failed_runs"] == []
+
+
+def test_gpu_harness_budget_arithmetic() -> None:
+    # rounds are cut to what fits (at least one), section estimates follow the measured job time
+    assert gpu_harness.fit_reps(3, 3, 45.0, 1000.0) == 3 and gpu_harness.fit_reps(3, 3, 45.0, 300.0) == 2
+    assert gpu_harness.fit_reps(3, 3, 45.0, 10.0) == 1 and gpu_harness.fit_reps(2, 0, 45.0, 0.0) == 2
+    plan = object.__new__(gpu_harness.Plan)
+    plan.__dict__.update(quick=False, job_walls=[], contenders=["fsdp2", "torch_fsdp2"], budget_s=100.0,
+                         started=time.monotonic() - 40, timeout=480)
+    assert gpu_harness.section_estimate("contenders", plan) == 2 * gpu_harness.JOB_S["gpu"]
+    plan.job_walls += [10.0, 20.0, 30.0]
+    assert gpu_harness.section_estimate("contenders", plan) == 40.0  # 2 x the measured median
+    assert gpu_harness.section_estimate("smoke", plan) == gpu_harness.FIXED_S["smoke"][0]
+    assert 59 <= plan.left_s() <= 60 and plan.job_timeout() <= 60  # no job outlives the budget
+    reason = gpu_harness.budget_reason(150.0, plan)
+    assert "--budget-s 100" in reason and "estimated 150s" in reason
+
+
+@pytest.mark.subprocess
+def test_gpu_harness_budget_skips_what_cannot_finish(tmp_path: Path) -> None:
+    # --quick with a 1 s budget: no section is started, each is recorded as skipped with its estimate and why
+    proc = run_python(["benchmarks/gpu.py", "--quick", "--budget-s", "1", "--out-dir", str(tmp_path)], timeout=300,
+                      env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert list(result["sections"]) == list(gpu_harness.SECTIONS) and result["config"]["budget_s"] == 1
+    for sec in result["sections"].values():
+        assert sec["status"] == "skipped" and sec["estimate_s"] > 1 and "--budget-s 1:" in sec["reason"]
 
 
 def _mfu_ratio_met(result: dict) -> bool:
@@ -652,7 +682,7 @@ def _numbers(*values: object) -> bool:
 @pytest.mark.multiprocess
 def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     # Every section of benchmarks/gpu.py in its CPU smoke mode: each part produced numbers or a skip reason.
-    proc = run_python(["benchmarks/gpu.py", "--quick", "--out-dir", str(tmp_path)], timeout=900,
+    proc = run_python(["benchmarks/gpu.py", "--quick", "--budget-s", "1800", "--out-dir", str(tmp_path)], timeout=900,
                       env={"CUDA_VISIBLE_DEVICES": ""})
     result = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert result["suite"] == "gpu" and result["device"] == "cpu" and result["config"]["quick"] is True

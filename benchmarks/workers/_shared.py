@@ -58,6 +58,9 @@ def parse_args(contenders: tuple[str, ...]) -> argparse.Namespace:
                         help="torch.compile backend for --compile-blocks (default: inductor; 'aot_eager' on CPU smoke runs)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep sharded parameters, gradients and optimizer state on the CPU (FSDP contenders)")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="accumulate_grad_batches (Lightning contenders); --steps / --warmup count micro-batches, "
+                             "and the gradient bytes each rank holds after every backward are recorded")
     parser.add_argument("--mfu", action="store_true",
                         help="add MFUMonitor (Lightning contenders) and record its MFU/HFU/TFLOPS of the measured steps")
     args = parser.parse_args()

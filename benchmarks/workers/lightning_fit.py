@@ -62,6 +62,19 @@ class StepTimer(Callback):
         self.mfu = mfu  # an MFUMonitor placed after this callback (--mfu), read at the end
         self.clock: _shared.StepClock | None = None
         self.profiler = _shared.StepProfiler(args.profile, args.out)
+        # --accumulate > 1: after every backward, the bytes of this rank's local ``.grad`` tensors (FSDP2 without
+        # gradient sync keeps unsharded gradients outside ``.grad``: the device's allocated bytes show those)
+        self.grad_bytes_held: list[int] = []
+        self.allocated_after_backward: list[int] = []
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.args.accumulate > 1:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            self.grad_bytes_held.append(sum(g.numel() * g.element_size() for g in local))
+            if pl_module.device.type == "cuda":
+                self.allocated_after_backward.append(torch.cuda.memory_allocated(pl_module.device))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -92,6 +105,9 @@ class StepTimer(Callback):
             "peak_flops": peak,
             "peak_flops_source": peak_source,
             "mfu_monitor": self._mfu_record(trainer),
+            "accumulate_grad_batches": self.args.accumulate,
+            "grad_bytes_held_after_backward": self.grad_bytes_held or None,
+            "cuda_allocated_after_backward": self.allocated_after_backward or None,
         })
 
     def _mfu_record(self, trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -169,7 +185,8 @@ def main() -> None:
         callbacks.append(monitor)
     trainer = pl.Trainer(
         accelerator="auto", devices=local, num_nodes=args.world_size // local, strategy=make_strategy(args),
-        precision=args.precision, max_steps=args.total_steps, limit_val_batches=0, num_sanity_val_steps=0,
+        precision=args.precision, max_steps=-(-args.total_steps // args.accumulate),
+        accumulate_grad_batches=args.accumulate, limit_val_batches=0, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )

@@ -187,10 +187,12 @@ class Probe(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.memory = self.window.stop()
+        if pl_module.device.type == "cuda":  # what the load left on the device, at its peak
+            self.memory["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)
         was_training = pl_module.training
         pl_module.eval()
         with torch.no_grad():  # through the LightningModule's own __call__: FSDP2's root hooks gather the shards
-            self.ref_loss = float(pl_module(self.ref))
+            self.ref_loss = float(pl_module(self.ref.to(pl_module.device)))
         pl_module.train(was_training)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -230,7 +232,7 @@ def run_lightning(ns: argparse.Namespace, ref: torch.Tensor) -> dict[str, Any]:
         strategy = FSDP2Strategy(pretrained=ns.folder)
     else:
         strategy = FSDP2Strategy()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, precision="32-true",
+    trainer = pl.Trainer(accelerator=ns.accelerator, devices=world, num_nodes=1, strategy=strategy, precision="32-true",
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
     if ns.contender == "init_from_pretrained":
@@ -251,6 +253,8 @@ def main() -> None:
     parser.add_argument("--folder", required=True)
     parser.add_argument("--ref", required=True, help="the suite's JSON: input_ids, loss, tolerance")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"),
+                        help="where the Lightning routes put the model (benchmarks/gpu.py: gpu, one rank)")
     ns = parser.parse_args()
     spec = json.loads(Path(ns.ref).read_text())
     ref = torch.tensor(spec["input_ids"])

@@ -12,11 +12,16 @@ gloo on a CPU), one after the other in this process. Before each run a ``started
 a result line go to ``--out`` (JSON lines), so the caller can tell which run a crash interrupted and
 start the rest again in a fresh process. Runs (``--runs``):
 
+  fsdp2, hsdp       ``FSDP2Strategy`` and ``HSDPStrategy`` (a 1 x 1 mesh); the mesh's dimensions are recorded.
   ddp_hooks:<hook>  ``DDPHooksStrategy(comm_hook=<hook>)`` for every hook of ``COMM_HOOKS``; records the
                     hook's own state afterwards (PowerSGD's compression counters, the local-SGD averager's
                     step) to show the hook ran, not only registered.
   ft_hsdp           ``FTHSDPStrategy`` with one replica group and a lighthouse started in this process
                     (torchft ``ProcessGroupNCCL`` on a GPU); every step must commit.
+  async_checkpoint:<mode>  ``FSDP2Strategy(async_checkpoint=<mode>)`` (``thread``, ``process``) saving every
+                    2 steps; the last checkpoint must pass ``verify_checkpoint`` and a resume from it continue.
+  activation_offload  ``ActivationCheckpointing(mode="none", offload=True)`` (pinned host copies on a side
+                    stream): bytes offloaded, peak memory and losses next to the same run without offload.
   straggler         ``StragglerDetector`` (CUDA-event timing on a GPU, process CPU time on a CPU) next to the
                     same quantity measured by hand at the same hooks (``torch.cuda.Event`` / CPU time), per window.
   mfu_peak          the dense-peak table lookup on the real device name, and the peak ``MFUMonitor``
@@ -45,8 +50,10 @@ for _p in (ROOT / "benchmarks", ROOT / "examples", ROOT / "src"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-SMOKE_RUNS = ("ddp_hooks:allreduce", "ddp_hooks:bf16_compress", "ddp_hooks:fp16_compress", "ddp_hooks:powersgd",
-              "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd", "ft_hsdp", "straggler", "mfu_peak")
+# ft_hsdp last: a hang in its replica process group (the riskiest path) costs only what comes after it
+SMOKE_RUNS = ("fsdp2", "hsdp", "async_checkpoint:thread", "async_checkpoint:process", "activation_offload",
+              "straggler", "mfu_peak", "ddp_hooks:allreduce", "ddp_hooks:bf16_compress", "ddp_hooks:fp16_compress",
+              "ddp_hooks:powersgd", "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd", "ft_hsdp")
 
 
 # ---------------------------------------------------------------------------------------------- sac
@@ -101,7 +108,7 @@ class StepRecorder(pl.Callback):
 
 
 def _fit(strategy: Any, size: dict[str, Any], steps: int, precision: str, callbacks: list[Any],
-         batch: int | None = None) -> tuple[pl.Trainer, StepRecorder]:
+         batch: int | None = None, ckpt_path: str | None = None, **trainer_kwargs: Any) -> tuple[pl.Trainer, StepRecorder]:
     """One short fit of the example on the one device; returns (trainer, step recorder)."""
     from llama import LlamaLM, MarkovDataModule
 
@@ -109,14 +116,14 @@ def _fit(strategy: Any, size: dict[str, Any], steps: int, precision: str, callba
     batch = batch or size["global_batch"]
     recorder = StepRecorder()
     pl.seed_everything(0, verbose=False)
+    kwargs = {"logger": False, "enable_checkpointing": False, **trainer_kwargs}
     trainer = pl.Trainer(accelerator="auto", devices=1, strategy=strategy, precision=precision, max_steps=steps,
-                         callbacks=[recorder, *callbacks], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0)
+                         callbacks=[recorder, *callbacks], enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, **kwargs)
     model = LlamaLM(**m, max_seq_len=seq, warmup_steps=1)
     data = MarkovDataModule(vocab_size=m["vocab_size"], seq_len=seq, batch_size=batch,
                             num_train=batch * (steps + 1), num_val=batch)
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer, recorder
 
 
@@ -134,6 +141,90 @@ def _common_record(trainer: Any, recorder: Any, steps: int) -> dict[str, Any]:
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "strategy_class": type(trainer.strategy).__name__,
     }
+
+
+def smoke_fsdp(name: str, quick: bool, precision: str) -> dict[str, Any]:
+    from fsdp_strategies import FSDP2Strategy, HSDPStrategy
+
+    steps = 6
+    blocks = ["TransformerBlock"]
+    strategy = (FSDP2Strategy(block_class_names=blocks) if name == "fsdp2"
+                else HSDPStrategy(replicate_degree=1, shard_degree=1, block_class_names=blocks))
+    trainer, recorder = _fit(strategy, _size(quick, "medium"), steps, precision, [])
+    rec = _common_record(trainer, recorder, steps)
+    mesh = getattr(strategy, "device_mesh", None)
+    rec["mesh"] = {"dim_names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)} if mesh is not None else None
+    if cuda_peak := _cuda_peak():
+        rec["peak_cuda_bytes"] = cuda_peak
+    return rec
+
+
+def _cuda_peak() -> int | None:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def smoke_async_checkpoint(mode: str, quick: bool, precision: str) -> dict[str, Any]:
+    """Async saves every 2 steps, then the last one verified and resumed from."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fsdp_strategies import FSDP2Strategy, verify_checkpoint
+
+    steps, size = 6, _size(quick, "medium")
+    with tempfile.TemporaryDirectory(prefix="gpu-async-") as tmp:
+        def run(max_steps: int, ckpt: str | None) -> tuple[Any, Any]:
+            saver = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1, save_last=True)
+            strategy = FSDP2Strategy(block_class_names=["TransformerBlock"], async_checkpoint=mode)
+            return _fit(strategy, size, max_steps, precision, [saver], ckpt_path=ckpt, enable_checkpointing=True,
+                        default_root_dir=tmp)
+
+        t0 = time.perf_counter()
+        trainer, recorder = run(steps, None)
+        rec = _common_record(trainer, recorder, steps)
+        rec["first_fit_wall_s"] = time.perf_counter() - t0
+        saved = sorted(p.name for p in Path(tmp).iterdir() if p.name.endswith(".ckpt"))
+        last = Path(tmp) / "last.ckpt"
+        verdict = verify_checkpoint(last) if last.exists() else None
+        rec.update({"checkpoints": saved, "verify_last": None if verdict is None else
+                    {"status": str(verdict.status), "message": verdict.message}})
+        resumed, resumed_rec = run(steps + 2, str(last)) if last.exists() else (None, None)
+    if rec["status"] == "ok" and (verdict is None or not verdict.ok):
+        rec.update(status="failed", reason=f"last.ckpt missing or not verified: {rec['verify_last']}")
+    elif rec["status"] == "ok" and (resumed is None or resumed.global_step != steps + 2
+                                    or len(resumed_rec.losses) != 2):
+        rec.update(status="failed", reason=f"resume from last.ckpt did not run steps {steps}..{steps + 2}: "
+                                           f"global_step={getattr(resumed, 'global_step', None)}")
+    if resumed_rec is not None:
+        rec["resumed_losses"] = resumed_rec.losses
+    return rec
+
+
+def smoke_activation_offload(quick: bool, precision: str) -> dict[str, Any]:
+    """Offload on and off on the same weights and batches: bytes moved, peak memory, identical losses."""
+    from fsdp_strategies import ActivationCheckpointing
+
+    steps = 4
+    size = _size(quick, "gpu-350m")
+    batch = None if quick else 4
+    runs: dict[str, Any] = {}
+    for offload in (False, True):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        cb = [ActivationCheckpointing(mode="none", offload=True, offload_min_bytes=1 << 16)] if offload else []
+        trainer, recorder = _fit("fsdp2", size, steps, precision, cb, batch=batch)
+        stats = cb[0].offload_stats if cb else None
+        runs["offload" if offload else "baseline"] = {
+            **_common_record(trainer, recorder, steps), "losses": recorder.losses, "peak_cuda_bytes": _cuda_peak(),
+            "offloaded": None if stats is None else {"blocks": stats.blocks, "tensors": stats.tensors,
+                                                     "bytes": stats.bytes}}
+    base, off = runs["baseline"], runs["offload"]
+    diffs = [abs(a - b) for a, b in zip(base["losses"], off["losses"])]
+    rec = {**off, "baseline": base, "losses_max_abs_diff": max(diffs, default=None)}
+    if rec["status"] == "ok" and not (off["offloaded"] and off["offloaded"]["bytes"]):
+        rec.update(status="failed", reason=f"nothing was offloaded: {off['offloaded']}")
+    elif rec["status"] == "ok" and (not diffs or max(diffs) > 1e-3 * max(1.0, abs(base["losses"][-1]))):
+        rec.update(status="failed", reason=f"offload changed the losses: {base['losses']} vs {off['losses']}")
+    return rec
 
 
 def smoke_ddp_hooks(hook: str, quick: bool, precision: str) -> dict[str, Any]:
@@ -289,6 +380,12 @@ def smoke_mfu_peak(quick: bool, precision: str) -> dict[str, Any]:
 
 
 def smoke_one(name: str, quick: bool, precision: str) -> dict[str, Any]:
+    if name in ("fsdp2", "hsdp"):
+        return smoke_fsdp(name, quick, precision)
+    if name.startswith("async_checkpoint:"):
+        return smoke_async_checkpoint(name.split(":", 1)[1], quick, precision)
+    if name == "activation_offload":
+        return smoke_activation_offload(quick, precision)
     if name.startswith("ddp_hooks:"):
         return smoke_ddp_hooks(name.split(":", 1)[1], quick, precision)
     if name == "ft_hsdp":

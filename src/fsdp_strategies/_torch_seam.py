@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "HookedFlopCounter",
     "TorchDispatchMode",
     "dcp_metadata_globals",
+    "default_stager_reusable",
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
@@ -119,6 +121,28 @@ def shutdown_loader_workers(iterator: Any) -> None:
 
     if isinstance(iterator, _MultiProcessingDataLoaderIter):
         iterator._shutdown_workers()
+
+
+@functools.cache
+def default_stager_reusable() -> bool:
+    """Whether one DCP ``DefaultStager`` can ``stage()`` more than once (a behaviour, not a private name).
+
+    torch 2.11's ``DefaultStager.stage`` closes its ``StateDictStager`` after every call, which clears that
+    stager's copy table: the next ``stage`` raises ``KeyError: <class 'type'>``. Newer torch (2.13) keeps it.
+    Found by staging a one-tensor dict twice with a throw-away stager (CPU memory, once per process).
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 def _dcp_metadata_file() -> str:

@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from fsdp_strategies import _torch_seam
 from fsdp_strategies._distributed import is_multi_rank, rank_and_world
 from fsdp_strategies.checkpoint.agreement import AgreementGroup, AgreementMixin
 from fsdp_strategies.checkpoint.atomic import (
@@ -191,11 +192,14 @@ class AsyncCheckpointer:
         return self._write is not None
 
     def _get_stager(self) -> Any:
-        """DCP's ``DefaultStager``, kept for the run: its CPU copies are allocated at the first save and reused
-        (safe: a save starts only after the previous write finished). Synchronous: the copy is complete when
+        """DCP's ``DefaultStager``, kept for the run where torch allows it: its CPU copies are allocated at the
+        first save and reused (safe: a save starts only after the previous write finished); a new one per save
+        where a stager stages only once (torch 2.11, :func:`~fsdp_strategies._torch_seam.default_stager_reusable`). Synchronous: the copy is complete when
         the save returns, so the optimizer may change the parameters right after."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        if self._stager is not None and not _torch_seam.default_stager_reusable():
+            self._release_stager()  # torch 2.11: a stager stages once (the previous write has finished)
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.mode == "process",
