@@ -145,6 +145,28 @@ def test_sharded_writer_single_process(tmp_path: Path) -> None:
     checkpointer.close()
 
 
+def test_sharded_writer_default_group_without_cpu_backend(tmp_path: Path) -> None:
+    """One GPU (world size 1, NCCL alone) as the GPU harness first ran it: DCP's async_save refuses a default
+    group without a CPU backend. Reproduced here with a ``cuda:gloo`` default group (gloo bound to CUDA only).
+    Three saves with one writer: torch 2.11's stager also staged only once (see ``default_stager_reusable``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpointer = AsyncCheckpointer("thread", "test")
+        for step in range(3):
+            state = {"state_dict": {"w": torch.full((2, 3), float(step))}}
+            checkpointer.save_sharded(state, {"step": step}, tmp_path / f"s{step}.ckpt", is_rank_zero=True)
+        checkpointer.finish()
+        checkpointer.close()
+    finally:
+        dist.destroy_process_group()
+    for step in range(3):
+        assert verify_checkpoint(tmp_path / f"s{step}.ckpt").ok
+        assert export_main([str(tmp_path / f"s{step}.ckpt"), str(tmp_path / f"p{step}.pt")]) == 0
+        assert torch.equal(torch.load(tmp_path / f"p{step}.pt", weights_only=True)["w"], torch.full((2, 3), step * 1.0))
+
+
 # ---------------------------------------------------------------------------------------------- real processes
 @pytest.mark.multiprocess
 def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tmp_path: Path) -> None:

@@ -115,3 +115,21 @@ def test_parallelize_keeps_0d_params_whole_and_hooks_their_gradients(tmp_path: P
             assert torch.allclose(p.grad, got, atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+def test_cpu_offload_placement_keeps_parameters_on_cpu_and_moves_buffers() -> None:
+    # FSDP2's CPUOffloadPolicy refuses parameters on the accelerator (the first GPU run: "FSDP parameters should
+    # be materialized on CPU"); buffers, which FSDP2 does not manage, must still reach the compute device.
+    # "meta" stands in for the accelerator here.
+    from fsdp_strategies.parallel import buffers_to, parameter_device
+
+    accel = torch.device("meta")
+    assert parameter_device(accel, cpu_offload=True) == torch.device("cpu")
+    assert parameter_device(accel, cpu_offload=False) == accel
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[0].register_buffer("rope", torch.ones(3), persistent=False)
+    keys = set(model.state_dict())
+    buffers_to(model, accel)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device == accel for b in model.buffers()) and len(list(model.buffers())) == 4
+    assert set(model.state_dict()) == keys and "0.rope" not in keys  # registrations (persistence) unchanged

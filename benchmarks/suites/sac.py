@@ -150,16 +150,39 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
+# CUDA: kernels built on atomics (the embedding backward) sum in a run-dependent order, so even none's own
+# gradients differ between two runs at the last bits (2.6e-11 on the H200's embedding); a configuration that
+# computes something else differs by orders of magnitude more. CPU kernels here are deterministic: bitwise.
+CUDA_GRAD_RTOL = 1e-5
+
+
 def _grad_check(name: str, grads: list[torch.Tensor | None], ref: list[torch.Tensor | None],
                 names: list[str]) -> dict[str, Any]:
-    """Bitwise equality with ``none``'s gradients; raises (the suite stops) on the first that differs."""
+    """Equality with ``none``'s gradients (bitwise on a CPU, within ``CUDA_GRAD_RTOL`` of each tensor's largest
+    entry on CUDA); raises (the suite stops) on the first that differs."""
+    worst = 0.0
     for pname, g, r in zip(names, grads, ref):
-        if (g is None) != (r is None) or (g is not None and not torch.equal(g, r)):
+        cuda = g is not None and g.device.type == "cuda"
+        if (g is None) != (r is None):
+            ok = False
+        elif g is None or r is None:
+            ok = True
+        elif cuda:
+            scale = float(r.abs().max()) or 1.0
+            worst = max(worst, float((g - r).abs().max()) / scale)
+            ok = torch.allclose(g, r, rtol=0.0, atol=CUDA_GRAD_RTOL * scale)
+        else:
+            ok = torch.equal(g, r)
+        if not ok:
             diff = None if g is None or r is None else float((g - r).abs().max())
             raise AssertionError(f"sac: contender {name!r}: the gradient of {pname} differs from none's (max abs "
                                  f"difference {diff}): this configuration does not compute what no checkpointing "
                                  "computes, so its figures would be meaningless.")
-    return {"equal_to_none": True, "compared": "torch.equal, fp32, every parameter", "params": len(names)}
+    cuda = any(g is not None and g.device.type == "cuda" for g in grads)
+    compared = (f"max |diff| <= {CUDA_GRAD_RTOL:g} x the tensor's largest |entry| (CUDA atomics), every parameter"
+                if cuda else "torch.equal, fp32, every parameter")
+    return {"equal_to_none": True, "compared": compared, "params": len(names),
+            "max_relative_difference": worst if cuda else 0.0}
 
 
 def _prepare(name: str, opts: dict[str, Any], base: torch.nn.Module, budget: float | None,

@@ -97,7 +97,11 @@ def main() -> None:
         model = build_model(args, device, on_meta=True)
         shard(model, mesh, mp, offload=args.cpu_offload, compile_blocks=args.compile_blocks,
               compile_backend=args.compile_backend)
-        materialise(model, device)
+        from fsdp_strategies.parallel import buffers_to, parameter_device
+
+        materialise(model, parameter_device(device, args.cpu_offload))  # CPUOffloadPolicy: parameters on the CPU
+        if args.cpu_offload:
+            buffers_to(model, device)
         raw = model
     # the DDP loop autocasts for bf16-mixed; FSDP2 casts through its MixedPrecisionPolicy instead
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and args.contender == "torch_ddp"

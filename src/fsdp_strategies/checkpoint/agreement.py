@@ -57,9 +57,12 @@ class AgreementGroup:
         self._group: Any = None
         self._world: Any = None
 
-    def group(self) -> Any:
-        """The gloo group (created now if needed: call it at the same point on every rank); None without peers."""
-        if not is_multi_rank():
+    def group(self, single_rank: bool = False) -> Any:
+        """The gloo group (created now if needed: call it at the same point on every rank); None without peers.
+
+        ``single_rank``: a group at world size 1 too, whenever a default group exists (DCP's ``async_save``
+        requires a process group with a CPU backend then: an NCCL-only default group is refused)."""
+        if not is_multi_rank() and not (single_rank and dist.is_available() and dist.is_initialized()):
             return None
         world = dist.group.WORLD
         if self._group is None or self._world is not world:

@@ -243,7 +243,9 @@ class AsyncCheckpointer:
 
         run_agreed(path, prepare, needed=needed, is_rank_zero=is_rank_zero)  # stands for the barrier
         distributed = is_multi_rank()
-        bg_group = self._background.group()  # on the training thread: every rank creates it at this point
+        # on the training thread: every rank creates it at this point (a gloo group at world size 1 too: DCP's
+        # async_save refuses a default group without a CPU backend, e.g. NCCL alone on one GPU)
+        bg_group = self._background.group(single_rank=True)
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=bg_group,
                                 async_checkpointer_type=kind, async_stager=self._get_stager(), no_dist=not distributed)

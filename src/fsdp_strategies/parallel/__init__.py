@@ -14,6 +14,13 @@ strategies are Lightning glue over it, and plain-torch loops can call it too.
 """
 
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing, is_recomputing
-from fsdp_strategies.parallel.parallelize import apply_compile, apply_fsdp, parallelize
+from fsdp_strategies.parallel.parallelize import (
+    apply_compile,
+    apply_fsdp,
+    buffers_to,
+    parallelize,
+    parameter_device,
+)
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_fsdp", "is_recomputing", "parallelize"]
+__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_fsdp", "buffers_to", "is_recomputing", "parallelize",
+           "parameter_device"]

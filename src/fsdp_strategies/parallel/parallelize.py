@@ -36,7 +36,25 @@ from fsdp_strategies.parallel.activation_checkpointing import apply_activation_c
 from fsdp_strategies.parallel.blocks import BlockStack, find_block_stacks
 from fsdp_strategies.parallel.replicated_params import replicate_params, scalar_params
 
-__all__ = ["apply_compile", "apply_fsdp", "parallelize"]
+__all__ = ["apply_compile", "apply_fsdp", "buffers_to", "parallelize", "parameter_device"]
+
+
+def parameter_device(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where the parameters are put (or materialised) before sharding: the CPU with ``cpu_offload`` -- FSDP2's
+    ``CPUOffloadPolicy`` refuses parameters on the accelerator ("FSDP parameters should be materialized on
+    CPU"), found on the first GPU run -- else ``device``."""
+    return torch.device("cpu") if cpu_offload else device
+
+
+def buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Move every buffer of ``module`` (not its parameters) to ``device``, each keeping its registration.
+
+    With ``cpu_offload`` the parameters stay on the CPU (FSDP2 copies them in for each block), but FSDP2
+    does not manage buffers (e.g. RoPE tables): the forward needs them on the compute device."""
+    for sub in module.modules():
+        for name, buf in list(sub.named_buffers(recurse=False)):
+            if buf is not None and buf.device != device:
+                setattr(sub, name, buf.to(device))  # nn.Module.__setattr__ keeps it a (non-)persistent buffer
 
 
 def apply_compile(blocks: Sequence[nn.Module], options: Mapping[str, Any] | None = None) -> None:

@@ -40,7 +40,7 @@ from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
 from fsdp_strategies.hf.materialize import materialize
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_pretrained
-from fsdp_strategies.parallel import parallelize
+from fsdp_strategies.parallel import buffers_to, parallelize, parameter_device
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh, check_tensor_parallel_degree
 from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
@@ -398,17 +398,20 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if not isinstance(self.model, FSDPModule):
             if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
                 self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast before sharding
+            place = parameter_device(self.root_device, self.cpu_offload)
             if not seam.has_meta_tensors(self.model):
-                self.model.to(self.root_device)
+                self.model.to(place)
             self.shard_module(self.model)
-            materialize(self.model, self.root_device)
+            materialize(self.model, place)
+            if self.cpu_offload:
+                buffers_to(self.model, self.root_device)
             self.load_pretrained_weights()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            seam.optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:  # offloaded shards: their optimizer state stays on the CPU too
+            seam.optimizers_to_device(self.optimizers, parameter_device(self.root_device, self.cpu_offload))
 
     # ------------------------------------------------------------------ steps: run through the root's hooks
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
