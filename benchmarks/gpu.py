@@ -583,10 +583,9 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             run = exc
         rec = _contender_record(plan, [run])
         rows[key] = {"from_section": "memory", "cpu_offload": "+offload" in key, **_memory_row(plan, rec)}
-        if isinstance(run, dict) and "accumulate" in key:
-            first = (run.get("per_rank") or [{}])[0]
-            rows[key].update({k: first.get(k) for k in ("accumulate_grad_batches", "grad_bytes_held_after_backward",
-                                                        "cuda_allocated_after_backward")})
+        if isinstance(run, dict) and "accumulate" in key:  # the worker's rank 0 writes these at the top level
+            rows[key].update({k: run.get(k) for k in ("accumulate_grad_batches", "grad_bytes_held_after_backward",
+                                                      "cuda_allocated_after_backward")})
     result: dict[str, Any] = {"status": "ok", "measure": measure, "strategies": rows}
     if not plan.gpu:
         result["largest_fitting"] = {"skipped": "no CUDA device: out-of-memory probes would exhaust the host's RAM, "
@@ -1037,10 +1036,12 @@ def main(argv: list[str] | None = None) -> int:
     if plan.quick:
         result["note"] = ("--quick: CPU smoke run of the harness (tiny model, gloo); its figures say nothing about "
                           "GPU or CPU speed, only that every code path runs and records its numbers.")
+    previous: dict[str, Any] = {}  # an existing result's sections: kept unless measured again
     if ns.sections and path.exists():  # keep the sections not run now
         with contextlib.suppress(ValueError, KeyError):
             old = json.loads(path.read_text())
             if old.get("config", {}).get("quick") == plan.quick:
+                previous = {k: v for k, v in old.get("sections", {}).items() if v.get("status") != "skipped"}
                 result["sections"] = {k: v for k, v in old.get("sections", {}).items() if k not in wanted}
                 result["kept_sections_from"] = {"created_utc": old.get("created_utc"), "command": old.get("command")}
     t0 = time.perf_counter()
@@ -1048,10 +1049,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         estimate = section_estimate(name, plan)
         if estimate > plan.left_s():  # never start a section that cannot finish: record why instead
-            done[name] = {"status": "skipped", "reason": budget_reason(estimate, plan), "estimate_s": estimate,
-                          "wall_s": 0.0}
+            skip = {"status": "skipped", "reason": budget_reason(estimate, plan), "estimate_s": estimate,
+                    "wall_s": 0.0}
+            # a measured section of the existing result stays, with a note that this run could not redo it
+            done[name] = {**previous[name], "rerun_skipped": skip} if name in previous else skip
             result["sections"][name] = done[name]
-            print(f"[gpu] {name}: skipped ({done[name]['reason']})", file=sys.stderr, flush=True)
+            print(f"[gpu] {name}: skipped ({skip['reason']})", file=sys.stderr, flush=True)
             common.write_result("gpu", result, plan.out_dir)
             continue
         print(f"[gpu] {name} (estimate {estimate:.0f}s, {plan.left_s():.0f}s left) ...", file=sys.stderr, flush=True)

@@ -256,6 +256,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/callbacks/garbage_collection.md", "`tests/test_garbage_collection.py` checks both", _ids(
         "test_garbage_collection.py", "test_a_reported_collection_pause_is_not_a_straggler_and_the_same_pause_unreported_is")),
     # docs/checkpoints.md
+    Guarantee("docs/gpu.md", "(`tests/test_async_checkpoint.py` reproduces it on a CPU with a `cuda:gloo` default group",
+              _ids("test_async_checkpoint.py", "test_sharded_writer_default_group_without_cpu_backend")),
+    Guarantee("docs/gpu.md", "(`tests/test_parallelize.py` checks the placement",
+              _ids("test_parallelize.py", "test_cpu_offload_placement_keeps_parameters_on_cpu_and_moves_buffers")),
     Guarantee("docs/checkpoints.md", "(tested by killing a run mid-save)", _ATOMIC,
               "the test crashes a process after the shards are written and before the commit"),
     Guarantee("docs/checkpoints.md", "(`tests/test_disk_full.py`, 2 ranks, gloo)", _DISK_FULL),

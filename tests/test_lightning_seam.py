@@ -773,6 +773,29 @@ def ft_manager() -> Iterator[Any]:
         del store
 
 
+def test_torch_DefaultStager_stages_once_or_again() -> None:
+    """``default_stager_reusable`` (a behaviour, not a name): torch 2.11's ``DefaultStager.stage`` closes its
+    ``StateDictStager`` after each call (the second raises ``KeyError``), 2.13's does not. The answer is the
+    probe's, cached; a stager the writer keeps stages again exactly when it says so."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    answer = tseam.default_stager_reusable()
+    assert answer is tseam.default_stager_reusable()
+    known = {(2, 11): False, (2, 13): True}.get(tuple(int(x) for x in torch.__version__.split(".")[:2]))
+    assert known is None or answer is known
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    state = {"w": torch.arange(3.0), "step": 1}
+    try:
+        assert torch.equal(stager.stage(state)["w"], state["w"])
+        try:
+            again = stager.stage(state)
+        except KeyError:
+            again = None
+    finally:
+        stager.close()
+    assert (again is not None) is answer
+
+
 def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
     """``ft_hsdp`` asks whether a quorum was started (before the first ``start_quorum`` there is nothing to wait
     for or commit) and records the quorum's id with each step."""
