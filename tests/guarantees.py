@@ -142,6 +142,7 @@ _SEAM = _ids("test_lightning_seam.py",
              "test__pytree_tree_leaves", "test__compiled_call_impl_and__orig_mod", "test__ops_OpOverload_and__schema",
              "test__current_graph_task_id", "test__get_raw_and__count_flops", "test__python_dispatch_TorchDispatchMode",
              "test_Tensor__version", "test_UntypedStorage__new_with_weak_ptr", "test__iterator_and__shutdown_workers",
+             "test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_output",
              "test__metadata_fn_and_dcp_metadata_classes", "test_numpy__reconstruct", "test_torchft_DiLoCo__fragments",
              "test_torchft_Manager__quorum_id_and__quorum_future", "test_atexit__run_exitfuncs")
 _SEAM_GUARD = _ids("test_lightning_seam.py", "test_no_private_name_outside_the_seams")
@@ -209,6 +210,9 @@ _NETNS = _ids("test_netns.py", "test_hsdp_across_two_hosts_shards_within_and_rep
 _FSDP_SINGLE = _ids("test_fsdp_hsdp.py", "test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping",
                     "test_hsdp_2x2_matches_single_process")
 
+_ACCUMULATION = _ids("test_accumulation.py",
+                     "test_fsdp2_accumulation_holds_only_sharded_gradients_and_equals_ddp",
+                     "test_hsdp_2x2_accumulation_all_reduces_across_replicas_once_per_step_and_equals_ddp")
 _TP_CONFIGS = _ids("test_configs.py", "test_config_trains_a_few_steps[fsdp2_tp]", "test_config_trains_a_few_steps[hsdp_tp]")
 _HF_FIRST_LOSS = _ids("test_hf_pretrained.py", "test_fsdp2_from_pretrained_in_configure_model",
                       "test_hsdp_2x2_gpt2_keeps_its_tie", "test_ft_hsdp_two_groups_start_from_the_pretrained_weights")
@@ -334,10 +338,18 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "test_real_models.py", "test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp")),
     Guarantee("docs/strategies/fsdp2.md", "counted in the tests", _FSDP_SINGLE,
               "the all-gathers per micro-batch are counted: the root once after the first step, 5 a step when routed"),
-    Guarantee("docs/strategies/fsdp2.md", "Both are checked against a single-process run in the tests", _FSDP_SINGLE[:1]),
+    Guarantee("docs/strategies/fsdp2.md",
+              "with `no_sync` accumulation both are checked against a single-process run in the tests",
+              _FSDP_SINGLE[:1]),
+    Guarantee("docs/strategies/fsdp2.md",
+              "reduce-scatter counts and `ddp`-equal losses are tested in `tests/test_accumulation.py`",
+              _ACCUMULATION),
     Guarantee("docs/strategies/fsdp2.md", "Losses equal `ddp`'s step for step (`tests/test_scalar_params.py`", (
         *_SCALAR, *_ids("test_real_models.py", "test_two_rank_cell[hf_clip-fsdp2-none-32-true]",
                         "test_hsdp_four_rank_cell[hf_clip-hsdp-none-32-true]"))),
+    # docs/strategies/hsdp.md
+    Guarantee("docs/strategies/hsdp.md", "losses equal `ddp`'s (`tests/test_accumulation.py`)",
+              _ACCUMULATION[1:]),
     # docs/strategies/ft_hsdp.md
     Guarantee("docs/strategies/ft_hsdp.md", "Both modes are tested with SIGKILLs", _FT_DATA),
     Guarantee("docs/strategies/ft_hsdp.md", "(tested by digests)", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
@@ -382,6 +394,11 @@ GUARANTEES: tuple[Guarantee, ...] = (
     # docs/testing.md
     Guarantee("docs/testing.md", "Distributed tests start real processes", _FSDP_SINGLE),
     Guarantee("docs/testing.md", "parameters after N steps of `fsdp2`", _FSDP_SINGLE),
+    Guarantee("docs/testing.md",
+              "gradient accumulation (4 micro-batches) under `fsdp2` (2 ranks) and `hsdp` (2x2): after every",
+              _ACCUMULATION),
+    Guarantee("docs/testing.md", "once per FSDP unit per optimizer step (`tests/test_accumulation.py`)",
+              _ACCUMULATION),
     Guarantee("docs/testing.md", "resume is exact (4 steps + save + resume + 4 steps == 8 steps", _RESUME),
     Guarantee("docs/testing.md", "a 2-rank `ddp` checkpoint resumed under 2-rank `fsdp2`", _DDP_TO_FSDP2),
     Guarantee("docs/testing.md", "11 corruptions of a real sharded checkpoint", _CORRUPTIONS),

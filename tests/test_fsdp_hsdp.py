@@ -27,18 +27,26 @@ def _full_numel(params: dict[str, torch.Tensor]) -> int:
 @pytest.mark.lightning_range
 def test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping(tmp_path: Path) -> None:
     # 2 ranks x batch 4 x 2 micro-batches == one process with batch 16; clipping at 0.5 is active.
+    # accumulation="no_sync" here (the default, "sharded", is tests/test_accumulation.py's).
     steps = 4
     run = _train(tmp_path, "fsdp2", "--strategy", "fsdp2", "--devices", "2", "--steps", str(steps),
-                 "--batch", "4", "--accumulate", "2", "--clip", "0.5")
+                 "--batch", "4", "--accumulate", "2", "--clip", "0.5", "--option", "accumulation='no_sync'",
+                 "--probe-accumulation", "1")
     ref = reference_run(global_batch=16, steps=steps, num_train=256, clip=0.5)
     assert run["global_step"] == steps
     assert run["param_types"] == ["DTensor"]
     diff = max_abs_diff(run["params"], ref)
     assert diff < 2e-5, f"fsdp2 parameters differ from the single-process run by {diff}"
-    # Accumulation skips the gradient reduction on the non-final micro-batch: one reduce per
-    # FSDP unit (2 blocks + root) per optimizer step, not per micro-batch.
+    # no_sync skips the gradient reduction on the non-final micro-batch: one reduce per
+    # FSDP unit (2 blocks + root) per optimizer step, not per micro-batch...
     for rank in run["ranks"]:
         assert rank["reduce_calls"] == steps * 3
+    # ... and keeps every parameter's whole gradient on every rank until then (FSDP2's own state)
+    for rank in run["ranks"]:
+        for i, row in enumerate(rank["micro_batches"]):
+            kept = row["held"]["unsharded"] / rank["full_grad_bytes"]
+            sharded = row["held"]["sharded"] / rank["full_grad_bytes"]
+            assert (kept, sharded) == ((0.0, pytest.approx(0.5, rel=0.02)) if i % 2 else (1.0, 0.0)), (i, row)
     # Parameter all-gathers per micro-batch: each block in forward and again in backward, the root
     # once (kept through backward). The example's step calls self(...): after the first step the
     # strategy stops routing it through the root's __call__, so the root is not gathered twice --

@@ -628,6 +628,45 @@ def test_UntypedStorage__new_with_weak_ptr() -> None:
     assert tseam.live_storage(ref) is None
 
 
+def test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_output(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fsdp_gradient_holders`` sees each place FSDP2 keeps a gradient: whole gradients under
+    ``set_requires_gradient_sync(False)``, the pending reduce-scattered one under
+    ``set_requires_all_reduce(False)`` on a (replicate, shard) mesh, the sharded ``param.grad`` after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def held() -> dict[str, int]:
+        out = {"sharded": 0, "unsharded": 0, "pending_all_reduce": 0}
+        for kind, tensor in tseam.fsdp_gradient_holders(model):
+            out[kind] += tensor.numel()
+        return out
+
+    def backward() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+
+    with _one_process_group(monkeypatch):
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        full = sum(p.numel() for p in model.parameters())
+        assert held() == {"sharded": 0, "unsharded": 0, "pending_all_reduce": 0}
+        model.set_requires_gradient_sync(False)
+        backward()
+        assert held() == {"sharded": 0, "unsharded": full, "pending_all_reduce": 0}
+        model.set_requires_gradient_sync(True)
+        backward()  # reduces the kept gradients with this one's
+        assert held() == {"sharded": full, "unsharded": 0, "pending_all_reduce": 0}
+        model.zero_grad(set_to_none=True)
+        model.set_requires_all_reduce(False)
+        backward()
+        assert held() == {"sharded": 0, "unsharded": 0, "pending_all_reduce": full}
+        model.set_requires_all_reduce(True)
+        backward()
+        assert held() == {"sharded": full, "unsharded": 0, "pending_all_reduce": 0}
+
+
 def test__iterator_and__shutdown_workers() -> None:
     loader = DataLoader(list(range(4)), num_workers=1, persistent_workers=True)
     assert tseam.loader_iterator(loader) is None

@@ -74,6 +74,16 @@ def test_bad_options_name_option_value_and_fix() -> None:
         FSDP2Strategy(forward_prefetch=-1)
     with pytest.raises(ValueError, match=r"param_dtype='bf17'.*Fix"):
         FSDP2Strategy(param_dtype="bf17")
+    for cls in (FSDP2Strategy, HSDPStrategy):
+        message = "accumulation='zero' is invalid. Fix: one of ['sharded', 'no_sync']"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cls(accumulation="zero")
+    assert HSDPStrategy().accumulation == "sharded"
+    # ft_hsdp's cross-group all-reduce is a per-reduce-scatter hook: only no_sync, its default, is accepted
+    ft = {"lighthouse_addr": "http://localhost:1", "replica_group_id": 0, "num_replica_groups": 2}
+    with pytest.raises(ValueError, match=r"ft_hsdp: accumulation='sharded' is not supported yet.*Fix"):
+        fsdp_strategies.FTHSDPStrategy(accumulation="sharded", **ft)
+    assert fsdp_strategies.FTHSDPStrategy(**ft).accumulation == "no_sync"
 
 
 class Block(nn.Module):

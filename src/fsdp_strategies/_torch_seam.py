@@ -24,6 +24,7 @@ __all__ = [
     "TorchDispatchMode",
     "dcp_metadata_globals",
     "default_stager_reusable",
+    "fsdp_gradient_holders",
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
@@ -108,6 +109,44 @@ class HookedFlopCounter(FlopCounterMode):
         if delta:
             self.on_flops(func_packet, delta, args)
         return result
+
+
+def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in which FSDP2 holds a gradient of ``module``'s FSDP units now, with its kind.
+
+    ``"sharded"``: ``param.grad`` (this rank's shard, a DTensor's local tensor). ``"unsharded"``: a whole
+    parameter's gradient kept between backwards (``FSDPParam._unsharded_param.grad`` and
+    ``FSDPParam.unsharded_accumulated_grad``, what ``set_requires_gradient_sync(False)`` leaves).
+    ``"pending_all_reduce"``: a reduce-scattered gradient waiting for the cross-replica all-reduce
+    (``FSDPParamGroup._partial_reduce_output``, what ``set_requires_all_reduce(False)`` leaves under HSDP).
+    Reached through ``FSDPModule._get_fsdp_state()`` and ``FSDPState._fsdp_param_groups``
+    (``_fsdp_param_group``, one group, in older torch), all private.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[tuple[str, torch.Tensor]] = []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
+            pending = getattr(group, "_partial_reduce_output", None)
+            if pending is not None:
+                found.append(("pending_all_reduce", pending))
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    found.append(("sharded", grad.to_local() if hasattr(grad, "to_local") else grad))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    found.append(("unsharded", unsharded.grad))
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    found.append(("unsharded", fsdp_param.unsharded_accumulated_grad))
+    return found
 
 
 def loader_iterator(dataloader: Any) -> Any:

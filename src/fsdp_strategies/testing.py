@@ -1,7 +1,8 @@
 """Helpers for tests and benchmarks -- public so they can be imported from both; not for production runs.
 
 * Memory a rank really holds (local shards): :func:`param_bytes`, :func:`grad_bytes`,
-  :func:`optimizer_state_bytes`, and :class:`KeptBytes` (activation memory kept for backward).
+  :func:`optimizer_state_bytes`, :func:`fsdp_gradient_bytes` (every gradient FSDP2 keeps, by kind) and
+  :class:`KeptBytes` (activation memory kept for backward).
 * A stall model: :class:`StragglerInjection` (what to delay) and :class:`StallInjector` (a callback that
   delays chosen ranks, nothing else). A benchmark uses it alone; a detection test or demo lists it before
   :class:`~fsdp_strategies.callbacks.StragglerDetector`, so both share one implementation of a stall.
@@ -27,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
+from fsdp_strategies import _torch_seam
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 from fsdp_strategies.ft.heal_state import local
 from fsdp_strategies.memory.saved_bytes import SavedBytes
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["SLOW_LINK_ENV", "KeptBytes", "SlowLink", "SlowLinkInjector", "StallInjector", "StragglerInjection",
-           "grad_bytes", "optimizer_state_bytes", "param_bytes", "state_digest"]
+           "fsdp_gradient_bytes", "grad_bytes", "optimizer_state_bytes", "param_bytes", "state_digest"]
 
 #: JSON of a :class:`SlowLink` (e.g. ``{"groups": [1], "seconds_per_mb": 2.0, "start_step": 8, "end_step": 40}``),
 #: read by ``SlowLinkInjector()`` when it is given no link
@@ -61,6 +63,20 @@ def param_bytes(module: nn.Module) -> int:
 
 def grad_bytes(module: nn.Module) -> int:
     return _bytes(p.grad for p in module.parameters() if p.grad is not None)
+
+
+def fsdp_gradient_bytes(module: nn.Module) -> dict[str, int]:
+    """Gradient bytes this rank holds in FSDP2's own state now, by kind: ``sharded`` (``param.grad``
+    shards), ``unsharded`` (whole gradients kept between backwards) and ``pending_all_reduce``
+    (reduce-scattered, waiting for the cross-replica all-reduce); see
+    :func:`fsdp_strategies._torch_seam.fsdp_gradient_holders`."""
+    held = {"sharded": 0, "unsharded": 0, "pending_all_reduce": 0}
+    seen: set[int] = set()
+    for kind, tensor in _torch_seam.fsdp_gradient_holders(module):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            held[kind] += tensor.numel() * tensor.element_size()
+    return held
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -106,6 +106,59 @@ class CountCollectives(pl.Callback):
         pg.foreach_reduce, pg.foreach_all_gather = counting_reduce, counting_gather
 
 
+class AccumulationProbe(pl.Callback):
+    """Per micro-batch on this rank: the gradient bytes FSDP2 holds right after its backward (read from
+    FSDP2's own state, ``fsdp_strategies.testing.fsdp_gradient_bytes``), the loss, and the collectives since
+    the previous micro-batch on each mesh dimension's process group, counted by wrapping ``ProcessGroup``'s
+    ``allreduce`` and reduce-scatter methods (whoever calls them)."""
+
+    OPS = {"allreduce": "allreduce", "reduce_scatter_single": "reduce_scatter",
+           "_reduce_scatter_base": "reduce_scatter"}
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.calls: dict[tuple[str, str], int] = {}
+        self.group_names: dict[str, str] = {}
+        self.full_grad_bytes = 0
+        self.fsdp_units = 0
+        pg_class = dist.ProcessGroup
+        for method, op in self.OPS.items():
+            real = getattr(pg_class, method, None)
+            if real is None:
+                continue
+
+            def counted(pg, *args, _real=real, _op=op, **kwargs):  # type: ignore[no-untyped-def]
+                key = (_op, self.group_names.get(pg.group_name, pg.group_name))
+                self.calls[key] = self.calls.get(key, 0) + 1
+                return _real(pg, *args, **kwargs)
+
+            setattr(pg_class, method, counted)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.group_names[dist.group.WORLD.group_name] = "world"
+        mesh = getattr(trainer.strategy, "device_mesh", None)
+        for name in (mesh.mesh_dim_names or ()) if mesh is not None else ():
+            self.group_names[mesh.get_group(name).group_name] = name
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        self.full_grad_bytes = sum(p.numel() * p.element_size() for p in trainable)  # DTensor: global numel
+        self.fsdp_units = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
+        self.calls.clear()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.fsdp_units:
+            held = _memory.fsdp_gradient_bytes(pl_module)
+        else:
+            held = {"sharded": _memory.grad_bytes(pl_module)}
+        self.rows.append({"step": trainer.global_step, "held": held})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, *args):  # type: ignore[no-untyped-def]
+        calls = {f"{op}@{group}": n for (op, group), n in self.calls.items()}
+        self.rows[-1].update(loss=float(outputs["loss"]), calls=calls)
+        self.calls.clear()
+
+
 class CrashOnSave(pl.Callback):
     """Kill the process in the middle of the N-th checkpoint write (after the shards, before commit)."""
 
@@ -213,7 +266,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def dump(trainer: pl.Trainer, model: pl.LightningModule, a: argparse.Namespace, batches: RecordBatches,
          probe: ProbePrecision, losses: RecordLosses, counter: CountCollectives | None,
-         start: RecordStartState | None) -> None:
+         start: RecordStartState | None, accumulation: AccumulationProbe | None = None) -> None:
     """Every rank (collectives): gather what the test checks; rank 0 writes ``a.out``."""
     optimizer = trainer.optimizers[0]
     params = {n: full(p) for n, p in model.named_parameters()}
@@ -233,6 +286,9 @@ def dump(trainer: pl.Trainer, model: pl.LightningModule, a: argparse.Namespace, 
     gathered: list[dict | None] = [None] * world
     small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "gather_calls", "built_on_meta",
                                     "local_is_meta")}
+    if accumulation is not None:
+        small.update(micro_batches=accumulation.rows, full_grad_bytes=accumulation.full_grad_bytes,
+                     fsdp_units=accumulation.fsdp_units)
     if world > 1:
         dist.all_gather_object(gathered, small)
     else:
@@ -265,6 +321,7 @@ def main() -> None:
     p.add_argument("--record-at-train-end", type=int, default=0)
     p.add_argument("--break-write", default="", help="N:fail or N:kill (see BreakWrite)")
     p.add_argument("--record-start", type=int, default=0, help="record the state right after a resume")
+    p.add_argument("--probe-accumulation", type=int, default=0, help="AccumulationProbe's rows, every rank")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -276,7 +333,8 @@ def main() -> None:
     if a.strategy == "fsdp2":
         strategy = fsdp_strategies.FSDP2Strategy(**options)
     elif a.strategy == "hsdp":
-        strategy = fsdp_strategies.HSDPStrategy(replicate_degree=a.replicate, shard_degree=a.devices // a.replicate, **options)
+        shard = a.devices // a.replicate // options.get("tensor_parallel_degree", 1)
+        strategy = fsdp_strategies.HSDPStrategy(replicate_degree=a.replicate, shard_degree=shard, **options)
     else:
         strategy = a.strategy
     batches, probe, losses = RecordBatches(), ProbePrecision(), RecordLosses()
@@ -294,6 +352,9 @@ def main() -> None:
     if a.break_write:
         nth, mode = a.break_write.split(":")
         callbacks.append(BreakWrite(int(nth), mode))
+    accumulation = AccumulationProbe() if a.probe_accumulation else None
+    if accumulation:
+        callbacks.append(accumulation)
     start = RecordStartState() if a.record_start else None
     if start:
         callbacks.append(start)
@@ -308,7 +369,7 @@ def main() -> None:
     model = (EagerLM if a.eager_build else ProbedLM)(**MODEL)
     trainer.fit(model, datamodule=data_module(a.batch, a.num_train), ckpt_path=a.resume or None)
     if not a.record_at_train_end:
-        dump(trainer, model, a, batches, probe, losses, counter, start)
+        dump(trainer, model, a, batches, probe, losses, counter, start, accumulation)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,14 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
 def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoint_transport: str,
                      timeout_s: float | None, quorum_timeout_s: float | None, connect_timeout_s: float | None,
                      data_on_failure: str, sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
-                     num_fragments: int, straggler_sync: str) -> Timeouts:
+                     num_fragments: int, straggler_sync: str, accumulation: str = "no_sync") -> Timeouts:
     """Raise ``ValueError`` naming the option, its value and the fix; return the timeouts to use."""
+    if accumulation != "no_sync":
+        # the cross-group all-reduce is an FSDP2 all-reduce hook on a 1-D mesh: FSDP2 runs it after every
+        # reduce-scatter, on that micro-batch's gradient alone ("sharded" would average each one apart)
+        raise ValueError(f"ft_hsdp: accumulation={accumulation!r} is not supported yet (the cross-group "
+                         "all-reduce would run on every micro-batch). Fix: accumulation='no_sync' (ft_hsdp's "
+                         "default), or hsdp.")
     check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
               fix=f"1 <= min_replica_size <= num_replica_groups ({num_replica_groups}).")
     check_choice("checkpoint_transport", checkpoint_transport, Transport)

@@ -43,7 +43,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -131,6 +131,7 @@ class FTHSDPStrategy(HSDPStrategy):
             starts with ``sync="every_step"`` and comes back to it. ``sync_every``/``outer_lr``/``outer_momentum``
             describe the fallback. Needs that callback, ``num_fragments=1``, ``data_on_failure="skip"`` and a
             ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies.ft.straggler_switch`.
+        accumulation: ``"no_sync"`` only, yet (``"sharded"`` would all-reduce across groups per micro-batch).
         **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
@@ -158,15 +159,17 @@ class FTHSDPStrategy(HSDPStrategy):
         outer_momentum: float = 0.0,
         num_fragments: int = 1,
         straggler_sync: StragglerSync = "off",
+        accumulation: Literal["no_sync"] = "no_sync",
         **kwargs: Any,
     ) -> None:
-        super().__init__(replicate_degree=1, shard_degree=shard_degree, **kwargs)
+        super().__init__(replicate_degree=1, shard_degree=shard_degree, accumulation=accumulation, **kwargs)
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
         limits = check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
                          checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
                          connect_timeout_s=connect_timeout_s, data_on_failure=data_on_failure, sync=sync,
                          sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                         num_fragments=num_fragments, straggler_sync=straggler_sync)
+                         num_fragments=num_fragments, straggler_sync=straggler_sync,
+                         accumulation=accumulation)
         self.straggler_sync = straggler_sync
         self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)

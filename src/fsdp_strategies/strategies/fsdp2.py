@@ -2,7 +2,16 @@
 
 Subclasses Lightning's ``ModelParallelStrategy`` (so the Trainer's connectors treat it as
 distributed: launcher, distributed sampler, ``sync_dist``) and overrides only what differs:
-the mesh, the wrapping, precision, gradient-sync skipping and atomic checkpoints.
+the mesh, the wrapping, precision, gradient accumulation and atomic checkpoints.
+
+Gradient accumulation (``accumulation``): under ``"sharded"`` (the default) every micro-batch's backward
+reduce-scatters as usual, so FSDP2 adds each micro-batch's *sharded* gradient into ``param.grad`` and no
+unsharded gradient outlives its backward. On a mesh with a replicate dimension (``hsdp``) the non-final
+micro-batches run under ``FSDPModule.set_requires_all_reduce(False)``: FSDP2 keeps their reduce-scattered
+sum (a shard-sized buffer) and all-reduces it across replicas once, with the last micro-batch's gradient.
+``set_is_last_backward`` stays at its default (``True``): every backward ends by waiting for its
+reduce-scatters and releasing their input buffers, which a deferred finalisation would keep alive.
+``"no_sync"`` is FSDP2's ``set_requires_gradient_sync(False)`` (the equivalent of FSDP1's ``no_sync``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._options import check_int
+from fsdp_strategies._options import check_choice, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
     atomic_save_full_agreed,
@@ -51,8 +60,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP2Strategy"]
+__all__ = ["AccumulationMode", "FSDP2Strategy"]
 
+AccumulationMode = Literal["sharded", "no_sync"]  # non-final micro-batches of accumulate_grad_batches
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]  # the Trainer's precision flags this strategy takes
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -150,6 +160,14 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             config defines ``base_model_tp_plan``, e.g. Llama, Qwen2, Mistral) or a dict of module glob -> style
             (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``). Not applied when
             ``configure_model`` applied a plan itself (``parallelize_module`` on ``device_mesh["tensor_parallel"]``).
+        accumulation: what the non-final micro-batches of ``accumulate_grad_batches`` do. ``"sharded"``:
+            reduce-scatter every micro-batch and accumulate the sharded gradients, so a rank holds 1/N of the
+            gradients (N = the shard degree) at every point; costs one reduce-scatter per FSDP unit per
+            micro-batch. Under ``hsdp`` the cross-replica all-reduce still runs once per optimizer step, on
+            the last micro-batch. ``"no_sync"``: no communication on non-final micro-batches (one reduction
+            per optimizer step), but every rank keeps the full, unsharded gradient of every parameter between
+            micro-batches (N times the gradient memory): for models with memory to spare and a slow network.
+            Without accumulation both are the same.
     """
 
     strategy_name = "fsdp2"
@@ -179,7 +197,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         pretrained_strict: bool = True,
         tensor_parallel_degree: int = 1,
         tp_plan: str | dict[str, str] = "auto",
+        accumulation: AccumulationMode = "sharded",
     ) -> None:
+        check_choice("accumulation", accumulation, AccumulationMode)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -221,6 +241,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             raise ValueError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
         self.tensor_parallel_degree = tensor_parallel_degree
         self.tp_plan = tp_plan
+        self.accumulation = accumulation
         self.pretrained = pretrained
         self.pretrained_prefix = pretrained_prefix
         self.pretrained_strict = pretrained_strict
@@ -458,15 +479,24 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no reduce-scatter / all-reduce on non-final micro-batches."""
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(False)
-            try:
-                yield None
-            finally:
-                self.model.set_requires_gradient_sync(True)
-        else:
+        """A non-final micro-batch of gradient accumulation (``accumulation`` option, module docstring).
+
+        ``"sharded"``: only the cross-replica all-reduce is deferred (a no-op on a mesh without a replicate
+        dimension: the reduce-scatter runs); ``"no_sync"``: no gradient reduction at all. Set on every FSDP
+        unit (the calls recurse from the root) and set back after the micro-batch.
+        """
+        if not isinstance(self.model, FSDPModule):
             yield None
+            return
+        if self.accumulation == "no_sync":
+            requires_sync = self.model.set_requires_gradient_sync
+        else:
+            requires_sync = self.model.set_requires_all_reduce
+        requires_sync(False)
+        try:
+            yield None
+        finally:
+            requires_sync(True)
 
     # ------------------------------------------------------------------ checkpoints
     @override
