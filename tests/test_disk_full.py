@@ -127,9 +127,11 @@ CASES = {
     "hsdp-sync": ["--strategy", "hsdp"],
     "hsdp-async-thread": ["--strategy", "hsdp", "--async", "thread"],
     "fsdp2-full-file": ["--full-file"],
+    "ddp_hooks-sync": ["--strategy", "ddp_hooks"],  # through the package's commit path, not Lightning's CheckpointIO
+    "ddp_hooks-async-thread": ["--strategy", "ddp_hooks", "--async", "thread"],
 }
 #: resumed for real (one per checkpoint format and strategy); the async cases' checkpoints are the same format
-RESUME = {"fsdp2-sync", "hsdp-sync", "fsdp2-full-file"}
+RESUME = {"fsdp2-sync", "hsdp-sync", "fsdp2-full-file", "ddp_hooks-sync"}
 
 
 @pytest.mark.multiprocess

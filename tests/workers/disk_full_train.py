@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from fsdp_strategies import FSDP2Strategy, HSDPStrategy
+from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from llama import LlamaLM, MarkovDataModule
 
 MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
@@ -29,7 +30,7 @@ MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len"
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--strategy", choices=("fsdp2", "hsdp"), default="fsdp2")
+    parser.add_argument("--strategy", choices=("fsdp2", "hsdp", "ddp_hooks"), default="fsdp2")
     parser.add_argument("--async", dest="async_mode", choices=("off", "thread", "process"), default="off")
     parser.add_argument("--full-file", action="store_true", help="save_distributed_checkpoint=False")
     parser.add_argument("--steps", type=int, default=6)
@@ -39,8 +40,12 @@ def main() -> None:
 
     options = {"block_class_names": ["TransformerBlock"], "async_checkpoint": args.async_mode,
                "save_distributed_checkpoint": not args.full_file}
-    strategy = (HSDPStrategy(replicate_degree=2, shard_degree=1, **options) if args.strategy == "hsdp"
-                else FSDP2Strategy(**options))
+    if args.strategy == "ddp_hooks":  # full files always; no block wrapping
+        strategy: Any = DDPHooksStrategy(async_checkpoint=args.async_mode)
+    elif args.strategy == "hsdp":
+        strategy = HSDPStrategy(replicate_degree=2, shard_degree=1, **options)
+    else:
+        strategy = FSDP2Strategy(**options)
     callbacks = [] if args.resume else [ModelCheckpoint(dirpath=args.dir, save_last=True, save_top_k=0,
                                                         every_n_train_steps=args.every)]
     pl.seed_everything(3)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -41,7 +42,7 @@ from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._lightning_seam import PATH
 from fsdp_strategies._options import check_choice, check_int, check_number
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
-from fsdp_strategies.checkpoint.atomic import resolve_checkpoint_path
+from fsdp_strategies.checkpoint.atomic import atomic_save_full_agreed, resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import embed_digest
 from fsdp_strategies.checkpoint.load_into_fsdp import (
     FULL_FORMAT,
@@ -462,12 +463,19 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             assert self.lightning_module is not None
             checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.lightning_module, self.optimizers)
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))  # for `fsdp-strategies-export --format hf`
-            if not background:
-                checkpoint = embed_digest(checkpoint)  # travels inside the file, through any CheckpointIO
         if background:  # the digest is computed by the background writer, on its copy
             self.async_checkpointer.save_full(checkpoint, Path(self.broadcast(str(filepath))),
                                               is_rank_zero=self.is_global_zero)
             return
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
+            # Lightning's own writer saves through a temp file it *copies* onto the target across filesystems
+            # (half-written under the final name on a full disk) and raises a raw OSError: the package's commit
+            # path instead (temp + fsync + rename, digest inside, one disk-full error on every rank)
+            path = Path(self.broadcast(str(filepath)))
+            atomic_save_full_agreed(checkpoint if self.is_global_zero else None, path, is_rank_zero=self.is_global_zero)
+            return
+        if self.is_global_zero:  # a CheckpointIO of the user's: its own write path; the digest travels inside
+            checkpoint = embed_digest(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
