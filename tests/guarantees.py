@@ -260,6 +260,9 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/callbacks/garbage_collection.md", "`tests/test_garbage_collection.py` checks both", _ids(
         "test_garbage_collection.py", "test_a_reported_collection_pause_is_not_a_straggler_and_the_same_pause_unreported_is")),
     # docs/checkpoints.md
+    Guarantee("docs/callbacks/nonfinite_guard.md", "`tests/test_nonfinite_guard.py`, 2 real ranks (gloo)",
+              _ids("test_nonfinite_guard.py", "test_nan_on_one_rank_skips_the_step_on_every_rank_exactly",
+                   "test_max_consecutive_stops_with_the_step_rank_and_parameter")),
     Guarantee("docs/gpu.md", "(`tests/test_async_checkpoint.py` reproduces it on a CPU with a `cuda:gloo` default group",
               _ids("test_async_checkpoint.py", "test_sharded_writer_default_group_without_cpu_backend")),
     Guarantee("docs/gpu.md", "(`tests/test_parallelize.py` checks the placement",

@@ -3,6 +3,8 @@
 from fsdp_strategies.callbacks.activation_checkpointing import ActivationCheckpointing
 from fsdp_strategies.callbacks.garbage_collection import GarbageCollection
 from fsdp_strategies.callbacks.mfu import MFUMonitor
+from fsdp_strategies.callbacks.nonfinite_guard import NonFiniteGuard
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 
-__all__: list[str] = ["ActivationCheckpointing", "GarbageCollection", "MFUMonitor", "StragglerDetector"]
+__all__: list[str] = ["ActivationCheckpointing", "GarbageCollection", "MFUMonitor", "NonFiniteGuard",
+                      "StragglerDetector"]
