@@ -55,12 +55,16 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard on this rank
 
 
-def _first_nonfinite(named_grads: list[tuple[str, torch.Tensor]]) -> str | None:
+def _finite_flags(named_grads: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+    """One bool per gradient, on its device (no host sync): whether it is all finite."""
+    return torch.stack([torch.isfinite(g).all() for _, g in named_grads]) if named_grads else None
+
+
+def _first_nonfinite(named_grads: list[tuple[str, torch.Tensor]], finite: torch.Tensor | None) -> str | None:
     """Name of the first parameter (in module order) whose local gradient holds an inf or NaN."""
-    if not named_grads:
+    if finite is None:
         return None
-    finite = torch.stack([torch.isfinite(g).all() for _, g in named_grads]).cpu()
-    bad = (~finite).nonzero()
+    bad = (~finite).nonzero().cpu()
     return named_grads[int(bad[0])][0] if len(bad) else None
 
 
@@ -114,12 +118,14 @@ class NonFiniteGuard(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         named = [(n, _local(p.grad)) for n, p in pl_module.named_parameters() if p.grad is not None]
-        first = _first_nonfinite(named)
-        flag = torch.tensor(0.0 if first is None else 1.0, device=trainer.strategy.root_device)
+        finite = _finite_flags(named)
+        device = trainer.strategy.root_device
+        flag = torch.zeros((), device=device) if finite is None else (~finite).any().to(device, torch.float32)
         loss_bad, self._loss_nonfinite = self._loss_nonfinite, False
-        if float(trainer.strategy.reduce(flag, reduce_op="max")) == 0.0:  # one agreement, every rank
+        if float(trainer.strategy.reduce(flag, reduce_op="max")) == 0.0:  # one agreement (the one host sync)
             self.consecutive = 0
             return
+        first = _first_nonfinite(named, finite)
         step = trainer.global_step
         found = self._gather((trainer.global_rank, loss_bad, first))
         ranks = sorted(r for r, bad, _ in found if bad) or sorted(r for r, _, name in found if name is not None)
