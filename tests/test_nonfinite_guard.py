@@ -30,8 +30,12 @@ def _records(out: Path) -> list[dict]:
 @pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "ddp_hooks", "ddp"])
 def test_nan_on_one_rank_skips_the_step_on_every_rank_exactly(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / strategy
-    run_torchrun(WORKER, 2, ["--strategy", strategy, "--nan-steps", "3", "--nan-rank", "1", "--steps", "6",
-                             "--out", str(out)], timeout=300)
+    run_torchrun(
+        WORKER,
+        2,
+        ["--strategy", strategy, "--nan-steps", "3", "--nan-rank", "1", "--steps", "6", "--out", str(out)],
+        timeout=300,
+    )
     for rec in _records(out):
         assert rec["global_step"] == 6 and rec["skipped"] == 1 and rec["finite_at_end"], rec
         [check] = rec["checks"]
@@ -39,22 +43,53 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_exactly(strategy: str, tmp
         assert check["params_equal"] and check["opt_equal"] and check["lr_schedule_equal"], rec
     if strategy == "fsdp2":  # what the guard prevents: the same run without it
         bare = tmp_path / "bare"
-        run_torchrun(WORKER, 2, ["--strategy", strategy, "--nan-steps", "3", "--steps", "6", "--no-guard",
-                                 "--out", str(bare)], timeout=300)
+        run_torchrun(
+            WORKER,
+            2,
+            ["--strategy", strategy, "--nan-steps", "3", "--steps", "6", "--no-guard", "--out", str(bare)],
+            timeout=300,
+        )
         for rec in _records(bare):
             assert not rec["finite_at_end"] and not rec["checks"][0]["params_equal"], rec
 
 
 @pytest.mark.multiprocess
 def test_max_consecutive_stops_with_the_step_rank_and_parameter(tmp_path: Path) -> None:
-    proc = run_torchrun(WORKER, 2, ["--strategy", "fsdp2", "--nan-steps", "2", "3", "--nan-rank", "1", "--steps", "6",
-                                    "--max-consecutive", "2", "--out", str(tmp_path / "mc")], timeout=300, check=False)
+    proc = run_torchrun(
+        WORKER,
+        2,
+        [
+            "--strategy",
+            "fsdp2",
+            "--nan-steps",
+            "2",
+            "3",
+            "--nan-rank",
+            "1",
+            "--steps",
+            "6",
+            "--max-consecutive",
+            "2",
+            "--out",
+            str(tmp_path / "mc"),
+        ],
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode != 0
     for rank in (0, 1):
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank{rank}]:") and "NonFiniteGradientError:" in ln]
+        lines = [
+            ln
+            for ln in proc.stderr.splitlines()
+            if ln.startswith(f"[rank{rank}]:") and "NonFiniteGradientError:" in ln
+        ]
         assert len(lines) == 1, proc.stderr[-4000:]
-        assert ("2 optimizer steps in a row" in lines[0] and "at step 3: a non-finite loss on rank(s) [1]" in lines[0]
-                and "rank 1: model.embed.weight" in lines[0] and "Fix:" in lines[0]), lines[0]
+        assert (
+            "2 optimizer steps in a row" in lines[0]
+            and "at step 3: a non-finite loss on rank(s) [1]" in lines[0]
+            and "rank 1: model.embed.weight" in lines[0]
+            and "Fix:" in lines[0]
+        ), lines[0]
     assert "step 2 skipped on every rank: a non-finite loss on rank(s) [1]" in proc.stderr
 
 

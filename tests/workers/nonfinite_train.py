@@ -27,7 +27,15 @@ from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.callbacks import NonFiniteGuard
 from llama import LlamaLM, MarkovDataModule
 
-MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+MODEL = {
+    "vocab_size": 64,
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "max_seq_len": 32,
+    "lr": 1e-2,
+    "warmup_steps": 2,
+}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,10 +67,15 @@ class Snapshot(Callback):
     def _state(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
         opt = trainer.optimizers[0]
         sched = trainer.lr_scheduler_configs[0].scheduler
-        return {"params": {n: _local(p) for n, p in module.named_parameters()},
-                "opt": {i: {k: _local(v) for k, v in s.items() if isinstance(v, torch.Tensor)}
-                        for i, s in enumerate(opt.state[p] for p in module.parameters() if p in opt.state)},
-                "last_epoch": sched.last_epoch, "lr": [g["lr"] for g in opt.param_groups]}
+        return {
+            "params": {n: _local(p) for n, p in module.named_parameters()},
+            "opt": {
+                i: {k: _local(v) for k, v in s.items() if isinstance(v, torch.Tensor)}
+                for i, s in enumerate(opt.state[p] for p in module.parameters() if p in opt.state)
+            },
+            "last_epoch": sched.last_epoch,
+            "lr": [g["lr"] for g in opt.param_groups],
+        }
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         self.before = self._state(trainer, module) if trainer.global_step in self.steps else None
@@ -72,14 +85,18 @@ class Snapshot(Callback):
             return
         after = self._state(trainer, module)
         b = self.before
-        self.checks.append({
-            "step": trainer.global_step - 1,
-            "params_equal": all(torch.equal(b["params"][n], t) for n, t in after["params"].items()),
-            "opt_equal": b["opt"].keys() == after["opt"].keys() and all(
-                torch.equal(v, after["opt"][i][k]) for i, s in b["opt"].items() for k, v in s.items()),
-            "opt_states": len(after["opt"]),
-            "lr_schedule_equal": b["last_epoch"] == after["last_epoch"] and b["lr"] == after["lr"],
-        })
+        self.checks.append(
+            {
+                "step": trainer.global_step - 1,
+                "params_equal": all(torch.equal(b["params"][n], t) for n, t in after["params"].items()),
+                "opt_equal": b["opt"].keys() == after["opt"].keys()
+                and all(
+                    torch.equal(v, after["opt"][i][k]) for i, s in b["opt"].items() for k, v in s.items()
+                ),
+                "opt_states": len(after["opt"]),
+                "lr_schedule_equal": b["last_epoch"] == after["last_epoch"] and b["lr"] == after["lr"],
+            }
+        )
         self.before = None
 
 
@@ -105,16 +122,30 @@ def main() -> None:
     snapshot = Snapshot(args.nan_steps)
     guard = None if args.no_guard else NonFiniteGuard(max_consecutive=args.max_consecutive)
     pl.seed_everything(3)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, callbacks=[snapshot, *([guard] if guard else [])],
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[snapshot, *([guard] if guard else [])],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     data = MarkovDataModule(vocab_size=64, seq_len=32, batch_size=4, num_train=64, num_val=8, shuffle=False)
     module = NaNAt(args.nan_steps, args.nan_rank, **MODEL)
     trainer.fit(module, data)
     finite = all(bool(torch.isfinite(_local(p)).all()) for p in module.parameters())
-    record = {"rank": trainer.global_rank, "global_step": trainer.global_step, "checks": snapshot.checks,
-              "skipped": guard.skipped if guard else None, "finite_at_end": finite}
+    record = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "checks": snapshot.checks,
+        "skipped": guard.skipped if guard else None,
+        "finite_at_end": finite,
+    }
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as fh:
         json.dump(record, fh)
 

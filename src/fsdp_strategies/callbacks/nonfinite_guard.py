@@ -1,4 +1,4 @@
-"""Skip an optimizer step whose gradients are not finite, on every rank at once, instead of poisoning the weights.
+"""Skip an optimizer step whose gradients are not finite, on every rank at once, instead of poisoning weights.
 
 Why: one micro-batch that produces an ``inf``/``NaN`` gradient (a loss spike, a bad sample, a flaky device)
 makes the optimizer write ``NaN`` into every parameter on every rank, and the run is lost from that step on,
@@ -84,7 +84,7 @@ class NonFiniteGuard(Callback):
     Args:
         max_consecutive: stop the run with :class:`NonFiniteGradientError` when this many optimizer steps in a
             row had non-finite gradients (one bad batch is skipped; a diverged run is stopped). At least 1.
-        log: log ``nonfinite/skipped_steps`` (the running count) to the Trainer's loggers at each skipped step.
+        log: log ``nonfinite/skipped_steps`` (the running count) to the Trainer's loggers at each skip.
     """
 
     def __init__(self, max_consecutive: int = 5, log: bool = True) -> None:
@@ -98,7 +98,9 @@ class NonFiniteGuard(Callback):
         self._loss_nonfinite = False  # this rank's loss of a micro-batch of the current step
 
     @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         # the culprit: under data parallelism the reduction spreads one rank's NaN gradient to every rank, so
         # the gradients say *that* a step is bad, each rank's own loss says *where* it started
         self._loss_nonfinite |= not bool(torch.isfinite(loss.detach()).all())
@@ -106,17 +108,22 @@ class NonFiniteGuard(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(trainer.strategy, "strategy_name", None) == "ft_hsdp":  # by name: callbacks sit below ft/
-            raise ValueError("NonFiniteGuard: ft_hsdp is not supported yet (a replica group with non-finite "
-                             "gradients must leave that step's cross-group average, not skip alone). Fix: remove "
-                             "the callback under ft_hsdp, or use fsdp2/hsdp/ddp_hooks.")
+            raise ValueError(
+                "NonFiniteGuard: ft_hsdp is not supported yet (a replica group with non-finite "
+                "gradients must leave that step's cross-group average, not skip alone). Fix: remove "
+                "the callback under ft_hsdp, or use fsdp2/hsdp/ddp_hooks."
+            )
         if stage == "fit" and not pl_module.automatic_optimization:
-            raise ValueError("NonFiniteGuard: manual optimization is not supported (the module steps its "
-                             "optimizers itself). Fix: check torch.isfinite on the gradients in training_step "
-                             "before optimizer.step(), or use automatic optimization.")
+            raise ValueError(
+                "NonFiniteGuard: manual optimization is not supported (the module steps its "
+                "optimizers itself). Fix: check torch.isfinite on the gradients in training_step "
+                "before optimizer.step(), or use automatic optimization."
+            )
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         named = [(n, _local(p.grad)) for n, p in pl_module.named_parameters() if p.grad is not None]
         finite = _finite_flags(named)
         device = trainer.strategy.root_device
@@ -128,30 +135,44 @@ class NonFiniteGuard(Callback):
         first = _first_nonfinite(named, finite)
         step = trainer.global_step
         found = self._gather((trainer.global_rank, loss_bad, first))
-        ranks = sorted(r for r, bad, _ in found if bad) or sorted(r for r, _, name in found if name is not None)
+        ranks = sorted(r for r, bad, _ in found if bad) or sorted(
+            r for r, _, name in found if name is not None
+        )
         what = "a non-finite loss" if any(bad for _, bad, _ in found) else "non-finite gradients"
         self.skipped += 1
         self.consecutive += 1
         if self.consecutive >= self.max_consecutive:
             where = "; ".join(f"rank {r}: {name}" for r, _, name in sorted(found) if name is not None)
             raise NonFiniteGradientError(
-                f"NonFiniteGuard: {self.consecutive} optimizer steps in a row had non-finite gradients (the last "
-                f"at step {step}: {what} on rank(s) {ranks}; first non-finite gradient: {where}). The run has "
-                "diverged or its data is bad. Fix: lower the learning rate, clip gradients (gradient_clip_val), check "
-                "the batches of these steps, or resume from an earlier checkpoint.")
+                f"NonFiniteGuard: {self.consecutive} optimizer steps in a row had non-finite gradients "
+                f"(the last at step {step}: {what} on rank(s) {ranks}; first non-finite gradient: {where}). "
+                "The run has diverged or its data is bad. Fix: lower the learning rate, clip gradients "
+                "(gradient_clip_val), check the batches of these steps, or resume from an earlier checkpoint."
+            )
         optimizer.zero_grad(set_to_none=True)
         due = trainer.fit_loop.epoch_loop.batch_idx + 1  # what Lightning's step-interval update tests
         for config in trainer.lr_scheduler_configs:
             sched = config.scheduler
-            if config.interval == "step" and due % config.frequency == 0 \
-                    and getattr(sched, "optimizer", None) is optimizer and "step" not in vars(sched):
+            if (
+                config.interval == "step"
+                and due % config.frequency == 0
+                and getattr(sched, "optimizer", None) is optimizer
+                and "step" not in vars(sched)
+            ):
                 sched.step = _SkipOnce(sched)  # type: ignore[method-assign]
-        rank_zero_warn(f"NonFiniteGuard: step {step} skipped on every rank: {what} on rank(s) "
-                       f"{ranks} (skipped so far: {self.skipped}; the run stops after {self.max_consecutive} in a "
-                       "row).")
+        rank_zero_warn(
+            f"NonFiniteGuard: step {step} skipped on every rank: {what} on rank(s) "
+            f"{ranks} (skipped so far: {self.skipped}; the run stops after {self.max_consecutive} in a "
+            "row)."
+        )
         if self.log:
-            pl_module.log("nonfinite/skipped_steps", float(self.skipped), on_step=True, on_epoch=False,
-                          rank_zero_only=True)
+            pl_module.log(
+                "nonfinite/skipped_steps",
+                float(self.skipped),
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+            )
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:

@@ -193,8 +193,9 @@ class AsyncCheckpointer:
 
     def _get_stager(self) -> Any:
         """DCP's ``DefaultStager``, kept for the run where torch allows it: its CPU copies are allocated at the
-        first save and reused (safe: a save starts only after the previous write finished); a new one per save
-        where a stager stages only once (torch 2.11, :func:`~fsdp_strategies._torch_seam.default_stager_reusable`). Synchronous: the copy is complete when
+        first save and reused (safe: a save starts only after the previous write finished); a new one per
+        save where a stager stages only once (torch 2.11, see
+        :func:`~fsdp_strategies._torch_seam.default_stager_reusable`). Synchronous: the copy is complete when
         the save returns, so the optimizer may change the parameters right after."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 

@@ -22,5 +22,5 @@ from fsdp_strategies.parallel.parallelize import (
     parameter_device,
 )
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_fsdp", "buffers_to", "is_recomputing", "parallelize",
-           "parameter_device"]
+__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_fsdp", "buffers_to", "is_recomputing",
+           "parallelize", "parameter_device"]
