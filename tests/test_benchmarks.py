@@ -125,6 +125,29 @@ def test_runner_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         common.select("fsdp", ("fsdp2", "torch_fsdp2"), ["torch_ddp"])
 
 
+def test_accumulation_suite_reads_whole_optimizer_steps_and_the_bytes_between_micro_batches() -> None:
+    """K = 2, one warm-up step: a step's time is its 2 micro-batches summed per rank, then the slowest rank;
+    "between micro-batches" is the largest total after a non-final micro-batch's backward (FSDP2's state)."""
+    from suites import accumulation
+
+    def held(unsharded: int, sharded: int) -> dict[str, int]:
+        return {"sharded": sharded, "unsharded": unsharded, "pending_all_reduce": 0}
+
+    run = {"params": 100, "loss_last": 1.0, "strategy_class": "x",
+           "per_rank": [{"times_s": [9.0, 9.0, 1.0, 2.0, 1.0, 1.0]},
+                        {"times_s": [9.0, 9.0, 2.0, 2.0, 1.0, 3.0]}],
+           "fsdp_grad_bytes_after_backward": [held(400, 0), held(0, 200), held(400, 0), held(0, 200),
+                                              held(300, 0), held(0, 200)]}
+    assert accumulation._step_times(run, 2, 1) == [4.0, 4.0]
+    rec = accumulation._record([run, RuntimeError("lost")], 2, 1)
+    assert (rec["full_grad_bytes"], rec["between_grad_bytes"], rec["between_fraction"]) == (400, 400, 1.0)
+    assert rec["peak_grad_kinds"] == held(400, 0) and rec["step_median_s"] == 4.0
+    assert rec["errors"] == ["lost"]
+    # K = 1: no micro-batch between, the value after each step's backward
+    one = accumulation._record([{**run, "fsdp_grad_bytes_after_backward": [held(0, 200)] * 6}], 1, 1)
+    assert one["between_fraction"] == 0.5 and accumulation._step_times(run, 1, 1) == [9.0, 2.0, 2.0, 1.0, 3.0]
+
+
 @pytest.mark.multiprocess
 def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     # fsdp (both worker scripts: Lightning fit and the plain torch loop, 1 rank, 2 interleaved

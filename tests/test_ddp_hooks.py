@@ -216,3 +216,42 @@ def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     cli = res["cli:configs/ddp_hooks_hierarchical_sgd.yaml"]["rows"]
     assert [r["in_sync"] for r in cli] == [True, True, False, False, False, False]
     assert [r["pairs_in_sync"] for r in cli] == [True, True, True, False, True, False]
+
+
+# ---------------------------------------------------------------------- 2 ranks, gradient accumulation
+@pytest.mark.multiprocess
+def test_hooks_and_averagers_count_optimizer_steps_under_accumulation(tmp_path: Path) -> None:
+    """``accumulate_grad_batches=4``: PowerSGD's ``iter`` (so ``powersgd_start_iter``), post-local SGD's
+    ``iter`` (``local_sgd_warmup``) and the averagers' ``step`` (``local_sgd_period``, hierarchy periods)
+    count optimizer steps, not micro-batches.
+
+    Lightning runs the non-final micro-batches under DDP's ``no_sync``: DDP calls no comm hook there
+    (gradients accumulate locally), so a hook's counter moves once per optimizer step; the averagers step
+    with the optimizer. Measured: every counter after optimizer step ``s`` is ``s`` (post-local SGD's hook
+    stops at the warm-up), unchanged within a step's micro-batches, and the averaging pattern is
+    accumulation 1's (the test above). Without ``no_sync`` (a hook per micro-batch) this test fails.
+    """
+    steps, acc = 10, 4
+    names = ("ddp", "allreduce", "powersgd", "post_local_sgd", "hierarchical_sgd_2")
+    runs = [f"acc{acc}:{name}" for name in names]
+    res = _run(tmp_path, 2, runs, steps, bucket_cap_mb=0.05)
+    for run in runs:
+        assert res[run]["global_step"] == steps and len(res[run]["rows"]) == steps * acc, run
+    warmup = 3  # the worker's local_sgd_warmup and powersgd_start_iter
+    for name, hook_iter in (("powersgd", lambda s: s), ("post_local_sgd", lambda s: min(s, warmup)),
+                            ("hierarchical_sgd_2", lambda s: min(s, warmup))):
+        rows = res[f"acc{acc}:{name}"]["rows"]
+        assert [r["step"] for r in rows] == [(i + 1) // acc for i in range(steps * acc)], name
+        # every micro-batch's row: the counters of the optimizer steps taken so far, not of the micro-batches
+        assert [r["hook_iter"] for r in rows] == [hook_iter(r["step"]) for r in rows], name
+        if name != "powersgd":
+            assert [r["averager_step"] for r in rows] == [r["step"] for r in rows], name
+        assert all(r["in_sync"] for r in rows[: warmup * acc]), name  # synchronous warm-up (3 steps)
+    # after each optimizer step: accumulation 1's averaging schedule (test_comm_hooks_train_and_match_ddp)
+    last = {name: [r["in_sync"] for r in res[f"acc{acc}:{name}"]["rows"][acc - 1 :: acc]]
+            for name in ("powersgd", "post_local_sgd", "hierarchical_sgd_2")}
+    assert all(last["powersgd"])
+    assert last["post_local_sgd"] == [True, True, True, True, False, True, False, True, False, True]
+    assert last["hierarchical_sgd_2"] == [True, True, True] + [False, True] * 3 + [False]
+    # DDP's own all-reduce hook: the accumulated gradients all-reduced once per step, as Lightning's ddp
+    assert _max_diff(res[f"acc{acc}:allreduce"]["params"], res[f"acc{acc}:ddp"]["params"]) == 0.0

@@ -473,6 +473,23 @@ def test__on_before_batch_transfer(fitted: _Probe) -> None:
     assert fitted.record["transfer"] == 1000.0
 
 
+def test__should_accumulate(tmp_path: Path) -> None:
+    """At ``on_train_batch_end``: ``True`` on the non-final micro-batches of each optimizer step (no step
+    ran), ``False`` where the optimizer stepped, the epoch's last batch included (Lightning steps there)."""
+    seen: list[tuple[bool, int]] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen.append((seam.accumulating_gradients(trainer), trainer.global_step))
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=7, limit_val_batches=0,
+                         accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(BoringModel())
+    assert seen == [(True, 0), (True, 0), (False, 1), (True, 1), (True, 1), (False, 2), (False, 3)]
+
+
 def test__broadcast_sigterm_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a distributed fit (process group up, world size > 1) the epoch loop calls it once before each
     training batch: the replacement installed at ``on_train_start`` (as the preemption mixin does) runs

@@ -133,6 +133,27 @@ def test_evict_makes_every_rank_of_the_group_leave_the_quorum(tmp_path: Path) ->
     assert json.loads((tmp_path / "straggler_report.json").read_text())["events"][-1]["event"] == "evict"
 
 
+def test_a_step_is_an_optimizer_step_under_accumulation(tmp_path: Path) -> None:
+    """``accumulate_grad_batches=4``: windows, ``skip_first`` and the step times count optimizer steps (all 4
+    micro-batches), so a window ends only between optimizer steps and a 0.05 s stall before every micro-batch
+    adds >= 0.2 s to each step's data time. Before the fix a step was a micro-batch: windows of 2
+    micro-batches (scored at global steps 0, 1, 1, 2, ...) and step times of one micro-batch."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    detector = StragglerDetector(window=2, skip_first=1, report_path=str(tmp_path / "report.json"))
+    stall = StallInjector(StragglerInjection(ranks=[0], delay_s=0.05))  # every micro-batch of every step
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=7, accumulate_grad_batches=4, logger=False,
+                         callbacks=[stall, detector], enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False, limit_val_batches=0, default_root_dir=str(tmp_path))
+    trainer.fit(BoringModel())
+    windows = json.loads((tmp_path / "report.json").read_text())["windows"]
+    assert [w["step"] for w in windows] == [2, 4, 6]  # after optimizer steps 2, 4, 6 (step 1 skipped)
+    for w in windows:
+        assert w["data"][0] >= 4 * 0.05 and w["step_median"] >= 4 * 0.05, w
+        assert w["step_median"] == pytest.approx(w["data"][0] + w["compute"][0] + w["optimizer"][0], rel=1e-6)
+
+
 # ---------------------------------------------------------------------- 2 ranks
 @pytest.mark.multiprocess
 def test_two_ranks_clean_transient_persistent_and_stop(tmp_path: Path) -> None:

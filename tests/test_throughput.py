@@ -166,6 +166,48 @@ def test_single_device_accumulation_sac_and_sources(tmp_path: Path) -> None:
     assert analytic.flops.model == analytic_transformer_flops(linear_params + norm_params, L, D, S, batch * S)
 
 
+class _Tick(pl.Callback):
+    """A fake clock for MFUMonitor: every micro-batch takes exactly one second (listed before the monitor)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.now += 1.0
+
+
+def test_accumulation_keeps_mfu_and_tokens_per_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same micro-batch, same time per micro-batch: accumulation 1 and 4 report the same MFU, TFLOPS, tokens/s
+    and samples/s (per micro-batch rates, not 4x or 1/4x); only the per-optimizer-step figures are 4x.
+
+    Measured on today's code, nothing to fix: the monitor books every micro-batch's FLOPs, tokens and samples
+    and divides by the wall time of whole optimizer steps (a window ends only after an optimizer step).
+    """
+    from fsdp_strategies.callbacks import mfu
+
+    tick = _Tick()
+    monkeypatch.setattr(mfu, "time", SimpleNamespace(perf_counter=lambda: tick.now))
+    batch, results = 4, {}
+    for acc in (1, 4):
+        monitor = MFUMonitor(window=2, warmup_steps=1, peak_flops=1e9, tokens_per_sample=S, prog_bar=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=acc, logger=False,
+                             callbacks=[tick, monitor], enable_checkpointing=False, enable_model_summary=False,
+                             enable_progress_bar=False, limit_val_batches=0)
+        model = LlamaLM(vocab_size=V, dim=D, n_layers=L, n_heads=H, mlp_hidden=M, max_seq_len=S)
+        trainer.fit(model, MarkovDataModule(vocab_size=V, seq_len=S, num_train=128, num_val=4, batch_size=batch))
+        results[acc] = ({k: float(v) for k, v in trainer.callback_metrics.items()}, monitor.flops.model)
+    (one, flops), (four, flops4) = results[1], results[4]
+    assert flops == flops4  # FLOPs of one micro-batch (counted on the first)
+    for name in ("mfu/median", "tflops_per_device/median", "tokens_per_sec", "samples_per_sec", "mfu_cum/median"):
+        key = f"perf/{name}" if not name.startswith("mfu_cum") else "perf_cum/mfu/median"
+        assert four[key] == pytest.approx(one[key], rel=1e-6), name
+    # one micro-batch per second (logged values are float32)
+    assert one["perf/mfu/median"] == pytest.approx(flops / 1.0 / 1e9, rel=1e-6)
+    assert one["perf/tokens_per_sec"] == pytest.approx(batch * S, rel=1e-6)
+    assert four["perf/model_flops_per_step"] == pytest.approx(4 * one["perf/model_flops_per_step"], rel=1e-6)
+    assert (one["perf/batches_per_step"], four["perf/batches_per_step"]) == (1.0, 4.0)
+
+
 @pytest.mark.multiprocess
 def test_ddp_two_ranks_mfu_config(tmp_path: Path) -> None:
     batch = 4

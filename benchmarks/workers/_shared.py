@@ -61,6 +61,10 @@ def parse_args(contenders: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--accumulate", type=int, default=1,
                         help="accumulate_grad_batches (Lightning contenders); --steps / --warmup count micro-batches, "
                              "and the gradient bytes each rank holds after every backward are recorded")
+    parser.add_argument("--accumulation", choices=("sharded", "no_sync"), default=None,
+                        help="FSDP2Strategy(accumulation=...) of fsdp2 / hsdp (default: the strategy's own)")
+    parser.add_argument("--grad-bytes", action="store_true",
+                        help="record the gradient bytes each backward leaves (also without --accumulate)")
     parser.add_argument("--mfu", action="store_true",
                         help="add MFUMonitor (Lightning contenders) and record its MFU/HFU/TFLOPS of the measured steps")
     args = parser.parse_args()

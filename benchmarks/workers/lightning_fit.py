@@ -14,7 +14,11 @@ subclass that ``ModelParallelStrategy`` requires). Launch with torchrun (see ``t
 
 Variants (``benchmarks/gpu.py``): ``--compile-blocks`` / ``--cpu-offload`` set the strategy's own
 options (fsdp2, hsdp; offload also for lightning_fsdp); ``--mfu`` adds ``MFUMonitor`` after the
-step timer and records what it logged for the measured steps.
+step timer and records what it logged for the measured steps. ``--accumulation sharded|no_sync`` sets
+fsdp2's / hsdp's ``accumulation`` (``benchmarks/suites/accumulation.py``); with ``--accumulate K`` (or
+``--grad-bytes``) every backward's gradient bytes are recorded: the local ``.grad`` tensors, and for the
+FSDP2 contenders FSDP2's own state (``fsdp_strategies.testing.fsdp_gradient_bytes``: under ``no_sync`` the
+unsharded gradients are kept outside ``.grad``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import _shared
 
 from llama import LlamaLM, TransformerBlock
 
+#: the contenders whose model FSDP2 shards (``fully_shard``): their gradients are read from FSDP2's state too
+FSDP2_CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "hsdp", "lightning_model_parallel")
 CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp", "lightning_model_parallel")
 
 
@@ -66,15 +72,20 @@ class StepTimer(Callback):
         # gradient sync keeps unsharded gradients outside ``.grad``: the device's allocated bytes show those)
         self.grad_bytes_held: list[int] = []
         self.allocated_after_backward: list[int] = []
+        self.fsdp_grad_bytes: list[dict[str, int]] = []  # FSDP2's own state after every backward, by kind
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.args.accumulate > 1:
+        if self.args.accumulate > 1 or self.args.grad_bytes:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
             self.grad_bytes_held.append(sum(g.numel() * g.element_size() for g in local))
             if pl_module.device.type == "cuda":
                 self.allocated_after_backward.append(torch.cuda.memory_allocated(pl_module.device))
+            if self.args.contender in FSDP2_CONTENDERS:
+                from fsdp_strategies.testing import fsdp_gradient_bytes
+
+                self.fsdp_grad_bytes.append(fsdp_gradient_bytes(pl_module))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -108,6 +119,8 @@ class StepTimer(Callback):
             "accumulate_grad_batches": self.args.accumulate,
             "grad_bytes_held_after_backward": self.grad_bytes_held or None,
             "cuda_allocated_after_backward": self.allocated_after_backward or None,
+            "fsdp_grad_bytes_after_backward": self.fsdp_grad_bytes or None,
+            "accumulation": self.args.accumulation,
         })
 
     def _mfu_record(self, trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -138,6 +151,10 @@ def make_strategy(args: Any) -> Any:
     if (args.cpu_offload or args.compile_blocks) and args.contender not in supported:
         raise SystemExit(f"--cpu-offload / --compile-blocks: not available for contender {args.contender!r}. "
                          f"Fix: use them with {sorted(supported)}.")
+    if args.accumulation is not None:
+        if args.contender not in ("fsdp2", "hsdp"):
+            raise SystemExit(f"--accumulation: an option of fsdp2 / hsdp, not of {args.contender!r}.")
+        variant["accumulation"] = args.accumulation
     if args.contender == "fsdp2":
         return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, **variant)
     if args.contender == "fsdp2_no_autocast":

@@ -175,6 +175,13 @@ def set_optimizer_step_count(trainer: pl.Trainer, target: int, pending: int = 1)
     epoch_loop._batches_that_stepped = target - pending
 
 
+def accumulating_gradients(trainer: pl.Trainer) -> bool:
+    """Whether the training batch running now is a non-final micro-batch of gradient accumulation (no
+    optimizer step at its end): Lightning's own decision, ``TrainingEpochLoop._should_accumulate()``.
+    ``False`` without accumulation and under manual optimization."""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
 def replace_sigterm_broadcast(trainer: pl.Trainer, check: Callable[[], None]) -> Any:
     """Run ``check`` where the training epoch loop broadcasts its SIGTERM flag before each batch.
 

@@ -9,7 +9,8 @@ parameters. ``--runs`` may also hold ``cli:CONFIG`` entries: that YAML goes thro
 download) under ``ddp_hooks`` with DDP's default buckets, which split its embedding and decoder apart.
 ``--bucket-cap-mb`` sets DDP's bucket size of every other run (the reference ``ddp`` included), so
 small values give every hook several buckets; ``recap:NAME`` resumes ``resume:NAME``'s checkpoint with
-one 25 MB bucket instead.
+one 25 MB bucket instead; ``accK:NAME`` trains NAME with ``accumulate_grad_batches=K`` (a row per
+micro-batch).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Recorder(pl.Callback):
         dist.all_gather(gathered, mine)
         g = torch.stack(gathered)
         strategy = trainer.strategy
-        row: dict[str, Any] = {"step": trainer.global_step, "loss": g[:, 0].tolist(),
+        row: dict[str, Any] = {"step": trainer.global_step, "batch": batch_idx, "loss": g[:, 0].tolist(),
                                "in_sync": bool((g[:, 1:] == g[0, 1:]).all())}
         if world == 4:  # pairs (0,1) and (2,3): the first hierarchy level
             row["pairs_in_sync"] = bool((g[0, 1:] == g[1, 1:]).all() and (g[2, 1:] == g[3, 1:]).all())
@@ -132,12 +133,14 @@ class StallProbe(pl.Callback):
         self.gathered = gathered
 
 
-def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+def _trainer(strategy: Any, steps: int, devices: int, root: Path, callbacks: list[pl.Callback],
+             accumulate: int = 1) -> pl.Trainer:
+    # validation after every 5 optimizer steps (val_check_interval counts micro-batches)
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=2, val_check_interval=5, callbacks=callbacks, default_root_dir=str(root),
-                      gradient_clip_val=1.0)
+                      limit_val_batches=2, val_check_interval=5 * accumulate, callbacks=callbacks,
+                      default_root_dir=str(root), gradient_clip_val=1.0, accumulate_grad_batches=accumulate)
 
 
 def _strategy(name: str, bucket_cap_mb: float | None = None) -> Any:
@@ -256,6 +259,12 @@ def main() -> None:
             rec = Recorder()
             trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
+        elif run.startswith("acc"):  # accK:NAME -- accumulate_grad_batches=K, --steps optimizer steps
+            accumulate, name = run[3:].split(":", 1)
+            root = out_dir / run.replace(":", "_")
+            trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec],
+                               accumulate=int(accumulate))
+            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
         else:
             trainer = _trainer(_strategy(run, cap), args.steps, args.devices, out_dir / run, [rec])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))

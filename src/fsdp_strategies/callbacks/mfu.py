@@ -112,7 +112,15 @@ class MFUMonitor(Callback):
     ``{prefix}/samples_per_sec`` are the sums over ranks. Rates are per device and each rank's own,
     all-gathered (not rank 0 times the world size). Validation time and the first
     ``warmup_steps`` optimizer steps (compilation, allocator warm-up, FLOP counting) are excluded.
-    With gradient accumulation a step is all its micro-batches.
+
+    Gradient accumulation (``accumulate_grad_batches=K``): a *batch* is one micro-batch and a *step* one
+    optimizer step, i.e. all K micro-batches. Per micro-batch: the counted FLOPs (``flops``,
+    ``flops_per_batch``: one micro-batch's forward + backward), and the samples and tokens each
+    micro-batch adds. Per optimizer step: ``window`` and ``warmup_steps`` (windows end only after an
+    optimizer step, so their time covers whole steps) and ``{prefix}/model_flops_per_step``,
+    ``hardware_flops_per_step`` and ``batches_per_step`` (K x one micro-batch's). The rates (TFLOPS,
+    MFU, HFU, tokens/s, samples/s) are every micro-batch's work over the window's wall time: with the same
+    micro-batch size and the same time per micro-batch they are the same for every K, not K x or 1/K x.
 
     Args:
         window: optimizer steps per logged window.

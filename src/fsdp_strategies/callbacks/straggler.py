@@ -15,6 +15,14 @@ CPU time on CPU devices (time blocked in a collective is not CPU time), CUDA-eve
 includes waits the compute stream has on the communication stream, so under synchronous DDP/FSDP a
 slow GPU is visible in the relative scores only as far as its compute stream is slower.
 
+A *step* is one optimizer step. Under gradient accumulation (``accumulate_grad_batches=K``) it is all K
+micro-batches: ``data`` is the loading time before each of them, ``compute`` their forward + backward
+passes, ``optimizer`` the last one's optimizer step; ``window``, ``skip_first``, stall detection, the
+reported step times (``step_time_*``, ``lost_s``) and every action count and time optimizer steps, and
+an action (``stop``'s checkpoint, a switch, an eviction) happens only between two optimizer steps, never
+between the micro-batches of one. (Under DDP's ``no_sync`` the ranks meet once per optimizer step, so a
+rank slow in one micro-batch and fast in the next has lost nobody any time: per-step sums score that.)
+
 Deliberate host pauses are not slowness: callbacks that implement
 :class:`~fsdp_strategies.protocols.HostPauseSource` (e.g. :class:`~fsdp_strategies.callbacks.GarbageCollection`)
 are asked at the end of every step how long they paused since the previous step, and that time is
@@ -52,6 +60,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._options import check_choice, check_int
 from fsdp_strategies.callbacks.straggler_scoring import HEADER, StragglerScorer
@@ -69,14 +78,14 @@ class StragglerDetector(Callback):
     """Detects slow ranks from per-step timings and optionally mitigates them.
 
     Args:
-        window: steps per measurement window; one small asynchronous ``all_gather`` per window, scored
-            at the next step.
-        skip_first: steps ignored at the start (warm-up, allocator, compilation).
+        window: optimizer steps per measurement window; one small asynchronous ``all_gather`` per window,
+            scored at the next step.
+        skip_first: optimizer steps ignored at the start (warm-up, allocator, compilation).
         threshold: relative score (self time / the other ranks' median) above which a window is slow.
         patience: consecutive slow windows before a rank is a persistent straggler, and normal
             windows before it is cleared again (hysteresis).
         ewma_alpha: weight of the newest window in the smoothed scores.
-        stall_factor: a single step counts as a transient stall when it takes this many times the
+        stall_factor: a single (optimizer) step counts as a transient stall when it takes this many times the
             other ranks' time for that step.
         min_excess_s: a window is slow, and a step a stall, only if the rank also needs at least this
             many seconds more than the others (ignores jitter of fast steps).
@@ -149,7 +158,8 @@ class StragglerDetector(Callback):
         self._reset_window()
         self._t_prev_end: float | None = None
         self._skip_next = True
-        self._batches = 0
+        self._in_step = False  # inside an optimizer step (between its first micro-batch's start and its end)
+        self._batches = 0  # optimizer steps seen
         self._gather_s = 0.0
         self._hook_s = 0.0
         self._cpu_s = 0.0  # CPU time of the detector's own code (this thread), excluding waiting for a core
@@ -217,6 +227,7 @@ class StragglerDetector(Callback):
             strategy.set_local_sgd(False, average=False)
         self._pause_sources = [c for c in trainer.callbacks if isinstance(c, HostPauseSource) and c is not self]
         self._t_prev_end = None
+        self._in_step = False
         self._t_train_start = time.perf_counter()
         if self.action == "semi_sync":
             self._cost_base = (time.perf_counter(), *trainer.strategy.sync_cost_counters())
@@ -233,10 +244,15 @@ class StragglerDetector(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         cpu0, now = time.thread_time(), time.perf_counter()
-        self._data = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
+        gap = (now - self._t_prev_end) if self._t_prev_end is not None else math.nan
+        if getattr(self, "_in_step", False):  # a later micro-batch of the same (accumulating) step
+            self._data += gap  # loading the next micro-batch is data time too
+        else:  # the first (or only) micro-batch of an optimizer step
+            self._in_step = True
+            self._data, self._compute, self._optim, self._busy = gap, 0.0, 0.0, 0.0
+            self._ev_start = self._cuda_event() if self._cuda else None
+            self._t_opt: float | None = None
         self._t_start, self._c_start = now, self._busy_clock()
-        self._ev_start = self._cuda_event() if self._cuda else None
-        self._t_opt: float | None = None
         self._hook_s += time.perf_counter() - now
         self._cpu_s += time.thread_time() - cpu0
 
@@ -252,26 +268,33 @@ class StragglerDetector(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not hasattr(self, "_t_start"):
+        if not getattr(self, "_in_step", False):
             return
         cpu0 = time.thread_time()
         t_end, c_end = time.perf_counter(), self._busy_clock()
+        t_opt = self._t_opt if self._t_opt is not None else t_end
+        self._compute += t_opt - self._t_start  # this micro-batch's forward + backward
+        self._optim += t_end - t_opt
+        self._busy += c_end - self._c_start
+        if seam.accumulating_gradients(trainer):  # a non-final micro-batch: the optimizer step is not over yet
+            self._hook_s += time.perf_counter() - t_end
+            self._cpu_s += time.thread_time() - cpu0
+            self._t_prev_end = time.perf_counter()
+            return
+        self._in_step = False
         ev_end = self._cuda_event() if self._cuda else None
         pause = sum(source.take_host_pause_s() for source in self._pause_sources)  # taken every step, measured or not
-        t_opt = self._t_opt if self._t_opt is not None else t_end
-        c_opt = self._c_opt if self._t_opt is not None else c_end
-        compute, optim = t_opt - self._t_start, t_end - t_opt
+        compute, optim = self._compute, self._optim
         measured = not (self._skip_next or self._batches < self.skip_first or math.isnan(self._data))
         if measured and self._slot < self.window:
             if self._cuda:
                 self._events.append((self._slot, self._data, self._ev_start, self._ev_opt if self._t_opt else ev_end,
                                      ev_end, pause, compute + optim))
             else:
-                busy = (c_opt - self._c_start) + (c_end - c_opt)
-                self._record(self._slot, self._data, compute, optim, busy, pause)
+                self._record(self._slot, self._data, compute, optim, self._busy, pause)
             self._slot += 1
         self._skip_next = False
-        self._batches += 1
+        self._batches += 1  # optimizer steps seen
         t0 = time.perf_counter()
         self._hook_s += t0 - t_end
         if self._pending is not None:  # the previous window's gather ran during this step: score it now

@@ -133,7 +133,9 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             with averaging at several levels, ``hierarchy_levels``).
         powersgd_rank: PowerSGD matrix approximation rank.
         powersgd_start_iter: plain all-reduce for this many iterations first (>= 2: error feedback and
-            warm start need it).
+            warm start need it). Every iteration count, period and warm-up here counts optimizer steps: under
+            ``accumulate_grad_batches`` Lightning runs the non-final micro-batches under DDP's ``no_sync``,
+            where DDP calls no comm hook and the averagers do not step.
         powersgd_min_compression_rate: compress a tensor only when it saves at least this factor.
         powersgd_use_error_feedback: PowerSGD's error feedback (the compression error is added to the next
             step's gradient).
