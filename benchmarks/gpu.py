@@ -585,6 +585,7 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         rows[key] = {"from_section": "memory", "cpu_offload": "+offload" in key, **_memory_row(plan, rec)}
         if isinstance(run, dict) and "accumulate" in key:  # the worker's rank 0 writes these at the top level
             rows[key].update({k: run.get(k) for k in ("accumulate_grad_batches", "grad_bytes_held_after_backward",
+                                                      "fsdp_grad_bytes_after_backward", "accumulation",
                                                       "cuda_allocated_after_backward")})
     result: dict[str, Any] = {"status": "ok", "measure": measure, "strategies": rows}
     if not plan.gpu:
