@@ -661,7 +661,8 @@ def test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_out
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``fsdp_gradient_holders`` sees each place FSDP2 keeps a gradient: whole gradients under
     ``set_requires_gradient_sync(False)``, the pending reduce-scattered one under
-    ``set_requires_all_reduce(False)`` on a (replicate, shard) mesh, the sharded ``param.grad`` after."""
+    ``set_requires_all_reduce(False)`` on a (replicate, shard) mesh, the sharded ``param.grad`` after. Each
+    counted once (torch 2.15 made ``unsharded_accumulated_grad`` a property returning the unsharded grad)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

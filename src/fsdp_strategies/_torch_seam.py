@@ -153,7 +153,8 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
     ``"pending_all_reduce"``: a reduce-scattered gradient waiting for the cross-replica all-reduce
     (``FSDPParamGroup._partial_reduce_output``, what ``set_requires_all_reduce(False)`` leaves under HSDP).
     Reached through ``FSDPModule._get_fsdp_state()`` and ``FSDPState._fsdp_param_groups``
-    (``_fsdp_param_group``, one group, in older torch), all private.
+    (``_fsdp_param_group``, one group, in older torch), all private. From torch 2.15,
+    ``unsharded_accumulated_grad`` is a property returning ``_unsharded_param.grad``: counted once.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -175,10 +176,12 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
                 if grad is not None:
                     found.append(("sharded", grad.to_local() if hasattr(grad, "to_local") else grad))
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    found.append(("unsharded", unsharded.grad))
-                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
-                    found.append(("unsharded", fsdp_param.unsharded_accumulated_grad))
+                whole = unsharded.grad if unsharded is not None else None
+                if whole is not None:
+                    found.append(("unsharded", whole))
+                accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                if accumulated is not None and accumulated is not whole:  # 2.15: a property -> that grad
+                    found.append(("unsharded", accumulated))
     return found
 
 
