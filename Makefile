@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-full check-guarantees test-slurm test-lightning-range lint bench matrix docs clean
+.PHONY: install train test test-full check-guarantees test-slurm test-lightning-range test-torch-range lint \
+	bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +73,68 @@ endef
 test-lightning-range: install
 	$(call lightning_range_run,lightning==$(LIGHTNING_OLDEST),.lightning-oldest)
 	$(call lightning_range_run,$(LIGHTNING_PIN),.lightning-newest)
+
+# Supported torch / transformers / Python range (pyproject.toml: torch>=2.11, transformers>=5.17, Python
+# 3.11-3.12), tested at both ends, each in a venv of its own under $(RANGE_DIR)/ (git-ignored; created when
+# missing, reused after): the floor -- torch 2.11.0 on Python 3.12 with transformers 5.17.0, what the GPU
+# machines lent here run -- and the newest -- torch 2.14.1 (the newest this machine's pip installs from its
+# disk) on Python 3.11 with the newest transformers pip resolves. Both are CUDA builds from PyPI (they run
+# on CPU). Each venv's first install prints its time. tests/conftest.py stops the run if another torch (or
+# transformers) than the one asked for is imported. TORCH_RANGE_TESTS: the seam tests and the other fast
+# single-process tests of the Lightning range, the HF load and export, MFU counting, the asynchronous
+# writers; of the multi-process tests there, the ones marked torch_range: fsdp2 on 2 ranks against one
+# process, hsdp 1x2x2 with tensor parallel on an HF Llama (GQA) and a memory budget, an ft_hsdp kill + heal
+# (forkserver runner), a pretrained fine-tune + export + reload, an asynchronous checkpoint and its exact
+# resume.
+RANGE_DIR ?= .range
+TORCH_FLOOR ?= 2.11.0
+TORCH_FLOOR_PYTHON ?= python3.12
+TRANSFORMERS_FLOOR ?= 5.17.0
+TORCH_NEWEST ?= 2.14.1
+TORCH_NEWEST_PYTHON ?= python3.11
+# e.g. `make test-torch-range TORCH_NEWEST=2.15.0 RANGE_PIP_ENV=PIP_CONSTRAINT=/dev/null`: a torch above this
+# machine's pip cap (/etc/xdg/pip, torch<=2.14.1), from the registry
+RANGE_PIP_ENV ?=
+TORCH_RANGE_TESTS ?= tests/test_lightning_seam.py tests/test_registry_and_errors.py tests/test_blocks.py \
+	tests/test_straggler.py tests/test_ddp_hooks.py tests/test_throughput.py tests/test_torch_range.py \
+	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy \
+	tests/test_tensor_parallel.py tests/test_hf_pretrained.py tests/test_hf_export.py \
+	tests/test_async_checkpoint.py \
+	tests/test_fsdp_hsdp.py::test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping \
+	tests/test_ft_hsdp.py::test_forkserver_runner_restarts_preimported_groups_that_heal
+# python3.N's path: the one on PATH if it runs, else pyenv's newest 3.N.x (its shims run only the selected
+# version)
+find_python = $(firstword $(shell for p in $(1) \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(1:python%=%).*/bin/$(1) 2>/dev/null | sort -rV); \
+	do "$$p" -c "" 2>/dev/null && echo "$$p"; done))
+# $(1) venv folder, $(2) its Python (python3.N), $(3) torch requirement, $(4) transformers requirement
+define torch_range_venv
+	@start=$$(date +%s); set -e; py="$(call find_python,$(2))"; \
+	[ -n "$$py" ] || { echo "test-torch-range: no $(2) here (on PATH or under pyenv)"; exit 2; }; \
+	"$$py" -m venv $(1); \
+	$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q "$(3)"; \
+	$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q -e ".[test,hf,bench]" "$(4)"; \
+	echo "== $(1): venv ($(2), $(3), $(4)) installed in $$(( $$(date +%s) - start )) s"; touch $(1)/.installed
+endef
+# $(1) venv folder, $(2) the torch version it must import, $(3) the transformers one (empty: pip's choice)
+define torch_range_run
+	@echo "== fast tests against torch $(2) ($$($(1)/bin/python -c 'import sys, transformers; \
+		print(sys.version.split()[0], "python, transformers", transformers.__version__)'))"
+	FSDP_STRATEGIES_EXPECT_TORCH=$(2) FSDP_STRATEGIES_EXPECT_TRANSFORMERS=$(3) PYTHONPATH=$(CURDIR)/src \
+		$(1)/bin/python -m pytest $(TORCH_RANGE_TESTS) -m "not multiprocess or torch_range" -q -p no:cacheprovider \
+		--durations=10 \
+		$(call junit,torch-range-$(2))
+endef
+$(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed: pyproject.toml
+	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_FLOOR),$(TORCH_FLOOR_PYTHON),torch==$(TORCH_FLOOR),$\
+		transformers==$(TRANSFORMERS_FLOOR))
+$(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed: pyproject.toml
+	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_NEWEST),$(TORCH_NEWEST_PYTHON),torch==$(TORCH_NEWEST),$\
+		transformers)
+
+test-torch-range: $(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed $(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed
+	$(call torch_range_run,$(RANGE_DIR)/torch-$(TORCH_FLOOR),$(TORCH_FLOOR),$(TRANSFORMERS_FLOOR))
+	$(call torch_range_run,$(RANGE_DIR)/torch-$(TORCH_NEWEST),$(TORCH_NEWEST),)
 
 lint: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks

@@ -164,9 +164,28 @@ def require_process_marker(cmd: Sequence[str]) -> None:
 processes.before_start = require_process_marker
 
 
+def _check_expected_torch_and_transformers() -> None:
+    """``make test-torch-range``: stop a run that imports another torch (or transformers) than the one it
+    asked for (``FSDP_STRATEGIES_EXPECT_TORCH`` / ``_TRANSFORMERS``; a local build suffix such as
+    ``+cu130`` is ignored)."""
+    import importlib
+
+    for package in ("torch", "transformers"):
+        expected = os.environ.get(f"FSDP_STRATEGIES_EXPECT_{package.upper()}")
+        if not expected:
+            continue
+        module = importlib.import_module(package)
+        if module.__version__.split("+")[0] != expected:
+            raise pytest.UsageError(
+                f"FSDP_STRATEGIES_EXPECT_{package.upper()}={expected}, but this run imports {package} "
+                f"{module.__version__} from {module.__file__} ({sys.executable}). Fix: run pytest with the "
+                f"Python of the venv that has {package} {expected}.")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse a pytest session started from inside a test, and (``make test-lightning-range``) one that runs
-    against another Lightning than the one it installed."""
+    """Refuse a pytest session started from inside a test, and one that runs against another Lightning
+    (``make test-lightning-range``) or torch / transformers (``make test-torch-range``) than the one it asked
+    for."""
     if os.environ.get("PYTEST_CURRENT_TEST"):
         # a test ran Trainer(devices>1).fit in-process: Lightning's subprocess launcher re-ran this command (the
         # pytest session) as rank 1, which would run every test again, orphaned once rank 0's test ends
@@ -175,6 +194,7 @@ def pytest_configure(config: pytest.Config) -> None:
                     "test, call conftest.as_torchrun_rank0(monkeypatch, ...) first, or run the job in a worker script.",
                     returncode=3)
     processes.become_subreaper()
+    _check_expected_torch_and_transformers()
     expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")
     if not expected:
         return

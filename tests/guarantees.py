@@ -140,7 +140,9 @@ _SEAM = _ids("test_lightning_seam.py",
              "test__data_fetcher", "test__batches_that_stepped_and_optim_progress", "test__current_fx_name",
              "test__on_before_batch_transfer", "test__broadcast_sigterm_tensor", "test_subcommand_parser",
              "test__pytree_tree_leaves", "test__compiled_call_impl_and__orig_mod", "test__ops_OpOverload_and__schema",
-             "test__current_graph_task_id", "test__get_raw_and__count_flops", "test__python_dispatch_TorchDispatchMode",
+             "test__current_graph_task_id", "test__get_raw_and__count_flops",
+             "test_sdpa_flop_count_and_sdpa_backward_flop_count_with_grouped_query_attention",
+             "test__python_dispatch_TorchDispatchMode",
              "test_Tensor__version", "test_UntypedStorage__new_with_weak_ptr", "test__iterator_and__shutdown_workers",
              "test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_output",
              "test__metadata_fn_and_dcp_metadata_classes", "test_numpy__reconstruct", "test_torchft_DiLoCo__fragments",
@@ -231,6 +233,15 @@ _BUDGET_BF16 = _ids("test_memory_budget.py", "test_budget_under_bf16_autocast_ha
 _BUDGET_CONFIG = _ids("test_memory_budget.py", "test_config_sac_budget_fsdp2_two_ranks_meets_the_budget")
 _TP_BUDGET = _ids("test_tensor_parallel.py", "test_hsdp_1x2x2_hf_llama_equals_ddp")
 
+#: make test-torch-range runs these against torch 2.11.0 (Python 3.12, transformers 5.17.0) and 2.14.1
+_TORCH_RANGE = (*_ids("test_torch_range.py", "test_the_claimed_floors_are_the_tested_floors",
+                      "test_requires_python_admits_exactly_the_tested_pythons",
+                      "test_readme_and_the_table_state_the_tested_ends",
+                      "test_this_run_is_inside_the_claims"),
+                *_FSDP_SINGLE[:1], *_FORKSERVER[:1], *_TP_DDP[2:],
+                *_ids("test_hf_pretrained.py", "test_worked_example_finetune_export_reload"),
+                *_ASYNC_CI[3:], *_SEAM)
+
 GUARANTEES: tuple[Guarantee, ...] = (
     # README.md
     Guarantee("README.md", "tested against the oldest release", (*_PIN, *_SEAM[:3], *_SEAM_GUARD, *_FSDP_SINGLE[:1],
@@ -240,6 +251,9 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "`make test-lightning-range` runs against both releases (the seam tests, and the two multi-process runs "
               "marked lightning_range). Its one-process fit per strategy (test_lightning_range.py) is skipped outside "
               "that stage, so check (b) cannot count it here."),
+    Guarantee("README.md", "tested at both ends by `make test-torch-range`", _TORCH_RANGE,
+              "the claims equal the Makefile's ends (test_torch_range.py); these tests are among the ones "
+              "`make test-torch-range` runs against both ends (its junit XML: torch-range-*.xml)"),
     Guarantee("README.md", "modules with one test each", (*_SEAM, *_SEAM_GUARD)),
     Guarantee("README.md", "a test checks that every registered name", _REGISTRY_NAMES),
     Guarantee("README.md", "Every YAML in `configs/` runs for a few steps in the test suite", _CONFIGS),
@@ -439,8 +453,6 @@ GUARANTEES: tuple[Guarantee, ...] = (
 )
 
 NOT_CLAIMS: tuple[NotAClaim, ...] = (
-    NotAClaim("README.md", "(tested: 2.13.0, CPU build)",
-              "the torch build CI installs (Makefile TORCH_SPEC), not a behaviour; no test asserts the version"),
     NotAClaim("README.md", "what the tests check", "a link to docs/testing.md in the docs table"),
     NotAClaim("docs/getting-started.md", "| package | range (`pyproject.toml`) | tested |",
               "the header of the versions table: the versions CI installs (Makefile), not a behaviour"),

@@ -169,6 +169,7 @@ def test_sharded_writer_default_group_without_cpu_backend(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------------------------------------- real processes
 @pytest.mark.multiprocess
+@pytest.mark.torch_range
 def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     # 8 straight steps with async saves at steps 4 and 8 (top-1, no `last`); the second background write fails

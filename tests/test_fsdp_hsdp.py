@@ -25,6 +25,7 @@ def _full_numel(params: dict[str, torch.Tensor]) -> int:
 
 
 @pytest.mark.lightning_range
+@pytest.mark.torch_range
 def test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping(tmp_path: Path) -> None:
     # 2 ranks x batch 4 x 2 micro-batches == one process with batch 16; clipping at 0.5 is active.
     # accumulation="no_sync" here (the default, "sharded", is tests/test_accumulation.py's).

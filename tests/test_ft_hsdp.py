@@ -161,6 +161,7 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.torch_range
 def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path) -> None:
     # --runner forkserver: every incarnation's ranks are forked (through a group leader) from one server that
     # imported torch, Lightning and torchft. The launcher SIGKILLs group 0 (leader and ranks) at step 12 and group 1

@@ -251,6 +251,7 @@ def test_ft_hsdp_two_groups_start_from_the_pretrained_weights(tmp_path: Path, fo
 
 
 @pytest.mark.multiprocess
+@pytest.mark.torch_range
 def test_worked_example_finetune_export_reload(tmp_path: Path, folders: dict[str, Path]) -> None:
     # the example as its docstring runs it: fine-tune under fsdp2 (2 ranks, a sharded checkpoint), then
     # `fsdp-strategies-export CKPT OUT --format hf` and transformers' own from_pretrained on OUT

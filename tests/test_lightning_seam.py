@@ -589,6 +589,35 @@ def test__current_graph_task_id() -> None:
     assert seen == [True]
 
 
+def test_sdpa_flop_count_and_sdpa_backward_flop_count_with_grouped_query_attention() -> None:
+    """torch 2.11's formulas assert that key/value have the query's heads (found by make test-torch-range: an
+    AssertionError in the FLOP count of a GQA Llama); the seam counts GQA as the kernel runs it, key/value
+    heads broadcast to the query's, on every version: the counts of the same attention with key/value
+    repeated."""
+    from torch.utils import flop_counter
+
+    import fsdp_strategies.flops.counter  # registers the CPU flash-attention formulas through the seam
+
+    q, kv, full = (2, 8, 16, 32), (2, 2, 16, 32), (2, 8, 16, 32)
+    two_bmms = 2 * 2 * (2 * 8) * 16 * 32 * 16  # scores and output, each 2 * (b * h_q) * s_q * d * s_k
+    assert tseam.sdpa_flop_count(q, kv, kv) == flop_counter.sdpa_flop_count(q, full, full) == two_bmms
+    backward = flop_counter.sdpa_backward_flop_count(q, q, full, full)
+    assert tseam.sdpa_backward_flop_count(q, q, kv, kv) == backward
+    assert tseam.sdpa_flop_count(q, full, full) == two_bmms  # MHA: unchanged
+
+    def counted(gqa: bool) -> int:
+        torch.manual_seed(0)
+        query = torch.randn(1, 4, 8, 16, requires_grad=True)
+        key, value = torch.randn(1, 2 if gqa else 4, 8, 16), torch.randn(1, 2 if gqa else 4, 8, 16)
+        with flop_counter.FlopCounterMode(display=False) as mode:
+            torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=False,
+                                                             enable_gqa=gqa).sum().backward()
+        return mode.get_total_flops()
+
+    assert fsdp_strategies.flops.counter is not None
+    assert counted(gqa=True) == counted(gqa=False) > 0
+
+
 def test__get_raw_and__count_flops() -> None:
     got: list[Any] = []
 
@@ -649,7 +678,8 @@ def test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_out
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``fsdp_gradient_holders`` sees each place FSDP2 keeps a gradient: whole gradients under
     ``set_requires_gradient_sync(False)``, the pending reduce-scattered one under
-    ``set_requires_all_reduce(False)`` on a (replicate, shard) mesh, the sharded ``param.grad`` after."""
+    ``set_requires_all_reduce(False)`` on a (replicate, shard) mesh, the sharded ``param.grad`` after. Each
+    counted once (torch 2.15 made ``unsharded_accumulated_grad`` a property returning the unsharded grad)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

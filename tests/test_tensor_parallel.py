@@ -56,9 +56,17 @@ def _planned_are_2d(record: dict, planned: tuple[str, ...], dp_dims: list[str]) 
             # and by FSDP on the shard dim (HSDP: whole on the replicate dim)
             assert all("S(" in p or (p == "R" and d == "replicate") for p, d in
                        zip(info["placements"][:-1], dp_dims)), (name, info)
-    local = sum(i["local"] for i in record["params"].values())
-    total = sum(i["global"] for i in record["params"].values())
-    assert local / total <= 0.26, local / total  # ~1/4 of the parameters per rank on 4 ranks
+    # ~1/4 of the parameters per rank on 4 ranks; a module the model's own plan leaves out of tensor
+    # parallelism is sharded by FSDP alone, 1/2 per rank (transformers 5.17's Llama plan has no embed_tokens,
+    # 5.24's has it)
+    split = [i for i in record["params"].values() if i["mesh"] == [*dp_dims, "tensor_parallel"]]
+    fsdp_only = [i for i in record["params"].values() if i["mesh"] == dp_dims]
+    assert len(split) + len(fsdp_only) == len(record["params"]), record["params"]
+    local, total = sum(i["local"] for i in split), sum(i["global"] for i in split)
+    assert local / total <= 0.26, local / total
+    assert all(i["local"] <= i["global"] // 2 + 1 for i in fsdp_only), fsdp_only
+    everything = sum(i["global"] for i in record["params"].values())
+    assert total > 0.6 * everything, "most parameters are tensor-parallel"
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +94,7 @@ def test_fsdp2_2x2_tied_embeddings_stay_one_tensor_and_equal_ddp(tmp_path: Path)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.torch_range
 def test_hsdp_1x2x2_hf_llama_equals_ddp(tmp_path: Path, ddp_llama: list[dict]) -> None:
     """Also with activation checkpointing to a memory budget (profiled on DTensor blocks, one choice for all ranks):
     the same losses as ddp without checkpointing, and the budget met on every rank."""

@@ -2,7 +2,8 @@
 
 The same rule as :mod:`fsdp_strategies._lightning_seam`: one small function or constant per
 access, its docstring naming the private name; ``tests/test_lightning_seam.py`` checks each one
-against the installed versions (torch >= 2.7, tested on 2.11 and 2.13; torchft 0.2.x).
+against the installed versions (torch >= 2.11: ``make test-torch-range`` runs them on 2.11.0 and 2.14.1,
+``make test`` on 2.13.0; torchft 0.2.x).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "quorum_started",
     "raw_tensor_formula",
     "run_exit_handlers",
+    "sdpa_backward_flop_count",
+    "sdpa_flop_count",
     "shutdown_loader_workers",
     "tensor_version",
     "tree_leaves",
@@ -93,6 +96,36 @@ def raw_tensor_formula(formula: Callable[..., int]) -> Callable[..., int]:
     return formula
 
 
+def _kv_heads_as_query_heads(query_shape: Any, kv_shape: Any) -> Any:
+    """A key/value shape ``(b, h_kv, s, d)`` with the query's heads when ``h_kv`` divides them (GQA)."""
+    b, h_kv, s, d = kv_shape
+    h_q = query_shape[1]
+    return (b, h_q, s, d) if h_kv != h_q and h_kv and h_q % h_kv == 0 else kv_shape
+
+
+def sdpa_flop_count(query_shape: Any, key_shape: Any, value_shape: Any) -> int:
+    """``torch.utils.flop_counter.sdpa_flop_count``, grouped-query attention included on every torch here.
+
+    torch 2.11 asserts that key and value have the query's heads; newer torch counts fewer key/value heads
+    (the kernel broadcasts them) as the query's heads. Here the key/value shapes are given the query's heads
+    first, which is that same count on every version.
+    """
+    from torch.utils import flop_counter
+
+    return flop_counter.sdpa_flop_count(query_shape, _kv_heads_as_query_heads(query_shape, key_shape),
+                                        _kv_heads_as_query_heads(query_shape, value_shape))
+
+
+def sdpa_backward_flop_count(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any) -> int:
+    """``torch.utils.flop_counter.sdpa_backward_flop_count``, grouped-query attention included (see
+    :func:`sdpa_flop_count`: torch 2.11 asserts equal heads)."""
+    from torch.utils import flop_counter
+
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape,
+                                                 _kv_heads_as_query_heads(query_shape, key_shape),
+                                                 _kv_heads_as_query_heads(query_shape, value_shape))
+
+
 class HookedFlopCounter(FlopCounterMode):
     """``FlopCounterMode`` that reports every op's FLOPs to :meth:`on_flops` as they are counted.
 
@@ -120,7 +153,8 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
     ``"pending_all_reduce"``: a reduce-scattered gradient waiting for the cross-replica all-reduce
     (``FSDPParamGroup._partial_reduce_output``, what ``set_requires_all_reduce(False)`` leaves under HSDP).
     Reached through ``FSDPModule._get_fsdp_state()`` and ``FSDPState._fsdp_param_groups``
-    (``_fsdp_param_group``, one group, in older torch), all private.
+    (``_fsdp_param_group``, one group, in older torch), all private. From torch 2.15,
+    ``unsharded_accumulated_grad`` is a property returning ``_unsharded_param.grad``: counted once.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -142,10 +176,12 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
                 if grad is not None:
                     found.append(("sharded", grad.to_local() if hasattr(grad, "to_local") else grad))
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    found.append(("unsharded", unsharded.grad))
-                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
-                    found.append(("unsharded", fsdp_param.unsharded_accumulated_grad))
+                whole = unsharded.grad if unsharded is not None else None
+                if whole is not None:
+                    found.append(("unsharded", whole))
+                accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                if accumulated is not None and accumulated is not whole:  # 2.15: a property -> that grad
+                    found.append(("unsharded", accumulated))
     return found
 
 

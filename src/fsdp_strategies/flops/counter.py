@@ -38,7 +38,8 @@ aten = torch.ops.aten
 
 
 def _register_missing_sdpa_formulas() -> None:
-    """PyTorch has no FLOP formula for these SDPA kernels; give them the generic SDPA one."""
+    """PyTorch has no FLOP formula for these SDPA kernels; give them the generic SDPA one (grouped-query
+    attention included on every supported torch: see ``_torch_seam.sdpa_flop_count``)."""
     forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]
     for name in forward:
         packet = getattr(aten, name, None)
@@ -47,7 +48,7 @@ def _register_missing_sdpa_formulas() -> None:
             @register_flop_formula(packet)
             def _sdpa(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
                       **kwargs: Any) -> int:
-                return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+                return _torch_seam.sdpa_flop_count(query_shape, key_shape, value_shape)
 
         backward = getattr(aten, name + "_backward", None)
         if backward is not None and backward not in flop_counter.flop_registry:
@@ -55,7 +56,8 @@ def _register_missing_sdpa_formulas() -> None:
             @register_flop_formula(backward)
             def _sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
                                out_shape: Any = None, **kwargs: Any) -> int:
-                return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+                return _torch_seam.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape,
+                                                            value_shape)
 
 
 _register_missing_sdpa_formulas()
