@@ -37,7 +37,7 @@ def test_two_tp_groups_kill_heal_and_end_identical(tmp_path: Path) -> None:
                 "--", WORKER, "fit", "--config", "configs/ft_hsdp_tp.yaml", *TINY,
                 "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.connect_timeout_s", "5",
                 "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
-               env={"FT_TEST_OUT": str(out), "FT_TEST_SLEEP_ALONE": "0.5"}, timeout=400)
+               env={"FT_TEST_OUT": str(out), "FT_TEST_SLEEP_ALONE": "2.0"}, timeout=400)
     launcher = _jsonl(events / "launcher.jsonl")
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
     assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits

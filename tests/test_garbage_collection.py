@@ -250,7 +250,8 @@ def _simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order
         callbacks = [detector, extra] if order == "detector_first" else [extra, detector]
         trainer = SimpleNamespace(callbacks=callbacks, world_size=2, global_rank=rank, is_global_zero=rank == 0,
                                   strategy=SimpleNamespace(root_device=SimpleNamespace(type="cpu")), loggers=[],
-                                  log_dir=str(tmp_path / f"{pause}{order}"), global_step=0)
+                                  log_dir=str(tmp_path / f"{pause}{order}"), global_step=0,
+                                  fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
         detector.setup(trainer, None, "fit")  # type: ignore[arg-type]
         detector.hosts = ["host0", "host1"]
         ranks.append((trainer, callbacks))
