@@ -25,10 +25,17 @@ junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
 # tests/docs checks the built site in Chromium: `make docs` runs it, right after the build.
 # The `full` tests (longer fault runs) are a stage of their own: `make test-full`; `soak` ones need FSDP_STRATEGIES_FULL=1.
+# `make test` runs in two passes: every test but the `serial` ones (tests/conftest.py SERIAL_FILES: timing-sensitive
+# fault runs) on TEST_WORKERS pytest-xdist workers, then the serial ones alone. Both passes run; either failing fails.
+TEST_WORKERS ?= 3
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
-	$(PY) -m pytest tests -m "not full" -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm \
-		$(call junit,test)
+	@rc=0; \
+	$(PY) -m pytest tests -m "not full and not serial" -n $(TEST_WORKERS) --dist worksteal -q -p no:cacheprovider \
+		--durations=15 --ignore=tests/docs --ignore=tests/slurm $(call junit,test) || rc=$$?; \
+	$(PY) -m pytest tests -m "not full and serial" -q -p no:cacheprovider --durations=15 --ignore=tests/docs \
+		--ignore=tests/slurm $(call junit,test-serial) || rc=$$?; \
+	exit $$rc
 
 test-full: install
 	$(PY) -m pytest tests -m full -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm \

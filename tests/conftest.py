@@ -137,8 +137,25 @@ _MARKS: dict[str, set[str]] = {}
 PROCESS_MARKERS = {"multiprocess", "subprocess", "slurm"}
 
 
+#: Files whose multi-process tests measure real time against the job's own deadlines (heartbeats, quorum and
+#: collective timeouts, straggler windows, signal grace periods, shaped links) or hold a machine-wide resource
+#: (network namespaces, tmpfs mounts): their process-starting tests are marked ``serial``. ``make test`` runs every other test on several pytest
+#: workers (pytest-xdist) and these afterwards, alone, so that another test's load never decides their outcome.
+SERIAL_FILES = frozenset({
+    "test_ft_hsdp.py", "test_ft_launch.py", "test_ft_sync.py", "test_ft_data.py", "test_ft_tensor_parallel.py",
+    "test_ft_switch.py", "test_ft_scale.py", "test_ft_protocol.py", "test_ft_timeouts.py", "test_netns.py",
+    "test_preemption.py", "test_clean_exit.py", "test_straggler.py", "test_multinode.py", "test_disk_full.py",
+    "test_processes.py", "test_garbage_collection.py", "test_async_checkpoint.py", "test_goodput.py",
+    "test_benchmarks.py", "test_throughput.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Record every test's markers; skip the ``soak`` ones unless ``FSDP_STRATEGIES_FULL=1``."""
+    """Mark the :data:`SERIAL_FILES`' tests ``serial``; record every test's markers; skip the ``soak`` ones unless
+    ``FSDP_STRATEGIES_FULL=1``."""
+    for item in items:
+        if item.path.name in SERIAL_FILES and {m.name for m in item.iter_markers()} & PROCESS_MARKERS:
+            item.add_marker(pytest.mark.serial)
     _MARKS.update({item.nodeid: {m.name for m in item.iter_markers()} for item in items})
     if os.environ.get("FSDP_STRATEGIES_FULL") != "1":
         soak = pytest.mark.skip(reason="soak run (minutes): FSDP_STRATEGIES_FULL=1 runs it; CI runs its short form")

@@ -8,6 +8,7 @@ flags, before it starts anything.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,92 @@ def test_launcher_options_from_python_are_checked_too() -> None:
     with pytest.raises(LaunchOptionError, match=r"--warm-spares 1: not true or false\. Fix"):
         LaunchOptions(warm_spares=1).validate(["train.py"])  # type: ignore[arg-type]
     LaunchOptions(events_dir=Path("events"), timeout=5).validate(["train.py"])  # a path, an int for a float
+
+
+# ------------------------------------------------------------------ bad values refused by the classes themselves
+# (OptionError from a strategy's or callback's own checks, not jsonargparse's type checks): one `error:` line with
+# the class, the option, the value and the fix -- no traceback -- while LightningCLI instantiates the classes.
+GC, AC = "--trainer.callbacks+=fsdp_strategies.callbacks.GarbageCollection", \
+    "--trainer.callbacks+=fsdp_strategies.callbacks.ActivationCheckpointing"
+
+
+@pytest.mark.parametrize(("args", "expected"), ids=[
+    "gc-every-0", "budget-above-1", "budget-negative", "budget-mode-without-budget", "tp-degree-0",
+    "pretrained-missing"], argvalues=[
+    ([GC, "--trainer.callbacks.every_n_steps", "0"],
+     r"GarbageCollection: every_n_steps=0 is invalid\. Fix: an integer >= 1\."),
+    ([AC, "--trainer.callbacks.mode", "budget", "--trainer.callbacks.memory_budget", "1.5"],
+     r"ActivationCheckpointing: memory_budget=1\.5 is above 1\. Fix: "),
+    ([AC, "--trainer.callbacks.mode", "budget", "--trainer.callbacks.memory_budget", "-0.1"],
+     r"ActivationCheckpointing: memory_budget=-0\.1 is invalid\. Fix: "),
+    ([AC, "--trainer.callbacks.mode", "budget"],
+     r"ActivationCheckpointing: mode='budget' needs memory_budget\. Fix: "),
+    (["--config", str(CONFIGS / "fsdp2_tp.yaml"), "--trainer.strategy.init_args.tensor_parallel_degree", "0"],
+     r"FSDP2Strategy: tensor_parallel_degree=0 is invalid\. Fix: 1 \(no tensor parallelism\) or the number of ranks"),
+    (["--config", str(CONFIGS / "fsdp2_tp.yaml"), "--trainer.strategy.init_args.pretrained", "/does/not/exist"],
+     r"FSDP2Strategy: pretrained='/does/not/exist' is not a local folder\. Fix: pass the folder `save_pretrained` "
+     r"wrote"),
+])
+def test_bad_values_refused_by_the_classes_are_one_line(args: list[str], expected: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import train_llama
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the parser installs its own: restored after the test
+    monkeypatch.chdir(tmp_path)  # nothing is written, but if it were, not into the repository
+    with pytest.raises(SystemExit) as info:
+        train_llama.main(["fit", "--config", str(CONFIGS / "fsdp2.yaml"), *args, "--trainer.max_steps", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    line = _error_line(err)
+    assert re.fullmatch(r"error: " + expected + r".*", line), line
+    assert "Traceback" not in err and "jsonargparse" not in err, err[-3000:]
+    assert len([x for x in err.splitlines() if x.strip()]) <= 3, err  # usage, tip, the error line
+
+
+def test_option_errors_from_python_lead_with_the_message() -> None:
+    """From Python the exception is a ValueError (OptionError) whose message leads with option, value and fix;
+    :func:`option_error_line` adds the class that raised it."""
+    from fsdp_strategies import FSDP2Strategy
+    from fsdp_strategies._options import OptionError
+    from fsdp_strategies.callbacks import GarbageCollection
+    from fsdp_strategies.cli import option_error_line
+
+    for make, expected in ((lambda: GarbageCollection(every_n_steps=0), "GarbageCollection: every_n_steps=0 is "),
+                           (lambda: FSDP2Strategy(tensor_parallel_degree=0),  # type: ignore[arg-type]
+                            "FSDP2Strategy: tensor_parallel_degree=0")):
+        with pytest.raises(OptionError) as info:
+            make()
+        assert isinstance(info.value, ValueError) and "Fix: " in str(info.value)
+        line = option_error_line(info.value)
+        assert line is not None and line.startswith(expected) and "\n" not in line, line
+    assert option_error_line(RuntimeError("not an option")) is None
+
+
+@pytest.mark.multiprocess
+def test_an_option_error_raised_on_the_ranks_is_one_line(tmp_path: Path) -> None:
+    """A ``tp_plan`` glob that matches no module is found on the ranks (after the process group exists): the
+    run still ends with one ``error:`` line naming the strategy, the glob and the fix, without a traceback."""
+    bad = tmp_path / "bad_plan.yaml"
+    bad.write_text("trainer:\n  strategy:\n    init_args:\n      tp_plan:\n"
+                   "        model.layers.*.attention.wq: colwise\n        model.nothing.*: rowwise\n")
+    proc = run_python(["examples/train_llama.py", "fit", "--config", str(CONFIGS / "fsdp2_tp.yaml"), "--config",
+                       str(bad), "--trainer.devices", "2", "--trainer.max_steps", "1",
+                       "--trainer.default_root_dir", str(tmp_path)], check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert errors and errors[0].startswith("error: FSDP2Strategy: tp_plan: ['model.nothing.*'] match no module of "
+                                           "the model"), proc.stderr[-4000:]
+    assert "Fix: write the globs against the LightningModule's module names" in errors[0]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    # a degree that does not divide the devices: found when the Trainer sets up, before the ranks start
+    proc = run_python(["examples/train_llama.py", "fit", "--config", str(CONFIGS / "fsdp2_tp.yaml"),
+                       "--trainer.devices", "2", "--trainer.strategy.init_args.tensor_parallel_degree", "3",
+                       "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)], check=False,
+                      timeout=300)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode == 1 and errors == [
+        "error: FSDP2Strategy: tensor_parallel_degree=3 does not divide the 2 devices per node (world size 2): a "
+        "tensor-parallel group must sit inside one node, where its per-layer collectives run on the fast links. "
+        "Fix: choose tensor_parallel_degree from [1, 2]."], proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

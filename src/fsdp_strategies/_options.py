@@ -1,6 +1,7 @@
 """Option checks shared by every strategy and callback: one spelling of each rule and of its error.
 
-Every check raises ``ValueError`` with the shape ``<name>=<value> is invalid. Fix: <what to give>.``
+Every check raises :class:`OptionError` (a ``ValueError``) with the shape ``<name>=<value> is invalid. Fix: <what
+to give>.``
 at ``__init__`` time (before any process group exists). Allowed string values come from the
 ``Literal`` type of the parameter (:func:`choices`), so the values are written once, in the signature
 that LightningCLI also reads.
@@ -10,7 +11,24 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-__all__ = ["check_bool", "check_choice", "check_degree", "check_int", "check_number", "choices"]
+__all__ = ["OptionError", "check_bool", "check_choice", "check_degree", "check_int", "check_number", "choices",
+           "is_option_error"]
+
+
+class OptionError(ValueError):
+    """A bad option value of a strategy or callback: the message names the option, the value and the fix.
+
+    A ``ValueError``; :class:`fsdp_strategies.cli.ArgumentParser` reports it as one ``error:`` line instead of a
+    traceback, wherever it is raised (while LightningCLI instantiates the classes, or later on a rank). An
+    exception that must keep another type (a ``FileNotFoundError`` for a missing folder) counts as an option error
+    when its class sets ``option_error = True`` (:func:`is_option_error`)."""
+
+    option_error = True
+
+
+def is_option_error(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a bad option value (:class:`OptionError` or a class with ``option_error = True``)."""
+    return bool(getattr(type(exc), "option_error", False))
 
 
 def choices(literal: Any) -> tuple[Any, ...]:
@@ -24,8 +42,8 @@ def choices(literal: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _fail(name: str, value: Any, fix: str, prefix: str = "") -> ValueError:
-    return ValueError(f"{prefix}{name}={value!r} is invalid. Fix: {fix}")
+def _fail(name: str, value: Any, fix: str, prefix: str = "") -> OptionError:
+    return OptionError(f"{prefix}{name}={value!r} is invalid. Fix: {fix}")
 
 
 def check_int(name: str, value: Any, low: int = 0, high: int | None = None, *, optional: bool = False,

@@ -8,6 +8,13 @@ attempt, ...) and the one useful line sits a few levels deep. :class:`ArgumentPa
 jsonargparse's message but puts a one-line explanation first, with a fix (the closest valid value
 or option name), built from that message and from the named class's signature.
 
+A bad option *value* that a strategy or callback refuses itself (:class:`~fsdp_strategies._options.OptionError`:
+``memory_budget: 1.5``, ``every_n_steps: 0``, a ``tensor_parallel_degree`` that does not divide the devices, a
+``tp_plan`` glob that matches nothing) is reported the same way, as one ``error: Class: option=value ... Fix: ...``
+line: raised while LightningCLI instantiates the classes, with the usage line and exit status 2; raised later on a
+rank, with exit status 1 (the parser installs a ``sys.excepthook`` for that exception type only).
+``FSDP_STRATEGIES_TRACEBACK=1`` shows the full traceback instead.
+
 Use it with any LightningCLI::
 
     LightningCLI(MyModel, MyData, parser_class=fsdp_strategies.cli.ArgumentParser)
@@ -19,15 +26,19 @@ import ast
 import difflib
 import importlib
 import inspect
+import os
 import re
+import sys
+import types
 import weakref
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
 from fsdp_strategies._lightning_seam import subcommand_parser
+from fsdp_strategies._options import is_option_error
 
-__all__ = ["ArgumentParser", "explain_error"]
+__all__ = ["ArgumentParser", "explain_error", "option_error_line"]
 
 _CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
 _PARSER_KEY = re.compile(r'^\s*Parser key "([^"]+)":\s*$')
@@ -206,14 +217,97 @@ def explain_error(message: str, parser: Any = None) -> str | None:
     return "\n".join(found)
 
 
+def _option_error(exc: BaseException | None) -> BaseException | None:
+    """The option error (:func:`~fsdp_strategies._options.is_option_error`) in ``exc``'s chain (jsonargparse
+    re-raises what an ``__init__`` raised)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if is_option_error(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _owner(tb: types.TracebackType | None) -> str | None:
+    """The class whose ``__init__`` (or method) raised: the last frame of the traceback with a ``self`` that is
+    one of this package's strategies or callbacks."""
+    owner = None
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if obj is not None and type(obj).__module__.startswith("fsdp_strategies."):
+            owner = type(obj).__name__
+        tb = tb.tb_next
+    return owner
+
+
+def option_error_line(exc: BaseException) -> str | None:
+    """``Class: option=value is invalid. Fix: ...`` -- one line -- when ``exc`` is (or wraps) an option error
+    (:class:`~fsdp_strategies._options.OptionError`); ``None`` otherwise."""
+    err = _option_error(exc)
+    if err is None:
+        return None
+    message = " ".join(str(err).split())
+    owner = _owner(err.__traceback__)
+    if owner and not message.startswith((f"{owner}:", f"{owner}(")):
+        message = f"{owner}: {message}"
+    return message
+
+
+_UNION_CLASS = re.compile(r"class_path='(?:[\w.]+\.)?(\w+)'")
+
+
+def _union_option_error(exc: BaseException) -> str | None:
+    """jsonargparse tries each member of a union (a strategy is ``str | Strategy``) and raises a new error that
+    quotes each member's message, so the class's own exception is not in the chain: take the quoted message
+    that has this package's ``Fix:`` (jsonargparse's own messages never do), and the class from ``class_path``."""
+    found = [line.strip()[2:] for line in str(exc).splitlines() if line.strip().startswith("- ") and "Fix: " in line]
+    if not found:
+        return None
+    owner = _UNION_CLASS.search(str(exc))
+    message = found[0]
+    if owner and not message.startswith(f"{owner[1]}:"):
+        message = f"{owner[1]}: {message}"
+    return message
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+    line = option_error_line(value) if os.environ.get("FSDP_STRATEGIES_TRACEBACK") != "1" else None
+    if line is None:
+        return _previous_excepthook(kind, value, tb)
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
+    text = f"error: {line}{f' (rank {rank})' if rank not in (None, '0') else ''}\n"
+    try:
+        sys.stderr.flush()
+    except Exception:  # a closed or replaced stream: the write below still reaches file descriptor 2
+        pass
+    os.write(2, text.encode(errors="replace"))  # then the interpreter exits as usual (status 1, atexit runs)
+
+
+_previous_excepthook = sys.excepthook
+
+
 class ArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser; its errors start with :func:`explain_error`'s summary when there is one."""
+    """LightningCLI's parser; its errors start with :func:`explain_error`'s summary when there is one, and an
+    option error raised while the classes are instantiated, or later in the run, is one ``error:`` line."""
 
     made: weakref.WeakSet[ArgumentParser] = weakref.WeakSet()  # LightningCLI makes one per subcommand too
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         ArgumentParser.made.add(self)
+        if sys.excepthook is not _excepthook:
+            global _previous_excepthook
+            _previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
+
+    def instantiate_classes(self, cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().instantiate_classes(cfg, *args, **kwargs)
+        except Exception as exc:
+            line = option_error_line(exc) or _union_option_error(exc)
+            if line is None or os.environ.get("FSDP_STRATEGIES_TRACEBACK") == "1":
+                raise
+            super(LightningArgumentParser, self).error(line)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         try:  # errors inside a subcommand (fit, ...) carry that subcommand's parser, which knows its options

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from fsdp_strategies._options import check_bool, check_int, check_number
+from fsdp_strategies._options import OptionError, check_bool, check_int, check_number
 from fsdp_strategies.memory.budget import BudgetChoice, BudgetPlanner
 from fsdp_strategies.memory.offload import OffloadStats, apply_activation_offload
 from fsdp_strategies.parallel.activation_checkpointing import (
@@ -118,24 +118,24 @@ class ActivationCheckpointing(Callback):
         check_int("offload_min_bytes", offload_min_bytes, 0, prefix="ActivationCheckpointing: ")
         if mode == "budget":
             if memory_budget is None:
-                raise ValueError("ActivationCheckpointing: mode='budget' needs memory_budget. Fix: set memory_budget to "
+                raise OptionError("ActivationCheckpointing: mode='budget' needs memory_budget. Fix: set memory_budget to "
                                  "the fraction of activation memory to keep, e.g. memory_budget: 0.5.")
             check_number("memory_budget", memory_budget, prefix="ActivationCheckpointing: ",
                          fix="a fraction 0 < memory_budget <= 1, e.g. 0.5.")
             if memory_budget > 1:
-                raise ValueError(f"ActivationCheckpointing: memory_budget={memory_budget!r} is above 1. Fix: a fraction "
+                raise OptionError(f"ActivationCheckpointing: memory_budget={memory_budget!r} is above 1. Fix: a fraction "
                                  "0 < memory_budget <= 1 of the activation memory kept without checkpointing (1 = "
                                  "keep as much as without checkpointing, recompute as little as possible).")
         elif memory_budget is not None:
-            raise ValueError(f"ActivationCheckpointing: memory_budget only applies to mode='budget', got mode={mode!r}. "
+            raise OptionError(f"ActivationCheckpointing: memory_budget only applies to mode='budget', got mode={mode!r}. "
                              "Fix: remove memory_budget or set mode: budget.")
         if mode == "none" and not offload:
-            raise ValueError("ActivationCheckpointing: mode='none' without offload does nothing. Fix: offload: true, "
+            raise OptionError("ActivationCheckpointing: mode='none' without offload does nothing. Fix: offload: true, "
                              "or a checkpointing mode (full, selective_op, selective_layer, budget).")
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if mode != "selective_op" and (save_ops is not None or extra_save_ops or save_every_nth_matmul != 1):
-            raise ValueError(
+            raise OptionError(
                 f"save_ops / extra_save_ops / save_every_nth_matmul only apply to mode='selective_op', got mode={mode!r}. "
                 "Fix: remove them or set mode: selective_op."
             )

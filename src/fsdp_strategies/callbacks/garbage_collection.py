@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from fsdp_strategies._options import check_bool, check_int
+from fsdp_strategies._options import OptionError, check_bool, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -92,7 +92,7 @@ class GarbageCollection(Callback):
         if full_every_n_steps is not None and full_every_n_steps % every_n_steps:
             below = full_every_n_steps // every_n_steps * every_n_steps
             near = " or ".join(str(v) for v in sorted({max(below, every_n_steps), below + every_n_steps}))
-            raise ValueError(
+            raise OptionError(
                 f"full_every_n_steps={full_every_n_steps!r} is invalid: it must be a multiple of every_n_steps="
                 f"{every_n_steps} (a full collection replaces one of the regular ones). Fix: e.g. {near}, or null "
                 "for no full collections after the one at the start of training.")

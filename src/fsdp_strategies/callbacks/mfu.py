@@ -40,7 +40,7 @@ from torch import nn
 from typing_extensions import override
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies._options import OptionError, check_choice, check_int, check_number
 from fsdp_strategies.flops.counter import StepFlopCounter, StepFlops, analytic_transformer_flops
 from fsdp_strategies.flops.peaks import PeakDType, lookup_peak_flops, peak_flops_from_env
 from fsdp_strategies.parallel.blocks import find_transformer_blocks
@@ -265,7 +265,7 @@ class MFUMonitor(Callback):
         )
         seq = self.seq_len or (tokens // samples if samples else 0)
         if not (layers and hidden and seq):
-            raise ValueError(
+            raise OptionError(
                 f"MFUMonitor(flops_source='analytic') could not infer layers={layers}, hidden_size={hidden}, "
                 f"seq_len={seq} from the model/batch. Fix: set block_class_names, hidden_size and seq_len."
             )

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from fsdp_strategies._options import check_int
+from fsdp_strategies._options import OptionError, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,13 +108,13 @@ class NonFiniteGuard(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(trainer.strategy, "strategy_name", None) == "ft_hsdp":  # by name: callbacks sit below ft/
-            raise ValueError(
+            raise OptionError(
                 "NonFiniteGuard: ft_hsdp is not supported yet (a replica group with non-finite "
                 "gradients must leave that step's cross-group average, not skip alone). Fix: remove "
                 "the callback under ft_hsdp, or use fsdp2/hsdp/ddp_hooks."
             )
         if stage == "fit" and not pl_module.automatic_optimization:
-            raise ValueError(
+            raise OptionError(
                 "NonFiniteGuard: manual optimization is not supported (the module steps its "
                 "optimizers itself). Fix: check torch.isfinite on the gradients in training_step "
                 "before optimizer.step(), or use automatic optimization."

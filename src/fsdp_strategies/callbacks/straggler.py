@@ -62,7 +62,7 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._distributed import in_process_group
-from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies._options import OptionError, check_choice, check_int
 from fsdp_strategies.callbacks.straggler_scoring import HEADER, StragglerScorer
 from fsdp_strategies.protocols import HostPauseSource, LocalAveragingSwitch, QuorumMember, SyncModeSwitch
 
@@ -136,12 +136,12 @@ class StragglerDetector(Callback):
                                  ("top_k", top_k, 1)):
             check_int(name, value, low)
         if threshold <= 1.0:
-            raise ValueError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
+            raise OptionError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
         if not 0.0 < ewma_alpha <= 1.0:
-            raise ValueError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
+            raise OptionError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
         check_choice("action", action, Action)
         if switch_threshold <= 0:
-            raise ValueError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
+            raise OptionError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
         self.window, self.skip_first, self.top_k = window, skip_first, top_k
         self.action, self.switch_threshold = action, switch_threshold
         self.report_path, self.hosts_file, self.stop_exit_code = report_path, hosts_file, stop_exit_code
@@ -186,7 +186,7 @@ class StragglerDetector(Callback):
             isinstance(strategy, LocalAveragingSwitch) and strategy.local_sgd_available
         ):
             comm_hook = getattr(strategy, "comm_hook", None)
-            raise ValueError(
+            raise OptionError(
                 f"action='hierarchical_sgd' needs the ddp_hooks strategy with comm_hook post_local_sgd or "
                 f"hierarchical_sgd (a LocalAveragingSwitch), but the strategy is {type(strategy).__name__}"
                 f"{' with comm_hook=' + repr(comm_hook) if comm_hook is not None else ''}. "
@@ -195,7 +195,7 @@ class StragglerDetector(Callback):
         if self.action == "semi_sync":
             if not (isinstance(strategy, SyncModeSwitch) and strategy.sync_switch_available):
                 mode = getattr(strategy, "straggler_sync", None)
-                raise ValueError(
+                raise OptionError(
                     f"action='semi_sync' needs ft_hsdp with straggler_sync local_sgd or diloco (a SyncModeSwitch), but "
                     f"the strategy is {type(strategy).__name__}"
                     f"{'' if mode is None else f' with straggler_sync={mode!r}'}. "
@@ -203,7 +203,7 @@ class StragglerDetector(Callback):
                     "or another action.")
             strategy.configure_sync_switch(self.switch_threshold, self._scorer_kwargs["patience"])
         if self.action == "evict" and not isinstance(strategy, QuorumMember):
-            raise ValueError(
+            raise OptionError(
                 f"action='evict' needs a fault-tolerant strategy with leave_quorum(reason) (e.g. ft_hsdp), but the "
                 f"strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or action: warn / stop.")
         world = trainer.world_size

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies._options import OptionError, check_choice, check_int, check_number
 from fsdp_strategies.ft.manager import HOW_TO_START, lighthouse_host_port
 from fsdp_strategies.ft.outer_sync import validate_sync_options
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV, NUM_GROUPS_ENV, REPLICA_GROUP_ENV, FTEnvironment
@@ -53,7 +53,7 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
     env = FTEnvironment.from_env()
     lighthouse_addr = lighthouse_addr or env.lighthouse_addr
     if lighthouse_addr is None:
-        raise ValueError(
+        raise OptionError(
             f"ft_hsdp needs a torchft lighthouse: lighthouse_addr is not set and {LIGHTHOUSE_ENV} is empty. "
             f"Fix: set strategy.init_args.lighthouse_addr or {LIGHTHOUSE_ENV}=http://<host>:<port>. {HOW_TO_START}"
         )
@@ -63,17 +63,17 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
     if num_replica_groups is None:
         num_replica_groups = env.num_replica_groups
     if replica_group_id is None:
-        raise ValueError(
+        raise OptionError(
             f"ft_hsdp: replica_group_id is missing. Fix: set strategy.init_args.replica_group_id or "
             f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for each replica group (fsdp-strategies-ft sets it)."
         )
     fix_groups = (f"set strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica "
                   "groups (>= 1).")
     if num_replica_groups is None:
-        raise ValueError(f"ft_hsdp: num_replica_groups=None is invalid. Fix: {fix_groups}")
+        raise OptionError(f"ft_hsdp: num_replica_groups=None is invalid. Fix: {fix_groups}")
     check_int("num_replica_groups", num_replica_groups, 1, fix=fix_groups, prefix="ft_hsdp: ")
     if isinstance(replica_group_id, bool) or not 0 <= replica_group_id < num_replica_groups:
-        raise ValueError(
+        raise OptionError(
             f"ft_hsdp: replica_group_id={replica_group_id!r} is out of range for num_replica_groups="
             f"{num_replica_groups}. Fix: use an id in [0, {num_replica_groups - 1}]."
         )
@@ -91,7 +91,7 @@ def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoi
     if accumulation != "no_sync":
         # the cross-group all-reduce is an FSDP2 all-reduce hook on a 1-D mesh: FSDP2 runs it after every
         # reduce-scatter, on that micro-batch's gradient alone ("sharded" would average each one apart)
-        raise ValueError(f"ft_hsdp: accumulation={accumulation!r} is not supported yet (the cross-group "
+        raise OptionError(f"ft_hsdp: accumulation={accumulation!r} is not supported yet (the cross-group "
                          "all-reduce would run on every micro-batch). Fix: accumulation='no_sync' (ft_hsdp's "
                          "default), or hsdp.")
     check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
@@ -129,7 +129,7 @@ def check_group_size(shard_degree: int | str, num_nodes: int, devices: int) -> N
     """Each replica group shards over all of its ranks: ``shard_degree`` is ``"auto"`` or ``num_nodes x devices``."""
     group_size = num_nodes * devices
     if shard_degree != "auto" and shard_degree != group_size:
-        raise ValueError(
+        raise OptionError(
             f"ft_hsdp: shard_degree={shard_degree} does not match the replica group's size {group_size} "
             f"(num_nodes={num_nodes} x devices={devices}). Each replica group shards over all of "
             f"its ranks. Fix: set shard_degree to {group_size} or 'auto', or run each group with "

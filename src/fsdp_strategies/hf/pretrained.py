@@ -68,6 +68,12 @@ class PretrainedSource:
     target: nn.Module | None = field(default=None, repr=False)
 
 
+class PretrainedFolderError(FileNotFoundError):
+    """A ``pretrained`` option that names no usable folder: an option error (one line from the CLI)."""
+
+    option_error = True
+
+
 def check_folder(path: str | Path, option: str) -> Path:
     """The folder as a Path, or a clear error naming ``option``: no folder, or no safetensors in it."""
     folder = Path(path).expanduser()
@@ -75,13 +81,13 @@ def check_folder(path: str | Path, option: str) -> Path:
         hint = ("It looks like a Hub id: download it first (`hf download ID --local-dir DIR`) and pass DIR."
                 if "/" in str(path) and not folder.exists() and not str(path).startswith(("/", ".", "~")) else
                 "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors).")
-        raise FileNotFoundError(f"{option}={str(path)!r} is not a local folder. {hint}")
+        raise PretrainedFolderError(f"{option}={str(path)!r} is not a local folder. {hint}")
     if not any(folder.glob("*.safetensors")):
         legacy = sorted(p.name for p in folder.glob("*.bin"))
         fix = (f"it holds {legacy}: legacy pickle weights are not read (they can run code). Fix: convert once "
                "with `AutoModel...from_pretrained(DIR).save_pretrained(NEW_DIR)` (writes safetensors) and pass "
                "NEW_DIR." if legacy else "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors).")
-        raise FileNotFoundError(f"{option}={str(path)!r} has no *.safetensors file: {fix}")
+        raise PretrainedFolderError(f"{option}={str(path)!r} has no *.safetensors file: {fix}")
     return folder
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_strategies._options import OptionError
+
 __all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "build_mesh", "check_tensor_parallel_degree",
            "check_torchrun_layout", "resolve_hsdp_degrees"]
 
@@ -63,7 +65,7 @@ def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:
         return
     nodes, per_node = os.environ.get("GROUP_WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if nodes and per_node and (int(nodes), int(per_node)) != (num_nodes, devices):
-        raise ValueError(
+        raise OptionError(
             f"trainer num_nodes={num_nodes} x devices={devices} does not match torchrun's {nodes} node(s) x {per_node} "
             f"rank(s) per node (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE): {what} would group ranks across nodes. "
             f"Fix: set trainer.num_nodes={nodes} and trainer.devices={per_node}."
@@ -95,7 +97,7 @@ def resolve_hsdp_degrees(
         replicate, shard = int(replicate_degree), int(shard_degree)  # type: ignore[arg-type]
     if replicate < 1 or shard < 1 or replicate * shard != world_size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
+        raise OptionError(
             f"replicate_degree={replicate_degree!r} x shard_degree={shard_degree!r} does not match the "
             f"world size {world_size} (nodes x devices). Fix: choose shard_degree from {divisors} and "
             f"replicate_degree = {world_size} // shard_degree, or leave both 'auto' "
@@ -107,11 +109,11 @@ def resolve_hsdp_degrees(
 def check_tensor_parallel_degree(degree: int, world_size: int, devices_per_node: int) -> None:
     """The tensor-parallel degree divides the ranks of a node (TP stays inside a node) and the world size."""
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ValueError(f"tensor_parallel_degree={degree!r} is not a positive integer. Fix: 1 (no tensor "
+        raise OptionError(f"tensor_parallel_degree={degree!r} is not a positive integer. Fix: 1 (no tensor "
                          "parallelism) or the number of ranks of a node that split each layer, e.g. 2.")
     if degree > 1 and (devices_per_node % degree or world_size % degree):
         choices = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
-        raise ValueError(
+        raise OptionError(
             f"tensor_parallel_degree={degree} does not divide the {devices_per_node} devices per node (world size "
             f"{world_size}): a tensor-parallel group must sit inside one node, where its per-layer collectives run "
             f"on the fast links. Fix: choose tensor_parallel_degree from {choices}.")

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_strategies._options import OptionError
 from fsdp_strategies.parallel.ties import retie, tied_slots
 
 __all__ = ["STYLES", "TensorParallelPlanError", "apply_tensor_parallel", "clip_grad_norm", "find_model_plan",
@@ -48,8 +49,9 @@ __all__ = ["STYLES", "TensorParallelPlanError", "apply_tensor_parallel", "clip_g
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
 
 
-class TensorParallelPlanError(ValueError):
-    """A tensor-parallel plan that cannot be applied to this model (named modules, styles, sizes)."""
+class TensorParallelPlanError(OptionError):
+    """A tensor-parallel plan that cannot be applied to this model (named modules, styles, sizes): an option
+    error (``tp_plan``, ``tensor_parallel_degree``)."""
 
 
 def _style(name: str, style: str) -> Any:

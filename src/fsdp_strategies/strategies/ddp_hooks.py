@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._lightning_seam import PATH
-from fsdp_strategies._options import check_choice, check_int, check_number
+from fsdp_strategies._options import OptionError, check_choice, check_int, check_number
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import atomic_save_full_agreed, resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import embed_digest
@@ -202,7 +202,7 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         check_number("bucket_cap_mb", bucket_cap_mb, optional=True, fix="a positive size in MB, or null.")
         levels = self._check_levels(hierarchy_levels) if hierarchy_levels else None
         if levels is not None and comm_hook != "hierarchical_sgd":
-            raise ValueError(f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
+            raise OptionError(f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
                              "or remove hierarchy_levels.")
         ddp_kwargs: dict[str, Any] = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view,
                                       "find_unused_parameters": find_unused_parameters}
@@ -235,16 +235,16 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         try:
             items = sorted((int(p), int(s)) for p, s in dict(levels).items())
         except (TypeError, ValueError):
-            raise ValueError(f"hierarchy_levels={levels!r} is invalid. Fix: a mapping {{period: group_size}} of "
+            raise OptionError(f"hierarchy_levels={levels!r} is invalid. Fix: a mapping {{period: group_size}} of "
                              "positive integers, e.g. {2: 2, 8: 4}.") from None
         for i, (period, size) in enumerate(items):
             if period < 1 or size < 1:
-                raise ValueError(f"hierarchy_levels={levels!r}: period {period} / group size {size} must be positive.")
+                raise OptionError(f"hierarchy_levels={levels!r}: period {period} / group size {size} must be positive.")
             if i and size <= items[i - 1][1]:
-                raise ValueError(f"hierarchy_levels={levels!r}: group sizes must grow with the period (a longer period "
+                raise OptionError(f"hierarchy_levels={levels!r}: group sizes must grow with the period (a longer period "
                                  f"averages a larger group). Fix: e.g. {{2: 2, 8: 4}}.")
             if i and size % items[i - 1][1]:
-                raise ValueError(f"hierarchy_levels={levels!r}: group size {items[i - 1][1]} does not divide {size}. "
+                raise OptionError(f"hierarchy_levels={levels!r}: group size {items[i - 1][1]} does not divide {size}. "
                                  "Fix: each level's group must be a union of the groups below it.")
         return OrderedDict(items)
 
@@ -258,7 +258,7 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         if self.local_group_size is None:
             self.local_group_size = per_node
         if world % self.local_group_size:
-            raise ValueError(f"local_group_size={self.local_group_size} does not divide the world size {world}. "
+            raise OptionError(f"local_group_size={self.local_group_size} does not divide the world size {world}. "
                              f"Fix: a divisor of {world} (1 = no gradient all-reduce between averagings).")
         if self.comm_hook == "hierarchical_sgd":
             if self.hierarchy_levels is None:
@@ -268,11 +268,11 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
                 self.hierarchy_levels = self._check_levels(levels)
             sizes = list(self.hierarchy_levels.values())
             if sizes[-1] != world:
-                raise ValueError(f"hierarchy_levels={dict(self.hierarchy_levels)}: the last (longest-period) group "
+                raise OptionError(f"hierarchy_levels={dict(self.hierarchy_levels)}: the last (longest-period) group "
                                  f"size must be the world size {world}. Fix: e.g. {{2: {min(2, world)}, 8: {world}}}.")
             bad = [s for s in sizes if world % s]
             if bad:
-                raise ValueError(f"hierarchy_levels={dict(self.hierarchy_levels)}: group sizes {bad} do not divide "
+                raise OptionError(f"hierarchy_levels={dict(self.hierarchy_levels)}: group sizes {bad} do not divide "
                                  f"the world size {world}.")
 
     @override

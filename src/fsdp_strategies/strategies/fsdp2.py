@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._options import check_choice, check_int
+from fsdp_strategies._options import OptionError, check_choice, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
     atomic_save_full_agreed,
@@ -73,7 +73,7 @@ def _dtype_option(name: str, value: str | None) -> torch.dtype | None:
     if value is None:
         return None
     if value not in _DTYPES:
-        raise ValueError(f"{name}={value!r} is not a dtype this strategy knows. Fix: use one of {sorted(_DTYPES)}.")
+        raise OptionError(f"{name}={value!r} is not a dtype this strategy knows. Fix: use one of {sorted(_DTYPES)}.")
     return _DTYPES[value]
 
 
@@ -233,12 +233,12 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if pretrained is not None:
             check_folder(pretrained, "pretrained")
         elif pretrained_prefix is not None:
-            raise ValueError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
+            raise OptionError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
                              "save_pretrained folder, or drop pretrained_prefix.")
         check_int("tensor_parallel_degree", tensor_parallel_degree, 1, fix="1 (no tensor parallelism) or the number "
                   "of ranks of a node that split each layer, e.g. 2.")
         if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
-            raise ValueError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
+            raise OptionError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
         self.tensor_parallel_degree = tensor_parallel_degree
         self.tp_plan = tp_plan
         self.accumulation = accumulation
@@ -258,7 +258,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     def _validate_precision(self) -> None:
         flag = self._precision_flag()
         if flag not in SUPPORTED_PRECISION and not isinstance(self.precision_plugin, _ShardedMixedPrecision):
-            raise ValueError(
+            raise OptionError(
                 f"precision={flag!r} is not supported by the {self.strategy_name} strategy. Fix: use one of "
                 f"{SUPPORTED_PRECISION} ('bf16-mixed' = bf16 compute, fp32 master weights and fp32 reduce)."
             )
