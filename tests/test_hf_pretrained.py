@@ -10,6 +10,7 @@ pretrained weights -- random, a wrong key, an untied head, uninitialised rotary 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -158,6 +159,112 @@ def test_bad_folders_say_what_to_do(tmp_path: Path) -> None:
         FSDP2Strategy(pretrained=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=r"pretrained_prefix='model\.' without pretrained"):
         FSDP2Strategy(pretrained_prefix="model.")
+
+
+def _damaged_copy(folder: Path, tmp: Path, case: str) -> tuple[Path, str]:
+    """A copy of ``folder`` damaged as ``case``; returns it and the file the error must name."""
+    import shutil
+
+    out = tmp / case
+    shutil.copytree(folder, out)
+    weights, config = out / "model.safetensors", out / "config.json"
+    if case == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])  # a copy cut short
+        return out, str(weights)
+    if case == "not-safetensors":
+        weights.write_bytes(b"<html>404 Not Found</html>")  # an error page saved under the file's name
+        return out, str(weights)
+    if case == "no-config":
+        config.unlink()
+        return out, str(config)
+    if case == "config-not-json":
+        config.write_text(config.read_text()[:40])
+        return out, str(config)
+    assert case == "index-missing-shard"
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    return out, "model-00002-of-00002.safetensors"
+
+
+@pytest.mark.parametrize(("case", "problem"), ids=lambda v: v if " " not in v else "", argvalues=[
+    ("truncated", r"is damaged: safetensors cannot read it \(.*incomplete metadata.*\); a copy cut short"),
+    ("not-safetensors", r"is damaged: safetensors cannot read it"),
+    ("no-config", r"is missing \(the model's configuration\)"),
+    ("config-not-json", r"is not valid JSON"),
+    ("index-missing-shard", r"names 1 file\(s\) the folder lacks"),
+])
+def test_a_damaged_folder_is_named_at_construction(case: str, problem: str, folders: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """Before any process group: the strategy's own check names the option, the file and the problem."""
+    from fsdp_strategies import FSDP2Strategy
+    from fsdp_strategies.cli import option_error_line
+    from fsdp_strategies.hf.pretrained import PretrainedFolderError
+
+    folder, named = _damaged_copy(folders["llama"], tmp_path, case)
+    with pytest.raises(PretrainedFolderError) as err:
+        FSDP2Strategy(pretrained=str(folder))
+    text = str(err.value)
+    assert text.startswith(f"pretrained={str(folder)!r}: ") and named in text and "Fix: " in text, text
+    assert re.search(problem, text), text
+    line = option_error_line(err.value)
+    assert line is not None and line.startswith("FSDP2Strategy: pretrained=") and "\n" not in line
+
+
+def test_weights_of_another_size_name_the_tensors_and_the_config(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A model whose sizes differ from the weights: one error, before any weight is read, naming the tensors,
+    their file and shapes -- and the config fields that differ when the model was built from another config."""
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(folders["llama"], edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (edited / "config.json").write_text(json.dumps(config))
+    # the model built from the edited config.json: the file does not describe its weights
+    with pytest.raises(PretrainedMismatchError) as err:
+        load_pretrained(_meta_holder(edited), PretrainedSource(str(edited), origin="pretrained='x'"))
+    text = str(err.value)
+    size = config["intermediate_size"]
+    assert re.search(r"pretrained='x': \d+ tensor\(s\) of .* have another shape than the module's", text), text
+    assert re.search(rf"mlp\.up_proj\.weight \(model\.safetensors\): file \[{size // 2}, \d+\], model "
+                     rf"\[{size}, \d+\]", text), text
+    assert "does not describe the weights" in text and "restore the config.json" in text, text
+    # a model built from another config than the (intact) folder's: the differing fields are named
+    with pytest.raises(PretrainedMismatchError) as err:
+        load_pretrained(_meta_holder(edited), PretrainedSource(str(folders["llama"]), origin="pretrained='y'"))
+    assert f"intermediate_size: folder {size // 2}, model {size}" in str(err.value), str(err.value)
+
+
+@pytest.mark.multiprocess
+def test_damaged_folders_are_one_error_line_from_the_cli(tmp_path: Path, folders: dict[str, Path]) -> None:
+    """Through LightningCLI, 2 ranks: a truncated weights file stops at construction (exit 2), weights that do not
+    fit the model built from the folder's config stop on the ranks (exit 1); each one ``error:`` line, no
+    traceback."""
+    truncated, named = _damaged_copy(folders["llama"], tmp_path, "truncated")
+    proc = run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf_yaml_weights.yaml", *QUIET,
+                       "--trainer.strategy.init_args.pretrained", str(truncated), "--model.pretrained",
+                       str(folders["llama"])], check=False, timeout=300)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith(f"error: FSDP2Strategy: pretrained={str(truncated)!r}: {named} (") and \
+        "is damaged" in errors[0], errors
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    edited = tmp_path / "edited"
+    import shutil
+
+    shutil.copytree(folders["llama"], edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (edited / "config.json").write_text(json.dumps(config))
+    proc = run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf_yaml_weights.yaml", *QUIET,
+                       "--trainer.strategy.init_args.pretrained", str(edited), "--model.pretrained", str(edited)],
+                      check=False, timeout=300)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode == 1 and errors, proc.stderr[-4000:]
+    assert all("have another shape than the module's" in e and "does not describe the weights" in e
+               for e in errors), errors
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
 
 
 def test_from_pretrained_under_meta_builds_on_meta_and_defers_the_weights(folders: dict[str, Path]) -> None:

@@ -38,14 +38,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
 from fsdp_strategies.hf.materialize import hf_models
 
-__all__ = ["PretrainedMismatchError", "PretrainedSource", "load_pretrained", "resolve_prefix", "safetensors_keys"]
+__all__ = ["PretrainedFolderError", "PretrainedFolderNotFoundError", "PretrainedMismatchError", "PretrainedSource",
+           "check_folder", "file_shapes", "load_pretrained", "resolve_prefix", "safetensors_keys"]
 
 _SHOW = 8
 INDEX_FILE = "model.safetensors.index.json"
 
 
 class PretrainedMismatchError(ValueError):
-    """The pretrained folder's tensors do not match the model they are loaded into."""
+    """The pretrained folder's tensors do not match the model they are loaded into (names or shapes). An option
+    error: one line from the CLI."""
+
+    option_error = True
 
 
 @dataclass
@@ -68,27 +72,105 @@ class PretrainedSource:
     target: nn.Module | None = field(default=None, repr=False)
 
 
-class PretrainedFolderError(FileNotFoundError):
-    """A ``pretrained`` option that names no usable folder: an option error (one line from the CLI)."""
+class PretrainedFolderError(OSError):
+    """A ``pretrained`` folder that cannot be read as a ``save_pretrained`` folder (a damaged or truncated
+    safetensors file, an index naming a missing shard, no or an unparsable ``config.json``): the message names
+    the file and the problem. An option error: one line from the CLI (:mod:`fsdp_strategies.cli`)."""
 
     option_error = True
 
 
+class PretrainedFolderNotFoundError(PretrainedFolderError, FileNotFoundError):
+    """The ``pretrained`` path is not a local folder, or holds no ``*.safetensors`` file."""
+
+
 def check_folder(path: str | Path, option: str) -> Path:
-    """The folder as a Path, or a clear error naming ``option``: no folder, or no safetensors in it."""
+    """The folder as a Path, or one clear error naming ``option``, the file and the problem: no folder, no
+    safetensors in it, no or a broken ``config.json``, an index that names a missing file, or a safetensors
+    file whose header safetensors itself cannot read (truncated, damaged). Reads headers only (no tensor data),
+    so it runs where the option is given, before any process group exists."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         hint = ("It looks like a Hub id: download it first (`hf download ID --local-dir DIR`) and pass DIR."
                 if "/" in str(path) and not folder.exists() and not str(path).startswith(("/", ".", "~")) else
                 "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors).")
-        raise PretrainedFolderError(f"{option}={str(path)!r} is not a local folder. {hint}")
-    if not any(folder.glob("*.safetensors")):
+        raise PretrainedFolderNotFoundError(f"{option}={str(path)!r} is not a local folder. {hint}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
         legacy = sorted(p.name for p in folder.glob("*.bin"))
         fix = (f"it holds {legacy}: legacy pickle weights are not read (they can run code). Fix: convert once "
                "with `AutoModel...from_pretrained(DIR).save_pretrained(NEW_DIR)` (writes safetensors) and pass "
                "NEW_DIR." if legacy else "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors).")
-        raise PretrainedFolderError(f"{option}={str(path)!r} has no *.safetensors file: {fix}")
+        raise PretrainedFolderNotFoundError(f"{option}={str(path)!r} has no *.safetensors file: {fix}")
+    where = f"{option}={str(path)!r}"
+    _check_json(folder / "config.json", where, "the model's configuration")
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = _check_json(index, where, "which file holds each tensor").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise PretrainedFolderError(f"{where}: {index} has no 'weight_map'. Fix: copy the folder again, or "
+                                        f"delete {INDEX_FILE} if the folder has one *.safetensors file.")
+        absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if absent:
+            raise PretrainedFolderError(f"{where}: {INDEX_FILE} names {len(absent)} file(s) the folder lacks: "
+                                        f"{_show(absent)}. Fix: copy the missing shard files into {folder}.")
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # safetensors' own reading of the header: truncated, not safetensors, ...
+            raise PretrainedFolderError(
+                f"{where}: {file} ({file.stat().st_size:,} bytes) is damaged: safetensors cannot read it ({exc}); "
+                "a copy cut short or overwritten. Fix: copy or download that file again (compare its size with the "
+                "source's).") from None
     return folder
+
+
+def _check_json(file: Path, where: str, holds: str) -> dict[str, Any]:
+    if not file.is_file():
+        raise PretrainedFolderError(f"{where}: {file} is missing ({holds}); the folder is not a complete "
+                                    "save_pretrained folder. Fix: copy that file from the source, or save the "
+                                    "model again with save_pretrained.")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PretrainedFolderError(f"{where}: {file} is not valid JSON ({exc}). Fix: copy that file again from "
+                                    "the source, or save the model again with save_pretrained.") from None
+    if not isinstance(data, dict):
+        raise PretrainedFolderError(f"{where}: {file} holds a {type(data).__name__}, not a JSON object. Fix: copy "
+                                    "that file again from the source.")
+    return data
+
+
+def file_shapes(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor of the folder's safetensors files -> (file name, shape), from the headers (no tensor data)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            names = fh.keys()  # a safetensors handle, not a dict
+            for key in names:
+                out[key] = (file.name, tuple(fh.get_slice(key).get_shape()))
+    return out
+
+
+def _config_differences(folder: Path, model: nn.Module | None) -> str:
+    """``hidden_size: folder 64, model 32; ...`` for the size fields where the folder's config.json and the
+    model's own config differ (the usual cause of a shape mismatch); empty when it cannot say."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return ""
+    try:
+        theirs = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    ours = config.to_dict()
+    diff = [f"{k}: folder {theirs[k]!r}, model {ours[k]!r}" for k in sorted(theirs)
+            if k in ours and isinstance(theirs[k], int) and not isinstance(theirs[k], bool) and theirs[k] != ours[k]]
+    return "; ".join(diff[:_SHOW])
 
 
 def safetensors_keys(folder: Path) -> set[str]:
@@ -216,6 +298,21 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str
                        f"initialisation (train them): {_show(missing_params)}")
     if unexpected:
         rank_zero_warn(f"{log_prefix}{source.origin}: these tensors of {folder} are not used: {_show(unexpected)}")
+    shapes = file_shapes(folder)
+    wrong = [f"{file_key} ({shapes[file_key][0]}): file {list(shapes[file_key][1])}, model {list(ours[key].shape)}"
+             for key, file_key in sorted(mapping.items())
+             if file_key in shapes and tuple(ours[key].shape) != shapes[file_key][1]]
+    if wrong:
+        differ = _config_differences(folder, _submodule(module, prefix))
+        raise PretrainedMismatchError(
+            f"{source.origin}: {len(wrong)} tensor(s) of {folder} have another shape than the module's under prefix "
+            f"{prefix!r}: {_show(wrong)}."
+            + (f" {folder / 'config.json'} and the model's config differ: {differ}. Fix: build the model from the "
+               "folder's own config (AutoConfig.from_pretrained(folder)), or point pretrained at the folder of this "
+               "model size." if differ else
+               f" The model was built with the same config as {folder / 'config.json'}, so that file does not "
+               "describe the weights (edited, or copied from another model size). Fix: restore the config.json "
+               "saved with these weights, or point pretrained at the folder of this model size."))
     target = {file_key: ours[key] for key, file_key in mapping.items()}
     dcp.load(target, storage_reader=HuggingFaceStorageReader(str(folder)))
     rank_zero_info(f"{log_prefix}{source.origin}: {len(target)} tensors read from {folder} into the shards "
