@@ -330,6 +330,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/getting-started.md", "every one with type and default (`tests/test_cli_help.py`)", _ids(
         "test_cli_help.py", "test_strategy_help_lists_every_option_with_type_and_default",
         "test_fit_help_lists_the_strategy_and_callback_options")),
+    Guarantee("docs/getting-started.md", "same message leads a `ValueError` (`fsdp_strategies._options.OptionError`) "
+              "(`tests/test_cli_errors.py`)", _ids(
+                  "test_cli_errors.py", *(f"test_bad_values_refused_by_the_classes_are_one_line[{case}]" for case in (
+                      "gc-every-0", "budget-above-1", "budget-negative", "budget-mode-without-budget", "tp-degree-0",
+                      "pretrained-missing")),
+                  "test_option_errors_from_python_lead_with_the_message",
+                  "test_an_option_error_raised_on_the_ranks_is_one_line")),
     # docs/multi-node.md (the "How it is tested" section)
     Guarantee("docs/multi-node.md", "On one machine (`tests/test_multinode.py`)", _ids(
         "test_multinode.py", "test_two_nodes_hsdp_auto_degrees_then_hierarchical_sgd_levels",
@@ -350,7 +357,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
     # docs/real-models.md
     Guarantee("docs/real-models.md", "covered with `meta_init: false` by `tests/test_fsdp_hsdp.py`", _FSDP_SINGLE),
     Guarantee("docs/real-models.md", "`make test` runs a representative cut (`tests/test_real_models.py`", _REAL_MODELS),
+    Guarantee("docs/pretrained.md", "`error:` line without a traceback, on every rank that meets it "
+              "(`tests/test_hf_pretrained.py`", _ids(
+                  "test_hf_pretrained.py", *(f"test_a_damaged_folder_is_named_at_construction[{case}-]" for case in (
+                      "truncated", "not-safetensors", "no-config", "config-not-json", "index-missing-shard")),
+                  "test_weights_of_another_size_name_the_tensors_and_the_config",
+                  "test_damaged_folders_are_one_error_line_from_the_cli")),
     # docs/strategies/fsdp2.md
+    Guarantee("docs/strategies/fsdp2.md", "plain `transformers` model holding the same weights "
+              "(`tests/test_outside_calls.py`", _ids(
+                  "test_outside_calls.py", *(f"test_the_inner_model_called_outside_the_steps_gives_the_unsharded_"
+                                             f"outputs[{s}]" for s in ("fsdp2", "hsdp", "fsdp2_tp", "ft_hsdp")))),
     Guarantee("docs/strategies/fsdp2.md", "gets hybrid sharding under `hsdp` (tested)", _ids(
         "test_real_models.py", "test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp")),
     Guarantee("docs/strategies/fsdp2.md", "counted in the tests", _FSDP_SINGLE,
