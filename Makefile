@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-full check-guarantees test-slurm test-lightning-range test-torch-range lint \
+.PHONY: install train test test-full check-guarantees test-slurm test-lightning-range test-torch-range range-venvs lint \
 	bench matrix docs clean
 
 $(VENV)/.installed: pyproject.toml
@@ -27,7 +27,7 @@ junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 # The `full` tests (longer fault runs) are a stage of their own: `make test-full`; `soak` ones need FSDP_STRATEGIES_FULL=1.
 # `make test` runs in two passes: every test but the `serial` ones (tests/conftest.py SERIAL_FILES: timing-sensitive
 # fault runs) on TEST_WORKERS pytest-xdist workers, then the serial ones alone. Both passes run; either failing fails.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
 	@rc=0; \
@@ -138,6 +138,9 @@ $(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed: pyproject.toml
 $(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed: pyproject.toml
 	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_NEWEST),$(TORCH_NEWEST_PYTHON),torch==$(TORCH_NEWEST),$\
 		transformers)
+
+# the two venvs alone (no tests): .ci/run builds them in the background while `make test` runs
+range-venvs: $(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed $(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed
 
 test-torch-range: $(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed $(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed
 	$(call torch_range_run,$(RANGE_DIR)/torch-$(TORCH_FLOOR),$(TORCH_FLOOR),$(TRANSFORMERS_FLOOR))
