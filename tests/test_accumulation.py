@@ -72,7 +72,7 @@ def test_fsdp2_accumulation_holds_only_sharded_gradients_and_equals_ddp(tmp_path
     ranks = _run(tmp_path, "fsdp2", 2)
     for rank in ranks:
         units = rank["fsdp_units"]
-        assert units == 3  # units holding parameters: 2 blocks + the model's (embeddings, norm, head)
+        assert units == 3  # 2 blocks + root
         for i, row in enumerate(rank["micro_batches"]):
             held = _held_fraction(rank, row)
             # between micro-batches too: no whole gradient outlives its backward

@@ -106,18 +106,6 @@ class CountCollectives(pl.Callback):
         pg.foreach_reduce, pg.foreach_all_gather = counting_reduce, counting_gather
 
 
-
-def _holds_parameters(module: torch.nn.Module) -> bool:
-    """An FSDP unit with parameters of its own (not only those of the units below it): one reduce-scatter each.
-    The LightningModule root holds none when its parameters all sit in its children's units."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
-        return False
-    below = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
-             for p in sub.parameters()}
-    return any(id(p) not in below for p in module.parameters())
-
 class AccumulationProbe(pl.Callback):
     """Per micro-batch on this rank: the gradient bytes FSDP2 holds right after its backward (read from
     FSDP2's own state, ``fsdp_strategies.testing.fsdp_gradient_bytes``), the loss, and the collectives since
@@ -147,13 +135,15 @@ class AccumulationProbe(pl.Callback):
             setattr(pg_class, method, counted)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
         self.group_names[dist.group.WORLD.group_name] = "world"
         mesh = getattr(trainer.strategy, "device_mesh", None)
         for name in (mesh.mesh_dim_names or ()) if mesh is not None else ():
             self.group_names[mesh.get_group(name).group_name] = name
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
         self.full_grad_bytes = sum(p.numel() * p.element_size() for p in trainable)  # DTensor: global numel
-        self.fsdp_units = sum(_holds_parameters(m) for m in pl_module.modules())
+        self.fsdp_units = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
         self.calls.clear()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

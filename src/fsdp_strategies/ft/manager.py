@@ -34,16 +34,8 @@ from torch.distributed import ReduceOp
 
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV
 
-__all__ = [
-    "HOW_TO_START",
-    "CountedManager",
-    "LighthouseUnreachableError",
-    "check_lighthouse",
-    "create_manager",
-    "exit_now",
-    "lighthouse_host_port",
-    "release_manager",
-]
+__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse", "create_manager",
+           "exit_now", "lighthouse_host_port"]
 
 #: the end of every error about a missing or unreachable lighthouse
 HOW_TO_START = (
@@ -92,14 +84,11 @@ def create_manager(*, device: torch.device, rank: int, world_size: int, replica_
     on the main thread (inside ``should_commit``, or ``start_quorum`` with the synchronous quorum) when this
     group heals. The rendezvous store is the group's own (``MASTER_ADDR``/``MASTER_PORT`` of its job).
     """
-    import torch.distributed as dist
     from torchft.checkpointing import HTTPTransport
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if dist.is_initialized():  # a manager of an earlier Trainer run (fit, then validate) is released first
-        dist.barrier()  # ... by rank 0 (release_manager), before any rank reads the address
     timeout = timedelta(seconds=timeout_s)
     pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
     if checkpoint_transport == "pg":
@@ -127,25 +116,6 @@ def create_manager(*, device: torch.device, rank: int, world_size: int, replica_
         max_retries=max_retries,
         **kwargs,
     )
-
-
-def release_manager(manager: Any, rank: int) -> None:
-    """Shut ``manager`` down at the end of a Trainer run; rank 0 also removes the address it published in the
-    group's store (torchft's ``MANAGER_ADDR_KEY`` / ``REPLICA_ID_KEY``), so that the manager of a later run in
-    the same processes (``trainer.validate`` after ``fit``) is not looked up at the old, closed address."""
-    manager.shutdown(wait=False)
-    if rank != 0:
-        return
-    from torch.distributed import TCPStore
-    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
-
-    try:
-        store = TCPStore(host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"), port=int(os.environ["MASTER_PORT"]),
-                         is_master=False, wait_for_workers=False)
-        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
-            store.delete_key(key)
-    except (KeyError, RuntimeError, ValueError):  # no store any more (the job is ending): nothing to look up
-        pass
 
 
 def exit_now(manager: Any, code: int) -> NoReturn:

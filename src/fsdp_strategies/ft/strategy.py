@@ -62,7 +62,6 @@ from fsdp_strategies.ft.manager import (
     check_lighthouse,
     create_manager,
     exit_now,
-    release_manager,
 )
 from fsdp_strategies.ft.options import (
     DataOnFailure,
@@ -568,8 +567,9 @@ class FTHSDPStrategy(HSDPStrategy):
         super().teardown()
         self._semi.outer = None  # bound to this fit's manager
         if self._manager is not None:
-            release_manager(self._manager, self.global_rank)
-            self._manager = self._link = None
+            self._manager.shutdown(wait=False)
+            self._manager = None
+            self._link = None
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:

@@ -74,15 +74,8 @@ def apply_fsdp(
     reshard_after_forward: bool | int = True,
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
-    unit_children: bool = False,
 ) -> None:
     """``fully_shard`` each block, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP). Idempotent.
-
-    ``unit_children``: also make each direct child of ``model`` that holds parameters outside the blocks (the
-    embeddings, final norm and head of ``self.model`` in a LightningModule) an FSDP unit of its own, so that
-    calling that child directly -- outside the root's ``forward``, e.g. ``self.model(...)`` or
-    ``self.model.generate(...)`` in a hook or a callback -- gathers its parameters through its own FSDP hooks.
-    The root unit then holds only the parameters set on ``model`` itself.
 
     ``forward_prefetch`` / ``backward_prefetch``: how many following / preceding blocks to all-gather
     ahead (0 / 1 = FSDP2's defaults). 0-d parameters, which ``fully_shard`` cannot shard, are left out of
@@ -99,10 +92,6 @@ def apply_fsdp(
     for block in blocks:
         if not isinstance(block, FSDPModule):
             fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
-    if unit_children and not isinstance(model, FSDPModule):
-        for child in _children_with_own_params(model, common.get("ignored_params", set())):
-            # kept gathered after forward, as FSDP2 keeps its root: the backward needs them right away
-            fully_shard(child, reshard_after_forward=False, **common)
     if not isinstance(model, FSDPModule):
         fully_shard(model, **common)
     fsdp_blocks = [b for b in blocks if isinstance(b, FSDPModule)]
@@ -111,20 +100,6 @@ def apply_fsdp(
             block.set_modules_to_forward_prefetch(fsdp_blocks[i + 1 : i + 1 + forward_prefetch])
         if backward_prefetch > 1 and i > 0:
             block.set_modules_to_backward_prefetch(fsdp_blocks[max(0, i - backward_prefetch) : i][::-1])
-
-
-def _children_with_own_params(model: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
-    """Direct children of ``model`` holding a parameter that no FSDP unit below them manages (and that is not
-    left out of FSDP, as 0-d parameters are)."""
-    out = []
-    for child in model.children():
-        if isinstance(child, FSDPModule):
-            continue
-        inside = {id(p) for sub in child.modules() if sub is not child and isinstance(sub, FSDPModule)
-                  for p in sub.parameters()}
-        if any(id(p) not in inside and p not in ignored for p in child.parameters()):
-            out.append(child)
-    return out
 
 
 def parallelize(
@@ -140,7 +115,6 @@ def parallelize(
     reshard_after_forward: bool | int = True,
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
-    unit_children: bool = False,
 ) -> list[BlockStack]:
     """Activation checkpointing -> compile -> shard, on ``model``'s transformer blocks, in place.
 
@@ -150,8 +124,7 @@ def parallelize(
             (e.g. ``{"mode": "full"}``); ``None``: no checkpointing here.
         compile_blocks: ``torch.compile`` each block.
         compile_options: keyword arguments of that ``torch.compile``.
-        mp_policy, cpu_offload, reshard_after_forward, forward_prefetch, backward_prefetch, unit_children: see
-            :func:`apply_fsdp`.
+        mp_policy, cpu_offload, reshard_after_forward, forward_prefetch, backward_prefetch: see :func:`apply_fsdp`.
 
     Returns the block stacks found (empty: the whole model is one FSDP unit). Idempotent.
     """
@@ -164,5 +137,5 @@ def parallelize(
         apply_compile(blocks, compile_options)
     apply_fsdp(model, mesh, blocks, mp_policy=mp_policy, cpu_offload=cpu_offload,
                reshard_after_forward=reshard_after_forward, forward_prefetch=forward_prefetch,
-               backward_prefetch=backward_prefetch, unit_children=unit_children)
+               backward_prefetch=backward_prefetch)
     return stacks

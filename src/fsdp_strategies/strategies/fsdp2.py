@@ -33,7 +33,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies import _torch_seam as tseam
 from fsdp_strategies._options import OptionError, check_choice, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
@@ -379,7 +378,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             module, self.shard_mesh, block_class_names=self.block_class_names, compile_blocks=self.compile_blocks,
             compile_options=self.compile_options, mp_policy=self._mp_policy, cpu_offload=self.cpu_offload,
             reshard_after_forward=self.reshard_after_forward, forward_prefetch=self.forward_prefetch,
-            backward_prefetch=self.backward_prefetch, unit_children=True,
+            backward_prefetch=self.backward_prefetch,
         )
         blocks = [block for stack in stacks for block in stack.blocks]
         if not blocks:
@@ -428,12 +427,6 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             if self.cpu_offload:
                 buffers_to(self.model, self.root_device)
             self.load_pretrained_weights()
-            # the LightningModule is the root, its children units of their own (parallelize's unit_children):
-            # self.model(...) called outside a step (a hook, a callback, generate()) gathers its parameters
-            # itself. The root is initialised now, so that such a call before the first step does not claim
-            # the root role (FSDP2 makes the first module whose forward runs the root)
-            if isinstance(self.model, FSDPModule):
-                tseam.fsdp_lazy_init(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
