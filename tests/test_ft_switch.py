@@ -205,7 +205,8 @@ def test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps(tmp
     (to_semi, s1), (to_sync, s2) = res["switches"]
     # the switch steps depend on measured cost ratios (wall time), so the bounds are the phases themselves, not a
     # tighter guess: into DiLoCo while the link is slow (before step 10), back once it is fast again
-    assert (to_semi, to_sync) == ("diloco", "every_step") and s1 < 10 and 10 < s2 < 24, res["switches"]
+    # (s1 == 10: the slow syncs of steps 8-9 decided it, applied at the next round boundary -- seen under load)
+    assert (to_semi, to_sync) == ("diloco", "every_step") and s1 <= 10 and 10 < s2 < 24, res["switches"]
     assert s1 % 2 == 0 and s2 % 2 == 0  # at boundaries (sync_every=2)
     assert res["inner_steps"] >= 2 * (s2 - s1) // 2 and res["syncs"] >= 2 * (s2 - s1) // 2, res
     assert res["compared"] >= 16, res
