@@ -247,10 +247,13 @@ def option_error_line(exc: BaseException) -> str | None:
     err = _option_error(exc)
     if err is None:
         return None
-    message = " ".join(str(err).split())
-    owner = _owner(err.__traceback__)
+    return _led_by(" ".join(str(err).split()), _owner(err.__traceback__))
+
+
+def _led_by(message: str, owner: str | None) -> str:
+    """``message`` led by ``owner:`` (the class), unless it already names it first."""
     if owner and not message.startswith((f"{owner}:", f"{owner}(")):
-        message = f"{owner}: {message}"
+        return f"{owner}: {message}"
     return message
 
 
@@ -265,10 +268,7 @@ def _union_option_error(exc: BaseException) -> str | None:
     if not found:
         return None
     owner = _UNION_CLASS.search(str(exc))
-    message = found[0]
-    if owner and not message.startswith(f"{owner[1]}:"):
-        message = f"{owner[1]}: {message}"
-    return message
+    return _led_by(found[0], owner[1] if owner else None)
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:

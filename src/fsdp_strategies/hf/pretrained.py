@@ -178,13 +178,7 @@ def safetensors_keys(folder: Path) -> set[str]:
     index = folder / INDEX_FILE
     if index.is_file():
         return set(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            keys.update(fh.keys())
-    return keys
+    return set(file_shapes(folder))
 
 
 def resolve_prefix(module: nn.Module, source: PretrainedSource) -> str:
