@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
+from fsdp_strategies.parallel.sharded_init import full_then_shard_random
 from fsdp_strategies.parallel.ties import retie, tied_slots
 
 __all__ = ["hf_models", "materialize", "pretrained_model_class"]
@@ -58,9 +59,16 @@ def _has_own_tensors(module: nn.Module) -> bool:
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta tensors of ``module`` on ``device`` and initialise them (see the module docstring).
 
-    Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split them."""
+    Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split them.
+    Random draws on sharded parameters are those of the unsharded model on every device
+    (:func:`~fsdp_strategies.parallel.sharded_init.full_then_shard_random`)."""
     if not seam.has_meta_tensors(module):
         return
+    with full_then_shard_random():
+        _materialize(module, device)
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
     ties = tied_slots(module)
     models = [model for _, model in hf_models(module)]
     if not models:
