@@ -364,6 +364,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
                   "test_weights_of_another_size_name_the_tensors_and_the_config",
                   "test_damaged_folders_are_one_error_line_from_the_cli")),
     # docs/strategies/fsdp2.md
+    Guarantee("docs/strategies/fsdp2.md", "plain `transformers` model holding the same weights "
+              "(`tests/test_outside_calls.py`", _ids(
+                  "test_outside_calls.py", *(f"test_the_inner_model_called_outside_the_steps_gives_the_unsharded_"
+                                             f"outputs[{s}]" for s in ("fsdp2", "hsdp", "fsdp2_tp", "ft_hsdp")))),
     Guarantee("docs/strategies/fsdp2.md", "gets hybrid sharding under `hsdp` (tested)", _ids(
         "test_real_models.py", "test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp")),
     Guarantee("docs/strategies/fsdp2.md", "counted in the tests", _FSDP_SINGLE,

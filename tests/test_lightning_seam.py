@@ -674,6 +674,29 @@ def test_UntypedStorage__new_with_weak_ptr() -> None:
     assert tseam.live_storage(ref) is None
 
 
+def test__get_fsdp_state__lazy_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fsdp_lazy_init`` makes the module the root before any forward: a sub-unit called first then runs as a
+    sub-unit (its own all-gather) instead of claiming the root role, after which the parent's forward would fail
+    ("requires running forward through the root module first")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with _one_process_group(monkeypatch):
+        mesh = init_device_mesh("cpu", (1,))
+        for init_first in (True, False):
+            model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if init_first:
+                tseam.fsdp_lazy_init(model)
+            model[0](torch.ones(2, 4))  # the sub-unit alone, as self.model(...) in a hook
+            if init_first:
+                assert model(torch.ones(2, 4)).shape == (2, 2)
+            else:
+                with pytest.raises(RuntimeError, match="root module first"):
+                    model(torch.ones(2, 4))
+
+
 def test__get_fsdp_state__fsdp_param_groups__unsharded_param__partial_reduce_output(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``fsdp_gradient_holders`` sees each place FSDP2 keeps a gradient: whole gradients under

@@ -26,6 +26,7 @@ __all__ = [
     "dcp_metadata_globals",
     "default_stager_reusable",
     "fsdp_gradient_holders",
+    "fsdp_lazy_init",
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
@@ -183,6 +184,13 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
                 if accumulated is not None and accumulated is not whole:  # 2.15: a property -> that grad
                     found.append(("unsharded", accumulated))
     return found
+
+
+def fsdp_lazy_init(module: torch.nn.Module) -> None:
+    """Make ``module`` (an ``FSDPModule``) the FSDP2 root now, as its first forward would
+    (``FSDPModule._get_fsdp_state()._lazy_init()``, private): afterwards its sub-units may be called on their own
+    (FSDP2 names as root the first module whose forward runs, and refuses a root above an initialised unit)."""
+    module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
 
 
 def loader_iterator(dataloader: Any) -> Any:

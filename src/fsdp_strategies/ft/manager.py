@@ -30,12 +30,13 @@ from typing import Any, NoReturn
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV
 
 __all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse", "create_manager",
-           "exit_now", "lighthouse_host_port"]
+           "exit_now", "lighthouse_host_port", "release_manager"]
 
 #: the end of every error about a missing or unreachable lighthouse
 HOW_TO_START = (
@@ -89,6 +90,8 @@ def create_manager(*, device: torch.device, rank: int, world_size: int, replica_
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+    if dist.is_initialized():  # a manager of an earlier Trainer run (fit, then validate) is released first
+        dist.barrier()  # ... by rank 0 (release_manager), before any rank reads the address
     timeout = timedelta(seconds=timeout_s)
     pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
     if checkpoint_transport == "pg":
@@ -116,6 +119,24 @@ def create_manager(*, device: torch.device, rank: int, world_size: int, replica_
         max_retries=max_retries,
         **kwargs,
     )
+
+
+def release_manager(manager: Any, rank: int) -> None:
+    """Shut ``manager`` down at the end of a Trainer run; rank 0 also removes the address it published in the
+    group's store (torchft's ``MANAGER_ADDR_KEY`` / ``REPLICA_ID_KEY``), so that the manager of a later run in
+    the same processes (``trainer.validate`` after ``fit``) is not looked up at the old, closed address."""
+    manager.shutdown(wait=False)
+    if rank != 0:
+        return
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    try:
+        store = dist.TCPStore(host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              port=int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    except (KeyError, RuntimeError, ValueError):  # no store any more (the job is ending): nothing to look up
+        pass
 
 
 def exit_now(manager: Any, code: int) -> NoReturn:

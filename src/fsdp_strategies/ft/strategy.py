@@ -62,6 +62,7 @@ from fsdp_strategies.ft.manager import (
     check_lighthouse,
     create_manager,
     exit_now,
+    release_manager,
 )
 from fsdp_strategies.ft.options import (
     DataOnFailure,
@@ -567,9 +568,8 @@ class FTHSDPStrategy(HSDPStrategy):
         super().teardown()
         self._semi.outer = None  # bound to this fit's manager
         if self._manager is not None:
-            self._manager.shutdown(wait=False)
-            self._manager = None
-            self._link = None
+            release_manager(self._manager, self.global_rank)
+            self._manager = self._link = None
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam as tseam
 from fsdp_strategies._options import OptionError, check_choice, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
@@ -52,6 +53,7 @@ from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_p
 from fsdp_strategies.parallel import buffers_to, parallelize, parameter_device
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh, check_tensor_parallel_degree
+from fsdp_strategies.parallel.outside_calls import GatherOnOutsideCall
 from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
@@ -427,6 +429,12 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             if self.cpu_offload:
                 buffers_to(self.model, self.root_device)
             self.load_pretrained_weights()
+            if isinstance(self.model, FSDPModule):
+                # the root is initialised now, so that a call of a sub-unit before the first step does not claim
+                # the root role (FSDP2 makes the first module whose forward runs the root); submodules called
+                # outside the steps (self.model(...) in a hook, generate() in a callback) gather the root's part
+                tseam.fsdp_lazy_init(self.model)
+                GatherOnOutsideCall.install(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
