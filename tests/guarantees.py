@@ -267,6 +267,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/callbacks/activation_checkpointing.md", "What the tests show (`tests/test_memory_budget.py`",
               (*_BUDGET, *_BUDGET_VS_FIXED, *_BUDGET_CONFIG, *_BUDGET_BF16)),
     Guarantee("docs/callbacks/activation_checkpointing.md", "On the example Llama and Hugging Face Llama and Qwen2", _BUDGET),
+    Guarantee("docs/callbacks/activation_checkpointing.md", "HF ConvNeXt (tiny config, stages of widths", _ids(
+        "test_memory_budget.py", "test_budget_profiles_each_size_of_a_block_class")),
     Guarantee("docs/callbacks/activation_checkpointing.md", "At the bytes `selective_layer` keeps", _BUDGET_VS_FIXED),
     Guarantee("docs/callbacks/activation_checkpointing.md", "`configs/sac_budget.yaml` through the example's LightningCLI",
               (*_BUDGET_CONFIG, *_TP_BUDGET)),

@@ -23,7 +23,8 @@ applies it first in the order checkpoint -> compile -> shard.
 * Which ops ``selective_op`` keeps, and which count as matmuls, are op names resolved by
   :mod:`fsdp_strategies.parallel.ops`.
 * ``budget``: the blocks of one call share a :class:`BudgetDecision`: per block kind (the class name
-  at the time of checkpointing), the set of op calls ``(op name, k-th call of that op in the block)``
+  at the time of checkpointing; blocks of one class with parameters of different shapes are kinds of their
+  own), the set of op calls ``(op name, k-th call of that op in the block)``
   whose outputs are kept. Its ``on_first_call`` hook (set by the planner) runs before a block's
   checkpointed forward in training, with the block's inner forward and inputs, so the planner can
   profile one block of each kind on the real batch. Each checkpoint call takes the decision current
@@ -81,7 +82,7 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 _MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
 _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
 _CALL = "_fsdp_strategies_ac_call"  # on a block: checkpoint() with the plan's options bound
-_KIND = "_fsdp_strategies_ac_kind"  # on a block: its class name when it was checkpointed
+_KIND = "_fsdp_strategies_ac_kind"  # on a block: its kind (class name, /N by parameter shapes) when checkpointed
 
 
 class _RecomputeState(threading.local):
@@ -285,10 +286,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _BLOCK.depth -= 1
 
 
-def _checkpoint_block(block: nn.Module, plan: _BlockPlan) -> bool:
+def _checkpoint_block(block: nn.Module, plan: _BlockPlan, kind: str) -> bool:
     if getattr(block, _MARK, None) is not None:
         return False  # applied already (setup runs again for validate/test)
-    kind = type(block).__name__
     object.__setattr__(block, _INNER, block.forward)  # bound method: deepcopy re-binds it to the copy
     object.__setattr__(block, _MARK, plan)
     object.__setattr__(block, _KIND, kind)
@@ -308,7 +308,8 @@ def checkpointed_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def block_kind(block: nn.Module) -> str:
-    """A checkpointed block's class name when it was checkpointed (FSDP2 renames the class later)."""
+    """A checkpointed block's kind: its class name when it was checkpointed (FSDP2 renames the class later), with
+    a shape-set number where blocks of one class differ in parameter shapes (``ConvNextStage/2``)."""
     return str(getattr(block, _KIND))
 
 
@@ -349,7 +350,23 @@ def apply_activation_checkpointing(
     blocks = find_transformer_blocks(model, block_class_names)
     if mode == "selective_layer":
         blocks = [b for i, b in enumerate(blocks) if (i + 1) % layer_interval == 0]
-    return [b for b in blocks if _checkpoint_block(b, plan)]
+    kinds = _block_kinds(blocks)
+    return [b for b, kind in zip(blocks, kinds) if _checkpoint_block(b, plan, kind)]
+
+
+def _block_kinds(blocks: Sequence[nn.Module]) -> list[str]:
+    """Each block's kind: its class name, or -- where blocks of one class hold parameters of different shapes
+    (ConvNeXt's stages of widths 16/32/64 are all ``ConvNextStage``) -- the class name and the shape set's number
+    in order of appearance (``ConvNextStage/2``), so that ``budget`` profiles each size, not one for all."""
+    shapes = [tuple(tuple(p.shape) for p in block.parameters()) for block in blocks]
+    names = [type(block).__name__ for block in blocks]
+    per_class: dict[str, list[tuple]] = {}
+    for name, sig in zip(names, shapes):
+        seen = per_class.setdefault(name, [])
+        if sig not in seen:
+            seen.append(sig)
+    return [name if len(per_class[name]) == 1 else f"{name}/{per_class[name].index(sig) + 1}"
+            for name, sig in zip(names, shapes)]
 
 
 def validate_options(mode: str, layer_interval: int, save_every_nth_matmul: int) -> None:
