@@ -397,6 +397,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "Tested in `tests/test_ft_hsdp.py::test_warm_spare_replaces_a_killed_group_and_heals`", _WARM_SPARE),
     Guarantee("docs/strategies/ft_launcher.md", "Tested in `tests/test_ft_hsdp.py` (2 groups x 2 ranks): groups killed",
               _FORKSERVER),
+    Guarantee("docs/strategies/ft_launcher.md", "tested with a full disk under the default", _ids(
+        "test_disk_full.py", "test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group")),
+    Guarantee("docs/strategies/ft_launcher.md", "`--max-restarts` in `tests/test_disk_full.py`", _ids(
+        "test_disk_full.py", "test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group")),
     Guarantee("docs/strategies/ft_launcher.md", "`tests/test_preemption.py` sends SIGTERM to the launcher", _ids(
         "test_preemption.py", "test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue[forkserver]")),
     # docs/strategies/tensor_parallel.md

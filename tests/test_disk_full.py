@@ -166,14 +166,14 @@ def test_full_disk_gives_one_clear_error_on_every_rank(case: str, small_disk: Pa
 
 @pytest.mark.multiprocess
 def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: Path, tmp_path: Path) -> None:
-    """ft_hsdp, 2 replica groups x 1 rank (``fsdp-strategies-ft``, no restarts), ``step<N>.ckpt`` every 2 steps.
+    """ft_hsdp, 2 replica groups x 1 rank (``fsdp-strategies-ft``, default restarts), ``step<N>.ckpt`` every 2 steps.
 
     Only the group ranked 0 in the current quorum writes (FTHSDPStrategy._is_checkpoint_writer): the writer saves
     one good checkpoint, and its next save runs out of space -- it raises the disk-full error and exits. The other
     group, which did not write, is not told: it trains on alone (the lighthouse drops the writer within
     --heartbeat-timeout-ms), is then the quorum's rank 0, so it writes -- on the same full disk -- and ends with the
-    same clear error naming its own file. Neither group hangs: the launcher reports both given up long before the
-    run's timeout, and the first checkpoint is the intact last good one. Which group writes first depends on which
+    same clear error naming its own file. Neither group hangs, nor is restarted into the full disk (the error exits
+    with UNFIXABLE_EXIT_CODE): the launcher reports both given up at once, long before the run's timeout, and the first checkpoint is the intact last good one. Which group writes first depends on which
     started first (a group alone at the start trains and writes alone; the worker sleeps after a step it commits
     alone so that the other usually joins), so the checks hold for either order.
     """
@@ -183,7 +183,7 @@ def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: P
     proc = run_python(
         ["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms", "1000",
          "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", "150", "--min-replicas", "1",
-         "--max-restarts", "0", "--", str(WORKERS / "ft_train.py"), "fit", *FT, "--trainer.devices", "1",
+         "--", str(WORKERS / "ft_train.py"), "fit", *FT, "--trainer.devices", "1",
          "--trainer.max_steps", "8", "--trainer.enable_checkpointing", "true"],
         env={"FT_TEST_OUT": str(tmp_path / "out"), "FT_TEST_CKPT": str(small_disk), "FT_TEST_CKPT_EVERY": "2",
              "FT_TEST_SLEEP_ALONE": "1.0"},
@@ -191,7 +191,11 @@ def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: P
     assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
     launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines() if line.strip()]
     gave_up = {e["group"]: e for e in launcher if e["event"] == "give_up"}
-    assert sorted(gave_up) == [0, 1], launcher  # neither group hung: both exited and were given up on (no restarts)
+    assert sorted(gave_up) == [0, 1], launcher  # neither group hung: both exited and were given up on
+    # ... at once, under the default --max-restarts: a restart would run into the same full disk
+    assert all(e["unfixable"] and e["restarts"] == 0 and e["code"] == 1 for e in gave_up.values()), gave_up
+    assert not [e for e in launcher if e["event"] == "start" and e["restart"] > 0], launcher
+    assert "gave up after an error a restart cannot fix" in proc.stderr, proc.stderr[-3000:]
     assert all("CheckpointDiskFullError: Checkpoint" in e["last_error"] for e in gave_up.values()), gave_up
     on_disk = sorted(small_disk.iterdir())
     assert len(on_disk) == 1 and on_disk[0].suffix == ".ckpt", on_disk  # no temp, lock or partial second file

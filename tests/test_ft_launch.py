@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 
 from conftest import WORKERS, run_python
-from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_line, torchrun_worker_exit_code
+from fsdp_strategies.ft.group_exit import (
+    GroupExit,
+    classify_exit,
+    last_error_line,
+    restart_cannot_fix,
+    torchrun_worker_exit_code,
+)
 from fsdp_strategies.ft.launch_options import core_sets
-from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE
+from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE
 
 
 @pytest.mark.multiprocess
@@ -29,7 +35,8 @@ def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> Non
                       env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "6"}, timeout=300, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == ("fsdp-strategies-ft: FAILED: replica group 0 exhausted --max-restarts 1 (exit codes [1, 1]); "
+    assert last == ("fsdp-strategies-ft: FAILED: replica group 0 gave up after 1 restart(s) (--max-restarts 1) "
+                    "(exit codes [1, 1]); "
                     "last error: RuntimeError: cannot read the dataset shard of group 0 (restart 1)"), last
     assert (f"replica group 0 gave up: it exited 1 after 1 restart(s) (--max-restarts 1). Last error: RuntimeError: "
             f"cannot read the dataset shard of group 0 (restart 1) (log: {events / 'group0.log'})") in proc.stderr
@@ -182,3 +189,35 @@ def test_exit_kinds_from_the_status_the_events_and_torchruns_summary(tmp_path: P
     assert torchrun_worker_exit_code(log) is None  # an earlier start's summary does not count
     assert classify_exit(1, log, left=False) is GroupExit.FAILED
     assert torchrun_worker_exit_code(tmp_path / "missing.log") is None
+    log.write_text(_TORCHRUN_FAILURE.format(code=UNFIXABLE_EXIT_CODE))
+    assert classify_exit(1, log, left=False) is GroupExit.UNFIXABLE
+    assert classify_exit(UNFIXABLE_EXIT_CODE, log, left=False) is GroupExit.UNFIXABLE
+
+
+def test_errors_a_restart_cannot_fix(tmp_path: Path) -> None:
+    import errno
+
+    from fsdp_strategies._options import OptionError
+    from fsdp_strategies.checkpoint.disk_full import CheckpointDiskFullError
+    from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
+    from fsdp_strategies.hf.pretrained import PretrainedFolderNotFoundError, PretrainedMismatchError
+    from fsdp_strategies.memory.budget import BudgetNotMetError
+    from fsdp_strategies.parallel.tensor_parallel import TensorParallelPlanError
+
+    def raised_from(cause: BaseException) -> BaseException:
+        try:
+            raise RuntimeError("while saving") from cause
+        except RuntimeError as err:
+            return err
+
+    unfixable = [OptionError("x=0 is not allowed. Fix: x >= 1"), TensorParallelPlanError("no module matches"),
+                 CheckpointDiskFullError("full"), OSError(errno.ENOSPC, "No space left on device"),
+                 OSError(errno.EDQUOT, "Disk quota exceeded"), CheckpointIntegrityError("damaged"),
+                 PretrainedFolderNotFoundError("missing"), PretrainedMismatchError("shapes"),
+                 BudgetNotMetError("below the floor"), raised_from(OSError(errno.ENOSPC, "full"))]
+    for error in unfixable:
+        assert restart_cannot_fix(error), error
+    # what a restart may well fix: a peer that died, a flaky read, a killed rank, a NaN
+    for error in (RuntimeError("Connection closed by peer"), OSError(errno.EIO, "I/O error"),
+                  ConnectionError("lighthouse"), KeyboardInterrupt(), ValueError("nan loss")):
+        assert not restart_cannot_fix(error), error

@@ -65,7 +65,8 @@ class _Group:
     abandoned: bool = False
     succeeded: bool = False  # exited 0: its training finished
     preempted: bool = False  # exited with PREEMPT_EXIT_CODE: stopped for a requeue, not restarted
-    gave_up: str | None = None  # why, once it exhausted --max-restarts
+    gave_up: str | None = None  # its last error, once it exhausted --max-restarts or failed unfixably
+    gave_up_after: str = ""  # "3 restart(s) (--max-restarts 3)" or "an error a restart cannot fix"
     exit_codes: list[int] = field(default_factory=list)
     # --warm-spares: the standby incarnation (its processes, activation file, log) and whether spares failed
     spare: subprocess.Popen[bytes] | None = None
@@ -296,8 +297,8 @@ class FTLauncher:
 
     def _handle_exits(self, training_finished: bool) -> None:
         """Record each group that exited and react to its kind of exit (:mod:`~fsdp_strategies.ft.group_exit`):
-        finished (0): done; preempted: not restarted; left or failed: restarted, or given up after
-        ``max_restarts``."""
+        finished (0): done; preempted: not restarted; unfixable: given up at once; left or failed: restarted,
+        or given up after ``max_restarts``."""
         o = self.opts
         for g in self.groups:
             if g.proc is None or g.finished:
@@ -325,14 +326,16 @@ class FTLauncher:
                 g.finished, g.proc = True, None
                 self.stop_spare(g, "another group already finished")
                 continue
-            if g.restarts >= o.max_restarts:
+            unfixable = kind is GroupExit.UNFIXABLE  # a restart would meet the same error: never retried
+            if unfixable or g.restarts >= o.max_restarts:
                 log = self.logs / f"group{g.gid}.log"
                 g.gave_up = last_error_line(log)
+                g.gave_up_after = "an error a restart cannot fix" if unfixable else \
+                    f"{g.restarts} restart(s) (--max-restarts {o.max_restarts})"
                 self.note({"event": "give_up", "group": g.gid, "restarts": g.restarts, "code": code,
-                           "last_error": g.gave_up, "log": str(log)})
+                           "unfixable": unfixable, "last_error": g.gave_up, "log": str(log)})
                 print(f"fsdp-strategies-ft: replica group {g.gid} gave up: it exited {code} after "
-                      f"{g.restarts} restart(s) (--max-restarts {o.max_restarts}). Last error: {g.gave_up} "
-                      f"(log: {log})", file=sys.stderr, flush=True)
+                      f"{g.gave_up_after}. Last error: {g.gave_up} (log: {log})", file=sys.stderr, flush=True)
                 self.returncode = 1
                 g.finished, g.proc = True, None
                 self.stop_spare(g, "the group gave up")
@@ -390,9 +393,8 @@ class FTLauncher:
                    "restarts": len(self.restarts)})
         for g in self.groups:  # the last lines a user sees: which groups gave up, and why
             if g.gave_up is not None:
-                print(f"fsdp-strategies-ft: FAILED: replica group {g.gid} exhausted --max-restarts "
-                      f"{self.opts.max_restarts} (exit codes {g.exit_codes}); last error: {g.gave_up}",
-                      file=sys.stderr, flush=True)
+                print(f"fsdp-strategies-ft: FAILED: replica group {g.gid} gave up after {g.gave_up_after} "
+                      f"(exit codes {g.exit_codes}); last error: {g.gave_up}", file=sys.stderr, flush=True)
         return LauncherResult(returncode=self.returncode, kills=self.kills, restarts=self.restarts, wall_s=wall,
                               events_dir=self.events_dir)
 

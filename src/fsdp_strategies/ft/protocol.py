@@ -12,7 +12,8 @@ Written once, here, and used by both sides:
 * **Exit codes**: :data:`LEAVE_EXIT_CODE` (79: a group left the quorum on purpose, e.g. evicted as a
   straggler -- the launcher restarts it and it heals from a live peer) and :data:`PREEMPT_EXIT_CODE` (75,
   ``EX_TEMPFAIL``: stopped by SIGTERM, checkpoint written, requeue -- the launcher does not restart it, and
-  exits with it once no group can finish). Distinct so the launcher can tell them apart
+  exits with it once no group can finish), and :data:`UNFIXABLE_EXIT_CODE` (80: an error a restart would meet
+  again -- not restarted). Distinct so the launcher can tell them apart
   (:mod:`fsdp_strategies.ft.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
 * **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
   ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
@@ -44,6 +45,7 @@ __all__ = [
     "REPLICA_GROUP_ENV",
     "RESTART_COUNT_ENV",
     "STANDBY_ENV",
+    "UNFIXABLE_EXIT_CODE",
     "EventLog",
     "FTEnvironment",
     "standby_ready_file",
@@ -69,6 +71,10 @@ LAUNCHER_PID_ENV = "FSDP_STRATEGIES_FT_LAUNCHER_PID"
 #: range (64-78), so no scheduler reads a meaning into it, and distinct from :data:`PREEMPT_EXIT_CODE` (75,
 #: requeue), which the launcher treats differently.
 LEAVE_EXIT_CODE = 79
+#: exit status of a replica group stopped by an error that a restart would meet again -- a bad option, a full
+#: disk, a damaged or mismatched input file (:func:`fsdp_strategies.ft.group_exit.restart_cannot_fix`); the
+#: launcher does not restart it. 80: next after :data:`LEAVE_EXIT_CODE`, outside ``sysexits.h``'s range.
+UNFIXABLE_EXIT_CODE = 80
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:

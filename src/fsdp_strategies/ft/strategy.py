@@ -55,6 +55,7 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.data import StepAlignedData
+from fsdp_strategies.ft.group_exit import exit_if_unfixable
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState
 from fsdp_strategies.ft.manager import (
     CountedManager,
@@ -198,9 +199,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._manager: Any = None
         self._link: CountedManager | None = None  # the manager, its all-reduces counted
         self._lighthouse_checked = False
-        # the step protocol: the quorum of this step was started / waited for
-        self._quorum_started = False
-        self._waited_quorum = False
+        self._quorum_started = self._waited_quorum = False  # the step protocol: this step's quorum started / waited
 
     # ------------------------------------------------------------------ what callers read
     @property
@@ -283,8 +282,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._wait_quorum()
         if self._step.grad_scale != 1.0:  # redistribute: this group's share of the step's samples
             reduce_output.mul_(self._step.grad_scale)
-        # errors (a peer died mid all-reduce) are recorded by the manager and make should_commit() False
-        self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()
+        self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # errors: should_commit() -> False
         self._step.cross_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ heal state
@@ -564,6 +562,11 @@ class FTHSDPStrategy(HSDPStrategy):
             self._events.write_finished(self.replica_group_id, self._committed_step())
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        exit_if_unfixable(exception, self._manager)  # a restart would meet it again: the launcher must not retry
+
+    @override
     def teardown(self) -> None:
         super().teardown()
         self._semi.outer = None  # bound to this fit's manager
@@ -573,11 +576,8 @@ class FTHSDPStrategy(HSDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:
-        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it.
-
-        A preemption checkpoint is written by every group that stops, each to its own file (groups may
-        stop at different steps), see :meth:`_preempt_checkpoint_path`.
-        """
+        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it. A preemption
+        checkpoint is written by every group that stops, each to its own file (:meth:`_preempt_checkpoint_path`)."""
         if self._preempt_saving:
             return True
         if self._manager is None or not _torch_seam.quorum_started(self._manager):

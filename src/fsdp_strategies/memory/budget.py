@@ -70,7 +70,9 @@ _UNKEYABLE = frozenset({"aten._to_copy"})
 
 
 class BudgetNotMetError(RuntimeError):
-    """The memory budget is below what recomputing every block keeps."""
+    """The memory budget is below what recomputing every block keeps (a bad ``memory_budget``: an option error)."""
+
+    option_error = True
 
 
 class BudgetNotProfiledError(RuntimeError):

@@ -43,22 +43,17 @@ def root_owned_modules(root: nn.Module) -> list[nn.Module]:
 class GatherOnOutsideCall:
     """Forward pre-hooks that gather ``root``'s parameters when one of their owners is called outside its forward.
 
-    Install once per wrapped model (:meth:`install`); :meth:`remove` takes the hooks off."""
+    Constructing it installs the hooks (once per wrapped model); :meth:`remove` takes them off."""
 
     def __init__(self, root: FSDPModule) -> None:
         self._root = root
         self._depth = 0
-        self._handles: list[RemovableHandle] = []
-
-    @classmethod
-    def install(cls, root: FSDPModule) -> GatherOnOutsideCall:
-        gather = cls(root)
         module: Any = root
-        gather._handles.append(module.register_forward_pre_hook(gather._enter))
-        gather._handles.append(module.register_forward_hook(gather._leave, always_call=True))
-        for owner in root_owned_modules(module):
-            gather._handles.append(owner.register_forward_pre_hook(gather._gather))
-        return gather
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._leave, always_call=True),
+            *(owner.register_forward_pre_hook(self._gather) for owner in root_owned_modules(module)),
+        ]
 
     @property
     def owners(self) -> int:

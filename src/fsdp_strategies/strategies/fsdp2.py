@@ -434,7 +434,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 # the root role (FSDP2 makes the first module whose forward runs the root); submodules called
                 # outside the steps (self.model(...) in a hook, generate() in a callback) gather the root's part
                 tseam.fsdp_lazy_init(self.model)
-                GatherOnOutsideCall.install(self.model)
+                GatherOnOutsideCall(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
