@@ -366,6 +366,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
                   "test_weights_of_another_size_name_the_tensors_and_the_config",
                   "test_damaged_folders_are_one_error_line_from_the_cli")),
     # docs/strategies/fsdp2.md
+    Guarantee("docs/strategies/fsdp2.md", "init keeps its distribution with distinct shards (`tests/test_sharded_init.py`",
+              _ids("test_sharded_init.py",
+                   *(f"test_a_seeded_meta_model_starts_where_the_eager_one_does[{c}]"
+                     for c in ("tp_colwise_rowwise", "fsdp", "replicate_x_shard")),
+                   *(f"test_the_shards_of_a_weight_are_not_copies_of_each_other[{c}]"
+                     for c in ("tp_colwise_rowwise", "fsdp", "hf_llama_fsdp")),
+                   "test_hugging_face_init_keeps_its_distribution_on_every_shard")),
     Guarantee("docs/strategies/fsdp2.md", "plain `transformers` model holding the same weights "
               "(`tests/test_outside_calls.py`", _ids(
                   "test_outside_calls.py", *(f"test_the_inner_model_called_outside_the_steps_gives_the_unsharded_"
