@@ -132,7 +132,8 @@ def release_manager(manager: Any, rank: int) -> None:
 
     try:
         store = dist.TCPStore(host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                              port=int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False)
+                              port=int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=10))
         for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
             store.delete_key(key)
     except (KeyError, RuntimeError, ValueError):  # no store any more (the job is ending): nothing to look up
