@@ -16,17 +16,17 @@
 * :mod:`~fsdp_strategies.ft.launcher` -- ``fsdp-strategies-ft``: a lighthouse plus N replica groups
   on one machine, restarted on failure, with fault injection; its options are declared once in
   :mod:`~fsdp_strategies.ft.launch_options`, a group's start is :mod:`~fsdp_strategies.ft.group_start`,
-  the reading of its exit (left, preempted, unfixable, failed) :mod:`~fsdp_strategies.ft.group_exit`, and killing a
-  whole group :mod:`~fsdp_strategies.ft.process_tree`; :mod:`~fsdp_strategies.ft.forkserver` forks groups
-  with their imports done.
+  the reading of its exit (left, preempted, unfixable, failed) :mod:`~fsdp_strategies.ft.group_exit`, and
+  killing a whole group :mod:`~fsdp_strategies.ft.process_tree`; :mod:`~fsdp_strategies.ft.forkserver` forks
+  groups with their imports done.
 """
 
 from fsdp_strategies.ft.protocol import (
-           LEAVE_EXIT_CODE,
-           PREEMPT_EXIT_CODE,
-           UNFIXABLE_EXIT_CODE,
-           EventLog,
-           FTEnvironment,
+    LEAVE_EXIT_CODE,
+    PREEMPT_EXIT_CODE,
+    UNFIXABLE_EXIT_CODE,
+    EventLog,
+    FTEnvironment,
 )
 from fsdp_strategies.ft.strategy import FTHSDPStrategy, LighthouseUnreachableError
 

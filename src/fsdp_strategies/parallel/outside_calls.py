@@ -21,7 +21,6 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.hooks import RemovableHandle
 
 __all__ = ["GatherOnOutsideCall", "root_owned_modules"]
 
@@ -43,27 +42,16 @@ def root_owned_modules(root: nn.Module) -> list[nn.Module]:
 class GatherOnOutsideCall:
     """Forward pre-hooks that gather ``root``'s parameters when one of their owners is called outside its forward.
 
-    Constructing it installs the hooks (once per wrapped model); :meth:`remove` takes them off."""
+    Constructing it installs the hooks, for the life of the wrapped model (once per model)."""
 
     def __init__(self, root: FSDPModule) -> None:
         self._root = root
         self._depth = 0
         module: Any = root
-        self._handles: list[RemovableHandle] = [
-            module.register_forward_pre_hook(self._enter),
-            module.register_forward_hook(self._leave, always_call=True),
-            *(owner.register_forward_pre_hook(self._gather) for owner in root_owned_modules(module)),
-        ]
-
-    @property
-    def owners(self) -> int:
-        """How many modules carry the gathering hook."""
-        return len(self._handles) - 2
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._leave, always_call=True)
+        for owner in root_owned_modules(module):
+            owner.register_forward_pre_hook(self._gather)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._depth += 1
