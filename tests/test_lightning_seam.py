@@ -661,6 +661,16 @@ def test_Tensor__version() -> None:
     assert tseam.tensor_version(t.view(3)) == before + 1  # views share the counter
 
 
+def test__random_is_rng_supported_mesh(monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder) -> None:
+    """``dtensor_rng_per_shard``: a CPU mesh has no per-shard DTensor RNG (what sharded_init works around), and the
+    answer comes without torch's warning about it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with _one_process_group(monkeypatch):
+        assert tseam.dtensor_rng_per_shard(init_device_mesh("cpu", (1,))) is False
+    assert not [w for w in recwarn if "random" in str(w.message)]
+
+
 def test_UntypedStorage__new_with_weak_ptr() -> None:
     from torch.multiprocessing.reductions import StorageWeakRef
 

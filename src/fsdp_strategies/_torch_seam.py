@@ -25,6 +25,7 @@ __all__ = [
     "TorchDispatchMode",
     "dcp_metadata_globals",
     "default_stager_reusable",
+    "dtensor_rng_per_shard",
     "fsdp_gradient_holders",
     "fsdp_lazy_init",
     "inside_autograd_backward",
@@ -184,6 +185,18 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
                 if accumulated is not None and accumulated is not whole:  # 2.15: a property -> that grad
                     found.append(("unsharded", accumulated))
     return found
+
+
+def dtensor_rng_per_shard(mesh: Any) -> bool:
+    """Whether DTensor gives each shard of ``mesh`` its own random stream (CUDA-like devices, not CPU):
+    ``torch.distributed.tensor._random.is_rng_supported_mesh``, without the warning it prints for a CPU mesh."""
+    import warnings
+
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(is_rng_supported_mesh(mesh))
 
 
 def fsdp_lazy_init(module: torch.nn.Module) -> None:

@@ -25,7 +25,9 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["full_then_shard_random", "is_random_init", "mesh_has_shard_rng"]
+from fsdp_strategies import _torch_seam
+
+__all__ = ["full_then_shard_random", "is_random_init"]
 
 #: the in-place random tensor methods
 RANDOM_METHODS = frozenset({
@@ -49,12 +51,6 @@ def is_random_init(func: Any) -> bool:
     return getattr(func, "__module__", None) in _INIT_MODULES and getattr(func, "__name__", "") in RANDOM_INIT_FUNCTIONS
 
 
-def mesh_has_shard_rng(mesh: Any) -> bool:
-    """Whether DTensor gives each shard of ``mesh`` its own random stream (CUDA-like devices; not CPU)."""
-    handle = getattr(torch, mesh.device_type, None)
-    return mesh.device_type != "cpu" and handle is not None and hasattr(handle, "set_rng_state")
-
-
 def _target(args: tuple, kwargs: dict) -> Any:
     """The tensor an init op fills: its first argument (``nn.init`` may pass it as ``tensor=``)."""
     return args[0] if args else kwargs.get("tensor")
@@ -65,7 +61,7 @@ class _FullThenShard(TorchFunctionMode):
         kwargs = kwargs or {}
         target = _target(args, kwargs)
         if not is_random_init(func) or not isinstance(target, DTensor) \
-                or mesh_has_shard_rng(target.device_mesh):
+                or _torch_seam.dtensor_rng_per_shard(target.device_mesh):
             return func(*args, **kwargs)
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
