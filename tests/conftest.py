@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import processes
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 #: how long a process may outlive the test that started it (a rank still in its exit path) before it is a leak
@@ -89,14 +90,51 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
                 "PYTHONUNBUFFERED": "1",
                 # an inherited PYTHONPATH stays behind ours (e.g. `make test-lightning-range`'s Lightning folder)
                 "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(EXAMPLES), *filter(None, [env.get("PYTHONPATH")])])})
+    if _ZYGOTE.get("shim"):
+        env.update({zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable})
     env.update(extra or {})
     return env
+
+
+#: the pre-imported server that jobs are forked from (``tests/zygote.py``): its process, socket and client
+_ZYGOTE: dict = {}
+
+
+def _start_zygote() -> None:
+    """Start this pytest process's zygote server in the background (it imports for a few seconds)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fsdp-tests-zygote-")
+    socket_path, shim = os.path.join(folder, "socket"), zygote.install_shim(sys.executable)
+    log = open(os.path.join(folder, "server.log"), "w")  # noqa: SIM115 -- the server's, closed at exit
+    env = {k: v for k, v in _env().items() if k not in (zygote.SOCKET_ENV, zygote.PYTHON_ENV)}
+    server = subprocess.Popen([sys.executable, str(Path(zygote.__file__)), socket_path, shim], env=env,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    _ZYGOTE.update(server=server, socket=socket_path, log=log, wanted_shim=shim)
+
+
+def python_executable() -> str:
+    """What a test starts as ``python``: the zygote's client once its server listens, else the real Python."""
+    server = _ZYGOTE.get("server")
+    if server is None:
+        return sys.executable
+    if "shim" not in _ZYGOTE:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(_ZYGOTE["socket"]) and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not os.path.exists(_ZYGOTE["socket"]):
+            log = Path(_ZYGOTE["log"].name).read_text()[-3000:]
+            pytest.fail(f"the test zygote (tests/zygote.py) did not start (exit {server.poll()}):\n{log}\n"
+                        f"Fix: the error above, or run with {zygote.SOCKET_ENV}=off")
+        _ZYGOTE["shim"] = _ZYGOTE["wanted_shim"]
+    return str(_ZYGOTE["shim"])
 
 
 def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
                check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` (e.g. a script that starts Lightning's launcher) and fail with its output."""
-    proc = processes.run([sys.executable, *args], timeout=timeout, env=_env(env), cwd=str(cwd or ROOT))
+    python = python_executable()
+    proc = processes.run([python, *args], timeout=timeout, env=_env(env), cwd=str(cwd or ROOT))
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -120,10 +158,11 @@ def no_process_left_behind() -> Iterator[None]:
     died is re-parented here, not to init."""
     yield
     deadline = time.monotonic() + LEAK_GRACE_S
-    leaked = processes.leaked_processes()
+    helpers = {_ZYGOTE["server"].pid} if "server" in _ZYGOTE else set()
+    leaked = processes.leaked_processes(ignore_pids=helpers)
     while leaked and time.monotonic() < deadline:
         time.sleep(0.2)
-        leaked = processes.leaked_processes()
+        leaked = processes.leaked_processes(ignore_pids=helpers)
     if leaked:
         for pid in leaked:
             processes.kill_tree(pid)
@@ -162,6 +201,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item in items:
             if "soak" in _MARKS[item.nodeid]:
                 item.add_marker(soak)
+    if (os.environ.get(zygote.SOCKET_ENV) != "off" and sys.platform.startswith("linux") and "server" not in _ZYGOTE
+            and any(_MARKS[item.nodeid] & PROCESS_MARKERS for item in items)):
+        _start_zygote()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = _ZYGOTE.pop("server", None)
+    if server is not None:
+        server.kill()
+        server.wait()
+        _ZYGOTE["log"].close()
 
 
 def require_process_marker(cmd: Sequence[str]) -> None:

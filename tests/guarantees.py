@@ -211,6 +211,12 @@ _NETNS = _ids("test_netns.py", "test_hsdp_across_two_hosts_shards_within_and_rep
               "test_ft_hsdp_partition_drops_the_cut_off_group_and_heals_it")
 _FSDP_SINGLE = _ids("test_fsdp_hsdp.py", "test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping",
                     "test_hsdp_2x2_matches_single_process")
+_ZYGOTE = _ids("test_zygote.py", *(f"test_a_forked_job_sees_what_a_fresh_interpreter_sees[{form}]"
+                                   for form in ("script", "module", "code")),
+               "test_an_import_time_variable_of_its_own_gets_a_fresh_interpreter",
+               "test_what_a_job_starts_with_sys_executable_is_forked_too",
+               "test_signals_reach_the_job_and_its_death_is_the_clients",
+               "test_a_killed_client_takes_its_jobs_tree_with_it")
 
 _ACCUMULATION = _ids("test_accumulation.py",
                      "test_fsdp2_accumulation_holds_only_sharded_gradients_and_equals_ddp",
@@ -453,6 +459,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "test_checkpoint_integrity.py", "test_export_and_verify_refuse_a_file_that_runs_code")),
     Guarantee("docs/testing.md", "every YAML in `configs/` runs for a few steps", (*_CONFIGS, *_REAL_MODELS)),
     Guarantee("docs/testing.md", "after every test `tests/conftest.py` fails the test", _PROCESSES[2:3]),
+    Guarantee("docs/testing.md", "is forked from a *zygote*", _ZYGOTE),
+    Guarantee("docs/testing.md", "`tests/test_zygote.py` runs the same probe both ways", _ZYGOTE),
     Guarantee("docs/testing.md", "`tests/test_processes.py` checks all of it with a worker that moves to its own session: "
               "a timeout kills it, plain `subprocess.run` would have left it, a test that orphans it fails, and Ctrl-C "
               "in the middle of a test leaves nothing running", _PROCESSES),

@@ -27,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +155,13 @@ def run(cmd: Sequence[str], *, timeout: float, capture_output: bool = True, text
     return proc
 
 
-def leaked_processes(ignore: Sequence[str] = LONG_LIVED_HELPERS) -> dict[int, str]:
-    """Live descendants of this process (zombies and torch's own long-lived helpers aside): pid -> command line."""
+def leaked_processes(ignore: Sequence[str] = LONG_LIVED_HELPERS, ignore_pids: Collection[int] = ()) -> dict[int, str]:
+    """Live descendants of this process (zombies, torch's own long-lived helpers and ``ignore_pids`` aside): pid ->
+    command line."""
     me = os.getpid()
     found = {}
     for pid in process_tree(me):
-        if pid == me or not _alive(pid):
+        if pid == me or pid in ignore_pids or not _alive(pid):
             continue
         cmdline = _cmdline(pid)
         if any(pattern in cmdline for pattern in ignore):
