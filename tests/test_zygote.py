@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -28,7 +29,8 @@ import json, os, sys
 preloaded = "lightning.pytorch" in sys.modules
 out = int(os.environ["PROBE_FD"])
 os.write(out, json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "main": __name__,
-    "env": os.environ.get("PROBE_VALUE"), "ppid": os.getppid(), "stdin": sys.stdin.read(), "umask": os.umask(0),
+    "env": os.environ.get("PROBE_VALUE"), "ppid": os.getppid(), "cpus": sorted(os.sched_getaffinity(0)),
+    "policy": os.sched_getscheduler(0), "nice": os.nice(0), "nofile": __import__("resource").getrlimit(7), "stdin": sys.stdin.read(), "umask": os.umask(0),
     "executable": sys.executable, "preloaded": preloaded, "file": globals().get("__file__")}).encode())
 os.close(out)
 print("to stdout"); print("to stderr", file=sys.stderr)
@@ -39,8 +41,15 @@ sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 def _probe(python: str, args: list[str], tmp_path: Path, *, exit_code: int = 0, **env: str) -> dict:
     read, write = os.pipe()
     environment = _env({"PROBE_FD": str(write), "PROBE_VALUE": "v", "PROBE_EXIT": str(exit_code), **env})
+    def as_a_pinned_idle_spare() -> None:  # what the FT launcher does to a group (--pin-cores) and a warm spare
+        os.sched_setaffinity(0, {0})
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.nice(3)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
     with processes.start([python, *args], env=environment, cwd=tmp_path, pass_fds=(write,), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=as_a_pinned_idle_spare) as job:
         os.close(write)
         out, err = job.communicate("stdin data", timeout=120)
     with os.fdopen(read) as fh:
@@ -63,6 +72,7 @@ def test_a_forked_job_sees_what_a_fresh_interpreter_sees(form: str, tmp_path: Pa
     assert forked == fresh, (forked, fresh)
     assert forked["returncode"] == 7 and forked["out"] == "to stdout\n" and forked["err"] == "to stderr\n"
     assert forked["stdin"] == "stdin data" and forked["main"] == "__main__" and forked["argv"][1:] == ["a", "b"]
+    assert forked["cpus"] == [0] and forked["policy"] == os.SCHED_IDLE and forked["nofile"][0] == 512
 
 
 def test_an_import_time_variable_of_its_own_gets_a_fresh_interpreter(tmp_path: Path) -> None:
@@ -116,6 +126,8 @@ def test_the_server_refuses_what_it_cannot_reproduce() -> None:
     assert zygote._plan(["-c", "pass", "a"], server, env, {}) == ("-c", "pass", ["-c", "a"])
     assert "flag -X" in zygote._plan(["-X", "dev", "s.py"], server, env, {})
     assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "y"}, {})
+    assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:"}, {})  # '' is the working folder
+    assert zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:x"}, {})[0] == "script"
     assert "differs" in zygote._plan(["s.py"], server, {**env, "TORCHINDUCTOR_X": "1"}, {})
     # what the server's own imports set (inductor's cache folder) does not count as a difference
     set_by_imports = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/t"}

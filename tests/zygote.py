@@ -11,8 +11,9 @@ How, without changing what a job sees:
   helpers (``conftest.run_python``) start it instead of ``python``; the server sets ``sys.executable`` to it in
   every job, so what a job starts with ``sys.executable`` -- Lightning's rank 1, torchrun's workers -- is forked
   from the server too.
-* The client sends its arguments, environment, working directory, umask and every file descriptor it inherited
-  (stdio and any ``pass_fds``) over a Unix socket. The server forks; the child becomes the job: a new session,
+* The client sends its arguments, environment, working directory, umask, CPU affinity, scheduling policy,
+  niceness, resource limits and every file descriptor it inherited (stdio and any ``pass_fds``) over a Unix
+  socket. The server forks; the child becomes the job: a new session,
   the same descriptor numbers, that environment, ``sys.argv``/``sys.path[0]`` as ``python`` would set them, fresh
   ``random``/NumPy/torch seeds, ``os.getppid()`` answering the client's parent; then it runs the script, ``-m``
   module or ``-c`` code as ``__main__`` and exits through the interpreter's normal shutdown (atexit handlers, threads, flush).
@@ -52,7 +53,10 @@ _HEADER = struct.Struct("!I")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    found = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    if "PYTHONPATH" in found:  # a folder listed twice is looked in once: the first listing is what counts
+        found["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(found["PYTHONPATH"].split(os.pathsep)))
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------- client
@@ -71,6 +75,31 @@ def _inherited_fds() -> list[int]:
         except OSError:
             pass  # the descriptor listdir itself used
     return sorted(fds)
+
+
+def _scheduling() -> dict:
+    """What a child inherits from this client besides descriptors: CPUs (``--pin-cores``), scheduling policy
+    (a warm spare's ``SCHED_IDLE``), niceness and resource limits."""
+    import resource
+
+    limits = {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+    return {"affinity": sorted(os.sched_getaffinity(0)), "policy": os.sched_getscheduler(0),
+            "priority": os.sched_getparam(0).sched_priority, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "rlimits": limits}
+
+
+def _inherit_scheduling(request: dict) -> None:
+    """In the job: take on the client's :func:`_scheduling`."""
+    import resource
+
+    for name, limits in request["rlimits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), tuple(limits))
+        except (ValueError, OSError):  # one the job may not raise: it keeps the server's, as close as it gets
+            pass
+    os.sched_setaffinity(0, request["affinity"])
+    os.sched_setscheduler(0, request["policy"], os.sched_param(request["priority"]))
+    os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
 
 
 def _exec_python(args: list[str]) -> None:
@@ -94,7 +123,7 @@ def client(args: list[str]) -> None:
         conn.close()
         _exec_python(args)
     body = json.dumps({"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": os.umask(0o022),
-                       "fds": fds, "ppid": os.getppid()}).encode()
+                       "fds": fds, "ppid": os.getppid(), **_scheduling()}).encode()
     os.umask(json.loads(body)["umask"])
     socket.send_fds(conn, [_HEADER.pack(len(body))], fds)
     conn.sendall(body)
@@ -196,6 +225,7 @@ def _become_job(request: dict, received: list[int], shim: str,
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     os.umask(request["umask"])
+    _inherit_scheduling(request)
     kind, target, argv = request["plan"]
     sys.argv = argv
     sys.executable = shim
