@@ -24,8 +24,10 @@ How, without changing what a job sees:
   import time (``PYTHON*``, ``OMP_*``, ``TORCHINDUCTOR_*``, ... see :data:`IMPORT_TIME_ENV`) that differs from
   the server's -- is run by the client ``exec``-ing the real Python instead: slower, never different.
 
-``FSDP_TESTS_ZYGOTE=off`` turns it off for a pytest run; the serial pass (process-tree, signal and timing tests)
-runs without it.
+What it cannot give a job is its client's pid: ``os.getpid()`` in the job is the fork's. A job whose parent
+matches the pid its ``Popen`` returned against one the child reports itself (``benchmarks/suites/ft_scale.py``)
+runs unforked: ``run_python(..., env={"FSDP_TESTS_ZYGOTE": "off"})``, which its descendants inherit.
+``FSDP_TESTS_ZYGOTE=off`` turns it off for a whole pytest run.
 """
 
 from __future__ import annotations
