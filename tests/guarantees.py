@@ -461,6 +461,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/testing.md", "after every test `tests/conftest.py` fails the test", _PROCESSES[2:3]),
     Guarantee("docs/testing.md", "is forked from a *zygote*", _ZYGOTE),
     Guarantee("docs/testing.md", "`tests/test_zygote.py` runs the same probe both ways", _ZYGOTE),
+    Guarantee("docs/testing.md", "What it cannot give a job is its client's pid", _ids(
+        "test_ft_scale.py", "test_quick_sweep_reaches_quorum_drops_the_killed_group_and_heals_it")),
     Guarantee("docs/testing.md", "`tests/test_processes.py` checks all of it with a worker that moves to its own session: "
               "a timeout kills it, plain `subprocess.run` would have left it, a test that orphans it fails, and Ctrl-C "
               "in the middle of a test leaves nothing running", _PROCESSES),
