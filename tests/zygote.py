@@ -124,9 +124,10 @@ def client(args: list[str]) -> None:
     except OSError:
         conn.close()
         _exec_python(args)
-    body = json.dumps({"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": os.umask(0o022),
+    umask = os.umask(0o022)  # (reading it means setting it)
+    os.umask(umask)
+    body = json.dumps({"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
                        "fds": fds, "ppid": os.getppid(), **_scheduling()}).encode()
-    os.umask(json.loads(body)["umask"])
     socket.send_fds(conn, [_HEADER.pack(len(body))], fds)
     conn.sendall(body)
     reader = conn.makefile("rb")
@@ -215,7 +216,7 @@ def _place_fds(received: list[int], wanted: list[int]) -> None:
 
 
 def _become_job(request: dict, received: list[int], shim: str,
-                sockets: list[socket.socket]) -> tuple[str, str, list[str]]:
+                sockets: list[socket.socket]) -> tuple[str, str]:
     """In the forked child: turn this process into ``python ARGS`` started by the client."""
     os.setsid()
     signal.set_wakeup_fd(-1)
@@ -242,7 +243,7 @@ def _become_job(request: dict, received: list[int], shim: str,
     random.seed()
     numpy.random.seed()
     torch.seed()  # a fresh process's torch draws its start-up seed at random too
-    return kind, target, argv
+    return kind, target
 
 
 def _run_as_main(kind: str, target: str) -> None:
@@ -258,20 +259,6 @@ def _run_as_main(kind: str, target: str) -> None:
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
         exec(compile(target, "<string>", "exec"), main.__dict__)
-
-
-def _kill_job(pid: int) -> None:
-    from fsdp_strategies.ft.process_tree import process_tree
-
-    for member in [pid, *process_tree(pid)]:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -292,6 +279,8 @@ def serve(path: str, shim: str) -> None:
     import gc
     import importlib
     import select
+
+    from fsdp_strategies.ft.process_tree import kill_tree
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the pytest process
     parent = os.getppid()
@@ -348,7 +337,7 @@ def serve(path: str, shim: str) -> None:
             if gone:  # the client is gone (killed): so is its job
                 pid = clients.pop(conn)
                 jobs[pid] = None
-                _kill_job(pid)
+                kill_tree(pid)  # the job, its descendants and its session
                 conn.close()
         if listener not in ready:
             continue
@@ -373,7 +362,7 @@ def serve(path: str, shim: str) -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                kind, target, _argv = _become_job(request, received, shim, [listener, conn, *clients])
+                kind, target = _become_job(request, received, shim, [listener, conn, *clients])
             except BaseException:  # a job that could not even start
                 import traceback
 
