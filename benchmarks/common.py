@@ -723,6 +723,9 @@ def contender(name: str) -> Contender:
         "fsdp2_no_autocast": Contender(
             "fsdp2_no_autocast", "lightning_fit.py", "ours",
             "FSDP2Strategy(autocast=False): bf16-mixed by the MixedPrecisionPolicy alone (the autocast cost)"),
+        "fsdp2_hang_watchdog": Contender(
+            "fsdp2_hang_watchdog", "lightning_fit.py", "ours",
+            "fsdp2 + callbacks=[HangWatchdog(timeout_s=300, poll_s=1)] (its cost while nothing hangs)"),
         "hsdp": Contender("hsdp", "lightning_fit.py", "ours",
                           "Trainer(strategy=HSDPStrategy(replicate_degree=2, shard_degree=ranks/2))",
                           skip_reason=_hsdp_needs_4, replicate=_hsdp_replicate),

@@ -7,6 +7,7 @@ launcher (the script re-executes itself per rank) or ``torchrun``; nothing is si
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def _start_zygote() -> None:
     env = {k: v for k, v in _env().items() if k not in (zygote.SOCKET_ENV, zygote.PYTHON_ENV)}
     server = subprocess.Popen([sys.executable, str(Path(zygote.__file__)), socket_path, shim], env=env,
                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
-    _ZYGOTE.update(server=server, socket=socket_path, log=log, wanted_shim=shim)
+    _ZYGOTE.update(server=server, socket=socket_path, log=log, wanted_shim=shim, folder=folder)
 
 
 def python_executable() -> str:
@@ -128,6 +129,11 @@ def python_executable() -> str:
                         f"Fix: the error above, or run with {zygote.SOCKET_ENV}=off")
         _ZYGOTE["shim"] = _ZYGOTE["wanted_shim"]
     return str(_ZYGOTE["shim"])
+
+
+def zygote_vars() -> dict[str, str]:
+    """The variables a job started with :func:`python_executable` needs (empty when the zygote is off)."""
+    return {zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable} if _ZYGOTE.get("shim") else {}
 
 
 def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -183,9 +189,8 @@ PROCESS_MARKERS = {"multiprocess", "subprocess", "slurm"}
 SERIAL_FILES = frozenset({
     "test_ft_hsdp.py", "test_ft_launch.py", "test_ft_sync.py", "test_ft_data.py", "test_ft_tensor_parallel.py",
     "test_ft_switch.py", "test_ft_scale.py", "test_ft_protocol.py", "test_ft_timeouts.py", "test_netns.py",
-    "test_preemption.py", "test_clean_exit.py", "test_straggler.py", "test_multinode.py", "test_disk_full.py",
-    "test_processes.py", "test_garbage_collection.py", "test_async_checkpoint.py", "test_goodput.py",
-    "test_benchmarks.py", "test_throughput.py"})
+    "test_preemption.py", "test_clean_exit.py", "test_straggler.py", "test_multinode.py",
+    "test_async_checkpoint.py", "test_goodput.py", "test_processes.py"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -212,6 +217,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         server.kill()
         server.wait()
         _ZYGOTE["log"].close()
+        shutil.rmtree(_ZYGOTE["folder"], ignore_errors=True)  # its socket and log: one folder per pytest process
 
 
 def require_process_marker(cmd: Sequence[str]) -> None:

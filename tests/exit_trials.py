@@ -31,10 +31,14 @@ from preempt_trials import job_env  # noqa: E402
 
 
 def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: bool = False,
-             timeout: float = 300) -> tuple[int, str]:
-    """One 2-rank job; returns (its exit status -- the first non-zero one of its ranks --, its output)."""
-    env = job_env()
-    py = sys.executable
+             timeout: float = 300, python: str = sys.executable,
+             extra_env: dict[str, str] | None = None) -> tuple[int, str]:
+    """One 2-rank job; returns (its exit status -- the first non-zero one of its ranks --, its output).
+
+    ``python``/``extra_env``: what starts each process (the tests pass the zygote's client and its variables:
+    the job then exits through the same interpreter finalization, forked with its imports done)."""
+    env = job_env(extra_env)
+    py = python
     if mode == "collectives":  # both ranks started here, no launcher process
         procs = []
         for rank in (0, 1):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import python_executable, zygote_vars
 from exit_trials import run_once
 from fsdp_strategies.runtime.clean_exit import quiesce_collective_threads
 
@@ -19,7 +20,8 @@ from fsdp_strategies.runtime.clean_exit import quiesce_collective_threads
 @pytest.mark.multiprocess
 def test_back_to_back_gloo_jobs_exit_zero(tmp_path: Path) -> None:
     # Without the exit handling each such job aborted with probability 0.4-0.6 here (all 5 passing: ~3-8%).
-    results = [run_once("collectives", tmp_path / str(i)) for i in range(5)]
+    results = [run_once("collectives", tmp_path / str(i), python=python_executable(), extra_env=zygote_vars())
+               for i in range(5)]
     assert [code for code, _ in results] == [0] * 5, [out[-2000:] for code, out in results if code]
 
 

@@ -12,6 +12,8 @@ Lightning (docs/getting-started.md: "Supported versions"). All single-process an
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -926,6 +928,27 @@ def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
     assert ft_manager.should_commit() is True
     ft_manager.start_quorum()  # same members: the same quorum
     assert tseam.quorum_started(ft_manager) is True and tseam.quorum_id(ft_manager) == first
+
+
+@pytest.mark.subprocess
+def test__distributed_c10d__dump_fr_trace_json() -> None:
+    """torch's flight recorder, read through the seam: gloo's collectives with their sequence numbers; off by default."""
+    import sys
+
+    code = (
+        "import json, os, sys, torch, torch.distributed as dist\n"
+        "from fsdp_strategies._torch_seam import flight_recorder_json\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1], rank=0, world_size=1)\n"
+        "dist.all_reduce(torch.ones(2)); dist.all_gather([torch.ones(1)], torch.ones(1))\n"
+        "raw = flight_recorder_json()\n"
+        "print(json.dumps(None if raw is None else [(e['profiling_name'], e['collective_seq_id'])\n"
+        "                                           for e in json.loads(raw)['entries']]))\n"
+        "dist.destroy_process_group()\n"
+    )
+    for size, expected in (("64", [["gloo:all_reduce", 1], ["gloo:all_gather", 2]]), ("0", None)):
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": size}
+        proc = processes.run([sys.executable, "-c", code, str(free_port())], env=env, check=True, timeout=120)
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected, proc.stdout
 
 
 @pytest.mark.subprocess

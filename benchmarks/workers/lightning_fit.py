@@ -39,8 +39,9 @@ import _shared
 from llama import LlamaLM, TransformerBlock
 
 #: the contenders whose model FSDP2 shards (``fully_shard``): their gradients are read from FSDP2's state too
-FSDP2_CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "hsdp", "lightning_model_parallel")
-CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp", "lightning_model_parallel")
+FSDP2_CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "lightning_model_parallel")
+CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp",
+              "lightning_model_parallel")
 
 
 class HandShardedLlamaLM(LlamaLM):
@@ -155,7 +156,7 @@ def make_strategy(args: Any) -> Any:
         if args.contender not in ("fsdp2", "hsdp"):
             raise SystemExit(f"--accumulation: an option of fsdp2 / hsdp, not of {args.contender!r}.")
         variant["accumulation"] = args.accumulation
-    if args.contender == "fsdp2":
+    if args.contender in ("fsdp2", "fsdp2_hang_watchdog"):
         return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, **variant)
     if args.contender == "fsdp2_no_autocast":
         return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, autocast=False, **variant)
@@ -198,6 +199,10 @@ def main() -> None:
         monitor = MFUMonitor(window=max(1, args.total_steps - skip), warmup_steps=skip,
                              tokens_per_sample=args.seq_len, prog_bar=False)
     callbacks.append(StepTimer(args, monitor))
+    if args.contender == "fsdp2_hang_watchdog":  # polling every second: 10x the store traffic of the default
+        from fsdp_strategies.callbacks import HangWatchdog
+
+        callbacks.insert(0, HangWatchdog(timeout_s=300, poll_s=1.0))
     if monitor is not None:
         callbacks.append(monitor)
     trainer = pl.Trainer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "dcp_metadata_globals",
     "default_stager_reusable",
     "dtensor_rng_per_shard",
+    "flight_recorder_json",
     "fsdp_gradient_holders",
     "fsdp_lazy_init",
     "inside_autograd_backward",
@@ -303,6 +305,18 @@ def diloco_fragments(diloco: Any) -> list[Any]:
 def quorum_started(manager: Any) -> bool:
     """Whether the manager has started a quorum yet (``torchft.Manager._quorum_future`` is set)."""
     return getattr(manager, "_quorum_future", None) is not None
+
+
+def flight_recorder_json() -> bytes | None:
+    """torch's flight recorder, every process group of this process, as JSON
+    (``torch._C._distributed_c10d._dump_fr_trace_json``); ``None`` where this torch has none or it is off."""
+    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+        return None
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    try:
+        return None if dump is None else dump()
+    except RuntimeError:  # no process group recorded anything
+        return None
 
 
 # ------------------------------------------------------------------------------ stdlib

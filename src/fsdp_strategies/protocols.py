@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["HostPauseSource", "LocalAveragingSwitch", "QuorumMember", "SyncModeSwitch"]
+__all__ = ["HostPauseSource", "LocalAveragingSwitch", "PeerWaitSource", "QuorumMember", "SyncModeSwitch"]
 
 
 @runtime_checkable
@@ -40,6 +40,20 @@ class LocalAveragingSwitch(Protocol):
 
     def set_local_sgd(self, enabled: bool, average: bool = True) -> None:
         """Turn local averaging on (``True``) or back to synchronous steps (``False``, averaging first if ``average``)."""
+        ...
+
+
+@runtime_checkable
+class PeerWaitSource(Protocol):
+    """A strategy whose ranks wait, at times, for other replica groups (``ft_hsdp``'s quorum and cross-group
+    all-reduce), waits that the strategy bounds itself. :class:`~fsdp_strategies.callbacks.HangWatchdog` does
+    not call a group hung while every rank of it waits for the others: the hung one is the group they wait for.
+
+    Protocol: :meth:`peer_wait_s` may be called from any thread, at any time.
+    """
+
+    def peer_wait_s(self) -> float | None:
+        """Seconds this rank has been waiting for other replica groups now; ``None`` when it is not waiting."""
         ...
 
 

@@ -23,6 +23,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     DiLoCo backup, local parameters and outer momentum before the sync, parameters and momentum after it, and
     whether it committed, with how many groups and whether this group healed -- the inputs and outputs of one
     outer step, for tests that recompute it by hand)
+    FT_TEST_HANG       "GROUP:RANK:STEP:TIMEOUT": every group runs ``HangWatchdog(timeout_s=TIMEOUT, poll_s=1)``; in its
+                       first incarnation, rank RANK of group GROUP sleeps forever when it starts step STEP
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -289,6 +291,23 @@ class FTProbe(pl.Callback):
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
 
+class HangAt(pl.Callback):
+    """Rank ``rank`` sleeps forever when it starts step ``step`` (after the watchdog saw the batch start)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            print(f"FT_TEST: group {os.environ.get('REPLICA_GROUP_ID')} rank {self.rank} hangs at step {self.step}",
+                  flush=True)
+            sleep_forever_in_a_hung_rank()
+
+
+def sleep_forever_in_a_hung_rank() -> None:
+    time.sleep(10**6)
+
+
 def _wait_for_survivor() -> None:
     need = int(os.environ.get("FT_TEST_REJOIN_AFTER", "0"))
     kill = os.environ.get("FT_TEST_KILL")
@@ -315,6 +334,15 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
                                          every_n_train_steps=int(os.environ.get("FT_TEST_CKPT_EVERY", "4")),
                                          save_on_train_epoch_end=False, auto_insert_metric_name=False))
+    hang = os.environ.get("FT_TEST_HANG")
+    if hang:
+        from fsdp_strategies.callbacks import HangWatchdog
+
+        group, rank, step, timeout = hang.split(":")
+        callbacks.insert(0, HangWatchdog(timeout_s=float(timeout), poll_s=1.0,
+                                         stacks_dir=os.path.join(os.environ["FT_TEST_OUT"], "hang")))
+        if group == os.environ.get("REPLICA_GROUP_ID") and os.environ.get("FT_RESTART_COUNT", "0") == "0":
+            callbacks.insert(1, HangAt(int(rank), int(step)))
     straggler = os.environ.get("FT_TEST_STRAGGLER")
     if straggler and os.environ.get("FT_RESTART_COUNT", "0") == "0" and \
             straggler.split(":")[0] == os.environ.get("REPLICA_GROUP_ID"):

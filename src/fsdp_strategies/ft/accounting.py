@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +64,23 @@ class StepInFlight:
         self.quorum_wait_s = 0.0
         self.cross_s = 0.0
         self.healed = False
+
+    #: ``time.monotonic()`` when this rank began waiting for other replica groups (``None``: not waiting)
+    peer_wait_since: float | None = None
+
+    @contextmanager
+    def waiting_for_peers(self) -> Iterator[None]:
+        """Mark a wait on the other groups (quorum, cross-group all-reduce): bounded by torchft's timeouts, so
+        :class:`~fsdp_strategies.callbacks.HangWatchdog` does not call it a hang of this group."""
+        self.peer_wait_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.peer_wait_since = None
+
+    def peer_wait_s(self) -> float | None:
+        since = self.peer_wait_since
+        return None if since is None else time.monotonic() - since
 
     def take_batch(self, position: int) -> None:
         self.position, self.extra_samples, self.grad_scale = position, 0, 1.0

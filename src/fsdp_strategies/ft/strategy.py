@@ -1,25 +1,23 @@
 """``ft_hsdp``: fault-tolerant HSDP on torchft -- replica groups are the unit of failure.
 
-Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards
-the model with FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter
-output is averaged by torchft's fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook``
-calling ``Manager.allreduce``), whose membership is re-decided every
-step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others keep going
-(after the lighthouse's heartbeat timeout); the restarted group heals from a live peer through
-the manager's checkpoint transport instead of reloading a global checkpoint.
+Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards the model with
+FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter output is averaged by torchft's
+fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook`` calling ``Manager.allreduce``), whose membership
+is re-decided every step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others keep
+going (after the lighthouse's heartbeat timeout); the restarted group heals from a live peer through the
+manager's checkpoint transport instead of reloading a global checkpoint.
 
 Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
 
-* ``on_train_batch_start``: snapshot references to this rank's shards (the state a healing
-  peer may fetch) and ``Manager.start_quorum()`` (asynchronous).
-* the optimizer closure (forward + backward): the all-reduce hook waits for the quorum and
-  reduces across groups; errors are recorded by the manager, not raised.
-* ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes);
-  the optimizer steps only on commit. A discarded step leaves parameters, optimizer state and
-  LR schedulers untouched on every member and training goes on. Lightning's progress counters
-  are set to the manager's committed step, so ``Trainer.global_step`` is the quorum's step on
-  every group (it jumps forward on a group that just healed) and ``max_steps`` stops all groups
-  at the same committed step.
+* ``on_train_batch_start``: snapshot references to this rank's shards (the state a healing peer may fetch) and
+  ``Manager.start_quorum()`` (asynchronous).
+* the optimizer closure (forward + backward): the all-reduce hook waits for the quorum and reduces across
+  groups; errors are recorded by the manager, not raised.
+* ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes); the optimizer
+  steps only on commit. A discarded step leaves parameters, optimizer state and LR schedulers untouched on
+  every member and training goes on. Lightning's progress counters are set to the manager's committed step, so
+  ``Trainer.global_step`` is the quorum's step on every group (it jumps forward on a group that just healed)
+  and ``max_steps`` stops all groups at the same committed step.
 
 Data: the sampler shards over ``num_replica_groups x ranks`` (``torchft.data.DistributedSampler``'s layout) and
 the batch follows the committed step (:mod:`fsdp_strategies.ft.data`), also after a heal or a discarded step.
@@ -156,8 +154,7 @@ class FTHSDPStrategy(HSDPStrategy):
         events_file: str | None = None,
         data_on_failure: DataOnFailure = "skip",
         sync: SyncMode = "every_step",
-        sync_every: int = 1,
-        outer_lr: float = 1.0,
+        sync_every: int = 1, outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         num_fragments: int = 1,
         straggler_sync: StragglerSync = "off",
@@ -195,6 +192,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._heal = HealState(self._training_state)
         self._schedulers = SchedulerRollback(self._training_state)
         self._step = StepInFlight()
+        self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource: seconds waiting for other groups now
         self._data: StepAlignedData | None = None
         self._manager: Any = None
         self._link: CountedManager | None = None  # the manager, its all-reduces counted
@@ -279,11 +277,13 @@ class FTHSDPStrategy(HSDPStrategy):
             return
         assert self._link is not None
         t0 = time.perf_counter()
-        self._wait_quorum()
-        if self._step.grad_scale != 1.0:  # redistribute: this group's share of the step's samples
-            reduce_output.mul_(self._step.grad_scale)
-        self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # errors: should_commit() -> False
+        with self._step.waiting_for_peers():
+            self._wait_quorum()
+            if self._step.grad_scale != 1.0:  # redistribute: this group's share of the step's samples
+                reduce_output.mul_(self._step.grad_scale)
+            self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # errors: should_commit() -> False
         self._step.cross_s += time.perf_counter() - t0
+
 
     # ------------------------------------------------------------------ heal state
     def _training_state(self) -> TrainingState:
