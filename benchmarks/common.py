@@ -368,6 +368,7 @@ def summarise(runs: list[Any]) -> dict[str, Any]:
         "memory_per_rank": [p["memory"] for p in ok[0]["per_rank"]] if ok else None,
         "per_rank_times_s": [[p["times_s"] for p in r["per_rank"]] for r in ok],
         "strategy_class": ok[0].get("strategy_class") if ok else None,
+        "extras": [r.get("extras") or {} for r in ok],
         "errors": [str(r) for r in runs if isinstance(r, BaseException)],
     }
 

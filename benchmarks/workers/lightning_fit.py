@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,22 @@ class StepTimer(Callback):
             "cuda_allocated_after_backward": self.allocated_after_backward or None,
             "fsdp_grad_bytes_after_backward": self.fsdp_grad_bytes or None,
             "accumulation": self.args.accumulation,
+            "extras": self._extras(trainer),
         })
+
+    def _extras(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Contender-specific figures of rank 0 (``fsdp2_hang_watchdog``: the watchdog thread's own CPU time)."""
+        from fsdp_strategies.callbacks import HangWatchdog
+
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, HangWatchdog):
+                return {"hang_watchdog": {"thread_cpu_s": cb.thread_cpu_s, "polls": cb.polls, "poll_s": cb.poll_s,
+                                          "fit_wall_s": time.monotonic() - self.fit_started}}
+        return {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fit_started = time.monotonic()
 
     def _mfu_record(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """What MFUMonitor logged for the measured steps (its window = the measured steps)."""

@@ -160,6 +160,8 @@ class HangWatchdog(Callback):
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(flight_recorder))
         #: hangs reported so far (this process)
         self.hangs = 0
+        #: the watchdog thread's own CPU seconds and polls in the current ``fit`` (its cost while nothing hangs)
+        self.thread_cpu_s, self.polls = 0.0, 0
         self._position = _Position()
         self._fits = 0
         self._hooks: list[RemovableHandle] = []
@@ -172,6 +174,7 @@ class HangWatchdog(Callback):
             return
         self._fits += 1
         self._position = _Position()
+        self.thread_cpu_s, self.polls = 0.0, 0
         folder = Path(self.stacks_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "hang"))
         self._thread = _WatchThread(self, self._position, trainer.strategy, trainer.global_rank, trainer.world_size,
                                     folder, prefix=f"fsdp_strategies/hang/{self._fits}")
@@ -283,6 +286,8 @@ class _WatchThread(threading.Thread):
         while not self._stopped.wait(self.owner.poll_s):
             try:
                 self._tick()
+                self.owner.polls += 1
+                self.owner.thread_cpu_s = time.thread_time()
             except Exception as err:  # a store that went away (the job is ending): watch locally
                 if self._stopped.is_set():
                     return
