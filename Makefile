@@ -46,7 +46,7 @@ test-full: install
 # munged, slurmctld and two slurmd). The cluster is stopped whatever the tests' outcome.
 # SLURM_SELECT: a pytest -k expression for a cut (CI runs the hsdp sbatch submit, the scancel --signal=TERM requeue
 # and ft_hsdp's group-step kill + heal;
-# `make test-slurm` alone runs every test, the preemption by a higher-priority partition too).
+# `make test-slurm` alone runs every test, the preemption by a higher-priority partition and the hang requeue too).
 test-slurm: install
 	@tests/slurm/cluster.sh start; rc=$$?; \
 	if [ $$rc = 3 ]; then echo "test-slurm: SKIPPED -- SLURM cannot be installed on this machine (needs root and apt-get)"; exit 0; fi; \

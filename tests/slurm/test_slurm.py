@@ -8,7 +8,8 @@ a tiny CPU model; ``sbatch``'s own options (``--cpus-per-task``, ``--gpus-per-no
 override the scripts' ``#SBATCH`` lines, as on any cluster. ``ft_hsdp.sbatch`` runs with ``NODES_PER_GROUP=1``
 (a replica group per node) and its groups' events files (``FSDP_STRATEGIES_FT_EVENTS``): as shipped, with one
 group's job step SIGKILLed (restarted by the script, heals), and with ``scancel --signal=TERM`` (requeued, no
-group restart). Job states come from ``scontrol show job`` (no ``sacct``
+group restart). ``hsdp.sbatch`` with a rank that hangs (``HangWatchdog`` ends it with status 81): requeued
+without the stuck rank's node. Job states come from ``scontrol show job`` (no ``sacct``
 without ``slurmdbd``; the cluster keeps finished jobs for an hour).
 """
 
