@@ -61,8 +61,6 @@ test-slurm: install
 # tests/conftest.py stops the run if another Lightning is imported; the workers of the multi-process tests get the
 # same PYTHONPATH. tests/test_lightning_range.py adds one fit per strategy (and a resume) in one process; two real
 # multi-process runs (marker lightning_range: fsdp2 on 2 ranks against one process, an ft_hsdp kill + heal) too.
-# The single-process tests run on TEST_WORKERS pytest-xdist workers, the multi-process ones alone afterwards
-# (as in `make test`); the same for the torch range below.
 LIGHTNING_OLDEST ?= 2.6.0
 LIGHTNING_PIN := $(shell sed -n 's/^ *"\(lightning[<>=!~][^"]*\)",*$$/\1/p' pyproject.toml)
 RANGE_TESTS ?= tests/test_lightning_range.py tests/test_lightning_seam.py tests/test_registry_and_errors.py tests/test_blocks.py \
@@ -74,11 +72,9 @@ define lightning_range_run
 	rm -rf $(2) && $(PY) -m pip install -q --no-deps --target $(2) "$(1)"
 	v=$$(cd $(2) && ls -d lightning-*.dist-info | sed 's/^lightning-\(.*\)\.dist-info$$/\1/') && \
 	echo "== fast tests against lightning $$v ($(1))" && \
-	export FSDP_STRATEGIES_EXPECT_LIGHTNING=$$v FSDP_STRATEGIES_LIGHTNING_DIR=$(abspath $(2)) \
-		PYTHONPATH=$(abspath $(2)):$(CURDIR)/src && \
-	$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess" -n $(TEST_WORKERS) --dist worksteal -q -p no:cacheprovider \
-		$(call junit,range$(subst .,,$(2))) && \
-	$(PY) -m pytest $(RANGE_TESTS) -m "lightning_range" -q -p no:cacheprovider $(call junit,range$(subst .,,$(2))-mp)
+	FSDP_STRATEGIES_EXPECT_LIGHTNING=$$v FSDP_STRATEGIES_LIGHTNING_DIR=$(abspath $(2)) PYTHONPATH=$(abspath $(2)):$(CURDIR)/src \
+		$(PY) -m pytest $(RANGE_TESTS) -m "not multiprocess or lightning_range" -q -p no:cacheprovider \
+		$(call junit,range$(subst .,,$(2)))
 endef
 
 test-lightning-range: install
@@ -131,11 +127,10 @@ endef
 define torch_range_run
 	@echo "== fast tests against torch $(2) ($$($(1)/bin/python -c 'import sys, transformers; \
 		print(sys.version.split()[0], "python, transformers", transformers.__version__)'))"
-	export FSDP_STRATEGIES_EXPECT_TORCH=$(2) FSDP_STRATEGIES_EXPECT_TRANSFORMERS=$(3) PYTHONPATH=$(CURDIR)/src && \
-	$(1)/bin/python -m pytest $(TORCH_RANGE_TESTS) -m "not multiprocess" -n $(TEST_WORKERS) --dist worksteal -q \
-		-p no:cacheprovider --durations=5 $(call junit,torch-range-$(2)) && \
-	$(1)/bin/python -m pytest $(TORCH_RANGE_TESTS) -m "torch_range" -q -p no:cacheprovider --durations=5 \
-		$(call junit,torch-range-$(2)-mp)
+	FSDP_STRATEGIES_EXPECT_TORCH=$(2) FSDP_STRATEGIES_EXPECT_TRANSFORMERS=$(3) PYTHONPATH=$(CURDIR)/src \
+		$(1)/bin/python -m pytest $(TORCH_RANGE_TESTS) -m "not multiprocess or torch_range" -q -p no:cacheprovider \
+		--durations=10 \
+		$(call junit,torch-range-$(2))
 endef
 $(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed: pyproject.toml
 	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_FLOOR),$(TORCH_FLOOR_PYTHON),torch==$(TORCH_FLOOR),$\

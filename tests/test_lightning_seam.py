@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 import processes
-from conftest import free_port
+from conftest import free_port, run_python
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
 
@@ -933,8 +932,6 @@ def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
 @pytest.mark.subprocess
 def test__distributed_c10d__dump_fr_trace_json() -> None:
     """torch's flight recorder, read through the seam: gloo's collectives with their sequence numbers; off by default."""
-    import sys
-
     code = (
         "import json, os, sys, torch, torch.distributed as dist\n"
         "from fsdp_strategies._torch_seam import flight_recorder_json\n"
@@ -946,8 +943,8 @@ def test__distributed_c10d__dump_fr_trace_json() -> None:
         "dist.destroy_process_group()\n"
     )
     for size, expected in (("64", [["gloo:all_reduce", 1], ["gloo:all_gather", 2]]), ("0", None)):
-        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": size}
-        proc = processes.run([sys.executable, "-c", code, str(free_port())], env=env, check=True, timeout=120)
+        # (forked from the test zygote: the variable is read when the process group starts, not at import)
+        proc = run_python(["-c", code, str(free_port())], env={"TORCH_FR_BUFFER_SIZE": size}, timeout=120)
         assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected, proc.stdout
 
 

@@ -176,8 +176,10 @@ class HangWatchdog(Callback):
         self._position = _Position()
         self.thread_cpu_s, self.polls = 0.0, 0
         folder = Path(self.stacks_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "hang"))
+        # store keys of this fit and of this watchdog (a second one in the same Trainer keeps its own)
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog)].index(self)  # type: ignore[attr-defined]
         self._thread = _WatchThread(self, self._position, trainer.strategy, trainer.global_rank, trainer.world_size,
-                                    folder, prefix=f"fsdp_strategies/hang/{self._fits}")
+                                    folder, prefix=f"fsdp_strategies/hang/{mine}/{self._fits}")
         self._thread.start()
 
     @override
@@ -259,7 +261,7 @@ class _WatchThread(threading.Thread):
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # SLURM's name: what --exclude takes
         self._stopped = threading.Event()
         self._store = self._connect() if world > 1 else None
-        self._published: tuple[int, int, int, int] | None = None
+        self._published: tuple | None = None
         self._own_moved = self._job_moved = time.monotonic()
         self._own_key: tuple[int, int, int] | None = None
         self._job_keys: dict[int, tuple[int, int, int]] = {}
@@ -289,7 +291,7 @@ class _WatchThread(threading.Thread):
                 self.owner.polls += 1
                 self.owner.thread_cpu_s = time.thread_time()
             except Exception as err:  # a store that went away (the job is ending): watch locally
-                if self._stopped.is_set():
+                if self._stopped.is_set() or self.position.phase == _FINISHED:  # rank 0 tore its store down
                     return
                 print(f"[HangWatchdog rank {self.rank}] store error ({err}); watching this rank alone",
                       file=sys.stderr, flush=True)
