@@ -133,7 +133,9 @@ def python_executable() -> str:
 
 def zygote_vars() -> dict[str, str]:
     """The variables a job started with :func:`python_executable` needs (empty when the zygote is off)."""
-    return {zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable} if _ZYGOTE.get("shim") else {}
+    if not _ZYGOTE.get("shim"):
+        return {}
+    return {zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable}
 
 
 def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -217,7 +219,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         server.kill()
         server.wait()
         _ZYGOTE["log"].close()
-        shutil.rmtree(_ZYGOTE["folder"], ignore_errors=True)  # its socket and log: one folder per pytest process
+        shutil.rmtree(_ZYGOTE["folder"], ignore_errors=True)  # its socket and log (one per pytest process)
 
 
 def require_process_marker(cmd: Sequence[str]) -> None:

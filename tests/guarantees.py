@@ -283,10 +283,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/callbacks/garbage_collection.md", "`tests/test_garbage_collection.py` checks both", _ids(
         "test_garbage_collection.py", "test_a_reported_collection_pause_is_not_a_straggler_and_the_same_pause_unreported_is")),
     # docs/checkpoints.md
-    Guarantee("docs/callbacks/hang_watchdog.md", "`tests/test_hang_watchdog.py`, 2 real ranks (torchrun, gloo)",
-              _ids("test_hang_watchdog.py", "test_fsdp2_rank_asleep_in_training_step_is_named_and_every_rank_exits_81",
+    Guarantee("docs/callbacks/hang_watchdog.md",
+              "`tests/test_hang_watchdog.py`, 2 real ranks (torchrun, gloo)",
+              _ids("test_hang_watchdog.py",
+                   "test_fsdp2_rank_asleep_in_training_step_is_named_and_every_rank_exits_81",
                    "test_hsdp_rank_stuck_in_its_data_loader_is_named_and_every_rank_exits_81")),
-    Guarantee("docs/callbacks/hang_watchdog.md", "`tests/test_ft_hsdp.py`, `ft_hsdp` with the launcher", _HUNG_GROUP),
+    Guarantee("docs/callbacks/hang_watchdog.md", "`tests/test_ft_hsdp.py`, `ft_hsdp` with the launcher",
+              _HUNG_GROUP),
     Guarantee("docs/hangs.md", "(tested in `tests/test_ft_hsdp.py` with the launcher)", _HUNG_GROUP),
     Guarantee("docs/callbacks/nonfinite_guard.md", "`tests/test_nonfinite_guard.py`, 2 real ranks (gloo)",
               _ids("test_nonfinite_guard.py", "test_nan_on_one_rank_skips_the_step_on_every_rank_exactly",

@@ -807,17 +807,18 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
 
 
 def test_hang_watchdog_own_cost_from_the_worker_extras() -> None:
-    # the suite's direct measurement: hooks timed here, rank 0's thread CPU over the fit's wall time (per round,
-    # from the worker's "extras"), both as fractions of fsdp2's median step; no figure without both contenders
+    # the suite's direct measurement: hooks timed here, rank 0's thread CPU over the fit's wall time (per
+    # round, from the worker's "extras"), both as fractions of fsdp2's median step; no figure without both
     from suites import hang_watchdog
 
     assert 0 < hang_watchdog.hook_seconds_per_step(5, reps=200) < 1e-3
     threads = [{"thread_cpu_s": 0.002, "fit_wall_s": 4.0, "polls": 4, "poll_s": 1.0},
                {"thread_cpu_s": 0.004, "fit_wall_s": 4.0, "polls": 4, "poll_s": 1.0},
                {"thread_cpu_s": 0.003, "fit_wall_s": 4.0, "polls": 4, "poll_s": 1.0}]
+    contenders = {"fsdp2": {"median_s": 0.1},
+                  "fsdp2_hang_watchdog": {"extras": [{"hang_watchdog": t} for t in threads]}}
     result = {"config": {"sizes": {"small": common.size_config("small")}},
-              "cases": [{"size": "small", "ranks": 2, "contenders": {
-                  "fsdp2": {"median_s": 0.1}, "fsdp2_hang_watchdog": {"extras": [{"hang_watchdog": t} for t in threads]}}}]}
+              "cases": [{"size": "small", "ranks": 2, "contenders": contenders}]}
     [cost] = hang_watchdog.own_cost(result)
     assert cost["thread_cpu_fraction"] == pytest.approx(0.003 / 4.0)
     assert cost["fsdp_units"] == common.size_config("small")["model"]["n_layers"] + 1

@@ -931,11 +931,13 @@ def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
 
 @pytest.mark.subprocess
 def test__distributed_c10d__dump_fr_trace_json() -> None:
-    """torch's flight recorder, read through the seam: gloo's collectives with their sequence numbers; off by default."""
+    """torch's flight recorder through the seam: gloo's collectives and their sequence numbers; off by
+    default."""
     code = (
         "import json, os, sys, torch, torch.distributed as dist\n"
         "from fsdp_strategies._torch_seam import flight_recorder_json\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1], rank=0, world_size=1)\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1], rank=0,\n"
+        "                        world_size=1)\n"
         "dist.all_reduce(torch.ones(2)); dist.all_gather([torch.ones(1)], torch.ones(1))\n"
         "raw = flight_recorder_json()\n"
         "print(json.dumps(None if raw is None else [(e['profiling_name'], e['collective_seq_id'])\n"

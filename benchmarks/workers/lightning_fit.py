@@ -41,8 +41,8 @@ from llama import LlamaLM, TransformerBlock
 
 #: the contenders whose model FSDP2 shards (``fully_shard``): their gradients are read from FSDP2's state too
 FSDP2_CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "lightning_model_parallel")
-CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "ddp_hooks", "lightning_ddp", "lightning_fsdp",
-              "lightning_model_parallel")
+CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "ddp_hooks", "lightning_ddp",
+              "lightning_fsdp", "lightning_model_parallel")
 
 
 class HandShardedLlamaLM(LlamaLM):
@@ -127,13 +127,14 @@ class StepTimer(Callback):
         })
 
     def _extras(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Contender-specific figures of rank 0 (``fsdp2_hang_watchdog``: the watchdog thread's own CPU time)."""
+        """Contender-specific figures of rank 0 (``fsdp2_hang_watchdog``: its watchdog thread's CPU time)."""
         from fsdp_strategies.callbacks import HangWatchdog
 
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, HangWatchdog):
-                return {"hang_watchdog": {"thread_cpu_s": cb.thread_cpu_s, "polls": cb.polls, "poll_s": cb.poll_s,
-                                          "fit_wall_s": time.monotonic() - self.fit_started}}
+                wall = time.monotonic() - self.fit_started
+                return {"hang_watchdog": {"thread_cpu_s": cb.thread_cpu_s, "polls": cb.polls,
+                                          "poll_s": cb.poll_s, "fit_wall_s": wall}}
         return {}
 
     @override

@@ -310,7 +310,8 @@ def quorum_started(manager: Any) -> bool:
 def flight_recorder_json() -> bytes | None:
     """torch's flight recorder, every process group of this process, as JSON
     (``torch._C._distributed_c10d._dump_fr_trace_json``); ``None`` where this torch has none or it is off."""
-    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) or 0) <= 0:
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+    if int(size or 0) <= 0:
         return None
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
     try:

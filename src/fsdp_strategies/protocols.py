@@ -47,13 +47,14 @@ class LocalAveragingSwitch(Protocol):
 class PeerWaitSource(Protocol):
     """A strategy whose ranks wait, at times, for other replica groups (``ft_hsdp``'s quorum and cross-group
     all-reduce), waits that the strategy bounds itself. :class:`~fsdp_strategies.callbacks.HangWatchdog` does
-    not call a group hung while every rank of it waits for the others: the hung one is the group they wait for.
+    not call a group hung while every rank of it waits for the others: the hung one is the group they wait
+    for.
 
     Protocol: :meth:`peer_wait_s` may be called from any thread, at any time.
     """
 
     def peer_wait_s(self) -> float | None:
-        """Seconds this rank has been waiting for other replica groups now; ``None`` when it is not waiting."""
+        """Seconds this rank has been waiting for other replica groups now; ``None`` when not waiting."""
         ...
 
 

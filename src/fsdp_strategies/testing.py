@@ -6,6 +6,7 @@
 * A stall model: :class:`StragglerInjection` (what to delay) and :class:`StallInjector` (a callback that
   delays chosen ranks, nothing else). A benchmark uses it alone; a detection test or demo lists it before
   :class:`~fsdp_strategies.callbacks.StragglerDetector`, so both share one implementation of a stall.
+* A stuck rank: :class:`HangInjector` (sleeps forever at a chosen rank and step).
 * A slow link between replica groups: :class:`SlowLink` (which groups, how slow, when) and
   :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp`` by
   wrapping its torchft manager's ``allreduce``; the strategy has no hook for it).
@@ -36,8 +37,9 @@ from fsdp_strategies.memory.saved_bytes import SavedBytes
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["SLOW_LINK_ENV", "KeptBytes", "SlowLink", "SlowLinkInjector", "StallInjector", "StragglerInjection",
-           "fsdp_gradient_bytes", "grad_bytes", "optimizer_state_bytes", "param_bytes", "state_digest"]
+__all__ = ["SLOW_LINK_ENV", "HangInjector", "KeptBytes", "SlowLink", "SlowLinkInjector", "StallInjector",
+           "StragglerInjection", "fsdp_gradient_bytes", "grad_bytes", "hang_forever", "optimizer_state_bytes",
+           "param_bytes", "state_digest"]
 
 #: JSON of a :class:`SlowLink` (e.g. ``{"groups": [1], "seconds_per_mb": 2.0, "start_step": 8, "end_step": 40}``),
 #: read by ``SlowLinkInjector()`` when it is given no link
@@ -198,6 +200,31 @@ class StallInjector(Callback):
         if self._in_step_due:  # the batch's first backward (manual optimization may call several)
             self._in_step_due = False
             self._stall()
+
+
+class HangInjector(Callback):
+    """Global rank ``rank`` stops making progress when it starts step ``step``: it sleeps forever inside
+    :func:`hang_forever` (a stuck rank, for :class:`~fsdp_strategies.callbacks.HangWatchdog`'s tests). List it
+    after the watchdog, which then sees the batch start. ``only_first_run``: not in a restarted process
+    (``FT_RESTART_COUNT`` / ``SLURM_RESTART_COUNT`` > 0), so that a restart or requeue gets past the step."""
+
+    def __init__(self, rank: int, step: int, only_first_run: bool = True) -> None:
+        super().__init__()
+        self.rank, self.step, self.only_first_run = rank, step, only_first_run
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        restarted = any(os.environ.get(v, "0") != "0" for v in ("FT_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and not (
+                self.only_first_run and restarted):
+            print(f"HangInjector: rank {self.rank} hangs at step {self.step}", flush=True)
+            hang_forever()
+
+
+def hang_forever() -> None:
+    """The frame a :class:`HangInjector` rank sleeps in (its stack dump names it)."""
+    time.sleep(10**6)
 
 
 # ---------------------------------------------------------------------------------------------- slow links

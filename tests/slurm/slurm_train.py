@@ -12,8 +12,9 @@ Every rank appends JSON lines to ``$SLURM_TEST_OUT/rank<global rank>[-group<repl
   rank's parameter and optimizer-state shards;
 * ``exit`` at interpreter exit (not written if the preemption watchdog had to end the process).
 
-``SLURM_TEST_HANG`` (``RANK:STEP:TIMEOUT``): a ``HangWatchdog(timeout_s=TIMEOUT, poll_s=1)`` on every rank, and in
-the job's first run (``SLURM_RESTART_COUNT`` unset or 0) global rank RANK sleeps forever when it starts step STEP.
+``SLURM_TEST_HANG`` (``RANK:STEP:TIMEOUT``): a ``HangWatchdog(timeout_s=TIMEOUT, poll_s=1)`` on every rank,
+and in the job's first run (``SLURM_RESTART_COUNT`` unset or 0) global rank RANK sleeps forever when it starts
+step STEP.
 
 ``SLURM_TEST_CKPT`` (a folder): a ``ModelCheckpoint`` there with ``save_last`` (the folder the preemption
 checkpoint goes to, and where ``--ckpt_path last`` looks). ``SLURM_TEST_STEP_SLEEP``: seconds to sleep after
@@ -41,7 +42,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import fsdp_strategies  # noqa: E402
 from fsdp_strategies.cli import ArgumentParser  # noqa: E402
-from fsdp_strategies.testing import state_digest  # noqa: E402
+from fsdp_strategies.testing import HangInjector, state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 ENV_KEYS = ("SLURMD_NODENAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "SLURM_NODEID", "RANK",
@@ -109,21 +110,6 @@ class SlurmProbe(pl.Callback):
         self.write(event="end", global_step=trainer.global_step, digest=state_digest(tensors), tensors=len(tensors))
 
 
-class HangAt(pl.Callback):
-    """Global rank ``rank`` sleeps forever when it starts step ``step`` (a stuck rank on one node)."""
-
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            sleep_forever_on_a_stuck_node()
-
-
-def sleep_forever_on_a_stuck_node() -> None:
-    time.sleep(10**6)
-
-
 def main() -> None:
     callbacks: list[pl.Callback] = [SlurmProbe(Path(os.environ["SLURM_TEST_OUT"]))]
     hang = os.environ.get("SLURM_TEST_HANG")
@@ -133,8 +119,7 @@ def main() -> None:
         rank, step, timeout = hang.split(":")
         callbacks.insert(0, HangWatchdog(timeout_s=float(timeout), poll_s=1.0,
                                          stacks_dir=os.path.join(os.environ["SLURM_TEST_OUT"], "hang")))
-        if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-            callbacks.insert(1, HangAt(int(rank), int(step)))
+        callbacks.insert(1, HangInjector(int(rank), int(step)))  # first run only
     if os.environ.get("SLURM_TEST_CKPT"):
         callbacks.append(ModelCheckpoint(dirpath=os.environ["SLURM_TEST_CKPT"], save_last=True, save_top_k=0,
                                          every_n_train_steps=1000))

@@ -248,9 +248,10 @@ def test_preempt_checkpoint_requeue_and_exact_resume(tmp_path: Path, how: str,
 # ---------------------------------------------------------------------------------------- a hang
 @pytest.mark.multiprocess
 def test_hang_exits_81_and_the_job_is_requeued_without_the_stuck_node(tmp_path: Path) -> None:
-    # Global rank 3 sleeps forever when it starts step 5 (first run only). HangWatchdog (timeout_s 10) names it
-    # and its SLURM node, every rank exits 81, and hsdp.sbatch requeues the job with that node excluded. A 2-node
-    # job without one of this cluster's 2 nodes cannot start again: it stays pending (as far as one host shows it).
+    # Global rank 3 sleeps forever when it starts step 5 (first run only). HangWatchdog (timeout_s 10) names
+    # it and its SLURM node, every rank exits 81, and hsdp.sbatch requeues the job with that node excluded. A
+    # 2-node job without one of this cluster's 2 nodes cannot start again: it stays pending (as far as one
+    # host shows it).
     job = submit("hsdp.sbatch", ["--trainer.max_steps=40", "--trainer.enable_checkpointing=false", *TINY],
                  env={"GPUS_PER_NODE": "2", "RDZV_PORT": "29614", "SLURM_TEST_HANG": "3:5:10"}, out=tmp_path)
     deadline = time.monotonic() + 300
@@ -259,7 +260,8 @@ def test_hang_exits_81_and_the_job_is_requeued_without_the_stuck_node(tmp_path: 
         if int(info.get("Restarts", 0)) >= 1 and info["JobState"] == "PENDING":
             break
         if info["JobState"] in TERMINAL:
-            pytest.fail(f"job {job} ended {info['JobState']} instead of being requeued\n{info}\n{_output(tmp_path)}")
+            pytest.fail(f"job {job} ended {info['JobState']} instead of being requeued\n{info}\n"
+                        f"{_output(tmp_path)}")
         time.sleep(2)
     else:
         subprocess.run(["scancel", job], timeout=30)
@@ -269,10 +271,10 @@ def test_hang_exits_81_and_the_job_is_requeued_without_the_stuck_node(tmp_path: 
     assert info["ExcNodeList"] == node, (info, node)
     output = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("hsdp-*.out"))
     assert output.count("exiting with status 81 (hang)") == 4, output[-5000:]
-    assert f"hsdp.sbatch: HangWatchdog stopped the job (status 81): hang: rank 3 (host {node}) stuck in forward at " \
-        "step 5" in output, output[-5000:]
+    assert f"hsdp.sbatch: HangWatchdog stopped the job (status 81): hang: rank 3 (host {node}) stuck in " \
+        "forward at step 5" in output, output[-5000:]
     assert f"hsdp.sbatch: requeueing job {job} without node(s) {node}\n" in output, output[-5000:]
-    assert "sleep_forever_on_a_stuck_node" in (tmp_path / "rec" / "hang" / "rank3-stacks.txt").read_text()
+    assert "in hang_forever" in (tmp_path / "rec" / "hang" / "rank3-stacks.txt").read_text()
 
 
 # ---------------------------------------------------------------------------------------- ft_hsdp.sbatch

@@ -23,8 +23,9 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     DiLoCo backup, local parameters and outer momentum before the sync, parameters and momentum after it, and
     whether it committed, with how many groups and whether this group healed -- the inputs and outputs of one
     outer step, for tests that recompute it by hand)
-    FT_TEST_HANG       "GROUP:RANK:STEP:TIMEOUT": every group runs ``HangWatchdog(timeout_s=TIMEOUT, poll_s=1)``; in its
-                       first incarnation, rank RANK of group GROUP sleeps forever when it starts step STEP
+    FT_TEST_HANG       "GROUP:RANK:STEP:TIMEOUT": every group runs ``HangWatchdog(timeout_s=TIMEOUT,
+                       poll_s=1)``; in its first incarnation, rank RANK of group GROUP sleeps forever when it
+                       starts step STEP
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -54,7 +55,7 @@ from group_kill import kill_own_group  # noqa: E402
 
 import fsdp_strategies  # noqa: F401, E402
 from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402
-from fsdp_strategies.testing import state_digest  # noqa: E402
+from fsdp_strategies.testing import HangInjector, state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 
@@ -291,23 +292,6 @@ class FTProbe(pl.Callback):
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
 
-class HangAt(pl.Callback):
-    """Rank ``rank`` sleeps forever when it starts step ``step`` (after the watchdog saw the batch start)."""
-
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            print(f"FT_TEST: group {os.environ.get('REPLICA_GROUP_ID')} rank {self.rank} hangs at step {self.step}",
-                  flush=True)
-            sleep_forever_in_a_hung_rank()
-
-
-def sleep_forever_in_a_hung_rank() -> None:
-    time.sleep(10**6)
-
-
 def _wait_for_survivor() -> None:
     need = int(os.environ.get("FT_TEST_REJOIN_AFTER", "0"))
     kill = os.environ.get("FT_TEST_KILL")
@@ -341,8 +325,8 @@ def main() -> None:
         group, rank, step, timeout = hang.split(":")
         callbacks.insert(0, HangWatchdog(timeout_s=float(timeout), poll_s=1.0,
                                          stacks_dir=os.path.join(os.environ["FT_TEST_OUT"], "hang")))
-        if group == os.environ.get("REPLICA_GROUP_ID") and os.environ.get("FT_RESTART_COUNT", "0") == "0":
-            callbacks.insert(1, HangAt(int(rank), int(step)))
+        if group == os.environ.get("REPLICA_GROUP_ID"):  # first incarnation only
+            callbacks.insert(1, HangInjector(int(rank), int(step)))
     straggler = os.environ.get("FT_TEST_STRAGGLER")
     if straggler and os.environ.get("FT_RESTART_COUNT", "0") == "0" and \
             straggler.split(":")[0] == os.environ.get("REPLICA_GROUP_ID"):

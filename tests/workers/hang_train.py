@@ -1,16 +1,15 @@
 """Worker for tests/test_hang_watchdog.py: one rank stops making progress, ``HangWatchdog`` must notice.
 
-    torchrun --nproc_per_node=2 hang_train.py --strategy fsdp2 --hang training_step --hang-rank 1 --hang-step 5 \
-        --timeout 5 --stacks DIR
+    torchrun --nproc_per_node=2 hang_train.py --strategy fsdp2 --hang training_step --hang-rank 1 \
+        --hang-step 5 --timeout 5 --stacks DIR
 
-Trains the example Llama with ``HangWatchdog(timeout_s=--timeout, poll_s=1)`` (its warm-up and checkpoint limits
-at their defaults). Before the hang, every rank's first step is slow (``--slow-first-step`` seconds: a long
-compile or first all-gather) and a checkpoint save at step 2 is slow (``--slow-save`` seconds, while the
+Trains the example Llama with ``HangWatchdog(timeout_s=--timeout, poll_s=1)`` (its warm-up and checkpoint
+limits at their defaults). Before the hang, every rank's first step is slow (``--slow-first-step`` seconds: a
+long compile or first all-gather) and a checkpoint save at step 2 is slow (``--slow-save`` seconds, while the
 checkpoint is written): both longer than ``--timeout``, neither may be called a hang. Then at ``--hang-step``
-rank ``--hang-rank`` sleeps forever: inside ``training_step`` (``--hang training_step``) or inside its dataset's
-``__getitem__`` (``--hang data``: a stuck data loader). Without a hang (``--hang none``) the run ends normally
-and every rank writes ``OUT.rank<r>.json`` with the watchdog's count of reported hangs.
-"""
+rank ``--hang-rank`` sleeps forever: inside ``training_step`` (``--hang training_step``) or inside its
+dataset's ``__getitem__`` (``--hang data``: a stuck data loader). Without a hang (``--hang none``) the run
+ends normally and every rank writes ``OUT.rank<r>.json`` with the watchdog's count of reported hangs."""
 
 from __future__ import annotations
 
@@ -55,11 +54,12 @@ def sleep_forever_in_getitem() -> None:
 
 
 class Tokens(Dataset):
-    """Random token rows; on the stuck rank, ``__getitem__`` never returns once it reached ``stuck_after`` items."""
+    """Random token rows; on the stuck rank ``__getitem__`` never returns after ``stuck_after`` items."""
 
     def __init__(self, n: int, stuck_after: int | None) -> None:
-        self.rows = torch.randint(0, MODEL["vocab_size"], (n, MODEL["max_seq_len"] + 1),
-                                  generator=torch.Generator().manual_seed(0))
+        self.rows = torch.randint(
+            0, MODEL["vocab_size"], (n, MODEL["max_seq_len"] + 1), generator=torch.Generator().manual_seed(0)
+        )
         self.stuck_after, self.served = stuck_after, 0
 
     def __len__(self) -> int:
@@ -88,7 +88,9 @@ class Hangs(LlamaLM):
     def train_dataloader(self) -> DataLoader:
         a = self.args
         stuck = a.hang == "data" and self.trainer.global_rank == a.hang_rank
-        return DataLoader(Tokens(512, a.hang_step * BATCH if stuck else None), batch_size=BATCH, shuffle=False)
+        return DataLoader(
+            Tokens(512, a.hang_step * BATCH if stuck else None), batch_size=BATCH, shuffle=False
+        )
 
 
 class SlowSave(Callback):
@@ -132,9 +134,11 @@ def main() -> None:
         max_steps=args.steps,
         logger=False,
         default_root_dir=args.stacks,
-        callbacks=[watchdog, SlowSave(args.slow_save, 2),
-                   ModelCheckpoint(dirpath=os.path.join(args.stacks, "ckpt"), every_n_train_steps=2,
-                                   save_top_k=-1)],
+        callbacks=[
+            watchdog,
+            SlowSave(args.slow_save, 2),
+            ModelCheckpoint(dirpath=os.path.join(args.stacks, "ckpt"), every_n_train_steps=2, save_top_k=-1),
+        ],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -7,5 +7,5 @@ from fsdp_strategies.callbacks.mfu import MFUMonitor
 from fsdp_strategies.callbacks.nonfinite_guard import NonFiniteGuard
 from fsdp_strategies.callbacks.straggler import StragglerDetector
 
-__all__: list[str] = ["ActivationCheckpointing", "GarbageCollection", "HangWatchdog", "MFUMonitor", "NonFiniteGuard",
-                      "StragglerDetector"]
+__all__: list[str] = ["ActivationCheckpointing", "GarbageCollection", "HangWatchdog", "MFUMonitor",
+                      "NonFiniteGuard", "StragglerDetector"]

@@ -8,30 +8,31 @@ in Lightning) and the job then dies with an error that names no rank. This callb
 How:
 
 * **Progress, out of band.** Every rank records where its main thread is -- the batch (counted from the start
-  of ``fit``), the phase (``data``: between two batches, loading included; ``validation``; ``checkpoint``: from
-  the checkpoint's state being gathered until the next batch starts; ``forward``, ``backward``, ``optimizer``)
-  and, inside a phase, how many FSDP units (or top-level submodules) its forward has entered. The hooks only
-  assign integers. A daemon thread per rank publishes that position, when it changed, to the job's TCP store (a
-  connection of its own to ``MASTER_ADDR:MASTER_PORT``, not the process group, which may be the thing blocked).
+  of ``fit``), the phase (``data``: between two batches, loading included; ``validation``; ``checkpoint``:
+  from the checkpoint's state being gathered until the next batch starts; ``forward``, ``backward``,
+  ``optimizer``) and, inside a phase, how many FSDP units (or top-level submodules) its forward has entered.
+  The hooks only assign integers. A daemon thread per rank publishes that position, when it changed, to the
+  job's TCP store (a connection of its own to ``MASTER_ADDR:MASTER_PORT``, not the process group, which may be
+  the thing blocked).
 * **One monitor.** Rank 0's thread reads every rank's position each ``poll_s`` and tracks when the job as a
-  whole last moved. A position that no rank changed for the limit is a hang. Any other rank whose own
-  position has not changed for the limit plus three polls checks too (rank 0 itself may be the stuck one).
+  whole last moved. A position that no rank changed for the limit is a hang. Any other rank whose own position
+  has not changed for the limit plus three polls checks too (rank 0 itself may be the stuck one).
 * **The limit.** ``timeout_s`` between two moves once every rank has finished its first batch;
-  ``warmup_timeout_s`` before that (compilation, meta initialisation, the first all-gathers, the sanity check);
-  ``checkpoint_timeout_s`` while any rank is in ``checkpoint`` (a slow save is not a hang).
-* **Waiting for other replica groups** (``ft_hsdp``'s quorum and cross-group all-reduce; any strategy that is a
-  :class:`~fsdp_strategies.protocols.PeerWaitSource`) is not a hang of this group: those waits are bounded by
-  the strategy's own timeouts, and the hung group is the one they wait for. A group whose every rank waits for
-  the others is never called hung; a rank of it that is stuck elsewhere still is.
+  ``warmup_timeout_s`` before that (compilation, meta initialisation, the first all-gathers, the sanity
+  check); ``checkpoint_timeout_s`` while any rank is in ``checkpoint`` (a slow save is not a hang).
+* **Waiting for other replica groups** (``ft_hsdp``'s quorum and cross-group all-reduce; any strategy that is
+  a :class:`~fsdp_strategies.protocols.PeerWaitSource`) is not a hang of this group: those waits are bounded
+  by the strategy's own timeouts, and the hung group is the one they wait for. A group whose every rank waits
+  for the others is never called hung; a rank of it that is stuck elsewhere still is.
 * **The culprit** is the rank (or ranks) furthest behind: the others wait at a later point for it. When all
   ranks stand at the same point (a collective no rank completed: a link or device fault), the report says so.
 * **The verdict** is written to the store once; every rank's thread picks it up within ``poll_s``, writes its
   Python stacks (all threads, :mod:`faulthandler`) to stderr and to ``<stacks_dir>/rank<r>-stacks.txt`` (under
-  ``ft_hsdp`` ``group<g>-rank<r>-stacks.txt``: the groups share a log folder), and
-  torch's flight recorder (the last collectives of every process group, where ``TORCH_FR_BUFFER_SIZE`` > 0;
-  ``flight_recorder`` sets it) to ``rank<r>-flight-recorder.json``. With ``action="exit"`` every rank waits
-  until all ranks have written (at most ``2 * poll_s + 10`` s) and exits with :data:`HANG_EXIT_CODE`; with
-  ``"warn"`` training is left to go on and the watchdog re-arms once the job moves again.
+  ``ft_hsdp`` ``group<g>-rank<r>-stacks.txt``: the groups share a log folder), and torch's flight recorder
+  (the last collectives of every process group, where ``TORCH_FR_BUFFER_SIZE`` > 0; ``flight_recorder`` sets
+  it) to ``rank<r>-flight-recorder.json``. With ``action="exit"`` every rank waits until all ranks have
+  written (at most ``2 * poll_s + 10`` s) and exits with :data:`HANG_EXIT_CODE`; with ``"warn"`` training is
+  left to go on and the watchdog re-arms once the job moves again.
 
 Limits: the thread needs the GIL; a rank stuck in C code that holds it cannot write its own stacks (the others
 still name it and exit). Without ``MASTER_ADDR``/``MASTER_PORT`` (one process) the rank watches only itself.
@@ -104,15 +105,22 @@ def culprit_report(records: dict[int, dict[str, Any]], idle_s: float) -> tuple[l
     if not waiting:
         where = _describe(records[behind[0]])
         ranks = ",".join(map(str, behind))
-        return [], f"hang: no progress for {idle_s:.0f} s; ranks {ranks} all stand in {where} (the same point: " \
-            "a collective that no rank completed, e.g. a link or device fault)"
-    culprits = "; ".join(f"rank {r} (host {records[r]['host']}) stuck in {_describe(records[r])}" for r in behind)
+        return (
+            [],
+            f"hang: no progress for {idle_s:.0f} s; ranks {ranks} all stand in {where} (the same point: "
+            "a collective that no rank completed, e.g. a link or device fault)",
+        )
+    culprits = "; ".join(
+        f"rank {r} (host {records[r]['host']}) stuck in {_describe(records[r])}" for r in behind
+    )
     groups: dict[str, list[int]] = {}
     for r in waiting:
         groups.setdefault(_describe(records[r]), []).append(r)
-    waits = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} wait{'' if len(rs) > 1 else 's'} "
-                      f"in {where}"
-                      for where, rs in groups.items())
+    waits = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} wait{'' if len(rs) > 1 else 's'} "
+        f"in {where}"
+        for where, rs in groups.items()
+    )
     return behind, f"hang: {culprits}; {waits} (no progress for {idle_s:.0f} s)"
 
 
@@ -123,34 +131,55 @@ class HangWatchdog(Callback):
         timeout_s: seconds without progress anywhere in the job (no rank started a batch, a phase or an FSDP
             unit's forward) before it is a hang, once every rank has finished its first batch. Keep it well
             above your slowest step (and validation batch).
-        action: ``"exit"``: every rank writes its stacks and exits with status :data:`HANG_EXIT_CODE` (81), so a
-            batch script can requeue the job (and exclude the node) and ``ft_hsdp``'s launcher restarts the
+        action: ``"exit"``: every rank writes its stacks and exits with status :data:`HANG_EXIT_CODE` (81), so
+            a batch script can requeue the job (and exclude the node) and ``ft_hsdp``'s launcher restarts the
             group; ``"warn"``: the report and the stacks only, training is left waiting.
         warmup_timeout_s: the same limit before every rank has finished its first batch (compilation, meta
             initialisation, the sanity check). ``None``: ``max(10 * timeout_s, 1800)``.
-        checkpoint_timeout_s: the limit while any rank is saving a checkpoint. ``None``:
-            ``max(5 * timeout_s, 1800)``.
-        poll_s: how often each rank publishes its position and the monitor looks. ``None``:
-            ``min(10, timeout_s / 6)``.
-        stacks_dir: where each rank writes ``rank<r>-stacks.txt`` (and the flight recorder's dump). ``None``: a
-            ``hang`` folder in the Trainer's ``log_dir`` (or ``default_root_dir``).
-        flight_recorder: entries torch's flight recorder keeps per process group (``TORCH_FR_BUFFER_SIZE``; set
-            here when the variable is unset, before the process group starts); 0 leaves it off.
+        checkpoint_timeout_s: the limit while any rank is saving a checkpoint. ``None``: ``max(5 * timeout_s,
+            1800)``.
+        poll_s: how often each rank publishes its position and the monitor looks. ``None``: ``min(10,
+            timeout_s / 6)``.
+        stacks_dir: where each rank writes ``rank<r>-stacks.txt`` (and the flight recorder's dump). ``None``:
+            a ``hang`` folder in the Trainer's ``log_dir`` (or ``default_root_dir``).
+        flight_recorder: entries torch's flight recorder keeps per process group (``TORCH_FR_BUFFER_SIZE``;
+            set here when the variable is unset, before the process group starts); 0 leaves it off.
     """
 
-    def __init__(self, timeout_s: float = 600.0, action: Action = "exit",
-                 warmup_timeout_s: float | None = None, checkpoint_timeout_s: float | None = None,
-                 poll_s: float | None = None, stacks_dir: str | None = None, flight_recorder: int = 2000) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 600.0,
+        action: Action = "exit",
+        warmup_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
+        poll_s: float | None = None,
+        stacks_dir: str | None = None,
+        flight_recorder: int = 2000,
+    ) -> None:
         prefix = "HangWatchdog: "
-        check_number("timeout_s", timeout_s, fix="seconds without progress, e.g. timeout_s=600", prefix=prefix)
-        for name, value in (("warmup_timeout_s", warmup_timeout_s), ("checkpoint_timeout_s", checkpoint_timeout_s),
-                            ("poll_s", poll_s)):
-            check_number(name, value, optional=True, fix="a positive number of seconds, or null for the default",
-                         prefix=prefix)
+        check_number(
+            "timeout_s", timeout_s, fix="seconds without progress, e.g. timeout_s=600", prefix=prefix
+        )
+        for name, value in (
+            ("warmup_timeout_s", warmup_timeout_s),
+            ("checkpoint_timeout_s", checkpoint_timeout_s),
+            ("poll_s", poll_s),
+        ):
+            check_number(
+                name,
+                value,
+                optional=True,
+                fix="a positive number of seconds, or null for the default",
+                prefix=prefix,
+            )
         check_choice("action", action, Action, prefix=prefix)
-        check_int("flight_recorder", flight_recorder, 0,
-                  fix="an entry count, e.g. flight_recorder=2000, or 0 to leave torch's flight recorder off",
-                  prefix=prefix)
+        check_int(
+            "flight_recorder",
+            flight_recorder,
+            0,
+            fix="an entry count, e.g. flight_recorder=2000, or 0 to leave torch's flight recorder off",
+            prefix=prefix,
+        )
         self.timeout_s, self.action = float(timeout_s), action
         self.warmup_timeout_s = float(warmup_timeout_s or max(10 * timeout_s, 1800.0))
         self.checkpoint_timeout_s = float(checkpoint_timeout_s or max(5 * timeout_s, 1800.0))
@@ -160,7 +189,8 @@ class HangWatchdog(Callback):
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(flight_recorder))
         #: hangs reported so far (this process)
         self.hangs = 0
-        #: the watchdog thread's own CPU seconds and polls in the current ``fit`` (its cost while nothing hangs)
+        #: the watchdog thread's own CPU seconds and polls in the current ``fit`` (its cost while nothing
+        #: hangs)
         self.thread_cpu_s, self.polls = 0.0, 0
         self._position = _Position()
         self._fits = 0
@@ -177,9 +207,17 @@ class HangWatchdog(Callback):
         self.thread_cpu_s, self.polls = 0.0, 0
         folder = Path(self.stacks_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "hang"))
         # store keys of this fit and of this watchdog (a second one in the same Trainer keeps its own)
-        mine = [cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog)].index(self)  # type: ignore[attr-defined]
-        self._thread = _WatchThread(self, self._position, trainer.strategy, trainer.global_rank, trainer.world_size,
-                                    folder, prefix=f"fsdp_strategies/hang/{mine}/{self._fits}")
+        dogs = [cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog)]  # type: ignore[attr-defined]
+        mine = dogs.index(self)
+        self._thread = _WatchThread(
+            self,
+            self._position,
+            trainer.strategy,
+            trainer.global_rank,
+            trainer.world_size,
+            folder,
+            prefix=f"fsdp_strategies/hang/{mine}/{self._fits}",
+        )
         self._thread.start()
 
     @override
@@ -196,8 +234,9 @@ class HangWatchdog(Callback):
         pos.phase, pos.sub = phase, 0
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._position.step = trainer.global_step
         self._move(_FORWARD)
 
@@ -206,20 +245,29 @@ class HangWatchdog(Callback):
         self._move(_BACKWARD)
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         self._move(_OPTIMIZER)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         pos = self._position
         pos.step = trainer.global_step
         pos.batch += 1
         self._move(_DATA)
 
     @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self._position.phase != _VALIDATION:
             self._move(_VALIDATION)
         self._position.sub += 1
@@ -229,13 +277,16 @@ class HangWatchdog(Callback):
         self._move(_DATA)
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._move(_CHECKPOINT)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._move(_FINISHED)  # what this rank still does (other callbacks' on_train_end, teardown) is not watched
+        self._move(
+            _FINISHED
+        )  # what this rank still does (other callbacks' on_train_end, teardown) is not watched
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -248,17 +299,27 @@ class HangWatchdog(Callback):
 
 
 class _WatchThread(threading.Thread):
-    """Publishes this rank's position, watches the job's (rank 0, or any rank that stopped), acts on a verdict."""
+    """Publishes this rank's position, watches the job (rank 0, or a rank that stopped), acts on a verdict."""
 
-    def __init__(self, owner: HangWatchdog, position: _Position, owner_strategy: Any, rank: int, world: int,
-                 folder: Path, prefix: str) -> None:
+    def __init__(
+        self,
+        owner: HangWatchdog,
+        position: _Position,
+        owner_strategy: Any,
+        rank: int,
+        world: int,
+        folder: Path,
+        prefix: str,
+    ) -> None:
         super().__init__(name="fsdp-strategies-hang-watchdog", daemon=True)
         self.owner, self.position, self.rank, self.world = owner, position, rank, world
         self.peers = owner_strategy if isinstance(owner_strategy, PeerWaitSource) else None
         self.folder, self.prefix = folder, prefix
         group = getattr(owner_strategy, "replica_group_id", None)  # ft_hsdp: groups share one log folder
         self.name_prefix = "" if group is None else f"group{group}-"
-        self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # SLURM's name: what --exclude takes
+        self.host = (
+            os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        )  # SLURM's name: what --exclude takes
         self._stopped = threading.Event()
         self._store = self._connect() if world > 1 else None
         self._published: tuple | None = None
@@ -273,11 +334,16 @@ class _WatchThread(threading.Thread):
         if not addr or not port:
             return None
         try:
-            return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30),
-                                 wait_for_workers=False)
+            return dist.TCPStore(
+                addr, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
+            )
         except Exception as err:  # the watchdog degrades to watching this rank alone
-            print(f"[HangWatchdog rank {self.rank}] cannot reach the job's store at {addr}:{port} ({err}); "
-                  "watching this rank alone", file=sys.stderr, flush=True)
+            print(
+                f"[HangWatchdog rank {self.rank}] cannot reach the job's store at {addr}:{port} ({err}); "
+                "watching this rank alone",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
 
     def stop(self) -> None:
@@ -293,16 +359,25 @@ class _WatchThread(threading.Thread):
             except Exception as err:  # a store that went away (the job is ending): watch locally
                 if self._stopped.is_set() or self.position.phase == _FINISHED:  # rank 0 tore its store down
                     return
-                print(f"[HangWatchdog rank {self.rank}] store error ({err}); watching this rank alone",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[HangWatchdog rank {self.rank}] store error ({err}); watching this rank alone",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._store = None
 
     # ------------------------------------------------------------------ one poll
     def _record(self) -> dict[str, Any]:
         pos = self.position
         peer = self.peers is not None and self.peers.peer_wait_s() is not None
-        return {"batch": pos.batch, "phase": pos.phase, "sub": pos.sub, "step": pos.step, "host": self.host,
-                "peer": peer}
+        return {
+            "batch": pos.batch,
+            "phase": pos.phase,
+            "sub": pos.sub,
+            "step": pos.step,
+            "host": self.host,
+            "peer": peer,
+        }
 
     def _limit(self, records: list[dict[str, Any]]) -> float:
         owner = self.owner
@@ -332,15 +407,20 @@ class _WatchThread(threading.Thread):
         if seen > self._verdicts_seen:
             self._verdicts_seen = seen
             verdict = json.loads(store.get(f"{self.prefix}/verdict/{seen}"))
-            self._act({int(r): rec for r, rec in verdict["records"].items()}, verdict["idle_s"], verdict["report"])
+            self._act(
+                {int(r): rec for r, rec in verdict["records"].items()}, verdict["idle_s"], verdict["report"]
+            )
             return
         stalled = now - self._own_moved > self._limit([mine]) + 3 * self.owner.poll_s
         if self.rank == 0 or stalled:
             self._watch_job(store, now)
 
     def _watch_job(self, store: Any, now: float) -> None:
-        raw = store.multi_get([f"{self.prefix}/rank/{r}" for r in range(self.world)]) \
-            if all(store.check([f"{self.prefix}/rank/{r}"]) for r in range(self.world)) else None
+        raw = (
+            store.multi_get([f"{self.prefix}/rank/{r}" for r in range(self.world)])
+            if all(store.check([f"{self.prefix}/rank/{r}"]) for r in range(self.world))
+            else None
+        )
         if raw is None:  # a rank has not published yet: still starting
             return
         records = {r: rec for r, v in enumerate(raw) if (rec := json.loads(v))["phase"] != _FINISHED}
@@ -359,8 +439,10 @@ class _WatchThread(threading.Thread):
         number = self._verdicts_seen + 1  # one rank writes verdict ``number``: the first to claim it
         if store.compare_set(f"{self.prefix}/owner/{number}", "", str(self.rank)) != str(self.rank).encode():
             return
-        store.set(f"{self.prefix}/verdict/{number}",
-                  json.dumps({"records": records, "idle_s": idle, "report": report, "by": self.rank}))
+        store.set(
+            f"{self.prefix}/verdict/{number}",
+            json.dumps({"records": records, "idle_s": idle, "report": report, "by": self.rank}),
+        )
         store.add(f"{self.prefix}/verdicts", 1)
         print(report, file=sys.stderr, flush=True)
 
@@ -369,18 +451,25 @@ class _WatchThread(threading.Thread):
         owner = self.owner
         owner.hangs += 1
         if report is None:  # watching alone
-            report = f"hang: rank {self.rank} (host {self.host}) made no progress for {idle_s:.0f} s in " \
+            report = (
+                f"hang: rank {self.rank} (host {self.host}) made no progress for {idle_s:.0f} s in "
                 f"{_describe(records[self.rank])}"
+            )
             print(report, file=sys.stderr, flush=True)
         self.folder.mkdir(parents=True, exist_ok=True)
-        header = f"{report}\nrank {self.rank} (host {self.host}, pid {os.getpid()}) at {_describe(self._record())}"
+        header = (
+            f"{report}\nrank {self.rank} (host {self.host}, pid {os.getpid()}) at {_describe(self._record())}"
+        )
         stacks = self.folder / f"{self.name_prefix}rank{self.rank}-stacks.txt"
         with open(stacks, "w") as fh:
             fh.write(header + "\n\n")
             fh.flush()
             faulthandler.dump_traceback(fh, all_threads=True)
-        print(f"[HangWatchdog rank {self.rank}] Python stacks of every thread (also in {stacks}):",
-              file=sys.stderr, flush=True)
+        print(
+            f"[HangWatchdog rank {self.rank}] Python stacks of every thread (also in {stacks}):",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(sys.stderr, all_threads=True)
         trace = _torch_seam.flight_recorder_json()
         if trace is not None:
@@ -392,6 +481,9 @@ class _WatchThread(threading.Thread):
             deadline = time.monotonic() + 2 * owner.poll_s + 10
             while self._store.add(f"{self.prefix}/written", 0) < self.world and time.monotonic() < deadline:
                 time.sleep(0.02)  # every rank leaves within a few ms of the others (torchrun stops the rest)
-        print(f"[HangWatchdog rank {self.rank}] exiting with status {HANG_EXIT_CODE} (hang)", file=sys.stderr,
-              flush=True)
+        print(
+            f"[HangWatchdog rank {self.rank}] exiting with status {HANG_EXIT_CODE} (hang)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(HANG_EXIT_CODE)

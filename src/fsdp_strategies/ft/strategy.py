@@ -192,7 +192,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._heal = HealState(self._training_state)
         self._schedulers = SchedulerRollback(self._training_state)
         self._step = StepInFlight()
-        self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource: seconds waiting for other groups now
+        self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
         self._data: StepAlignedData | None = None
         self._manager: Any = None
         self._link: CountedManager | None = None  # the manager, its all-reduces counted
@@ -281,7 +281,7 @@ class FTHSDPStrategy(HSDPStrategy):
             self._wait_quorum()
             if self._step.grad_scale != 1.0:  # redistribute: this group's share of the step's samples
                 reduce_output.mul_(self._step.grad_scale)
-            self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # errors: should_commit() -> False
+            self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # error -> no commit
         self._step.cross_s += time.perf_counter() - t0
 
 
