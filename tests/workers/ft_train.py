@@ -207,9 +207,11 @@ class FTProbe(pl.Callback):
             committed = real(*args, **kwargs)
             after = {"params": {n: local(p) for n, p in fragment._model_fragment.named_parameters()},
                      "momentum": {n: None if b is None else local(b) for n, b in momentum(fragment).items()}}
+            path = folder / f"group{self.group}_rank{trainer.global_rank}_inc{self.incarnation}_m{step}.pt"
             torch.save({"before": before, "after": after, "committed": bool(committed), "healed": bool(outer.healed),
                         "participants": int(outer.last_participants), "manager_step": step},
-                       folder / f"group{self.group}_rank{trainer.global_rank}_inc{self.incarnation}_m{step}.pt")
+                       path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)  # a SIGKILL of the group mid-write leaves no torn record
             return committed
 
         outer.sync = dumping_sync
