@@ -416,25 +416,22 @@ class _WatchThread(threading.Thread):
             self._watch_job(store, now)
 
     def _watch_job(self, store: Any, now: float) -> None:
-        raw = (
-            store.multi_get([f"{self.prefix}/rank/{r}" for r in range(self.world)])
-            if all(store.check([f"{self.prefix}/rank/{r}"]) for r in range(self.world))
-            else None
-        )
-        if raw is None:  # a rank has not published yet: still starting
+        keys = [f"{self.prefix}/rank/{r}" for r in range(self.world)]
+        if not store.check(keys):  # a rank has not published yet: still starting (one round trip for all)
             return
+        raw = store.multi_get(keys)
         records = {r: rec for r, v in enumerate(raw) if (rec := json.loads(v))["phase"] != _FINISHED}
         if not records or all(rec["peer"] for rec in records.values()):  # all wait for other groups: not us
             self._job_keys, self._job_moved = {}, now
             return
-        keys = {r: (rec["batch"], rec["phase"], rec["sub"]) for r, rec in records.items() if not rec["peer"]}
-        if keys != self._job_keys:
-            self._job_keys, self._job_moved = keys, now
+        moving = {r: (rec["batch"], rec["phase"], rec["sub"]) for r, rec in records.items() if not rec["peer"]}
+        if moving != self._job_keys:
+            self._job_keys, self._job_moved = moving, now
             return
         idle = now - self._job_moved
-        if idle <= self._limit(list(records.values())) or self._reported_at == tuple(sorted(keys.items())):
+        if idle <= self._limit(list(records.values())) or self._reported_at == tuple(sorted(moving.items())):
             return
-        self._reported_at = tuple(sorted(keys.items()))
+        self._reported_at = tuple(sorted(moving.items()))
         _, report = culprit_report(records, idle)
         number = self._verdicts_seen + 1  # one rank writes verdict ``number``: the first to claim it
         if store.compare_set(f"{self.prefix}/owner/{number}", "", str(self.rank)) != str(self.rank).encode():
