@@ -144,6 +144,43 @@ def test_hung_group_is_exited_by_its_watchdog_restarted_and_heals(tmp_path: Path
             assert torch.equal(a["shards"][key], b["shards"][key]), key
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("data_on_failure", ["skip", "redistribute"])
+def test_nonfinite_loss_group_leaves_the_step_and_groups_stay_identical(tmp_path: Path,
+                                                                       data_on_failure: str) -> None:
+    # Every group runs NonFiniteGuard; group 1's rank 1 has a NaN loss at step 4. Group 1 leaves step 4's
+    # cross-group average before its backward (ft/nonfinite.py), the step commits on both groups with group
+    # 0's gradient alone, both groups apply it (parameters change, stay bit-identical), the guard skips
+    # nothing, and the events account group 1's batch of step 4 as not trained (in both data_on_failure
+    # modes). Without the exclusion the guard skips step 4 on every group.
+    max_steps = 8
+    events = _launch(tmp_path, "nan", [*FT, "--trainer.max_steps", str(max_steps),
+                                       "--trainer.enable_checkpointing", "false",
+                                       "--trainer.strategy.init_args.data_on_failure", data_on_failure],
+                     ["--min-replicas", "2"], {"FT_TEST_NAN": "1:1:4"})
+    out = tmp_path / "nan"
+    for rank in (0, 1):
+        g0, g1 = _records(out, 0, rank), _records(out, 1, rank)
+        assert [r["committed"] for r in g0] == [True] * max_steps == [r["committed"] for r in g1]
+        for a, b in zip(g0, g1):
+            assert a["after"] == b["after"], (rank, a["step_before"])  # bit-identical after every step
+        step4 = next(r for r in g1 if r["step_before"] == 4)
+        assert step4["before"] != step4["after"]  # the step was applied (group 0's gradient), not skipped
+        a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+            assert torch.isfinite(a["shards"][key]).all(), key
+    steps = {g: {r["data_step"]: r for r in _jsonl(events / f"group{g}.jsonl") if "data_step" in r}
+             for g in (0, 1)}
+    assert steps[1][4]["data_samples"] == 0
+    assert steps[0][4]["data_missed_samples"] == steps[0][3]["data_samples"] > 0
+    assert all(steps[0][s]["data_missed_samples"] == 0 for s in steps[0] if s != 4)
+    log0, log1 = (events / "group0.log").read_text(), (events / "group1.log").read_text()
+    for log in (log0, log1):
+        assert "ft_hsdp: step 4: replica group(s) [1] had a non-finite loss and left" in log, log[-3000:]
+        assert "NonFiniteGuard: step" not in log  # nothing skipped: the average was finite
+
+
 def _alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     try:

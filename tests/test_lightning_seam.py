@@ -458,6 +458,24 @@ def test__data_fetcher(fitted: _Probe) -> None:
     assert fitted.record["first"] == 995.0
 
 
+def test__data_fetcher_length() -> None:
+    # the fetcher's length decides `is_last_batch`: cut to 3, the epoch of 8 batches ends after 3 (every epoch
+    # re-counts it from the loader, so the second epoch has 8 again)
+    class Cut(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seam.set_training_fetcher_length(trainer, 3)
+
+    model = BoringModel()
+    model.train_dataloader = (  # type: ignore[method-assign]
+        lambda: DataLoader(RandomDataset(32, 16), batch_size=2)
+    )
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Cut()])
+    trainer.fit(model)
+    assert trainer.global_step == 3 + 8
+
+
 def test__batches_that_stepped_and_optim_progress(fitted: _Probe) -> None:
     # global_step jumps to the set count and max_steps=25 stops after the third step (30)
     assert fitted.record["steps"] == [10, 20, 30]

@@ -67,6 +67,7 @@ __all__ = [
     "set_device_mesh",
     "set_optimizer_step_count",
     "set_sampler_epoch",
+    "set_training_fetcher_length",
     "subcommand_parser",
     "training_combined_loader",
 ]
@@ -149,6 +150,13 @@ def combined_loader_mode(combined: Any) -> str:
 def combined_loader_iterator(combined: Any) -> Any:
     """The mode iterator of a ``CombinedLoader`` (``_iterator``); ``None`` before ``iter()``."""
     return combined._iterator
+
+
+def set_training_fetcher_length(trainer: pl.Trainer, length: int) -> None:
+    """The batches the running training data fetcher counts to (``FitLoop._data_fetcher.length``)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = length
 
 
 def restart_training_iterators(trainer: pl.Trainer) -> None:

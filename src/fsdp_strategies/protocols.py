@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["HostPauseSource", "LocalAveragingSwitch", "PeerWaitSource", "QuorumMember", "SyncModeSwitch"]
+__all__ = ["HostPauseSource", "LocalAveragingSwitch", "NonFiniteLossSink", "PeerWaitSource", "QuorumMember",
+           "SyncModeSwitch"]
 
 
 @runtime_checkable
@@ -40,6 +41,21 @@ class LocalAveragingSwitch(Protocol):
 
     def set_local_sgd(self, enabled: bool, average: bool = True) -> None:
         """Turn local averaging on (``True``) or back to synchronous steps (``False``, averaging first if ``average``)."""
+        ...
+
+
+@runtime_checkable
+class NonFiniteLossSink(Protocol):
+    """A strategy that averages gradients across replica groups inside the backward pass (``ft_hsdp``),
+    where a group whose loss is not finite must leave the step's average before its gradients are reduced.
+
+    Protocol: :class:`~fsdp_strategies.callbacks.NonFiniteGuard` calls :meth:`leave_step_if_nonfinite` on
+    every rank before each backward pass (``on_before_backward``) with whether this rank's loss is
+    non-finite.
+    """
+
+    def leave_step_if_nonfinite(self, loss_nonfinite: bool) -> None:
+        """Agree with the other ranks and groups; a non-finite group then contributes nothing to this step."""
         ...
 
 

@@ -26,6 +26,9 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_HANG       "GROUP:RANK:STEP:TIMEOUT": every group runs ``HangWatchdog(timeout_s=TIMEOUT,
                        poll_s=1)``; in its first incarnation, rank RANK of group GROUP sleeps forever when it
                        starts step STEP
+    FT_TEST_NAN        "GROUP:RANK:STEP": every group runs ``NonFiniteGuard``; rank RANK of group GROUP
+                       makes its loss NaN at committed step STEP (a forward hook multiplies the module's
+                       output by NaN)
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -313,9 +316,35 @@ def _wait_for_survivor() -> None:
     raise TimeoutError(f"the surviving group never committed {need} steps alone ({other})")
 
 
+class NaNOutputAt(pl.Callback):
+    """At step ``step`` this rank's module output (hence its loss and gradients) is NaN."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+        self.handle: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            self.handle = pl_module.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
 def main() -> None:
     _wait_for_survivor()
     callbacks: list[pl.Callback] = [FTProbe()]
+    nan = os.environ.get("FT_TEST_NAN")
+    if nan:
+        from fsdp_strategies.callbacks import NonFiniteGuard
+
+        group, rank, step = nan.split(":")
+        callbacks.append(NonFiniteGuard(max_consecutive=2))
+        if group == os.environ.get("REPLICA_GROUP_ID"):
+            callbacks.append(NaNOutputAt(int(rank), int(step)))
     if os.environ.get("FT_TEST_CKPT"):
         callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
                                          every_n_train_steps=int(os.environ.get("FT_TEST_CKPT_EVERY", "4")),

@@ -22,11 +22,13 @@ optimizer step):
   gradients tell *that* a step is bad; each rank's own loss (``on_before_backward``) tells *where* it began.
   The ranks named are those whose loss was non-finite, else those whose gradients were.
 
-Where it works: ``fsdp2``, ``hsdp``, ``ddp_hooks`` and Lightning's ``ddp`` / single device, automatic
-optimization. Refused at set-up (with the reason and the fix): ``ft_hsdp`` (a replica group must leave the
-step's cross-group average instead; not built yet) and manual optimization (the module steps its optimizers
-itself). Under ``ddp_hooks`` with ``post_local_sgd`` / ``hierarchical_sgd`` the periodic model averaging after
-the step still runs (it averages the unchanged parameters across ranks).
+Where it works: ``fsdp2``, ``hsdp``, ``ddp_hooks``, Lightning's ``ddp`` / single device, and ``ft_hsdp``,
+automatic optimization. Under ``ft_hsdp`` (a :class:`~fsdp_strategies.protocols.NonFiniteLossSink`) a
+replica group whose loss is not finite leaves that step's cross-group average before its backward pass,
+and the other groups' step is applied on every group (:mod:`fsdp_strategies.ft.nonfinite`). Refused at
+set-up (with the reason and the fix): manual optimization (the module steps its optimizers). Under
+``ddp_hooks`` with ``post_local_sgd`` / ``hierarchical_sgd`` the periodic model averaging after the step
+still runs (it averages the unchanged parameters across ranks).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from fsdp_strategies._options import OptionError, check_int
+from fsdp_strategies.protocols import NonFiniteLossSink
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -103,16 +106,13 @@ class NonFiniteGuard(Callback):
     ) -> None:
         # the culprit: under data parallelism the reduction spreads one rank's NaN gradient to every rank, so
         # the gradients say *that* a step is bad, each rank's own loss says *where* it started
-        self._loss_nonfinite |= not bool(torch.isfinite(loss.detach()).all())
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        self._loss_nonfinite |= bad
+        if isinstance(trainer.strategy, NonFiniteLossSink):  # ft_hsdp: the group leaves the step's average
+            trainer.strategy.leave_step_if_nonfinite(bad)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if getattr(trainer.strategy, "strategy_name", None) == "ft_hsdp":  # by name: callbacks sit below ft/
-            raise OptionError(
-                "NonFiniteGuard: ft_hsdp is not supported yet (a replica group with non-finite "
-                "gradients must leave that step's cross-group average, not skip alone). Fix: remove "
-                "the callback under ft_hsdp, or use fsdp2/hsdp/ddp_hooks."
-            )
         if stage == "fit" and not pl_module.automatic_optimization:
             raise OptionError(
                 "NonFiniteGuard: manual optimization is not supported (the module steps its "

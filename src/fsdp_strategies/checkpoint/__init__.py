@@ -3,6 +3,7 @@
 * :mod:`~fsdp_strategies.checkpoint.integrity` -- checksums (a folder's manifest, a file's embedded digest); imports
   nothing from the package.
 * :mod:`~fsdp_strategies.checkpoint.safe_load` -- loading without running code from the file.
+* :mod:`~fsdp_strategies.checkpoint.location` -- local or mounted paths only: a URL is an error naming it.
 * :mod:`~fsdp_strategies.checkpoint.atomic` -- the atomic commit (``<name>.tmp`` -> ``<name>``) and the save steps
   both writers share.
 * :mod:`~fsdp_strategies.checkpoint.verify` -- verification before a resume (every rank) and the

@@ -60,6 +60,7 @@ from fsdp_strategies.checkpoint.disk_full import (
     state_bytes,
 )
 from fsdp_strategies.checkpoint.integrity import embed_digest, hash_files, write_manifest
+from fsdp_strategies.checkpoint.location import local_checkpoint_path
 
 try:
     import fcntl
@@ -194,8 +195,9 @@ def clean_stale_temps(directory: Path, keep: Path | None = None) -> list[Path]:
 
 
 def resolve_checkpoint_path(path: str | os.PathLike[str]) -> Path:
-    """The complete checkpoint for ``path``, recovering from a crash between the two renames."""
-    path = Path(path)
+    """The complete checkpoint for ``path``, recovering from a crash between the two renames (a URL other than
+    ``file://`` raises :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError`)."""
+    path = local_checkpoint_path(path, "the checkpoint path")
     old = _sibling(path, OLD_SUFFIX)
     if not path.exists() and old.exists():
         rank_zero_warn(f"Checkpoint {path} is missing but {old} is complete (a save was interrupted); using it.")

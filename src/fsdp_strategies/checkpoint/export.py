@@ -27,6 +27,7 @@ from fsdp_strategies.checkpoint.atomic import (
     temp_path,
 )
 from fsdp_strategies.checkpoint.integrity import verify_folder, verify_loaded
+from fsdp_strategies.checkpoint.location import local_checkpoint_path
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     SafeFileSystemReader,
@@ -139,11 +140,11 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
     verified against its checksums first and read without running code from it (restricted
     unpicklers); on any failure nothing is left at ``output`` or ``<output>.tmp``.
     """
+    out = local_checkpoint_path(output, "output")  # before reading anything
     state = open_checkpoint(checkpoint).state_dict()
     plain = {
         (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()
     }
-    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(out)
     try:

@@ -32,6 +32,7 @@ from fsdp_strategies.checkpoint.integrity import (
     verify_folder,
     verify_loaded,
 )
+from fsdp_strategies.checkpoint.location import CheckpointLocationError
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     UnsafeCheckpointError,
@@ -132,7 +133,10 @@ def verify_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     statuses = []
     for path in args.paths:
-        result = verify_checkpoint(path)
+        try:
+            result = verify_checkpoint(path)
+        except CheckpointLocationError as err:  # a URL: one line, status 1 (unreadable)
+            result = VerifyResult(VerifyStatus.CORRUPT, str(err))
         statuses.append(result.status)
         print(f"{result.status.tag}: {result.message}")
     return VerifyStatus.worst(statuses).exit_code

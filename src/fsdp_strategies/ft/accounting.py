@@ -57,6 +57,13 @@ class StepInFlight:
     extra_samples: int = 0
     #: weight of this group's gradient in the cross-group average (``redistribute``)
     grad_scale: float = 1.0
+    #: ``NonFiniteGuard``: this group's weight in a cross-group *sum* (its share of the finite groups'
+    #: samples; 0 when its loss was not finite), ``None``: the plain average
+    sum_scale: float | None = None
+    #: this group's loss was not finite: it left the step's cross-group average (its batch is not trained)
+    excluded: bool = False
+    #: groups of this step's quorum that left its average because their loss was not finite
+    excluded_groups: int = 0
 
     def begin(self) -> None:
         """Reset the timings at the start of a step (the data fields are set when the batch is taken)."""
@@ -64,6 +71,7 @@ class StepInFlight:
         self.quorum_wait_s = 0.0
         self.cross_s = 0.0
         self.healed = False
+        self.sum_scale, self.excluded, self.excluded_groups = None, False, 0
 
     #: ``time.monotonic()`` when this rank began waiting for other replica groups (``None``: not waiting)
     peer_wait_since: float | None = None
@@ -169,7 +177,7 @@ class StepAccounting:
         if step.position is None:
             return {}
         position, step.position = step.position, None
-        done = committed and step.participating
+        done = committed and step.participating and not step.excluded
         data: dict[str, Any] = {"step": quorum_step, "position": position, "participating": step.participating,
                                 "rebuilt": self.last_step_data.get("rebuilt", False),
                                 "samples": (batch_size + step.extra_samples) * world_size if done else 0,
@@ -179,7 +187,8 @@ class StepAccounting:
             absent = self.num_replica_groups - participants
             redistribute = self.data_on_failure == "redistribute" and sharded
             per_group = batch_size * world_size
-            missed = 0 if redistribute else absent * per_group
+            # a group that left the step's average (non-finite loss) trained nothing, in either mode
+            missed = (0 if redistribute else absent * per_group) + step.excluded_groups * per_group
             data["missed_samples"] = missed
             self.stats["missed_samples"] += missed
             self._announce_missed(position, absent, per_group, redistribute)

@@ -3,9 +3,8 @@
 Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards the model with
 FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter output is averaged by torchft's
 fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook`` calling ``Manager.allreduce``), whose membership
-is re-decided every step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others keep
-going (after the lighthouse's heartbeat timeout); the restarted group heals from a live peer through the
-manager's checkpoint transport instead of reloading a global checkpoint.
+is re-decided every step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others go
+on; the restarted group heals from a live peer (the manager's checkpoint transport), not from a checkpoint.
 
 Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
 
@@ -15,24 +14,17 @@ Lightning's step, bridged to torchft's protocol (nothing in the LightningModule 
   groups; errors are recorded by the manager, not raised.
 * ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes); the optimizer
   steps only on commit. A discarded step leaves parameters, optimizer state and LR schedulers untouched on
-  every member and training goes on. Lightning's progress counters are set to the manager's committed step, so
-  ``Trainer.global_step`` is the quorum's step on every group (it jumps forward on a group that just healed)
-  and ``max_steps`` stops all groups at the same committed step.
+  every member. Lightning's progress counters follow the manager's committed step: ``Trainer.global_step``
+  is the quorum's step on every group (a healed group jumps forward) and ``max_steps`` stops all alike.
 
-Data: the sampler shards over ``num_replica_groups x ranks`` (``torchft.data.DistributedSampler``'s layout) and
-the batch follows the committed step (:mod:`fsdp_strategies.ft.data`), also after a heal or a discarded step.
-``data_on_failure="skip"`` reports a down group's batches as missed (``ft/missed_samples``, the events file);
-``"redistribute"`` has the groups in the step train them (:mod:`fsdp_strategies.ft.redistribute`).
-``sync="local_sgd"|"diloco"`` trains in rounds with an outer sync (:mod:`fsdp_strategies.ft.outer_sync`);
-``straggler_sync`` switches between every-step reduction and rounds while stragglers cost too much
-(:mod:`fsdp_strategies.ft.straggler_switch`); the strategy's side of both is :mod:`fsdp_strategies.ft.semi_sync`.
+Data: sharded over ``num_replica_groups x ranks`` (``torchft.data.DistributedSampler``'s layout), the batch
+follows the committed step (:mod:`~fsdp_strategies.ft.data`), after a heal or a discard too; a down group's
+batches are missed (``data_on_failure="skip"``) or trained by the others (``"redistribute"``). Rounds
+(``sync="local_sgd"|"diloco"``) and the straggler switch: :mod:`~fsdp_strategies.ft.semi_sync`.
 
-This class is the Lightning glue: its options, the hooks above, leaving and checkpoint writing. It composes
-the parts, each in its own module: :mod:`~fsdp_strategies.ft.options` (defaults and checks),
-:mod:`~fsdp_strategies.ft.manager` (lighthouse, ``torchft.Manager``, counted all-reduce),
-:mod:`~fsdp_strategies.ft.heal_state` (what a healing group fetches; LR schedulers after a discard or heal),
-:mod:`~fsdp_strategies.ft.semi_sync` (rounds and the switch), :mod:`~fsdp_strategies.ft.redistribute` and
-:mod:`~fsdp_strategies.ft.accounting` (counters, ``ft/*`` metrics, events, trained/missed data).
+This class is the Lightning glue (options, the hooks above, leaving, checkpoint writing); the parts live in
+their own modules: ``options``, ``manager``, ``heal_state``, ``semi_sync``, ``redistribute``, ``nonfinite``
+(a group with a non-finite loss leaves the step's average), ``accounting``.
 """
 
 from __future__ import annotations
@@ -63,6 +55,7 @@ from fsdp_strategies.ft.manager import (
     exit_now,
     release_manager,
 )
+from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
 from fsdp_strategies.ft.options import (
     DataOnFailure,
     Transport,
@@ -136,7 +129,7 @@ class FTHSDPStrategy(HSDPStrategy):
     """
 
     strategy_name = "ft_hsdp"
-
+    data_width_change = "refuse"  # a mid-epoch resume at another number of groups / group size: not exact yet
     def __init__(
         self,
         lighthouse_addr: str | None = None,
@@ -155,8 +148,7 @@ class FTHSDPStrategy(HSDPStrategy):
         data_on_failure: DataOnFailure = "skip",
         sync: SyncMode = "every_step",
         sync_every: int = 1, outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        num_fragments: int = 1,
+        outer_momentum: float = 0.0, num_fragments: int = 1,
         straggler_sync: StragglerSync = "off",
         accumulation: Literal["no_sync"] = "no_sync",
         **kwargs: Any,
@@ -169,12 +161,10 @@ class FTHSDPStrategy(HSDPStrategy):
                          sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                          num_fragments=num_fragments, straggler_sync=straggler_sync,
                          accumulation=accumulation)
-        self.straggler_sync = straggler_sync
+        self.straggler_sync, self.data_on_failure = straggler_sync, data_on_failure
         self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.data_on_failure = data_on_failure
-        self.lighthouse_addr = where.lighthouse_addr
-        self.replica_group_id = where.replica_group_id
+        self.lighthouse_addr, self.replica_group_id = where.lighthouse_addr, where.replica_group_id
         self.num_replica_groups = where.num_replica_groups
         self.min_replica_size, self.checkpoint_transport = min_replica_size, checkpoint_transport
         self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = limits.timeout_s, limits.quorum_timeout_s, limits.connect_timeout_s
@@ -189,15 +179,14 @@ class FTHSDPStrategy(HSDPStrategy):
         self._semi = SemiSync(sync=sync, straggler_sync=straggler_sync, sync_every=sync_every, outer_lr=self.outer_lr,
                               outer_momentum=self.outer_momentum, num_fragments=num_fragments,
                               replica_group_id=self.replica_group_id, num_replica_groups=self.num_replica_groups)
-        self._heal = HealState(self._training_state)
-        self._schedulers = SchedulerRollback(self._training_state)
+        state = self._training_state
+        self._heal, self._schedulers = HealState(state), SchedulerRollback(state)
         self._step = StepInFlight()
         self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
         self._data: StepAlignedData | None = None
         self._manager: Any = None
         self._link: CountedManager | None = None  # the manager, its all-reduces counted
-        self._lighthouse_checked = False
-        self._quorum_started = self._waited_quorum = False  # the step protocol: this step's quorum started / waited
+        self._lighthouse_checked = self._quorum_started = self._waited_quorum = False  # quorum started/waited
 
     # ------------------------------------------------------------------ what callers read
     @property
@@ -279,11 +268,22 @@ class FTHSDPStrategy(HSDPStrategy):
         t0 = time.perf_counter()
         with self._step.waiting_for_peers():
             self._wait_quorum()
-            if self._step.grad_scale != 1.0:  # redistribute: this group's share of the step's samples
-                reduce_output.mul_(self._step.grad_scale)
-            self._link.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()  # error -> no commit
+            scale, op = (self._step.grad_scale, ReduceOp.AVG) if self._step.sum_scale is None else (
+                self._step.sum_scale, ReduceOp.SUM)  # NonFiniteGuard left a group out: weighted sum
+            if scale != 1.0:  # redistribute / the sum: this group's share of the step's samples
+                reduce_output.mul_(scale) if scale else reduce_output.zero_()  # zero_: NaN * 0 is NaN
+            self._link.allreduce(reduce_output, reduce_op=op).wait()  # error -> no commit
         self._step.cross_s += time.perf_counter() - t0
 
+    def leave_step_if_nonfinite(self, loss_nonfinite: bool) -> None:
+        """protocols.NonFiniteLossSink (NonFiniteGuard, before each backward): see ``ft/nonfinite.py``."""
+        if self._manager is not None and not self._semi.active:  # rounds: a group's inner steps are its own
+            self._wait_quorum()
+            at, data = self._step.position, self._data
+            samples = self._step.extra_samples + (1 if data is None or at is None else data.batch_size_of(at))
+            leave_step_if_nonfinite(loss_nonfinite, step=self._step, link=self._link, samples=samples,
+                                    group_id=self.replica_group_id, groups=self.num_replica_groups,
+                                    device=self.root_device, step_number=self._committed_step())
 
     # ------------------------------------------------------------------ heal state
     def _training_state(self) -> TrainingState:

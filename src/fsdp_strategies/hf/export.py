@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from fsdp_strategies.checkpoint.atomic import abandon_save, commit_save, prepare_save
 from fsdp_strategies.checkpoint.export import VerifiedCheckpoint, export_consolidated, open_checkpoint
+from fsdp_strategies.checkpoint.location import local_checkpoint_path
 from fsdp_strategies.hf.metadata import hf_model_records
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "HFExportError", "export_hf", "main", "parse_size"]
@@ -261,7 +262,7 @@ def export_hf(
                             "unset to keep the checkpoint's dtype.")
     if prefix is not None and prefix and not prefix.endswith("."):
         prefix += "."
-    out = Path(output)
+    out = local_checkpoint_path(output, "output")
     _check_output(out)
     ckpt: VerifiedCheckpoint = open_checkpoint(checkpoint)
     records = hf_model_records(ckpt.extras, str(ckpt.path))

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
+from fsdp_strategies.checkpoint.location import is_url
 from fsdp_strategies.hf.materialize import hf_models
 
 __all__ = ["PretrainedFolderError", "PretrainedFolderNotFoundError", "PretrainedMismatchError", "PretrainedSource",
@@ -89,6 +90,10 @@ def check_folder(path: str | Path, option: str) -> Path:
     safetensors in it, no or a broken ``config.json``, an index that names a missing file, or a safetensors
     file whose header safetensors itself cannot read (truncated, damaged). Reads headers only (no tensor data),
     so it runs where the option is given, before any process group exists."""
+    if is_url(path):
+        raise PretrainedFolderNotFoundError(
+            f"{option}={str(path)!r} is a URL: pretrained folders are read from a local or mounted file "
+            "system only. Fix: copy the folder locally (e.g. `aws s3 sync URL DIR`) and pass DIR.")
     folder = Path(path).expanduser()
     if not folder.is_dir():
         hint = ("It looks like a Hub id: download it first (`hf download ID --local-dir DIR`) and pass DIR."

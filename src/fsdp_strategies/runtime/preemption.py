@@ -58,6 +58,7 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._distributed import rank_and_world
 from fsdp_strategies._options import check_bool, check_number
 from fsdp_strategies.checkpoint.agreement import AgreementMixin
+from fsdp_strategies.checkpoint.location import local_checkpoint_path
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
@@ -326,7 +327,7 @@ class PreemptionMixin(AgreementMixin):
     def _preempt_checkpoint_path(self, trainer: pl.Trainer) -> Path:
         """``<ModelCheckpoint dirpath>/last-preempt.ckpt``, else ``<default_root_dir>/last-preempt.ckpt``."""
         folder = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
-        return Path(folder) / PREEMPT_CHECKPOINT_NAME
+        return local_checkpoint_path(folder, "the preemption checkpoint folder") / PREEMPT_CHECKPOINT_NAME
 
     def _write_preempt_checkpoint(self, trainer: pl.Trainer) -> None:
         """All ranks together: agree that there is time left, then the strategy's atomic save."""

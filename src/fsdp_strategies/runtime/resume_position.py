@@ -35,6 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies.runtime import data_position
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,6 +70,10 @@ class _SkipFirstIterationSampler(Sampler[Any]):
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
 
+    @property
+    def resume_wrapped(self) -> Sampler[Any]:
+        return self.sampler
+
     def __getattr__(self, name: str) -> Any:
         if name in ("sampler", "skip") or name.startswith("__"):  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
@@ -97,13 +102,21 @@ def _why_not_skippable(dl: object) -> str | None:
     return None
 
 
-def skip_consumed_batches(trainer: pl.Trainer) -> int:
+def skip_consumed_batches(
+    trainer: pl.Trainer, saved: dict[str, Any] | None = None, new_width: str = "split"
+) -> int:
     """When resuming in the middle of an epoch, make the training loaders skip the batches already trained.
 
     Call from ``Strategy.on_train_start``. Returns the number of batches of the current epoch that
     were skipped (0 when not resuming mid-epoch or nothing could be skipped). Loaders Lightning
     restores itself (``_Stateful``) are left alone; loaders that cannot be fast-forwarded get one
     warning that the resume replays data, saying what to do instead.
+
+    ``saved``: the checkpoint's :func:`~fsdp_strategies.runtime.data_position.record` (``None``: a checkpoint
+    without one, e.g. Lightning's own strategies': its data-parallel size is taken to be unchanged). When the
+    data-parallel size changed, ``new_width="split"`` continues at the saved global sample position
+    (:func:`~fsdp_strategies.runtime.data_position.resumed_epoch_sampler`), ``"refuse"`` raises
+    :class:`~fsdp_strategies.runtime.data_position.DataPositionError`.
     """
     fit_loop = trainer.fit_loop
     epoch_loop = fit_loop.epoch_loop
@@ -114,15 +127,26 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
     # the count `TrainingEpochLoop.reset()` is about to restore as `current.ready`: a checkpoint written in
     # `on_train_batch_end` has not counted its last batch as completed yet
     done = progress.current.completed + int(epoch_loop.restarted_on_train_batch_end)
+    epoch = fit_loop.epoch_progress.current.processed
+    if done > 0 and not progress.is_last_batch and data_position.needs_new_split(saved, trainer, epoch):
+        assert saved is not None
+        return _split_at_saved_position(trainer, combined, saved, done, epoch, new_width)
+    if (
+        saved is None
+        and done > 0
+        and not progress.is_last_batch
+        and data_position.data_parallel_size(trainer) > 1
+    ):
+        rank_zero_info(
+            "The checkpoint does not record its data-parallel size (not written by this package's "
+            "strategies): the mid-epoch position assumes it is unchanged."
+        )
     if done <= 0 or progress.is_last_batch or done >= trainer.num_training_batches:
         return 0  # nothing trained yet in this epoch, or Lightning moves on to the next epoch
 
     loaders = list(combined.flattened)
-    lengths: list[int | float] = [
-        float("inf") if (n := sized_len(dl)) is None else n for dl in loaders
-    ]
+    lengths: list[int | float] = [float("inf") if (n := sized_len(dl)) is None else n for dl in loaders]
     consumed = _consumed_per_loader(seam.combined_loader_mode(combined), done, lengths)
-    epoch = fit_loop.epoch_progress.current.processed
     problems: list[str] = []
     random_order: list[int] = []
     replaced: dict[int, DataLoader] = {}
@@ -188,8 +212,59 @@ def skip_consumed_batches(trainer: pl.Trainer) -> int:
             "in the checkpoint, so the next step uses fewer batches than the uninterrupted run did.",
             category=PossibleUserWarning,
         )
-    rank_zero_info(f"Resuming mid-epoch: training dataloaders skip the {done} batches of epoch {epoch} already trained.")
+    rank_zero_info(
+        f"Resuming mid-epoch: training dataloaders skip the {done} batches of epoch {epoch} already trained."
+    )
     return done
+
+
+def _split_at_saved_position(
+    trainer: pl.Trainer, combined: Any, saved: dict[str, Any], done: int, epoch: int, new_width: str
+) -> int:
+    """Continue ``epoch`` at the checkpoint's global sample position, split over this run's ranks."""
+    loader = combined.flattened[0]
+    placed = getattr(loader, "sampler", None)
+    if (
+        isinstance(placed, data_position.ResumedEpochSampler)
+        and placed.resumed_epoch == epoch
+        and placed.resuming
+    ):
+        return done  # a second call in the same fit: already placed
+    if new_width == "refuse":
+        raise data_position.DataPositionError(
+            f"{type(trainer.strategy).__name__} cannot resume in the middle of epoch {epoch} at another "
+            f"data-parallel size (the checkpoint's: {saved['data_parallel_size']}, now: "
+            f"{data_position.data_parallel_size(trainer)}). Fix: resume at the checkpoint's data-parallel "
+            "size (ft_hsdp: its number of replica groups and group size), or from a checkpoint saved at an "
+            "epoch end."
+        )
+    sampler, line = data_position.resumed_epoch_sampler(trainer, saved, done, epoch)
+    new_dl = seam.rebuild_loader_with_sampler(loader, sampler)
+    if not _install(trainer, combined, {0: new_dl}, epoch):
+        raise data_position.DataPositionError(
+            f"Cannot resume in the middle of epoch {epoch}: the training iterators cannot be restarted."
+        )
+    length = len(new_dl)
+    sampler.restore = (trainer.fit_loop.max_batches, trainer.val_check_batch)
+    if combined.limits is not None:  # in place: the running mode iterator holds the same list
+        combined.limits[0] = max(combined.limits[0], length)
+    trainer.fit_loop.max_batches = length
+    seam.set_training_fetcher_length(trainer, length)
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        trainer.val_check_batch = max(1, int(length * trainer.val_check_interval))
+    warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning)
+    rank_zero_info(f"{line}; this epoch has {length} batches per rank.")
+    return done
+
+
+def restore_epoch_length(trainer: pl.Trainer) -> None:
+    """After an epoch resumed at another width: the epoch length (and validation interval) of the new
+    loader."""
+    combined = seam.training_combined_loader(trainer)
+    sampler = getattr(combined.flattened[0], "sampler", None) if combined is not None else None
+    if isinstance(sampler, data_position.ResumedEpochSampler) and not sampler.resuming and sampler.restore:
+        trainer.fit_loop.max_batches, trainer.val_check_batch = sampler.restore
+        sampler.restore = None
 
 
 def _install(trainer: pl.Trainer, combined: Any, replaced: dict[int, DataLoader], epoch: int) -> bool:
@@ -229,10 +304,29 @@ def _install(trainer: pl.Trainer, combined: Any, replaced: dict[int, DataLoader]
 
 class ResumePositionMixin:
     """Strategy mixin (listed before the Lightning base class): a mid-epoch resume continues with the next
-    unseen batch instead of replaying the epoch (:func:`skip_consumed_batches` in ``on_train_start``)."""
+    unseen sample instead of replaying the epoch (:func:`skip_consumed_batches` in ``on_train_start``).
+
+    The strategy puts :func:`~fsdp_strategies.runtime.data_position.record` in every checkpoint it saves and
+    hands the loaded one to :meth:`restored_data_position`.
+    """
+
+    #: a mid-epoch resume at another data-parallel size: ``"split"`` (exact) or ``"refuse"``
+    data_width_change: str = "split"
+    _saved_data_position: dict[str, Any] | None = None
+
+    def restored_data_position(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the loaded checkpoint's data-position record for ``on_train_start``."""
+        self._saved_data_position = checkpoint.get(data_position.KEY)
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
         module = getattr(self, "lightning_module", None)
         assert module is not None
-        skip_consumed_batches(module.trainer)
+        skip_consumed_batches(module.trainer, self._saved_data_position, self.data_width_change)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if batch_idx == 0:
+            module = getattr(self, "lightning_module", None)
+            if module is not None:
+                restore_epoch_length(module.trainer)

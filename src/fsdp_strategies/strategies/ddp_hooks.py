@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -51,9 +50,11 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     CheckpointMismatchError,
     optimizer_param_names,
 )
+from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path
 from fsdp_strategies.checkpoint.verify import load_full_file
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.parallel.mesh import check_torchrun_layout
+from fsdp_strategies.runtime import data_position
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 from fsdp_strategies.strategies.comm_hook_state import LOCAL_SGD_HOOKS, CommHookStateMixin
@@ -341,6 +342,8 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if type(self.checkpoint_io) is TorchCheckpointIO:  # the package's commit path: local paths only
+            check_checkpoint_locations(trainer)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or self.comm_hook not in LOCAL_SGD_HOOKS:
             return
@@ -465,15 +468,17 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             assert self.lightning_module is not None
             checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.lightning_module, self.optimizers)
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))  # for `fsdp-strategies-export --format hf`
+            # for a resume at any width
+            checkpoint.update(data_position.record(self.lightning_module.trainer))
         if background:  # the digest is computed by the background writer, on its copy
-            self.async_checkpointer.save_full(checkpoint, Path(self.broadcast(str(filepath))),
-                                              is_rank_zero=self.is_global_zero)
+            path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
+            self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
             return
         if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
             # Lightning's own writer saves through a temp file it *copies* onto the target across filesystems
             # (half-written under the final name on a full disk) and raises a raw OSError: the package's commit
             # path instead (temp + fsync + rename, digest inside, one disk-full error on every rank)
-            path = Path(self.broadcast(str(filepath)))
+            path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
             atomic_save_full_agreed(checkpoint if self.is_global_zero else None, path, is_rank_zero=self.is_global_zero)
             return
         if self.is_global_zero:  # a CheckpointIO of the user's: its own write path; the digest travels inside
@@ -489,7 +494,10 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
                 f"{path} is {SHARDED_FORMAT}; {self.strategy_name} resumes from {FULL_FORMAT}. Fix: resume it under "
                 "fsdp2/hsdp (or export the weights with `fsdp-strategies-export` and load them into the model)."
             )
-        return load_full_file(path, mmap=False)  # no mmap: a later in-place save must not change loaded state
+        # no mmap: a later in-place save must not change loaded state
+        checkpoint = load_full_file(path, mmap=False)
+        self.restored_data_position(checkpoint)
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

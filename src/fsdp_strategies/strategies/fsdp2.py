@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -46,6 +45,7 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     load_into_sharded_model,
     optimizer_param_names,
 )
+from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
 from fsdp_strategies.hf.materialize import materialize
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
@@ -55,6 +55,7 @@ from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh, check_tensor_parallel_degree
 from fsdp_strategies.parallel.outside_calls import GatherOnOutsideCall
 from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
+from fsdp_strategies.runtime import data_position
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 
@@ -417,6 +418,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         # and converts precision after materialising; here the strategy shards, and bf16-true casts first.
         assert self.model is not None
         assert self.accelerator is not None
+        check_checkpoint_locations(trainer)  # ModelCheckpoint(dirpath="s3://...") fails here, not at a save
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):
             if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
@@ -511,9 +513,11 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        path = Path(self.broadcast(str(filepath)))
+        path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
         if self.lightning_module is not None:  # which HF class + config the weights are, for --format hf
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
+            # for a resume at any width
+            checkpoint.update(data_position.record(self.lightning_module.trainer))
         background = self._use_async_save()
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
@@ -542,5 +546,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         """
         path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        return load_into_sharded_model(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading,
-                                       target=self.strategy_name)
+        checkpoint = load_into_sharded_model(self.model, self.optimizers, path,
+                                             strict=self.lightning_module.strict_loading,
+                                             target=self.strategy_name)
+        self.restored_data_position(checkpoint)
+        return checkpoint
