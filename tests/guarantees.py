@@ -308,6 +308,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "test_strategy_and_mesh_changes_keep_the_position",
               "test_a_position_that_cannot_be_recomputed_is_refused[stateful-is a stateful loader (its saved "
         "state is per rank)]", "test_refuse_policy_names_both_sizes")),
+    Guarantee("docs/port.md", "`tests/test_port_example.py` trains both", _ids(
+        "test_port_example.py", "test_the_port_in_the_docs_trains")),
+    Guarantee("docs/port.md", "checked by the test",
+              _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/checkpoints.md", "Tested in `tests/test_checkpoint_location.py`", _ids(
         "test_checkpoint_location.py",
         "test_a_url_checkpoint_dir_or_resume_path_is_refused_before_training[fsdp2]",
@@ -438,6 +442,12 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "test_disk_full.py", "test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group")),
     Guarantee("docs/strategies/ft_launcher.md", "`--max-restarts` in `tests/test_disk_full.py`", _ids(
         "test_disk_full.py", "test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group")),
+    Guarantee("docs/strategies/ft_launcher.md", "(`tests/test_ft_hsdp.py::test_every_group_down_resumes_from",
+              (*_ids("test_ft_hsdp.py", "test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0",
+                     "test_a_group_restarted_beside_a_live_peer_heals_and_is_handed_nothing"),
+               *_ids("test_multinode.py", "test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart"))),
+    Guarantee("docs/strategies/ft_launcher.md", "with stub SLURM commands in `tests/test_multinode.py`)",
+              _ids("test_multinode.py", "test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart")),
     Guarantee("docs/strategies/ft_launcher.md", "`tests/test_preemption.py` sends SIGTERM to the launcher", _ids(
         "test_preemption.py", "test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue[forkserver]")),
     # docs/strategies/tensor_parallel.md

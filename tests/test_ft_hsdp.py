@@ -359,6 +359,50 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
                 assert torch.equal(straight["shards"][key], resumed["shards"][key]), (group, rank, key)
 
 
+@pytest.mark.multiprocess
+def test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0(tmp_path: Path) -> None:
+    # Both groups kill themselves right after committed step 5 -- no live peer is left to heal from -- with a
+    # checkpoint every 2 steps. Restarted, each gets the recorded checkpoints from the launcher and resumes
+    # from the newest that verifies (before: both started over from step 0); they end at max_steps, identical.
+    steps, ckpt = 8, tmp_path / "ckpt"
+    args = [*FT, "--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
+    events = _launch(tmp_path, "ft", args, ["--min-replicas", "2", "--max-restarts", "1"],
+                     {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_ALL_DIE_AT": "5"})
+    launcher = _jsonl(events / "launcher.jsonl")
+    exits = sorted((e["group"], e["code"]) for e in launcher if e["event"] == "exit")
+    assert exits == [(0, -9), (0, 0), (1, -9), (1, 0)], exits  # each killed once, then finished
+    for group in (0, 1):
+        for rank in (0, 1):
+            second = [r for r in _records(tmp_path / "ft", group, rank) if r["incarnation"] == 1]
+            assert second and second[0]["step_before"] == 4, second[:2]  # the newest checkpoint, not step 0
+            assert _dump(tmp_path / "ft", f"group{group}_rank{rank}")["global_step"] == steps
+    handed = [e for e in launcher if e["event"] == "hand_checkpoints"]
+    assert handed and all(e["step"] == 4 for e in handed), handed
+    for rank in (0, 1):
+        a, b = (_dump(tmp_path / "ft", f"group{g}_rank{rank}")["shards"] for g in (0, 1))
+        for key in a:
+            assert torch.equal(a[key], b[key]), (rank, key)
+
+
+@pytest.mark.multiprocess
+def test_a_group_restarted_beside_a_live_peer_heals_and_is_handed_nothing(tmp_path: Path) -> None:
+    # Checkpoints every 2 steps, group 1 SIGKILLed in step 5 while group 0 lives: the launcher hands group 1
+    # no checkpoint (a live peer is ahead), it heals from group 0 as always and both end identical.
+    steps, ckpt = 12, tmp_path / "ckpt"
+    events = _launch(tmp_path, "ft", [*FT, "--trainer.max_steps", str(steps)],
+                     ["--min-replicas", "1", "--max-restarts", "1"],
+                     {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_KILL": "1:5:1",
+                      "FT_TEST_SLEEP_ALONE": "0.5"})
+    launcher = _jsonl(events / "launcher.jsonl")
+    assert not [e for e in launcher if e["event"] == "hand_checkpoints"], launcher
+    assert sorted(e["group"] for e in launcher if e["event"] == "start") == [0, 1, 1]
+    for rank in (0, 1):
+        a, b = _dump(tmp_path / "ft", f"group0_rank{rank}"), _dump(tmp_path / "ft", f"group1_rank{rank}")
+        assert b["ft_stats"]["heals"] >= 1 and a["global_step"] == b["global_step"] == steps
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), (rank, key)
+
+
 # ---------------------------------------------------------------------------- clear errors (no processes)
 def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):

@@ -1052,3 +1052,33 @@ def test_no_callback_imports_a_concrete_strategy() -> None:
                 assert not any(m.startswith("fsdp_strategies.strategies") for m in modules), (path.name, modules)
                 if isinstance(node, ast.ImportFrom) and node.module == "fsdp_strategies":
                     assert not any(a.name.endswith("Strategy") for a in node.names), (path.name, node.lineno)
+
+
+def test__checkpoint_connector_restore(tmp_path: Path) -> None:
+    """``restore_checkpoint`` from inside a strategy's ``setup`` restores what ``fit(ckpt_path=...)`` would:
+    the weights, the optimizer state and the loop position (the run goes on at the checkpoint's step)."""
+    first = _trainer(max_steps=3, default_root_dir=tmp_path)
+    first.fit(BoringModel())
+    ckpt = tmp_path / "three.ckpt"
+    first.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+
+    class Restoring(SingleDeviceStrategy):
+        def setup(self, trainer: pl.Trainer) -> None:
+            super().setup(trainer)
+            seam.restore_checkpoint(trainer, str(ckpt))
+            restored = self.lightning_module.state_dict()
+            assert all(torch.equal(restored[k], v) for k, v in saved["state_dict"].items())
+            assert (trainer.optimizers[0].state_dict()["state"].keys()
+                    == saved["optimizer_states"][0]["state"].keys())
+
+    class Counting(BoringModel):
+        steps = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    trainer = _trainer(max_steps=5, strategy=Restoring(device=torch.device("cpu")), default_root_dir=tmp_path)
+    trainer.fit(Counting())
+    assert trainer.global_step == 5 and Counting.steps == 2  # went on from step 3

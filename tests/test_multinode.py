@@ -43,6 +43,7 @@ from _multinode import (
     torchrun_args,
 )
 from conftest import ROOT, WORKERS, _env, as_torchrun_rank0, free_port
+from fsdp_strategies.ft.protocol import EventLog
 
 WORKER = str(WORKERS / "multinode_train.py")
 SLURM = ROOT / "examples" / "slurm"
@@ -247,7 +248,8 @@ print("\n".join(os.environ["STUB_NODES"].split()))
 '''
 _TORCHRUN = r'''
 import json, os, sys
-keys = ("SLURMD_NODENAME", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
+keys = ("SLURMD_NODENAME", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
+        "FSDP_STRATEGIES_FT_EVENTS")
 with open(os.environ["STUB_LOG"], "a") as fh:
     fh.write(json.dumps({"tool": "torchrun", "argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}) + "\n")
 fail = os.environ.get("STUB_FAIL_GROUP_ONCE")
@@ -325,11 +327,25 @@ def test_slurm_hsdp_script_runs_the_local_two_agent_lines(tmp_path: Path) -> Non
 def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path) -> None:
     nodes = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
     port = free_port()
+    # the groups' events as a run that went down after step 5 left them: group 0 wrote checkpoints at steps 2
+    # and 4, group 1 committed step 5; group 0's (stub) step is not ahead of group 1 when group 1 restarts
+    events_dir = tmp_path / "events"
+    EventLog(events_dir / "group0.jsonl").write_checkpoint(0, 2, "/ckpt/step2.ckpt")
+    EventLog(events_dir / "group0.jsonl").write_checkpoint(0, 4, "/ckpt/step4.ckpt")
+    EventLog(events_dir / "group1.jsonl").write_step(1, 5, True)
     env = {"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "1", "STUB_NODES": " ".join(nodes), "TRAIN_SCRIPT": WORKER,
            "NODES_PER_GROUP": "2", "LIGHTHOUSE_PORT": str(port), "HEARTBEAT_TIMEOUT_MS": str(HEARTBEAT_MS),
-           "MAX_RESTARTS": "1", "STUB_FAIL_GROUP_ONCE": "1"}
+           "MAX_RESTARTS": "1", "STUB_FAIL_GROUP_ONCE": "1", "FT_EVENTS_DIR": str(events_dir),
+           "PYTHON": sys.executable}
     proc, calls = _render(tmp_path, "ft_hsdp.sbatch", FT_EXTRA, env)
     assert proc.returncode == 0, proc.stderr
+    # the restarted group 1 was handed the recorded checkpoints, newest first (only group 1, on its restart)
+    assert (events_dir / "group1.resume").read_text() == "/ckpt/step4.ckpt\n/ckpt/step2.ckpt\n"
+    assert not (events_dir / "group0.resume").exists() and not list(events_dir.glob("*.running"))
+    assert "replica group 1 resumes from /ckpt/step4.ckpt (step 4; 2 checkpoint(s)" in proc.stderr, \
+        proc.stderr
+    assert {r["FSDP_STRATEGIES_FT_EVENTS"] for r in _tool(calls, "torchrun")} == {
+        f"{events_dir}/group{{replica_group_id}}.jsonl"}
     (lighthouse,) = _tool(calls, "torchft_lighthouse")
     assert lighthouse["argv"] == lighthouse_args(min_replicas=1, port=port, heartbeat_timeout_ms=HEARTBEAT_MS)
     assert lighthouse["SLURMD_NODENAME"] == nodes[0]

@@ -11,6 +11,8 @@ result file that does not exist, fails the build):
 * ``{{ pretrained_load NAME.json }}``: the pretrained-load memory table and figure (docs/pretrained.md);
 * ``{{ memory_per_rank NAME.json }}``: a timing suite's worst-rank bytes and peak RSS per contender and case
   (docs/strategies/tensor_parallel.md);
+* ``{{ diff A B }}``: the unified diff between two files of the repository (e.g. the worked port in
+  docs/port.md, whose files a test trains), so the page shows exactly what is tested;
 * ``{{ hf_tp_plans }}``: which model families of the installed ``transformers`` carry a tensor-parallel plan in
   their config (``base_model_tp_plan``) and whether this package applies every style in it.
 
@@ -447,6 +449,19 @@ def all_benchmarks(page_dir: str) -> str:
     return "\n".join(out)
 
 
+def file_diff(a: str, b: str) -> str:
+    """A fenced ``diff`` block: ``b`` against ``a`` (paths relative to the repository)."""
+    import difflib
+
+    paths = [ROOT / a, ROOT / b]
+    for path in paths:
+        if not path.is_file():
+            raise PluginError(f"docs: {{{{ diff {a} {b} }}}}: {path} does not exist")
+    lines = difflib.unified_diff(paths[0].read_text().splitlines(), paths[1].read_text().splitlines(), a, b,
+                                 lineterm="", n=2)
+    return "\n".join(["```diff", *lines, "```"])
+
+
 # ------------------------------------------------------------------------------------------------ mkdocs events
 def on_files(files: Files, config: Any) -> Files:
     for png in sorted(RESULTS.glob("*.png")):
@@ -477,6 +492,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             return "\n".join(memory_per_rank(_load(arg)))
         if kind == "hf_tp_plans" and not arg:
             return hf_tp_plans()
+        if kind == "diff" and len(arg.split()) == 2:
+            return file_diff(*arg.split())
         raise PluginError(f"docs: {page.file.src_uri}: unknown marker {match.group(0)!r}")
 
     return MARKER.sub(render, markdown)

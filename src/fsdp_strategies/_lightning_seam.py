@@ -203,6 +203,12 @@ def replace_sigterm_broadcast(trainer: pl.Trainer, check: Callable[[], None]) ->
     return loop
 
 
+def restore_checkpoint(trainer: Any, path: str) -> None:
+    """Restore everything a ``fit(ckpt_path=path)`` would (model, callbacks, loops, optimizers, schedulers),
+    now, from inside the strategy's ``setup`` (``trainer._checkpoint_connector.restore``)."""
+    trainer._checkpoint_connector.restore(path)
+
+
 def restore_sigterm_broadcast(loop: Any) -> None:
     """Undo :func:`replace_sigterm_broadcast` (the class's own method applies again)."""
     if loop is not None:

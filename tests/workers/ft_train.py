@@ -29,6 +29,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
     FT_TEST_NAN        "GROUP:RANK:STEP": every group runs ``NonFiniteGuard``; rank RANK of group GROUP
                        makes its loss NaN at committed step STEP (a forward hook multiplies the module's
                        output by NaN)
+    FT_TEST_ALL_DIE_AT  "STEP": the first incarnation of every group kills itself (torchrun and every rank)
+                       right after committed step STEP -- no live peer is left to heal from
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -260,6 +262,12 @@ class FTProbe(pl.Callback):
             group, incarnation, step = (int(x) for x in leave.split(":"))
             if (group, incarnation) == (strategy.replica_group_id, self.incarnation) and trainer.global_step >= step:
                 strategy.leave_quorum(f"test eviction at step {trainer.global_step}")
+        die_at = os.environ.get("FT_TEST_ALL_DIE_AT")
+        if die_at and self.incarnation == 0 and trainer.global_step == int(die_at):
+            print(f"FT_TEST: group {self.group} kills itself after step {die_at} (every group does)",
+                  flush=True)
+            kill_own_group()
+            time.sleep(60)
         self._await_spares(trainer)
         if self.sleep:
             time.sleep(self.sleep)

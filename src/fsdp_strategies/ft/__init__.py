@@ -10,9 +10,12 @@
   :mod:`~fsdp_strategies.ft.heal_state` (what a recovering group fetches; LR schedulers after a heal),
   :mod:`~fsdp_strategies.ft.semi_sync` (the rounds of ``sync``/``straggler_sync`` over
   :mod:`~fsdp_strategies.ft.outer_sync` and :mod:`~fsdp_strategies.ft.straggler_switch`),
-  :mod:`~fsdp_strategies.ft.redistribute` (a dead group's batches) and
+  :mod:`~fsdp_strategies.ft.redistribute` (a dead group's batches),
+  :mod:`~fsdp_strategies.ft.nonfinite` (a group with a non-finite loss leaves the step's average) and
   :mod:`~fsdp_strategies.ft.accounting` (``ft_stats``, ``ft/*`` metrics, events, data trained and missed).
 * :mod:`~fsdp_strategies.ft.data` -- the data position that follows the committed step.
+* :mod:`~fsdp_strategies.ft.handover` -- a group restarted with no live peer ahead resumes from the newest
+  checkpoint the groups recorded (the launcher and ``examples/slurm/ft_hsdp.sbatch``).
 * :mod:`~fsdp_strategies.ft.launcher` -- ``fsdp-strategies-ft``: a lighthouse plus N replica groups
   on one machine, restarted on failure, with fault injection; its options are declared once in
   :mod:`~fsdp_strategies.ft.launch_options`, a group's start is :mod:`~fsdp_strategies.ft.group_start`,

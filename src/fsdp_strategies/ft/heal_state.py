@@ -25,13 +25,18 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies.checkpoint.verify import verify_checkpoint
+from fsdp_strategies.ft.protocol import resume_file
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-__all__ = ["HealState", "SchedulerRollback", "TrainingState", "local"]
+__all__ = ["HealState", "SchedulerRollback", "TrainingState", "local", "resume_from_handed"]
 
 
 def local(value: Any) -> Any:
@@ -160,3 +165,24 @@ class SchedulerRollback:
         for cfg in self._parts().lr_scheduler_configs:
             if cfg.interval == "step":
                 cfg.scheduler.step()
+
+
+def resume_from_handed(trainer: Any, events_file: str | None) -> str | None:
+    """A restarted group with checkpoints handed by the launcher
+    (:func:`~fsdp_strategies.ft.protocol.resume_file`) restores the newest that verifies, unless the run was
+    given its own ``ckpt_path``; returns its path. A live peer ahead of it heals it further at the first
+    quorum; without one the group goes on from the checkpoint instead of step 0. Called at the end of the
+    strategy's ``setup`` (model and optimizers exist), on every rank."""
+    if events_file is None or trainer.ckpt_path is not None or trainer.state.fn != "fit":
+        return None
+    handed = resume_file(events_file)
+    if not handed.exists():
+        return None
+    for path in handed.read_text().split():
+        if verify_checkpoint(path).ok:
+            seam.restore_checkpoint(trainer, path)
+            rank_zero_info(
+                f"ft_hsdp: this restarted replica group resumes from {path} (a live peer ahead heals it)"
+            )
+            return path
+    return None

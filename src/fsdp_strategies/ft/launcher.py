@@ -40,9 +40,10 @@ from typing import Any
 
 from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_line
 from fsdp_strategies.ft.group_start import GroupProcess, GroupStarter
+from fsdp_strategies.ft.handover import hand_checkpoints
 from fsdp_strategies.ft.launch_options import LaunchOptions, core_sets, parse_args, parse_kill_at
 from fsdp_strategies.ft.process_tree import kill_tree
-from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, standby_ready_file
+from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, resume_file, standby_ready_file
 
 #: the supervision loop's period, and how old a group's events may be within one pass (less than the period, so
 #: every pass sees what was appended before it)
@@ -169,6 +170,7 @@ class FTLauncher:
         cold start."""
         if g.log is not None:
             g.log.close()
+        self._hand_checkpoints(g)
         cores = self.cores[g.gid] if self.cores is not None else None
         if g.spare is not None and g.spare.poll() is None and g.spare_go is not None:
             g.spare_go.touch()  # the spare's ranks leave wait_for_activation
@@ -184,6 +186,18 @@ class FTLauncher:
         self.note({"event": "start", "group": g.gid, "restart": g.restarts, "pid": g.proc.pid, "cores": cores,
                    "warm_spare": warm, **({"spare_ready": g.spare_ready} if warm else {})})
         return warm
+
+    def _hand_checkpoints(self, g: _Group) -> None:
+        """A restarted group with no live peer ahead gets the recorded checkpoints (:mod:`.handover`)."""
+        if g.restarts == 0:
+            resume_file(self.events(g).path).unlink(missing_ok=True)
+            return
+        live = {o.gid: o.started_at for o in self.groups
+                if o is not g and o.proc is not None and o.proc.poll() is None}
+        handed = hand_checkpoints([self.events(o) for o in self.groups], g.gid, live)
+        if handed is not None:
+            self.note({"event": "hand_checkpoints", "group": g.gid, "newest": handed[1], "step": handed[0],
+                       "count": handed[2]})
 
     # ------------------------------------------------------------------ warm spares
     def start_spare(self, g: _Group) -> None:

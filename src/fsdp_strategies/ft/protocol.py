@@ -48,6 +48,7 @@ __all__ = [
     "UNFIXABLE_EXIT_CODE",
     "EventLog",
     "FTEnvironment",
+    "resume_file",
     "standby_ready_file",
     "wait_for_activation",
 ]
@@ -132,6 +133,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def resume_file(events_file: str | os.PathLike[str]) -> Path:
+    """Beside a group's events file: the checkpoints (newest first, one path a line) the launcher hands a
+    restarted incarnation of the group, to resume from the first that verifies when no live peer is ahead of
+    it."""
+    return Path(events_file).with_suffix(".resume")
+
+
 def standby_ready_file(standby_file: str | os.PathLike[str]) -> Path:
     """The file a warm spare's ranks create once they wait for activation (all imports and set-up done)."""
     return Path(f"{os.fspath(standby_file)}.ready")
@@ -210,6 +218,8 @@ class EventLog:
       step trained and missed: ``data_step``, ``data_missed_samples``, ``data_redistributed_samples``...);
     * ``left``: the reason the group left the quorum;
     * ``finished``: the committed step at the end of training (written before the slow teardown);
+    * ``checkpoint``: the path of a checkpoint this group wrote, at committed step ``checkpoint_step`` (what a
+      restarted group resumes from when no live peer is ahead of it, :func:`resume_file`);
     * ``switch``: ``straggler_sync`` changed mode (``every_step`` or the fallback) at committed step ``switch_step``,
       with the agreed ``cost`` (max over groups) and the per-group ``costs``.
     """
@@ -250,6 +260,9 @@ class EventLog:
 
     def write_finished(self, group: int, step: int) -> None:
         self._append({"group": group, "finished": step})
+
+    def write_checkpoint(self, group: int, step: int, path: str) -> None:
+        self._append({"group": group, "checkpoint": path, "checkpoint_step": step})
 
     def write_switch(self, group: int, step: int, to: str, cost: float, costs: list[float]) -> None:
         self._append({"group": group, "switch": to, "switch_step": step, "cost": cost, "costs": costs})
@@ -305,6 +318,11 @@ class EventLog:
                 best = steps[i]
         self._max_since[since] = (len(times), best)
         return best
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """``(committed step, path)`` of every checkpoint this group recorded, in file order."""
+        return [(int(r["checkpoint_step"]), str(r["checkpoint"]))
+                for r in self.records() if "checkpoint" in r]
 
     def left_since(self, since: float = 0.0) -> str | None:
         """The reason of the last ``left`` record written at or after ``since``; None if the group did not leave."""

@@ -8,10 +8,8 @@ on; the restarted group heals from a live peer (the manager's checkpoint transpo
 
 Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
 
-* ``on_train_batch_start``: snapshot references to this rank's shards (the state a healing peer may fetch) and
-  ``Manager.start_quorum()`` (asynchronous).
-* the optimizer closure (forward + backward): the all-reduce hook waits for the quorum and reduces across
-  groups; errors are recorded by the manager, not raised.
+* ``on_train_batch_start``: snapshot this rank's shards (a healer fetches them), ``Manager.start_quorum()``.
+* forward + backward: the all-reduce hook waits for the quorum and reduces across groups (errors recorded).
 * ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes); the optimizer
   steps only on commit. A discarded step leaves parameters, optimizer state and LR schedulers untouched on
   every member. Lightning's progress counters follow the manager's committed step: ``Trainer.global_step``
@@ -46,7 +44,7 @@ from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.data import StepAlignedData
 from fsdp_strategies.ft.group_exit import exit_if_unfixable
-from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState
+from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState, resume_from_handed
 from fsdp_strategies.ft.manager import (
     CountedManager,
     LighthouseUnreachableError,
@@ -155,12 +153,12 @@ class FTHSDPStrategy(HSDPStrategy):
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, accumulation=accumulation, **kwargs)
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
-        limits = check_ft_options(num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size,
-                         checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
-                         connect_timeout_s=connect_timeout_s, data_on_failure=data_on_failure, sync=sync,
-                         sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                         num_fragments=num_fragments, straggler_sync=straggler_sync,
-                         accumulation=accumulation)
+        limits = check_ft_options(
+            num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size, sync=sync,
+            checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
+            connect_timeout_s=connect_timeout_s, data_on_failure=data_on_failure, sync_every=sync_every,
+            outer_lr=outer_lr, outer_momentum=outer_momentum, num_fragments=num_fragments,
+            straggler_sync=straggler_sync, accumulation=accumulation)
         self.straggler_sync, self.data_on_failure = straggler_sync, data_on_failure
         self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -301,6 +299,11 @@ class FTHSDPStrategy(HSDPStrategy):
 
     # ------------------------------------------------------------------ train start
     @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        resume_from_handed(trainer, self.events_file)  # restarted with no live peer ahead: not from step 0
+
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         assert self.lightning_module is not None
@@ -323,8 +326,7 @@ class FTHSDPStrategy(HSDPStrategy):
                          stats=self.ft_stats, events=self._events if self.global_rank == 0 else None)
         if self.sync == "every_step":
             return
-        # local_sgd/diloco: sync once before the first inner step (a restarted group heals here from a live peer and
-        # continues at the quorum's position)
+        # local_sgd/diloco: sync once before the first inner step (a restarted group heals here from a peer)
         self._step.begin()
         self._outer_sync_between_steps(join=False)
         outer = self._semi.outer
@@ -538,14 +540,9 @@ class FTHSDPStrategy(HSDPStrategy):
 
     # ------------------------------------------------------------------ leaving and shutting down
     def leave_quorum(self, reason: str) -> None:
-        """Make this replica group leave the job now (e.g. evicted as a straggler); the launcher restarts it.
-
-        Every rank of the group exits with :data:`LEAVE_EXIT_CODE` without waiting on peers, so the other
-        groups go on after the lighthouse's heartbeat timeout and the restarted group heals from them.
-        Call it on every rank of the group at the same step (a rank that stays would block in the group's
-        collectives until torchrun tears the group down, which also ends in a restart):
-        ``StragglerDetector(action="evict")`` does, from the window all ranks of the group gathered.
-        """
+        """Make this replica group leave the job now (e.g. evicted as a straggler); the launcher restarts it
+        and it heals. Every rank exits with :data:`LEAVE_EXIT_CODE` without waiting on peers; call it on every
+        rank of the group at the same step (as ``StragglerDetector(action="evict")`` does)."""
         step = self._committed_step() if self._manager is not None else None
         msg = (f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum"
                f"{'' if step is None else f' at committed step {step}'}: {reason}")
@@ -593,6 +590,9 @@ class FTHSDPStrategy(HSDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         if self._is_checkpoint_writer():
             super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self._events is not None and self.global_rank == 0:  # for a group restarted with no peer
+                self._events.write_checkpoint(self.replica_group_id, int(checkpoint.get("global_step", 0)),
+                                              str(filepath))
 
     @override
     def remove_checkpoint(self, filepath: seam.PATH) -> None:
