@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT, run_python
+from fsdp_strategies import FSDP2Strategy
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # Configs that need more than one Lightning job (a lighthouse + replica groups) run in their own tests.
@@ -20,6 +22,19 @@ COVERED_ELSEWHERE = {"ft_hsdp.yaml": "test_ft_hsdp.py", "ft_hsdp_diloco.yaml": "
 
 def test_configs_exist() -> None:
     assert {"fsdp2.yaml", "fsdp2_class_path.yaml", "hsdp.yaml"} <= {c.name for c in CONFIGS}
+
+
+def test_every_config_is_listed_in_getting_started() -> None:
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    missing = [c.name for c in CONFIGS if f"`configs/{c.name}`" not in text]
+    assert not missing, f"docs/getting-started.md's configs table lacks: {missing}"
+
+
+def test_the_class_path_config_spells_out_every_fsdp2_option() -> None:
+    options = set(inspect.signature(FSDP2Strategy.__init__).parameters) - {"self", "kwargs"}
+    config = yaml.safe_load((ROOT / "configs" / "fsdp2_class_path.yaml").read_text())
+    spelled = set(config["trainer"]["strategy"]["init_args"])
+    assert not sorted(options - spelled), f"fsdp2_class_path.yaml lacks: {sorted(options - spelled)}"
 
 
 def test_no_config_names_a_test_helper() -> None:

@@ -5,12 +5,23 @@ The source docstrings use Sphinx roles (``:class:`~fsdp_strategies.strategies.fs
 rendered on this site becomes a link to it (by its public path), anything else inline code (internal
 module paths move; the docs never link to them).
 
-Nothing is added: the descriptions, types and defaults stay those of the one declaration in the source.
+Nothing is added: the descriptions stay those of the one declaration in the source. Defaults and types are
+shown as values, not as the names the source spells them with: a default that is not a literal
+(``DEFAULT_PREEMPT_GRACE_S``, ``default_pg_timeout``, ``1 << 20``) is replaced by the repr of the imported
+class's real default, and a type that hides its allowed values behind an alias (``AsyncCheckpointMode``,
+``CommHook``) by the values of its ``Literal`` (``'off' | 'thread' | 'process'``).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import re
+import types
+import typing
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import griffe
@@ -46,3 +57,80 @@ class PublicDocstrings(griffe.Extension):
         if doc is None:
             return
         doc.value = _ROLE.sub(_role, doc.value)
+
+
+def _is_literal(text: str) -> bool:
+    try:
+        ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, timedelta):
+        return f"timedelta(seconds={value.total_seconds():g})"
+    return repr(value)
+
+
+def _type_text(hint: Any) -> str:
+    """A runtime type hint written out with its Literal values (aliases expanded)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in args)
+    if hint is type(None):
+        return "None"
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(_type_text(a) for a in args)}]" if args else name
+    return getattr(hint, "__name__", str(hint))
+
+
+def _classes(obj: griffe.Object) -> Iterator[griffe.Class]:
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if member.is_module:
+            yield from _classes(member)  # type: ignore[arg-type]
+        elif member.is_class:
+            yield member  # type: ignore[misc]
+
+
+def _runtime_init(cls: griffe.Class) -> Any:
+    try:
+        return getattr(importlib.import_module(cls.module.path), cls.name).__init__
+    except Exception:  # not importable here (an optional dependency): leave its source text
+        return None
+
+
+def show_values(cls: griffe.Class) -> None:
+    """Defaults and alias types of ``cls.__init__``'s parameters as values (see the module docstring)."""
+    init = cls.members.get("__init__")
+    runtime = _runtime_init(cls)
+    if init is None or init.is_alias or runtime is None:
+        return
+    try:
+        signature = inspect.signature(runtime)
+        hints = typing.get_type_hints(runtime)
+    except Exception:
+        return
+    for param in init.parameters:  # type: ignore[union-attr]
+        real = signature.parameters.get(param.name)
+        if real is None:
+            continue
+        if param.default is not None and real.default is not inspect.Parameter.empty \
+                and not _is_literal(str(param.default)):
+            param.default = _value_text(real.default)
+        hint = hints.get(param.name)
+        if hint is not None and "Literal" in repr(hint) and "Literal" not in str(param.annotation):
+            param.annotation = _type_text(hint)
+
+
+class RealValues(griffe.Extension):
+    """Applies :func:`show_values` to every class of the package once it is loaded."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        for cls in _classes(pkg):
+            show_values(cls)

@@ -15,10 +15,12 @@ import ast
 import inspect
 import json
 import os
+import re
 import shutil
 import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,10 +74,11 @@ class _Tables(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tables: list[dict[str, list[str]]] = []  # {"head": [...], "names": [...]}
+        self.tables: list[dict[str, Any]] = []  # {"head": [...], "names": [...], "rows": [[cell, ...], ...]}
         self._title = False
         self._pending = False
-        self._table: dict[str, list[str]] | None = None
+        self._table: dict[str, Any] | None = None
+        self._row: list[str] = []
         self._cell: str | None = None  # "th" | "td"
         self._col = -1
         self._text = ""
@@ -85,9 +88,9 @@ class _Tables(HTMLParser):
         if tag == "span" and "doc-section-title" in classes:
             self._title, self._text = True, ""
         elif tag == "table" and self._pending:
-            self._table, self._pending = {"head": [], "names": []}, False
+            self._table, self._pending = {"head": [], "names": [], "rows": []}, False
         elif self._table is not None and tag == "tr":
-            self._col = -1
+            self._col, self._row = -1, []
         elif self._table is not None and tag in ("th", "td"):
             self._cell, self._text = tag, ""
             self._col += 1
@@ -99,9 +102,13 @@ class _Tables(HTMLParser):
         elif self._table is not None and tag == self._cell:
             if tag == "th":
                 self._table["head"].append(self._text.strip())
-            elif self._col == 0:
-                self._table["names"].append(self._text.strip())
+            else:
+                if self._col == 0:
+                    self._table["names"].append(self._text.strip())
+                self._row.append(" ".join(self._text.split()))
             self._cell = None
+        elif self._table is not None and tag == "tr" and self._row:
+            self._table["rows"].append(self._row)
         elif tag == "table" and self._table is not None:
             self.tables.append(self._table)
             self._table = None
@@ -111,7 +118,7 @@ class _Tables(HTMLParser):
             self._text += data
 
 
-def parameter_tables(html: str) -> list[dict[str, list[str]]]:
+def parameter_tables(html: str) -> list[dict[str, Any]]:
     parser = _Tables()
     parser.feed(html)
     return parser.tables
@@ -158,6 +165,38 @@ def test_page_renders_every_option_in_a_parameters_table(page: str) -> None:
     listed = {name for table in tables for name in table["names"]}
     missing = sorted(options(cls) - listed)
     assert not missing, f"{page}: options of {cls.__name__} missing from its parameters tables: {missing}"
+
+
+def _type_aliases() -> set[str]:
+    """Names the package gives to Literal types (``AsyncCheckpointMode = Literal[...]``)."""
+    pattern = re.compile(r"^(\w+)(?::\s*TypeAlias)?\s*=\s*Literal\[", re.M)
+    return {m.group(1) for path in (ROOT / "src").rglob("*.py") for m in pattern.finditer(path.read_text())}
+
+
+def _is_value(text: str) -> bool:
+    if text in ("required", "") or text.startswith("timedelta("):
+        return True
+    try:
+        ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_option_tables_show_values_not_the_names_of_constants_or_aliases(page: str) -> None:
+    # the Default column shows the real default (25.0, not DEFAULT_PREEMPT_GRACE_S; 1048576, not 1 << 20) and
+    # the Type column the allowed values ('off' | 'thread' | 'process', not AsyncCheckpointMode): static HTML
+    aliases = _type_aliases()
+    assert {"AsyncCheckpointMode", "CommHook"} <= aliases, aliases
+    tables = parameter_tables((SITE / page / "index.html").read_text())
+    assert tables, page
+    for table in tables:
+        kind, default = table["head"].index("Type"), table["head"].index("Default")
+        for row in table["rows"]:
+            named = sorted(a for a in aliases if re.search(rf"\b{a}\b", row[kind]))
+            assert not named, f"{page}: option {row[0]}: type shown as {row[kind]!r} (alias {named})"
+            assert _is_value(row[default]), f"{page}: option {row[0]}: default shown as {row[default]!r}"
 
 
 def test_performance_page_has_a_generated_section_and_figure_per_result_file() -> None:
