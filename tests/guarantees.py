@@ -310,6 +310,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "state is per rank)]", "test_refuse_policy_names_both_sizes")),
     Guarantee("docs/port.md", "`tests/test_port_example.py` trains both", _ids(
         "test_port_example.py", "test_the_port_in_the_docs_trains")),
+    Guarantee("README.md", "with a worked diff that a test trains",
+              _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/port.md", "checked by the test",
               _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/checkpoints.md", "Tested in `tests/test_checkpoint_location.py`", _ids(
