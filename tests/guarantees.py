@@ -310,6 +310,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "state is per rank)]", "test_refuse_policy_names_both_sizes")),
     Guarantee("docs/port.md", "`tests/test_port_example.py` trains both", _ids(
         "test_port_example.py", "test_the_port_in_the_docs_trains")),
+    Guarantee("docs/callbacks/mfu_monitor.md", "against what the callback logs (`tests/test_throughput.py`)",
+              _ids("test_throughput.py", "test_single_device_accumulation_sac_and_sources")),
+    Guarantee("docs/callbacks/mfu_monitor.md", "of a CSV logger's row (`tests/test_throughput.py`", _ids(
+        "test_throughput.py", "test_single_device_accumulation_sac_and_sources")),
     Guarantee("README.md", "with a worked diff that a test trains",
               _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/port.md", "checked by the test",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,6 +156,12 @@ def test_single_device_accumulation_sac_and_sources(tmp_path: Path) -> None:
         assert {"perf/tflops_per_device/median", "perf/mfu/median"} <= set(bar)
         logged = [r for r in rows if r.get("perf/mfu/median")]
         assert logged and all(float(r["perf/mfu/median"]) > 0 for r in logged)  # reached the CSV logger
+
+    # docs/callbacks/mfu_monitor.md lists exactly the names the callback logs (default prefix: perf)
+    page = (ROOT / "docs" / "callbacks" / "mfu_monitor.md").read_text().split("## Metric names", 1)[1]
+    documented = set(re.findall(r"`(perf(?:_cum)?/[\w/]+)`", page.split("\n## ", 1)[0]))
+    logged = {k for k in runs["plain"][1] if k.startswith("perf")}
+    assert documented == logged, (sorted(logged - documented), sorted(documented - logged))
 
     # user-given and analytic sources
     given = MFUMonitor(window=2, warmup_steps=1, flops_per_batch=lambda batch: 1000 * batch.shape[0])
