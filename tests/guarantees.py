@@ -314,6 +314,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
               _ids("test_throughput.py", "test_single_device_accumulation_sac_and_sources")),
     Guarantee("docs/callbacks/mfu_monitor.md", "of a CSV logger's row (`tests/test_throughput.py`", _ids(
         "test_throughput.py", "test_single_device_accumulation_sac_and_sources")),
+    Guarantee("docs/migrate.md", "`tests/test_migrate_page.py` runs it", _ids(
+        "test_migrate_page.py", "test_the_migration_page_builds_what_it_names")),
     Guarantee("README.md", "with a worked diff that a test trains",
               _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/port.md", "checked by the test",
