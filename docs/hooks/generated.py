@@ -11,6 +11,8 @@ result file that does not exist, fails the build):
 * ``{{ pretrained_load NAME.json }}``: the pretrained-load memory table and figure (docs/pretrained.md);
 * ``{{ memory_per_rank NAME.json }}``: a timing suite's worst-rank bytes and peak RSS per contender and case
   (docs/strategies/tensor_parallel.md);
+* ``{{ summary_table }}``: one table of every comparison a result file states a target for (the last --
+  largest -- case of each), with its value, target and verdict, linked to the file's section;
 * ``{{ diff A B }}``: the unified diff between two files of the repository (e.g. the worked port in
   docs/port.md, whose files a test trains), so the page shows exactly what is tested;
 * ``{{ hf_tp_plans }}``: which model families of the installed ``transformers`` carry a tensor-parallel plan in
@@ -449,6 +451,26 @@ def all_benchmarks(page_dir: str) -> str:
     return "\n".join(out)
 
 
+def summary_table() -> str:
+    """Every targeted comparison of every result file, its last (largest) case: value, target, verdict."""
+    rows = []
+    for path in _result_files():
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("summary"), list):
+            continue
+        last: dict[str, dict[str, Any]] = {}
+        for row in data["summary"]:
+            if isinstance(row, dict) and (row.get("target") is not None or row.get("target_min") is not None):
+                last[str(row.get("ratio"))] = row
+        for name, row in last.items():
+            where = ", ".join(f"{k} {row[k]}" for k in ("size", "ranks") if row.get(k) is not None)
+            target = (f"<= {_fmt(row['target'])}" if row.get("target") is not None
+                      else f">= {_fmt(row['target_min'])}")
+            rows.append([f"[`{path.name}`](#{path.stem})", f"{name}" + (f" ({where})" if where else ""),
+                         _fmt(row.get("value")), target, _verdict(row.get("met"))])
+    return "\n".join(_table(["result file", "comparison", "value", "target", "met"], rows))
+
+
 def file_diff(a: str, b: str) -> str:
     """A fenced ``diff`` block: ``b`` against ``a`` (paths relative to the repository)."""
     import difflib
@@ -492,6 +514,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             return "\n".join(memory_per_rank(_load(arg)))
         if kind == "hf_tp_plans" and not arg:
             return hf_tp_plans()
+        if kind == "summary_table" and not arg:
+            return summary_table()
         if kind == "diff" and len(arg.split()) == 2:
             return file_diff(*arg.split())
         raise PluginError(f"docs: {page.file.src_uri}: unknown marker {match.group(0)!r}")
