@@ -53,15 +53,22 @@ def hand_checkpoints(events: Sequence[EventLog], group: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fsdp_strategies.ft.handover --events-dir D --group G --groups N`` (before a restart)."""
+    """``python -m fsdp_strategies.ft.handover --events PATTERN --group G --groups N --attempt A`` (before a
+    start of group G: attempt 0 only removes an old hand-over)."""
     parser = argparse.ArgumentParser(prog="python -m fsdp_strategies.ft.handover", description=main.__doc__)
-    parser.add_argument("--events-dir", required=True, help="folder of the groups' group<g>.jsonl files")
-    parser.add_argument("--group", type=int, required=True, help="the replica group about to be restarted")
+    parser.add_argument("--events", required=True,
+                        help="the groups' events files, with {replica_group_id} (FSDP_STRATEGIES_FT_EVENTS)")
+    parser.add_argument("--group", type=int, required=True, help="the replica group about to start")
     parser.add_argument("--groups", type=int, required=True, help="number of replica groups")
+    parser.add_argument("--attempt", type=int, default=1, help="0: its first start (nothing is handed)")
     args = parser.parse_args(argv)
-    events = [EventLog(Path(args.events_dir) / f"group{g}.jsonl") for g in range(args.groups)]
-    live = {g: running_file(args.events_dir, g).stat().st_mtime for g in range(args.groups)
-            if g != args.group and running_file(args.events_dir, g).exists()}
+    events = [EventLog(args.events.replace("{replica_group_id}", str(g))) for g in range(args.groups)]
+    if args.attempt == 0:
+        resume_file(events[args.group].path).unlink(missing_ok=True)
+        return 0
+    folder = events[args.group].path.parent
+    live = {g: running_file(folder, g).stat().st_mtime for g in range(args.groups)
+            if g != args.group and running_file(folder, g).exists()}
     handed = hand_checkpoints(events, args.group, live)
     if handed is None:
         print(f"ft_hsdp handover: replica group {args.group} heals from a live peer (or has no checkpoint)")
