@@ -25,25 +25,35 @@ junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
 # tests/docs checks the built site in Chromium: `make docs` runs it, right after the build.
 # The `full` tests (longer fault runs) are a stage of their own: `make test-full`; `soak` ones need FSDP_STRATEGIES_FULL=1.
-# `make test` runs two passes at once: the `serial` tests (tests/conftest.py SERIAL_FILES: fault runs timed against
-# their own deadlines) one at a time at the normal priority, and every other test beside them on TEST_WORKERS
-# pytest-xdist workers at niceness TEST_PARALLEL_NICE. The kernel gives a niceness of 10 about a tenth of the CPU
-# weight of 0, so the serial tests get a core whenever they want one and the other pass takes what they leave (on
-# 2 cores they keep one idle about half the time). The serial pass's output follows the other's. Either failing
-# fails.
+# `make test` runs two passes: the `serial` tests (tests/conftest.py SERIAL_FILES: fault runs timed against their
+# own deadlines) one at a time, and every other test on TEST_WORKERS pytest-xdist workers. Where this machine
+# allows CPU groups (tests/cpu_group.sh --check: root and the cgroup v1 cpu controller; TEST_CPU_GROUPS=off to
+# refuse them) the passes run at once, the serial one in a group weighing 64 times the other's, so its tests get
+# the CPU whenever they want it and the other pass takes what they leave (alone, they keep one of the 2 cores idle
+# about half the time); its output follows the other pass's. Elsewhere the serial pass runs after the other.
+# Either failing fails.
 TEST_WORKERS ?= 2
-TEST_PARALLEL_NICE ?= 10
+TEST_CPU_GROUPS ?= auto
+OTHER_PASS = $(PY) -m pytest tests -m "not full and not serial" -n $(TEST_WORKERS) --dist worksteal -q \
+	-p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm $(call junit,test)
+SERIAL_PASS = $(PY) -m pytest tests -m "not full and serial" -q -p no:cacheprovider --durations=15 \
+	--ignore=tests/docs --ignore=tests/slurm $(call junit,test-serial)
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
-	@rc=0; src=0; log=$$(mktemp); \
-	$(PY) -m pytest tests -m "not full and serial" -q -p no:cacheprovider --durations=15 --ignore=tests/docs \
-		--ignore=tests/slurm $(call junit,test-serial) > $$log 2>&1 & serial=$$!; \
-	nice -n $(TEST_PARALLEL_NICE) $(PY) -m pytest tests -m "not full and not serial" -n $(TEST_WORKERS) \
-		--dist worksteal -q -p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm \
-		$(call junit,test) || rc=$$?; \
-	wait $$serial || src=$$?; \
-	echo "== make test: the serial pass (it ran beside the pass above, at the normal priority)"; \
-	cat $$log; rm -f $$log; [ $$src = 0 ] || rc=$$src; \
+	@rc=0; src=0; \
+	if [ "$(TEST_CPU_GROUPS)" != off ] && tests/cpu_group.sh --check; then \
+		log=$$(mktemp); \
+		tests/cpu_group.sh fsdp-tests-serial 8192 $(SERIAL_PASS) > $$log 2>&1 & serial=$$!; \
+		tests/cpu_group.sh fsdp-tests-other 128 $(OTHER_PASS) || rc=$$?; \
+		wait $$serial || src=$$?; \
+		echo "== make test: the serial pass (it ran beside the pass above, in the CPU group of the larger weight)"; \
+		cat $$log; rm -f $$log; \
+	else \
+		echo "== make test: no CPU groups here (tests/cpu_group.sh): the serial pass runs after the other"; \
+		$(OTHER_PASS) || rc=$$?; \
+		$(SERIAL_PASS) || src=$$?; \
+	fi; \
+	[ $$src = 0 ] || rc=$$src; \
 	exit $$rc
 
 test-full: install

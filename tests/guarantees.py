@@ -320,11 +320,15 @@ GUARANTEES: tuple[Guarantee, ...] = (
               _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
     Guarantee("docs/port.md", "checked by the test",
               _ids("test_port_example.py", "test_the_port_in_the_docs_trains")),
-    Guarantee("docs/checkpoints.md", "Tested in `tests/test_checkpoint_location.py`", _ids(
+    Guarantee("docs/checkpoints.md", "in `tests/test_checkpoint_location.py` (`memory://`", _ids(
         "test_checkpoint_location.py",
-        "test_a_url_checkpoint_dir_or_resume_path_is_refused_before_training[fsdp2]",
-        "test_a_url_checkpoint_dir_or_resume_path_is_refused_before_training[ddp_hooks]",
+        "test_a_url_checkpoint_dir_is_refused_before_training_or_written_there[fsdp2]",
+        "test_a_url_checkpoint_dir_is_refused_before_training_or_written_there[ddp_hooks]",
         "test_export_and_verify_name_the_url", "test_a_url_pretrained_folder_is_refused_with_the_fix")),
+    Guarantee("docs/checkpoints.md", "Tested against a real S3 server (SeaweedFS)", _ids(
+        "test_object_store.py",
+        "test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save",
+        "test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors")),
     Guarantee("docs/checkpoints.md", "(tested by killing a run mid-save)", _ATOMIC,
               "the test crashes a process after the shards are written and before the commit"),
     Guarantee("docs/checkpoints.md", "(`tests/test_disk_full.py`, 2 ranks, gloo)", _DISK_FULL),

@@ -42,7 +42,8 @@ _PR_SET_CHILD_SUBREAPER = 36
 #: daemon (``async_checkpoint="process"`` in-process). Matched against the command line.
 LONG_LIVED_HELPERS = ("torch/_inductor/compile_worker", "torch._inductor.compile_worker",
                       "torch.distributed.checkpoint._async_process_executor", "multiprocessing.resource_tracker",
-                      "multiprocessing.forkserver")
+                      "multiprocessing.forkserver",
+                      "fsdp-tests-s3-server")  # tests/s3_server.py: one S3 server per test module, stopped by it
 
 
 def become_subreaper() -> bool:

@@ -54,16 +54,19 @@ try:
         pl.Trainer(**kwargs).fit(BoringModel(), ckpt_path="memory://run/last.ckpt")
 except CheckpointLocationError as err:
     print("REFUSED:", err)
-print("STEPS:", os.listdir("."))
+except FileNotFoundError as err:  # fsdp2: a URL without a manifest holds no committed checkpoint
+    print("NOT COMMITTED:", err)
+import fsspec
+print("MEMORY:", sorted(fsspec.filesystem("memory").find("/run")))
 """
 
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp_hooks"])
-def test_a_url_checkpoint_dir_or_resume_path_is_refused_before_training(tmp_path: Path,
-                                                                         strategy: str) -> None:
-    # before this change: the fit "succeeded" and wrote ./memory:/run/*.ckpt (fsdp2 and ddp_hooks) -- the URL
-    # collapsed into a local relative path
+def test_a_url_checkpoint_dir_is_refused_before_training_or_written_there(tmp_path: Path, strategy: str) -> None:
+    # before the URL check: the fit "succeeded" and wrote ./memory:/run/*.ckpt (fsdp2 and ddp_hooks) -- the URL
+    # collapsed into a local relative path. Now ddp_hooks refuses it before training; fsdp2 writes the URL
+    # (commit by manifest: tests/test_object_store.py runs it against a real S3 server)
     script = tmp_path / "fit.py"
     script.write_text(textwrap.dedent(_FIT))
     env = {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -72,10 +75,17 @@ def test_a_url_checkpoint_dir_or_resume_path_is_refused_before_training(tmp_path
         work = tmp_path / where
         work.mkdir()
         out = run_python([str(script), strategy, where], cwd=work, env=env, timeout=120).stdout
-        assert f"REFUSED: {label} is an object-storage URL (memory://)" in out, out[-2000:]
         assert not (work / "memory:").exists()  # nothing written to a local folder named after the URL
-        if where == "dirpath":
-            assert "Training" not in out  # refused at set-up: no step ran
+        if strategy == "ddp_hooks":
+            assert f"REFUSED: {label} is an object-storage URL (memory://)" in out, out[-2000:]
+            if where == "dirpath":
+                assert "Training" not in out  # refused at set-up: no step ran
+        elif where == "dirpath":  # written into the in-memory file system, each checkpoint committed
+            assert "REFUSED" not in out, out[-2000:]
+            listing = out.split("MEMORY:", 1)[1]
+            assert "/run/epoch=0-step=2.ckpt/fsdp_strategies_manifest.json" in listing, listing
+        else:  # a URL holding no manifest is not a committed checkpoint: nothing is read
+            assert "NOT COMMITTED: memory://run/last.ckpt: no committed checkpoint there" in out, out[-2000:]
 
 
 def test_export_and_verify_name_the_url(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -85,9 +95,9 @@ def test_export_and_verify_name_the_url(capsys: pytest.CaptureFixture[str], tmp_
             in err)
     from fsdp_strategies.checkpoint.verify import verify_main
 
-    assert verify_main(["s3://bucket/run/last.ckpt"]) == 1
+    assert verify_main(["nosuchfs://bucket/run/last.ckpt"]) == 1
     out = capsys.readouterr().out
-    assert "the checkpoint path='s3://bucket/run/last.ckpt' is an object-storage URL" in out
+    assert "PATH='nosuchfs://bucket/run/last.ckpt': fsspec does not know the scheme nosuchfs://" in out
 
 
 def test_a_url_pretrained_folder_is_refused_with_the_fix() -> None:

@@ -789,6 +789,24 @@ def test__metadata_fn_and_dcp_metadata_classes(tmp_path: Path) -> None:
     assert ("torch.serialization", "_get_layout") in tseam.dcp_metadata_globals()
 
 
+def test__fsspec_filesystem_FsspecWriter_and_FsspecReader() -> None:
+    """DCP's fsspec writer and reader take a URL and fsspec's storage options, and round-trip a state."""
+    import uuid
+
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+
+    url = f"memory://seam-{uuid.uuid4().hex}/ckpt"
+    writer = tseam.fsspec_storage("writer")(url, skip_instance_cache=False)
+    dcp.save({"w": torch.arange(4.0), "step": 3}, storage_writer=writer)
+    fs, root = fsspec.core.url_to_fs(url)
+    assert fs.isfile(f"{root}/{tseam.DCP_METADATA_FILE}")
+    state = {"w": torch.zeros(4), "step": 0}
+    dcp.load(state, storage_reader=tseam.fsspec_storage("reader")(url))
+    assert torch.equal(state["w"], torch.arange(4.0)) and state["step"] == 3
+    fs.rm(root, recursive=True)
+
+
 def test_numpy__reconstruct() -> None:
     import io
 

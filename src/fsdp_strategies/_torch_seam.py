@@ -30,6 +30,7 @@ __all__ = [
     "flight_recorder_json",
     "fsdp_gradient_holders",
     "fsdp_lazy_init",
+    "fsspec_storage",
     "inside_autograd_backward",
     "is_compiled_module",
     "is_op_overload",
@@ -251,6 +252,15 @@ def _dcp_metadata_file() -> str:
 
 #: The pickled metadata file of a DCP folder (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 DCP_METADATA_FILE: str = _dcp_metadata_file()
+
+
+def fsspec_storage(kind: str) -> type:
+    """DCP's storage writer or reader for fsspec URLs (``torch.distributed.checkpoint._fsspec_filesystem``:
+    ``FsspecWriter`` for ``kind="writer"``, ``FsspecReader`` for ``"reader"``; not exported by
+    ``torch.distributed.checkpoint``). Both take ``(url, **storage_options)``."""
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return {"writer": _fsspec_filesystem.FsspecWriter, "reader": _fsspec_filesystem.FsspecReader}[kind]
 
 
 def dcp_metadata_globals() -> dict[tuple[str, str], Any]:

@@ -35,18 +35,23 @@ import os
 import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = [
     "INTEGRITY_KEY",
     "MANIFEST_FILE",
+    "CheckpointFiles",
     "CheckpointIntegrityError",
+    "LocalFiles",
     "VerifyResult",
     "VerifyStatus",
     "embed_digest",
     "hash_files",
+    "manifest_text",
+    "parse_manifest",
+    "verify_files",
     "verify_folder",
     "verify_loaded",
     "write_manifest",
@@ -144,45 +149,97 @@ def write_manifest(folder: pathlib.Path, hashed: Mapping[str, tuple[int, str]]) 
     if gone:
         raise CheckpointIntegrityError(f"{folder}: files vanished while the checkpoint was written: {gone}")
     tmp = folder / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps({"format": "fsdp_strategies checkpoint manifest", "version": MANIFEST_VERSION,
-                               "algorithm": ALGORITHM, "files": _describe(entries)}, indent=1))
+    tmp.write_text(manifest_text(entries))
     os.replace(tmp, folder / MANIFEST_FILE)
 
 
-def _read_manifest(folder: pathlib.Path) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
-    """(files, None), (None, None) when there is no manifest, or (None, problem)."""
-    path = folder / MANIFEST_FILE
-    if not path.is_file():
-        return None, None
+class CheckpointFiles(Protocol):
+    """Where a sharded checkpoint's files are, as verification needs them: a local folder
+    (:class:`LocalFiles`) or objects under a URL (:mod:`fsdp_strategies.checkpoint.object_store`)."""
+
+    where: str  # names the checkpoint in messages
+
+    def manifest_text(self) -> str | None:
+        """The manifest's text; None when there is none."""
+
+    def sizes(self) -> dict[str, int]:
+        """Every file of the checkpoint but the manifest: relative name -> size in bytes."""
+
+    def digest(self, name: str) -> str:
+        """SHA-256 of one file (raises OSError when unreadable)."""
+
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """A DCP folder on a local or mounted file system, its manifest inside it."""
+
+    folder: pathlib.Path
+
+    @property
+    def where(self) -> str:
+        return str(self.folder)
+
+    def manifest_text(self) -> str | None:
+        path = self.folder / MANIFEST_FILE
+        return path.read_text() if path.is_file() else None
+
+    def sizes(self) -> dict[str, int]:
+        return {name: (self.folder / name).stat().st_size for name in _files(self.folder)}
+
+    def digest(self, name: str) -> str:
+        return file_digest(self.folder / name)
+
+
+def manifest_text(hashed: Mapping[str, tuple[int, str]], **extra: Any) -> str:
+    """The manifest's JSON for ``{name: (size, sha256)}`` (``extra``: more top-level fields)."""
+    return json.dumps({"format": "fsdp_strategies checkpoint manifest", "version": MANIFEST_VERSION,
+                       "algorithm": ALGORITHM, **extra, "files": _describe(hashed)}, indent=1)
+
+
+def parse_manifest(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the manifest's fields, None), or (None, problem) when it is unreadable."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         files = data["files"]
         if data.get("algorithm") != ALGORITHM or not isinstance(files, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
             for v in files.values()
         ):
             raise ValueError("unexpected layout")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         return None, f"{MANIFEST_FILE}: unreadable manifest ({type(err).__name__}: {err})"
-    return files, None
+    return data, None
 
 
-def _listing_problems(folder: pathlib.Path, files: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    present = set(_files(folder))
+def _read_manifest(found: CheckpointFiles) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """(files, None), (None, None) when there is no manifest, or (None, problem)."""
+    try:
+        text = found.manifest_text()
+    except OSError as err:
+        return None, f"{MANIFEST_FILE}: unreadable manifest ({type(err).__name__}: {err})"
+    if text is None:
+        return None, None
+    data, problem = parse_manifest(text)
+    return (None, problem) if data is None else (data["files"], None)
+
+
+def _listing_problems(found: CheckpointFiles, files: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    sizes = found.sizes()
+    present = set(sizes)
     problems = [f"{name}: missing (listed in the manifest)" for name in sorted(set(files) - present)]
     problems += [f"{name}: unknown file (not in the manifest)" for name in sorted(present - set(files))]
     for name in sorted(present & set(files)):
-        size = (folder / name).stat().st_size
+        size = sizes[name]
         if size != files[name]["size"]:
             problems.append(f"{name}: size {size} bytes, the manifest says {files[name]['size']} (truncated or replaced)")
     return problems
 
 
-def _hash_problems(folder: pathlib.Path, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> list[str]:
+def _hash_problems(found: CheckpointFiles, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> list[str]:
     problems = []
     for name in names:
         try:
-            digest = file_digest(folder / name)
+            digest = found.digest(name)
         except OSError as err:
             problems.append(f"{name}: unreadable ({err.strerror or err})")
             continue
@@ -202,16 +259,26 @@ def verify_folder(folder: pathlib.Path, *, rank: int = 0, world_size: int = 1,
     Every rank must call it (``all_gather`` is a collective); every rank gets the same result.
     Reads only the JSON manifest and raw bytes.
     """
-    files, problem = _read_manifest(folder)
+    return verify_files(LocalFiles(folder), rank=rank, world_size=world_size, all_gather=all_gather)
+
+
+def verify_files(found: CheckpointFiles, *, rank: int = 0, world_size: int = 1,
+                 all_gather: Callable[[Any], list[Any]] = _single) -> VerifyResult:
+    """:func:`verify_folder` for any :class:`CheckpointFiles` (a local folder, objects under a URL)."""
+    files, problem = _read_manifest(found)
     if files is None and problem is None:
         local: list[str] | None = None
     elif problem is not None:
         local = [problem]
     else:
-        local = _listing_problems(folder, files)
+        try:
+            local = _listing_problems(found, files)
+        except OSError as err:
+            local = [f"unreadable listing ({type(err).__name__}: {err})"]
         if not local:  # hash only what exists at the right size; the share is by sorted name
-            local = _hash_problems(folder, files, sorted(files)[rank::world_size])
+            local = _hash_problems(found, files, sorted(files)[rank::world_size])
     gathered = all_gather(local)
+    folder = found.where
     if any(g is None for g in gathered):
         return VerifyResult(VerifyStatus.NO_MANIFEST, f"{folder}: no manifest ({MANIFEST_FILE}); written by an older version or "
                             "another tool, so it cannot be verified")

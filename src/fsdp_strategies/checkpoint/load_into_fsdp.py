@@ -22,7 +22,7 @@ only its shard.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +38,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from fsdp_strategies._distributed import rank_and_world
+from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
+from fsdp_strategies.checkpoint.object_store import RemoteCheckpoint, read_remote_meta, verify_remote
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     load_dcp_metadata,
+    load_dcp_metadata_stream,
+    safe_fsspec_reader,
     safe_torch_load,
 )
 from fsdp_strategies.checkpoint.verify import load_full_file, verify_folder_before_load
 
-__all__ = ["PARAM_NAMES_KEY", "CheckpointMismatchError", "clean_name", "load_into_sharded_model", "optimizer_param_names"]
+__all__ = ["PARAM_NAMES_KEY", "CheckpointMismatchError", "clean_name", "load_into_sharded_model",
+           "load_remote_into_sharded_model", "optimizer_param_names"]
 
 #: Checkpoints written by this package's full-file saves record, per optimizer and group, the
 #: names of the parameters behind the optimizer-state ids, so a resume can check the mapping.
@@ -110,7 +116,7 @@ def model_mismatch(expected: Mapping[str, tuple[int, ...] | None], found: Mappin
     return problems
 
 
-def _mismatch(source: Path, source_format: str, target: str, what: str, problems: list[str], fix: str) -> Exception:
+def _mismatch(source: Path | str, source_format: str, target: str, what: str, problems: list[str], fix: str) -> Exception:
     return CheckpointMismatchError(
         f"Cannot resume from {source} ({source_format}) into this {target} run: the {what} differ -- "
         f"{'; '.join(problems)}. {fix}"
@@ -223,32 +229,63 @@ def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path, *
 
 def _load_sharded(module: nn.Module, optimizers: Sequence[Optimizer], path: Path, *, strict: bool,
                   target: str) -> dict[str, Any]:
+    verify_folder_before_load(path)  # every byte as written, before anything is unpickled
+
+    def meta() -> dict[str, Any]:
+        return safe_torch_load(path / LIGHTNING_META_FILE, name=str(path / LIGHTNING_META_FILE))
+
+    return _apply_sharded(module, optimizers, str(path), load_dcp_metadata(path),
+                          lambda: SafeFileSystemReader(path), meta, strict=strict, target=target)
+
+
+def _apply_sharded(module: nn.Module, optimizers: Sequence[Optimizer], where: str, metadata: Any,
+                   reader: Callable[[], Any], meta: Callable[[], dict[str, Any]], *, strict: bool,
+                   target: str) -> dict[str, Any]:
+    """Check a verified DCP checkpoint's layout against ``module``, then load it (``reader``: a new DCP
+    storage reader; ``meta``: Lightning's ``meta.pt``, read with the restricted loader)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    verify_folder_before_load(path)  # every byte as written, before anything is unpickled
-    metadata = load_dcp_metadata(path)
     prefix = "state_dict."
     found = {k[len(prefix):]: (tuple(m.size) if isinstance(m, TensorStorageMetadata) else None)
              for k, m in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     problems = model_mismatch(_model_shapes(module), found, strict=strict)
     if problems:
-        raise _mismatch(path, SHARDED_FORMAT, target, "model parameters", problems,
+        raise _mismatch(where, SHARDED_FORMAT, target, "model parameters", problems,
                         "Fix: resume with the model configuration the checkpoint was written with.")
     planner = {"allow_partial_load": not strict}
     model_state = {"state_dict": get_model_state_dict(module)}
-    dcp.load(model_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(**planner))
+    dcp.load(model_state, storage_reader=reader(), planner=SafeLoadPlanner(**planner))
     set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         key = f"optimizer_{i}"
         opt_state = {key: get_optimizer_state_dict(module, opt)}
-        dcp.load(opt_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(**planner))
+        dcp.load(opt_state, storage_reader=reader(), planner=SafeLoadPlanner(**planner))
         set_optimizer_state_dict(module, opt, optim_state_dict=opt_state[key])
     try:
-        return safe_torch_load(path / LIGHTNING_META_FILE, name=str(path / LIGHTNING_META_FILE))
+        return meta()
     except UnsafeCheckpointError:
         raise
     except Exception as err:
-        raise CheckpointIntegrityError(f"{path / LIGHTNING_META_FILE} is unreadable ({type(err).__name__}: {err}).") from None
+        raise CheckpointIntegrityError(
+            f"{where}/{LIGHTNING_META_FILE} is unreadable ({type(err).__name__}: {err}).") from None
+
+
+def load_remote_into_sharded_model(module: nn.Module, optimizers: Sequence[Optimizer],
+                                   ckpt: RemoteCheckpoint, *, strict: bool = True,
+                                   target: str = "fsdp2") -> dict[str, Any]:
+    """Every rank: :func:`load_into_sharded_model` for a checkpoint on object storage
+    (:mod:`~fsdp_strategies.checkpoint.object_store`): only a committed one (its manifest exists), verified
+    object by object (the ranks share the hashing) before anything is unpickled."""
+    rank, world = rank_and_world()
+    result, found = verify_remote(ckpt, rank=rank, world_size=world, all_gather=all_gather_object)
+    version = found.version  # no manifest: CheckpointNotCommittedError
+    result.require_intact()
+    data_url = ckpt.url_of(version)
+    with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
+        metadata = load_dcp_metadata_stream(fh, f"{data_url}/{DCP_METADATA_FILE}")
+    return _apply_sharded(module, optimizers, ckpt.url, metadata,
+                          lambda: safe_fsspec_reader(data_url, ckpt.storage_options),
+                          lambda: read_remote_meta(ckpt, version), strict=strict, target=target)
 
 
 def load_into_sharded_model(module: nn.Module, optimizers: Sequence[Optimizer], path: str | os.PathLike[str], *,

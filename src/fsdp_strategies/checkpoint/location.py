@@ -1,21 +1,24 @@
-"""Where a checkpoint may live: a local or mounted path. A URL is an error naming it, never a local folder.
+"""Where a checkpoint may live: a local or mounted path, or -- for the strategies that write object storage --
+an fsspec URL. A URL is never turned into a local folder.
 
 Why: ``pathlib.Path("s3://bucket/run")`` is the *local* relative path ``s3:/bucket/run``. Lightning's
 ``ModelCheckpoint`` accepts fsspec URLs for ``dirpath`` and hands the URL to the strategy's
 ``save_checkpoint``; a strategy that wraps it in ``Path`` writes the "remote" checkpoints into a local folder
 literally named ``s3:`` -- they vanish with the node, and a later ``ckpt_path="s3://..."`` resume reads that
-local copy. The package's commit path (temp + rename, manifest with digests), its async writer, verify and
-export need a POSIX file system, so until object storage is supported every path the package writes or
-reads goes through :func:`local_checkpoint_path`: ``file://`` URLs become their local path, any other URL
-(``s3://``, ``gs://``, ``hdfs://``, a scheme fsspec does not know) raises :class:`CheckpointLocationError`,
-naming the option and the URL, before anything is written. :func:`check_checkpoint_locations` runs the same
-check on every ``ModelCheckpoint`` when training starts.
+local copy. ``fsdp2`` and ``hsdp`` write sharded checkpoints to URLs through
+:mod:`fsdp_strategies.checkpoint.object_store` (commit by a manifest written last). Every other path the
+package writes or reads (``ddp_hooks`` and ``ft_hsdp`` checkpoints, full files, export, ``pretrained=``) goes
+through :func:`local_checkpoint_path`: ``file://`` URLs become their local path, any other URL (``s3://``,
+``gs://``, a scheme fsspec does not know) raises :class:`CheckpointLocationError`, naming the option and the
+URL, before anything is written. :func:`check_checkpoint_locations` runs the check on every
+``ModelCheckpoint`` when training starts.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -26,7 +29,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
 class CheckpointLocationError(ValueError):
-    """A checkpoint path is a URL this package cannot write or read (object storage is not supported yet)."""
+    """A checkpoint path is a URL this package cannot write or read there (or one it cannot reach)."""
 
 
 def is_url(path: object) -> bool:
@@ -51,18 +54,28 @@ def local_checkpoint_path(path: str | os.PathLike[str], what: str) -> Path:
                 "file:///absolute/path, or the plain path.")
         return Path(unquote(parsed.path))
     raise CheckpointLocationError(
-        f"{what}={text!r} is an object-storage URL ({match.group(1)}://), and this package's checkpoints are "
-        f"written and read on a local or mounted file system only (its commit is a rename, its manifest and "
-        f"verification read files): without this check the checkpoints would land in a local folder named "
-        f"{str(Path(text))!r}. Fix: use a local path or the bucket mounted as a file system (e.g. "
-        "mountpoint-s3, s3fs-fuse, gcsfuse), and copy the committed checkpoints to object storage from there."
+        f"{what}={text!r} is an object-storage URL ({match.group(1)}://), and this is written and read on a "
+        "local "
+        "or mounted file system only (object storage: sharded fsdp2 / hsdp checkpoints): without this "
+        "check it "
+        f"would land in a local folder named {str(Path(text))!r}. Fix: use a local path or the bucket "
+        "mounted as a "
+        "file system (e.g. mountpoint-s3, s3fs-fuse, gcsfuse), and copy the committed checkpoints out from "
+        "there."
     )
 
 
-def check_checkpoint_locations(trainer: Any) -> None:
+def check_checkpoint_locations(trainer: Any, remote: Callable[[str, str], None] | None = None) -> None:
     """Check every ``ModelCheckpoint``'s ``dirpath`` (resolved by Lightning at set-up) before training starts;
-    raises :class:`CheckpointLocationError`."""
+    raises :class:`CheckpointLocationError`. ``remote(url, what)``: how a strategy that writes object storage
+    checks a URL (other than ``file://``); without it a URL is refused."""
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         dirpath = getattr(callback, "dirpath", None)
-        if dirpath is not None:
-            local_checkpoint_path(dirpath, f"{type(callback).__name__}(dirpath=...)")
+        if dirpath is None:
+            continue
+        what = f"{type(callback).__name__}(dirpath=...)"
+        text = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else str(dirpath)
+        if remote is not None and is_url(text) and not text.lower().startswith("file://"):
+            remote(text, what)
+        else:
+            local_checkpoint_path(dirpath, what)

@@ -28,7 +28,7 @@ import os
 import pathlib
 import pickle
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
@@ -45,7 +45,9 @@ __all__ = [
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "load_dcp_metadata",
+    "load_dcp_metadata_stream",
     "load_file_checkpoint",
+    "safe_fsspec_reader",
     "safe_globals",
     "safe_torch_load",
 ]
@@ -166,6 +168,11 @@ def load_dcp_metadata(folder: str | os.PathLike[str]) -> Any:
         return _MetadataUnpickler(fh, str(path)).load()
 
 
+def load_dcp_metadata_stream(fh: BinaryIO, name: str) -> Any:
+    """:func:`load_dcp_metadata` from an open stream (``name`` for messages)."""
+    return _MetadataUnpickler(fh, name).load()
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` with ``.metadata`` read by the restricted unpickler."""
 
@@ -177,6 +184,25 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+
+def safe_fsspec_reader(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """DCP's fsspec storage reader for ``url`` with ``.metadata`` read by the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    base = _torch_seam.fsspec_storage("reader")
+
+    class SafeFsspecReader(base):  # type: ignore[misc, valid-type]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            name = self.fs.concat_path(self.path, DCP_METADATA_FILE)
+            with self.fs.create_stream(name, "rb") as fh:
+                metadata = load_dcp_metadata_stream(fh, f"{url}/{DCP_METADATA_FILE}")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return SafeFsspecReader(url, **dict(storage_options or {}))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

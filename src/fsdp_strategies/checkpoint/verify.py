@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import (
     FIX_CORRUPT,
+    MANIFEST_FILE,
     CheckpointIntegrityError,
     VerifyResult,
     VerifyStatus,
@@ -33,10 +35,12 @@ from fsdp_strategies.checkpoint.integrity import (
     verify_loaded,
 )
 from fsdp_strategies.checkpoint.location import CheckpointLocationError
+from fsdp_strategies.checkpoint.object_store import open_remote, url_or_none, verify_remote
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     UnsafeCheckpointError,
     load_dcp_metadata,
+    load_dcp_metadata_stream,
     load_file_checkpoint,
 )
 
@@ -79,16 +83,16 @@ def load_full_file(path: Path, *, mmap: bool = True) -> dict[str, Any]:
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
-    """Single-process check of a checkpoint folder or file (what ``fsdp-strategies-verify`` runs)."""
+    """Single-process check of a checkpoint folder or file, or of a committed checkpoint on object storage (an
+    fsspec URL: its manifest, then every object), what ``fsdp-strategies-verify`` runs."""
+    if (url := url_or_none(path)) is not None:
+        return _verify_url(url)
     p = resolve_checkpoint_path(path)
     if p.is_dir():
         result = verify_folder(p)
         if result.ok:  # the bytes are the ones written; now check they parse and reference existing files
             structural = _structural_problems(p)
-            if structural:
-                fix = "" if "Fix:" in structural[0] else f". {FIX_CORRUPT}"
-                return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {p} is inconsistent: {structural[0]}{fix}",
-                                    tuple(structural))
+            return _inconsistent(str(p), structural) if structural else result
         return result
     if p.is_file():
         try:
@@ -99,25 +103,54 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
     return VerifyResult(VerifyStatus.CORRUPT, f"{p}: no such checkpoint file or folder")
 
 
+def _inconsistent(where: str, structural: list[str]) -> VerifyResult:
+    fix = "" if "Fix:" in structural[0] else f". {FIX_CORRUPT}"
+    return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {where} is inconsistent: {structural[0]}{fix}",
+                        tuple(structural))
+
+
+def _verify_url(url: str) -> VerifyResult:
+    ckpt = open_remote(url, "PATH")
+    result, found = verify_remote(ckpt)
+    if found.manifest_text() is None:
+        return VerifyResult(VerifyStatus.CORRUPT, f"{url}: no committed checkpoint there (no {MANIFEST_FILE}: "
+                            "never saved, or a save that did not complete)")
+    if not result.ok:
+        return result
+    version = found.version
+    sizes = found.sizes()
+
+    def metadata() -> Any:
+        with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
+            return load_dcp_metadata_stream(fh, f"{url}/{DCP_METADATA_FILE}")
+
+    structural = _structural(metadata, sizes)
+    return _inconsistent(url, structural) if structural else result
+
+
 def _structural_problems(folder: Path) -> list[str]:
     """After the manifest matched: ``.metadata`` parses (restricted) and every byte range it names exists."""
-    if not (folder / DCP_METADATA_FILE).is_file():
+    sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    return _structural(lambda: load_dcp_metadata(folder), sizes)
+
+
+def _structural(metadata: Callable[[], Any], sizes: Mapping[str, int]) -> list[str]:
+    if DCP_METADATA_FILE not in sizes:
         return [f"{DCP_METADATA_FILE}: missing (not a DCP checkpoint folder)"]
     try:
-        metadata = load_dcp_metadata(folder)
+        loaded = metadata()
     except UnsafeCheckpointError as err:
         return [str(err)]
     except Exception as err:
         return [f"{DCP_METADATA_FILE}: unreadable ({type(err).__name__}: {err})"]
     problems = []
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
+    for info in (getattr(loaded, "storage_data", None) or {}).values():
         rel = getattr(info, "relative_path", None)
         if rel is None:
             continue
-        target = folder / rel
-        if not target.is_file():
+        if rel not in sizes:
             problems.append(f"{rel}: referenced by {DCP_METADATA_FILE} but missing")
-        elif info.offset + info.length > target.stat().st_size:
+        elif info.offset + info.length > sizes[rel]:
             problems.append(f"{rel}: {DCP_METADATA_FILE} reads bytes beyond its end")
     return sorted(set(problems))
 
@@ -129,7 +162,9 @@ def verify_main(argv: list[str] | None = None) -> int:
         description="Check checkpoints written by fsdp_strategies against the checksums saved with them, without "
                     "unpickling anything first. Exit status: 0 verified, 1 corrupted/unreadable, 2 no manifest.",
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint folder (sharded) or file")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="checkpoint folder (sharded) or file, or an fsspec URL (s3://...) of a sharded "
+                             "checkpoint")
     args = parser.parse_args(argv)
     statuses = []
     for path in args.paths:

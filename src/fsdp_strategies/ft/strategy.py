@@ -30,7 +30,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -128,6 +127,7 @@ class FTHSDPStrategy(HSDPStrategy):
 
     strategy_name = "ft_hsdp"
     data_width_change = "refuse"  # a mid-epoch resume at another number of groups / group size: not exact yet
+    object_storage = False  # the hand-over to a restarted group reads local checkpoint files
     def __init__(
         self,
         lighthouse_addr: str | None = None,
@@ -582,9 +582,9 @@ class FTHSDPStrategy(HSDPStrategy):
         return self._manager.participating_rank() == 0
 
     @override
-    def _preempt_checkpoint_path(self, trainer: Any) -> Path:
-        path = super()._preempt_checkpoint_path(trainer)
-        return path.with_name(f"{path.stem}-group{self.replica_group_id}{path.suffix}")
+    def _preempt_checkpoint_path(self, trainer: Any) -> str:
+        stem, _, suffix = super()._preempt_checkpoint_path(trainer).rpartition(".")
+        return f"{stem}-group{self.replica_group_id}.{suffix}"
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:

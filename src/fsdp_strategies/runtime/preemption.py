@@ -45,7 +45,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,7 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._distributed import rank_and_world
 from fsdp_strategies._options import check_bool, check_number
 from fsdp_strategies.checkpoint.agreement import AgreementMixin
-from fsdp_strategies.checkpoint.location import local_checkpoint_path
+from fsdp_strategies.checkpoint.location import is_url, local_checkpoint_path
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
@@ -324,10 +323,13 @@ class PreemptionMixin(AgreementMixin):
         self._preempt_loop = None
 
     # ------------------------------------------------------------------ the checkpoint
-    def _preempt_checkpoint_path(self, trainer: pl.Trainer) -> Path:
-        """``<ModelCheckpoint dirpath>/last-preempt.ckpt``, else ``<default_root_dir>/last-preempt.ckpt``."""
-        folder = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
-        return local_checkpoint_path(folder, "the preemption checkpoint folder") / PREEMPT_CHECKPOINT_NAME
+    def _preempt_checkpoint_path(self, trainer: pl.Trainer) -> str:
+        """``<ModelCheckpoint dirpath>/last-preempt.ckpt``, else ``<default_root_dir>/last-preempt.ckpt`` (a URL
+        stays a URL: the strategy's save decides whether it writes object storage)."""
+        folder = str(getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir)
+        if is_url(folder) and not folder.lower().startswith("file://"):
+            return f"{folder.rstrip('/')}/{PREEMPT_CHECKPOINT_NAME}"
+        return str(local_checkpoint_path(folder, "the preemption checkpoint folder") / PREEMPT_CHECKPOINT_NAME)
 
     def _write_preempt_checkpoint(self, trainer: pl.Trainer) -> None:
         """All ranks together: agree that there is time left, then the strategy's atomic save."""
@@ -337,7 +339,7 @@ class PreemptionMixin(AgreementMixin):
             rank_zero_warn(f"fsdp_strategies: preempt_grace_s={self.preempt_grace_s:g}s already passed on some rank; "
                            "no preemption checkpoint (the last complete checkpoint stays the resume point).")
             return
-        path = Path(self.broadcast(str(self._preempt_checkpoint_path(trainer))))  # type: ignore[attr-defined]
+        path = self.broadcast(self._preempt_checkpoint_path(trainer))  # type: ignore[attr-defined]
         t0 = time.monotonic()
         self._preempt_saving = True
         try:
@@ -350,4 +352,4 @@ class PreemptionMixin(AgreementMixin):
             self._preempt_saving = False
         rank_zero_info(f"fsdp_strategies: preemption checkpoint of step {trainer.global_step} written to {path} in "
                        f"{time.monotonic() - t0:.1f}s; exiting with status {PREEMPT_EXIT_CODE} (requeue). Resume with "
-                       f"ckpt_path={str(path)!r} or ckpt_path='last'.")
+                       f"ckpt_path={path!r} or ckpt_path='last'.")

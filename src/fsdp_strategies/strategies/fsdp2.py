@@ -43,9 +43,18 @@ from fsdp_strategies.checkpoint.atomic import (
 from fsdp_strategies.checkpoint.load_into_fsdp import (
     PARAM_NAMES_KEY,
     load_into_sharded_model,
+    load_remote_into_sharded_model,
     optimizer_param_names,
 )
 from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path
+from fsdp_strategies.checkpoint.object_store import (
+    RemoteCheckpoint,
+    check_remote_checkpoint_dir,
+    open_remote,
+    remove_remote,
+    save_sharded_remote,
+    url_or_none,
+)
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
 from fsdp_strategies.hf.materialize import materialize
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
@@ -171,9 +180,15 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             per optimizer step), but every rank keeps the full, unsharded gradient of every parameter between
             micro-batches (N times the gradient memory): for models with memory to spare and a slow network.
             Without accumulation both are the same.
+        storage_options: fsspec's options for checkpoint URLs (``ModelCheckpoint(dirpath="s3://bucket/run")``,
+            ``ckpt_path="s3://..."``), e.g. ``{"endpoint_url": "http://host:8333", "key": ..., "secret": ...}``
+            for s3fs; ``None``: fsspec's defaults and the environment (``AWS_ENDPOINT_URL``,
+            ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``). On object storage a checkpoint is committed by its
+            manifest, written last: see :mod:`fsdp_strategies.checkpoint.object_store` (sharded, synchronous saves).
     """
 
     strategy_name = "fsdp2"
+    object_storage = True  # checkpoints may be fsspec URLs (checkpoint/object_store.py)
 
     def __init__(
         self,
@@ -201,8 +216,10 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         tensor_parallel_degree: int = 1,
         tp_plan: str | dict[str, str] = "auto",
         accumulation: AccumulationMode = "sharded",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         check_choice("accumulation", accumulation, AccumulationMode)
+        self.storage_options = dict(storage_options or {})
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -418,7 +435,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         # and converts precision after materialising; here the strategy shards, and bf16-true casts first.
         assert self.model is not None
         assert self.accelerator is not None
-        check_checkpoint_locations(trainer)  # ModelCheckpoint(dirpath="s3://...") fails here, not at a save
+        # a URL this run cannot write (or an option object storage does not support) fails here, not at a save
+        check_checkpoint_locations(trainer, remote=self._check_remote_location)
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):
             if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
@@ -509,11 +527,24 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             requires_sync(True)
 
     # ------------------------------------------------------------------ checkpoints
+    def _remote(self, url: str, what: str, storage_options: Any | None = None) -> RemoteCheckpoint:
+        return open_remote(url, what, {**self.storage_options, **dict(storage_options or {})})
+
+    def _check_remote_location(self, url: str, what: str) -> None:
+        check_remote_checkpoint_dir(url, what, strategy=self.strategy_name if not self.object_storage else None,
+                                    sharded=seam.saves_distributed_checkpoint(self),
+                                    async_checkpoint=self.async_checkpoint, storage_options=self.storage_options,
+                                    is_rank_zero=self.is_global_zero, broadcast=self.broadcast)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
+        target = self.broadcast(str(filepath))
+        url = url_or_none(target)  # object storage: sharded and synchronous, committed by its manifest
+        if url is None and storage_options is not None:
+            raise TypeError(f"save_checkpoint(storage_options=...) is for URLs; {target!r} is a local path.")
+        if url is not None and (not seam.saves_distributed_checkpoint(self) or self.async_checkpoint != "off"):
+            self._check_remote_location(url, "the checkpoint path")  # raises the clear error
+        path = None if url is not None else local_checkpoint_path(target, "the checkpoint path")
         if self.lightning_module is not None:  # which HF class + config the weights are, for --format hf
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
             # for a resume at any width
@@ -522,11 +553,15 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            if background:
+            if url is not None:
+                save_sharded_remote(tensors, checkpoint, self._remote(url, "the checkpoint path", storage_options),
+                                    is_rank_zero=self.is_global_zero)
+            elif background:
                 self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
             else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
                 atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
         else:
+            assert path is not None
             if self.is_global_zero:
                 assert self.model is not None
                 # Lightning numbers this file's optimizer state by module order: record the names behind it
@@ -538,16 +573,28 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 atomic_save_full_agreed(checkpoint, path, is_rank_zero=self.is_global_zero)
 
     @override
+    def remove_checkpoint(self, filepath: seam.PATH) -> None:
+        url = url_or_none(filepath)
+        if url is None:
+            super().remove_checkpoint(filepath)
+        elif self.is_global_zero:  # manifest first: the checkpoint stops being valid before its objects go
+            remove_remote(self._remote(url, "the checkpoint to remove"))
+
+    @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify, then load a sharded folder or a full file (e.g. from ``ddp``: converted to shards).
+        """Verify, then load a sharded folder or a full file (e.g. from ``ddp``: converted to shards), or a
+        committed checkpoint on object storage (an fsspec URL).
 
         Files are always read with restricted unpicklers (``weights_only`` cannot turn that off; extra
         types can be allowed with ``torch.serialization.add_safe_globals``).
         """
-        path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        target = self.broadcast(str(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
-        checkpoint = load_into_sharded_model(self.model, self.optimizers, path,
-                                             strict=self.lightning_module.strict_loading,
-                                             target=self.strategy_name)
+        options = {"strict": self.lightning_module.strict_loading, "target": self.strategy_name}
+        if (url := url_or_none(target)) is not None:
+            remote = self._remote(url, "ckpt_path")
+            checkpoint = load_remote_into_sharded_model(self.model, self.optimizers, remote, **options)
+        else:
+            checkpoint = load_into_sharded_model(self.model, self.optimizers, resolve_checkpoint_path(target), **options)
         self.restored_data_position(checkpoint)
         return checkpoint

@@ -1,0 +1,186 @@
+"""Checkpoints on object storage, against a real S3 server (SeaweedFS, ``tests/s3_server.py``; no mocked S3).
+
+The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the example Llama):
+
+1. ``fsdp2`` on 2 ranks trains 8 steps with ``ModelCheckpoint(dirpath="s3://...", every_n_train_steps=2,
+   save_top_k=2, save_last=True)``: the bucket holds step 6, step 8 and ``last``, each one committed version
+   (steps 2 and 4 were removed, manifest first), nothing in a local folder named ``s3:``.
+2. A resume from ``s3://.../epoch=0-step=6.ckpt`` trains steps 7 and 8 with bit-identical losses.
+3. A resume from ``last`` whose rank 1 is SIGKILLed inside its save of ``last`` at step 10 (shards written,
+   nothing committed): ``last``'s manifest still names the step-8 version, the dead save's objects sit beside
+it. 4. ``hsdp`` 2x2 on 4 ranks resumes from that ``last`` (the previous one: loadable) and its first save
+   commits a new version and removes the orphan.
+5. ``fsdp-strategies-verify`` says OK for ``last``; a truncated shard object of step 8 is named by verify and
+   refused by the loader before anything is read into a model; a URL without a manifest is refused as
+   uncommitted. In one process: an unknown scheme, a closed endpoint and wrong credentials are clear errors
+   naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from conftest import WORKERS, run_torchrun
+from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, CheckpointIntegrityError
+from fsdp_strategies.checkpoint.load_into_fsdp import load_remote_into_sharded_model
+from fsdp_strategies.checkpoint.location import CheckpointLocationError
+from fsdp_strategies.checkpoint.object_store import (
+    CheckpointNotCommittedError,
+    check_writable,
+    open_remote,
+)
+from fsdp_strategies.checkpoint.verify import verify_main
+from s3_server import KEY, S3Server
+
+BUCKET = "fsdp-tests"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    fsspec.filesystem("s3").clear_instance_cache()
+    return s3.env()
+
+
+def _fs() -> Any:
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+def _versions(fs: Any, path: str) -> list[str]:
+    """The version folders under a checkpoint that hold objects."""
+    fs.invalidate_cache()
+    return sorted({p[len(path) + 1 :].split("/", 1)[0] for p in fs.find(path)} - {MANIFEST_FILE})
+
+
+def _committed(fs: Any, path: str) -> str:
+    fs.invalidate_cache()
+    return json.loads(fs.cat_file(f"{path}/{MANIFEST_FILE}"))["data"]
+
+
+def _job(
+    out: Path, phase: str, args: list[str], env: dict[str, str], nproc: int = 2, check: bool = True
+) -> Any:
+    return run_torchrun(
+        WORKERS / "object_store_train.py",
+        nproc,
+        ["--phase", phase, "--out", str(out), *args],
+        env=env,
+        timeout=400,
+        check=check,
+    )
+
+
+def _losses(out: Path, phase: str) -> dict[str, float]:
+    return json.loads((out / f"{phase}.json").read_text())["losses"]
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    fs = _fs()
+    run = f"{BUCKET}/chain-{os.getpid()}"
+    url = f"s3://{run}"
+    out = tmp_path / "out"
+    env = dict(s3_env)
+
+    # 1. 8 steps, a checkpoint every 2, the 2 newest kept, and last
+    _job(out, "first", ["--dirpath", url, "--steps", "8"], env)
+    fs.invalidate_cache()  # SeaweedFS lists a prefix whose objects are gone as an empty folder: count objects
+    names = sorted({p[len(run) + 1 :].split("/", 1)[0] for p in fs.find(run)})
+    assert names == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"], names
+    for name in names:
+        assert len(_versions(fs, f"{run}/{name}")) == 1 and _committed(fs, f"{run}/{name}") in _versions(
+            fs, f"{run}/{name}"
+        )
+    assert not list(Path.cwd().glob("s3*")) and not list(tmp_path.glob("s3*")), "a URL became a local folder"
+
+    # 2. resumed from step 6: steps 7 and 8 are the uninterrupted run's, bit for bit
+    _job(
+        out,
+        "resumed",
+        ["--dirpath", f"{url}-b", "--steps", "8", "--resume", f"{url}/epoch=0-step=6.ckpt"],
+        env,
+    )
+    first, resumed = _losses(out, "first"), _losses(out, "resumed")
+    assert list(resumed) == ["7", "8"] and all(resumed[s] == first[s] for s in resumed), (first, resumed)
+
+    # 3. a resume from last whose rank 1 is killed inside its second save of step 10 (the first is
+    # epoch=0-step=10.ckpt, the second last.ckpt): last's new version is written, not committed
+    last = f"{run}/last.ckpt"
+    before = _committed(fs, last)
+    proc = _job(
+        out,
+        "killed",
+        ["--dirpath", url, "--steps", "12", "--resume", f"{url}/last.ckpt", "--kill-in-save", "2"],
+        env,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert _versions(fs, f"{run}/epoch=0-step=10.ckpt") == [_committed(fs, f"{run}/epoch=0-step=10.ckpt")]
+    assert _committed(fs, last) == before
+    orphans = [v for v in _versions(fs, last) if v != before]
+    assert orphans, (
+        "the killed save wrote nothing: the test did not kill it inside the save\n"
+        + (proc.stdout + proc.stderr)[-4000:]
+    )
+
+    # 4. hsdp 2x2 resumes from that last (the previous one) and its first commit removes the orphan
+    _job(
+        out,
+        "hsdp",
+        ["--strategy", "hsdp", "--dirpath", url, "--steps", "10", "--resume", f"{url}/last.ckpt"],
+        env,
+        nproc=4,
+    )
+    assert json.loads((out / "hsdp.json").read_text())["global_step"] == 10
+    now = _committed(fs, last)
+    assert now != before and _versions(fs, last) == [now]
+
+    # 5. verify; a truncated shard object is named and refused before any model is touched
+    assert verify_main([f"{url}/last.ckpt"]) == 0
+    step8 = f"{run}/epoch=0-step=8.ckpt"
+    shard = f"{step8}/{_committed(fs, step8)}/__0_0.distcp"
+    fs.pipe_file(shard, fs.cat_file(shard)[:-100])
+    assert verify_main([f"{url}/epoch=0-step=8.ckpt"]) == 1
+    with pytest.raises(CheckpointIntegrityError, match=r"__0_0\.distcp: size"):
+        load_remote_into_sharded_model(None, [], open_remote(f"{url}/epoch=0-step=8.ckpt", "ckpt_path"))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointNotCommittedError, match="no committed checkpoint"):
+        load_remote_into_sharded_model(None, [], open_remote(f"{url}/epoch=0-step=2.ckpt", "ckpt_path"))  # type: ignore[arg-type]
+
+
+@pytest.mark.subprocess
+def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors(
+    s3_env: dict[str, str],
+) -> None:
+    with pytest.raises(
+        CheckpointLocationError, match=r"ckpt_path='nosuchfs://b/x'.*does not know the scheme"
+    ):
+        open_remote("nosuchfs://b/x", "ckpt_path")
+    fast = {"retries": 1, "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    with pytest.raises(CheckpointLocationError, match=r"dirpath=\.\.\.\)='s3://b/run': cannot write there"):
+        check_writable(
+            "s3://b/run", "ModelCheckpoint(dirpath=...)", {**fast, "endpoint_url": "http://127.0.0.1:9"}
+        )
+    with pytest.raises(CheckpointLocationError, match=r"cannot write there.*credentials"):
+        check_writable(
+            f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)", {**fast, "key": KEY, "secret": "wrong"}
+        )
+    check_writable(f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)")  # the server's own credentials: fine

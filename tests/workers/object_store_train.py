@@ -1,0 +1,126 @@
+"""Worker: the example Llama trained under ``fsdp2`` / ``hsdp`` with its checkpoints on object storage.
+
+    torchrun --nproc_per_node=2 tests/workers/object_store_train.py --dirpath s3://bucket/run --phase first \
+        --stop-at 4 --out OUT
+
+``ModelCheckpoint(dirpath=URL, every_n_train_steps=2, save_last=True, save_top_k=2)``; ``--resume URL``
+resumes from a checkpoint URL. Rank 0 writes ``OUT/<phase>.json``: the loss of every optimizer step (exact
+floats) and the steps it ran. ``--kill-in-save N`` SIGKILLs rank 1 inside its N-th checkpoint write, after its
+shards are written and before the commit (the other rank is then stopped by the launcher). Endpoint and
+credentials come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples"), str(ROOT / "tests")]
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from fsdp_strategies import FSDP2Strategy, HSDPStrategy  # noqa: E402
+from fsdp_strategies.checkpoint import object_store  # noqa: E402
+from llama import LlamaLM, MarkovDataModule  # noqa: E402
+from workers.resume_train import TINY_DATA, TINY_MODEL, StopAt  # noqa: E402
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses[trainer.global_step] = float(outputs["loss"].detach())
+
+
+class KillInSave(pl.Callback):
+    """From the first training step on (after a resume's verification, which hashes objects too): SIGKILL this
+    rank when it hashes the shards of its ``nth`` save -- written, not committed."""
+
+    def __init__(self, nth: int) -> None:
+        self.nth = nth
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        real = object_store._digest
+        calls = {"saves": 0}
+
+        def digest_then_die(ckpt: Any, path: str) -> tuple[int, str]:
+            if path.endswith(".distcp"):
+                calls["saves"] += 1
+                if calls["saves"] == self.nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(ckpt, path)
+
+        object_store._digest = digest_then_die  # type: ignore[assignment]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "hsdp"])
+    parser.add_argument("--dirpath", required=True)
+    parser.add_argument("--phase", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--kill-in-save", type=int, default=None)
+    args = parser.parse_args()
+    killer = (
+        [KillInSave(args.kill_in_save)] if args.kill_in_save and int(os.environ.get("RANK", "0")) == 1 else []
+    )
+    pl.seed_everything(0)
+    strategy = (
+        FSDP2Strategy() if args.strategy == "fsdp2" else HSDPStrategy(replicate_degree=2, shard_degree=2)
+    )
+    losses = Losses()
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[
+            losses,
+            ModelCheckpoint(
+                dirpath=args.dirpath,
+                every_n_train_steps=2,
+                save_last=True,
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+            ),
+            *([StopAt(args.stop_at)] if args.stop_at else []),
+            *killer,
+        ],
+    )
+    data = MarkovDataModule(**{**TINY_DATA, "num_train": 256})
+    trainer.fit(LlamaLM(**TINY_MODEL), data, ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        record = {
+            "losses": {str(k): v for k, v in sorted(losses.losses.items())},
+            "global_step": trainer.global_step,
+        }
+        (Path(args.out) / f"{args.phase}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
