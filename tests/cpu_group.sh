@@ -18,4 +18,11 @@ shift 2
 mkdir -p "$root/$name"
 echo "$shares" > "$root/$name/cpu.shares"
 echo $$ > "$root/$name/cgroup.procs"
-exec "$@"
+# a command started with `&` by a non-interactive shell (make's) inherits SIGINT and SIGQUIT ignored, and a Python
+# started that way never raises KeyboardInterrupt: Ctrl-C would not stop it, and a test that interrupts a child
+# Python would wait forever. The command gets them as a foreground command has them (bash cannot reset a signal
+# ignored at its own start; python can, before it execs the command).
+exec python3 -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])' "$@"

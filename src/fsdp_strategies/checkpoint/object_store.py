@@ -249,8 +249,7 @@ def _agreed(
         causes = "; ".join(dict.fromkeys(failures))
         raise RuntimeError(
             f"Checkpoint {ckpt.url} was not saved ({what} failed): {causes}. Nothing was committed: the "
-            "previous "
-            f"checkpoint there, if any, is untouched and still the one its {MANIFEST_FILE} names."
+            f"previous checkpoint there, if any, is untouched and still the one its {MANIFEST_FILE} names."
         ) from error
     return [payload for payload, _ in gathered] if share else result
 
@@ -314,7 +313,9 @@ def save_sharded_remote(
                 ckpt.path(MANIFEST_FILE), manifest_text(hashed, **{DATA_FIELD: version}).encode()
             )
 
-    _agreed(ckpt, "the commit", commit, is_rank_zero=is_rank_zero, version=version)
+    # a failed commit leaves the version for the next save to remove: its manifest PUT may have landed although
+    # the client saw an error, and then the version is the committed one
+    _agreed(ckpt, "the commit", commit, is_rank_zero=is_rank_zero, version=None)
     if is_rank_zero:
         remove_other_versions(ckpt, keep=version)
     return version
