@@ -389,7 +389,9 @@ def test_ft_hsdp_job_group_step_killed_restarts_and_heals(tmp_path: Path) -> Non
     # the healing step counts group 0 alone (the healing group gets the state, contributes nothing); then both
     assert all(e["participants"] == 2 for e in ev1[healed[0] + 1:] if "step" in e), ev1[healed[0]:]
     assert _committed(ev0)[-1] == _committed(ev1)[-1] == steps
-    assert set(_committed(ev1)) < set(_committed(ev0))  # group 1 missed the steps group 0 committed alone
+    # group 1 missed the steps group 0 committed alone (which group commits step 1 and which heals into it
+    # depends on which started first: CI #4, with other tests running beside, saw group 0 heal at step 1)
+    assert set(_committed(ev1)) - {1} < set(_committed(ev0))
 
 
 @pytest.mark.multiprocess
