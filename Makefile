@@ -31,32 +31,27 @@ junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 # refuse them) the passes run at once, the serial one in a group weighing 64 times the other's, so its tests get
 # the CPU whenever they want it and the other pass takes what they leave (alone, they keep one of the 2 cores idle
 # about half the time); its output follows the other pass's. Elsewhere the serial pass runs after the other.
-# TEST_SERIAL_THEN: make targets the serial lane runs after the serial pass, one at a time, in its group (.ci/run:
-# test-full test-slurm, the other timed runs, while the other pass is still going). Any failure fails.
+# Either failing fails.
 TEST_WORKERS ?= 2
 TEST_CPU_GROUPS ?= auto
-TEST_SERIAL_THEN ?=
 OTHER_PASS = $(PY) -m pytest tests -m "not full and not serial" -n $(TEST_WORKERS) --dist worksteal -q \
 	-p no:cacheprovider --durations=15 --ignore=tests/docs --ignore=tests/slurm $(call junit,test)
 SERIAL_PASS = $(PY) -m pytest tests -m "not full and serial" -q -p no:cacheprovider --durations=15 \
 	--ignore=tests/docs --ignore=tests/slurm $(call junit,test-serial)
-SERIAL_LANE = rc=0; $(SERIAL_PASS) || rc=1; \
-	for t in $(TEST_SERIAL_THEN); do echo "== make test: the serial lane runs make $$t"; \
-	$(MAKE) --no-print-directory $$t || rc=1; done; exit $$rc
 test: install
 	$(VENV)/bin/ruff check src examples tests benchmarks docs/hooks
 	@rc=0; src=0; \
 	if [ "$(TEST_CPU_GROUPS)" != off ] && tests/cpu_group.sh --check; then \
 		log=$$(mktemp); \
-		tests/cpu_group.sh fsdp-tests-serial 8192 sh -c '$(SERIAL_LANE)' > $$log 2>&1 & serial=$$!; \
+		tests/cpu_group.sh fsdp-tests-serial 8192 $(SERIAL_PASS) > $$log 2>&1 & serial=$$!; \
 		tests/cpu_group.sh fsdp-tests-other 128 $(OTHER_PASS) || rc=$$?; \
 		wait $$serial || src=$$?; \
-		echo "== make test: the serial lane (it ran beside the pass above, in the CPU group of the larger weight)"; \
+		echo "== make test: the serial pass (it ran beside the pass above, in the CPU group of the larger weight)"; \
 		cat $$log; rm -f $$log; \
 	else \
-		echo "== make test: no CPU groups here (tests/cpu_group.sh): the serial lane runs after the other pass"; \
+		echo "== make test: no CPU groups here (tests/cpu_group.sh): the serial pass runs after the other"; \
 		$(OTHER_PASS) || rc=$$?; \
-		sh -c '$(SERIAL_LANE)' || src=$$?; \
+		$(SERIAL_PASS) || src=$$?; \
 	fi; \
 	[ $$src = 0 ] || rc=$$src; \
 	exit $$rc

@@ -109,12 +109,7 @@ def not_run_by_ci(test_ids: Iterable[str], collected: Mapping[str, Mapping[str, 
 
 def slurm_select(ci_run: str) -> str:
     """The ``-k`` expression ``.ci/run`` hands to ``make test-slurm`` ('' when it runs all of tests/slurm)."""
-    # `make test-slurm SLURM_SELECT=...`, or a make command that runs the target test-slurm (`make test
-    # TEST_SERIAL_THEN="test-full test-slurm" SLURM_SELECT=...`): commands, continuation lines joined, no comments
-    commands = [line for line in ci_run.replace("\\\n", " ").splitlines()
-                if not line.lstrip().startswith("#") and re.search(r"\bmake\b.*\btest-slurm\b", line)]
-    found = [m.group(1) if (m := re.search(r"SLURM_SELECT=(\"[^\"]*\"|'[^']*'|\S+)", line)) else ""
-             for line in commands]
+    found = re.findall(r"make test-slurm(?:\s+SLURM_SELECT=(\"[^\"]*\"|'[^']*'|\S+))?", ci_run)
     if not found:
         raise AssertionError(".ci/run does not run `make test-slurm`: no tests/slurm id can count as CI-run")
     return found[-1].strip("\"'")
