@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["CheckpointLocationError", "check_checkpoint_locations", "is_url", "local_checkpoint_path"]
+__all__ = ["CheckpointLocationError", "check_checkpoint_locations", "is_url", "local_checkpoint_path",
+           "url_or_none"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -35,6 +36,12 @@ class CheckpointLocationError(ValueError):
 def is_url(path: object) -> bool:
     """Whether ``path`` (as a string) starts with ``<scheme>://``."""
     return bool(_SCHEME.match(os.fspath(path) if isinstance(path, os.PathLike) else str(path)))
+
+
+def url_or_none(path: object) -> str | None:
+    """``path`` as a string when it is a URL other than ``file://`` (object storage), else None."""
+    text = str(path)
+    return text if is_url(text) and not text.lower().startswith("file://") else None
 
 
 def local_checkpoint_path(path: str | os.PathLike[str], what: str) -> Path:
@@ -74,8 +81,8 @@ def check_checkpoint_locations(trainer: Any, remote: Callable[[str, str], None] 
         if dirpath is None:
             continue
         what = f"{type(callback).__name__}(dirpath=...)"
-        text = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else str(dirpath)
-        if remote is not None and is_url(text) and not text.lower().startswith("file://"):
-            remote(text, what)
+        url = url_or_none(os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath)
+        if remote is not None and url is not None:
+            remote(url, what)
         else:
             local_checkpoint_path(dirpath, what)

@@ -44,6 +44,7 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
 from fsdp_strategies._distributed import is_multi_rank, rank_and_world
 from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies.checkpoint.atomic import SAVE_ERRORS
 from fsdp_strategies.checkpoint.integrity import (
     MANIFEST_FILE,
     CheckpointIntegrityError,
@@ -52,7 +53,7 @@ from fsdp_strategies.checkpoint.integrity import (
     parse_manifest,
     verify_files,
 )
-from fsdp_strategies.checkpoint.location import CheckpointLocationError, is_url
+from fsdp_strategies.checkpoint.location import CheckpointLocationError
 
 __all__ = [
     "CheckpointNotCommittedError",
@@ -63,7 +64,6 @@ __all__ = [
     "read_remote_meta",
     "remove_remote",
     "save_sharded_remote",
-    "url_or_none",
     "verify_remote",
 ]
 
@@ -71,8 +71,6 @@ __all__ = [
 DATA_FIELD = "data"
 VERSION_PREFIX = "v-"
 _CHUNK = 8 << 20
-#: what a save step may raise: DCP's CheckpointException is a BaseException, not an Exception
-_SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, torch.distributed.checkpoint.CheckpointException)
 
 
 class CheckpointNotCommittedError(FileNotFoundError):
@@ -237,7 +235,7 @@ def _agreed(
     result: Any = None
     try:
         result = step()
-    except _SAVE_ERRORS as err:
+    except SAVE_ERRORS as err:
         error = err
     rank, _ = rank_and_world()
     mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
@@ -410,9 +408,3 @@ def check_remote_checkpoint_dir(
     problem = broadcast(problem)
     if problem is not None:
         raise CheckpointLocationError(problem)
-
-
-def url_or_none(path: object) -> str | None:
-    """``path`` as a string when it is a URL other than ``file://``, else None."""
-    text = str(path)
-    return text if is_url(text) and not text.lower().startswith("file://") else None

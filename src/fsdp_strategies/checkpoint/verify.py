@@ -34,8 +34,8 @@ from fsdp_strategies.checkpoint.integrity import (
     verify_folder,
     verify_loaded,
 )
-from fsdp_strategies.checkpoint.location import CheckpointLocationError
-from fsdp_strategies.checkpoint.object_store import open_remote, url_or_none, verify_remote
+from fsdp_strategies.checkpoint.location import CheckpointLocationError, url_or_none
+from fsdp_strategies.checkpoint.object_store import open_remote, verify_remote
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     UnsafeCheckpointError,

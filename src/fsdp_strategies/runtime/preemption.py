@@ -57,7 +57,7 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._distributed import rank_and_world
 from fsdp_strategies._options import check_bool, check_number
 from fsdp_strategies.checkpoint.agreement import AgreementMixin
-from fsdp_strategies.checkpoint.location import is_url, local_checkpoint_path
+from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
@@ -327,7 +327,7 @@ class PreemptionMixin(AgreementMixin):
         """``<ModelCheckpoint dirpath>/last-preempt.ckpt``, else ``<default_root_dir>/last-preempt.ckpt`` (a URL
         stays a URL: the strategy's save decides whether it writes object storage)."""
         folder = str(getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir)
-        if is_url(folder) and not folder.lower().startswith("file://"):
+        if url_or_none(folder) is not None:
             return f"{folder.rstrip('/')}/{PREEMPT_CHECKPOINT_NAME}"
         return str(local_checkpoint_path(folder, "the preemption checkpoint folder") / PREEMPT_CHECKPOINT_NAME)
 

@@ -46,14 +46,13 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     load_remote_into_sharded_model,
     optimizer_param_names,
 )
-from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path
+from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path, url_or_none
 from fsdp_strategies.checkpoint.object_store import (
     RemoteCheckpoint,
     check_remote_checkpoint_dir,
     open_remote,
     remove_remote,
     save_sharded_remote,
-    url_or_none,
 )
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
 from fsdp_strategies.hf.materialize import materialize
