@@ -7,7 +7,7 @@ CONFIG ?= configs/fsdp2.yaml
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-full check-guarantees test-slurm test-lightning-range test-torch-range range-venvs lint \
-	bench matrix docs clean
+	bench matrix docs clean docs-build
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -191,8 +191,12 @@ $(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e ".[docs]"
 	touch $@
 
-docs: $(VENV)/.docs-installed
+# docs-build: the strict build alone (no root, no browser), e.g. to read site/ with `python -m http.server -d site`
+# (Material's search box needs a server: it does not load under file://)
+docs-build: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs: docs-build
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 		{ echo "installing chromium (apt-get)"; $(SUDO) apt-get update -qq && \
 		  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }

@@ -425,7 +425,9 @@ def matrix(path_name: str) -> str:
         if c.get("resume"):
             mark += " +resume"
         rows.setdefault((c["model"], c["strategy"]), {}).setdefault(label, []).append(mark)
-    lines = _table(["model", "strategy", *columns],
+    # a callback set's name may wrap after "_" and "+" (not inside a word): nine columns fit a 1400 px window
+    heads = [col.replace("_", "_<wbr>").replace("+", "+<wbr>") for col in columns]
+    lines = _table(["model", "strategy", *heads],
                    [[m, s, *(", ".join(by.get(col, ["-"])) for col in columns)] for (m, s), by in rows.items()])
     passed = sum(not r["problems"] for r in results)
     lines.append(f"**{passed} of {len(results)} cells pass** (`benchmarks/results/{path_name}`).")
@@ -447,8 +449,27 @@ def all_benchmarks(page_dir: str) -> str:
         by_suite.setdefault(str(json.loads(p.read_text()).get("suite")), []).append(p)
     out = []
     for suite, paths in by_suite.items():
-        out += [f"## `{suite}`", "", *[section(p, page_dir) for p in paths]]
+        out += [f"## {suite_title(suite)} {{ #{suite} }}", "", *[section(p, page_dir) for p in paths]]
     return "\n".join(out)
+
+
+def suite_title(suite: str) -> str:
+    """What a suite measures, from the first sentence of the docstring of the script that writes it
+    (``benchmarks/suites/<suite>.py``: ``accumulation suite: gradient memory per rank ...``; the stand-alone
+    scripts ``benchmarks/*.py``), followed by its name; the name alone when no script names it."""
+    import ast
+
+    scripts = {"ft_sync": "ft_sync_compare.py", "goodput": "goodput.py", "gpu": "gpu.py"}
+    path = ROOT / "benchmarks" / scripts.get(suite, f"suites/{suite}.py")
+    doc = ast.get_docstring(ast.parse(path.read_text())) if path.is_file() else None
+    if not doc:
+        return f"`{suite}`"
+    text = " ".join(doc.split("\n\n")[0].split())
+    text = text.partition("suite:")[2].strip() if "suite:" in text else text.partition(":")[2].strip() or text
+    text = re.split(r"\.\s|\s--\s|;\s", text + " ")[0].strip().rstrip(".").replace("``", "`")
+    if text.count("(") > text.count(")"):  # the sentence was cut inside a parenthesis: drop the parenthesis
+        text = text[:text.rindex("(")].strip()
+    return f"{text[:1].upper()}{text[1:]} (`{suite}`)" if text else f"`{suite}`"
 
 
 def summary_table() -> str:

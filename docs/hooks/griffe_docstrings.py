@@ -2,8 +2,9 @@
 
 The source docstrings use Sphinx roles (``:class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy```,
 ``:mod:`...```), which mkdocstrings does not resolve and the strict build refuses: a role naming a class
-rendered on this site becomes a link to it (by its public path), anything else inline code (internal
-module paths move; the docs never link to them).
+rendered on this site becomes a link to it (by its public path), one naming a module of the package or
+something in it a link to that module's section of docs/modules.md (generated from the source tree, so a
+moved module moves its section; a stale name fails the strict build), anything else inline code.
 
 Nothing is added: the descriptions stay those of the one declaration in the source. Defaults and types are
 shown as values, not as the names the source spells them with: a default that is not a literal
@@ -15,6 +16,7 @@ class's real default, and a type that hides its allowed values behind an alias (
 from __future__ import annotations
 
 import ast
+import html
 import importlib
 import inspect
 import re
@@ -22,6 +24,7 @@ import types
 import typing
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import griffe
@@ -40,13 +43,31 @@ RENDERED = {
 _ROLE = re.compile(r":(?:py:)?(?:class|mod|meth|func|data|attr|obj|exc):`(~?)([^`]+)`")
 
 
+_PACKAGE = Path(__file__).resolve().parents[2] / "src"
+#: every module of the package (docs/modules.md renders each one's docstring under its dotted name)
+_MODULES = {
+    ".".join(p.relative_to(_PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    for p in (_PACKAGE / "fsdp_strategies").rglob("*.py")
+}
+
+
+def _module_of(target: str) -> str | None:
+    """The package module ``target`` (a module, or an object in one) lives in; None outside the package."""
+    parts = target.split(".")
+    prefixes = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+    return next((prefix for prefix in prefixes if prefix in _MODULES), None)
+
+
 def _role(match: re.Match[str]) -> str:
     short, target = match.group(1), match.group(2).strip()
     last = target.rsplit(".", 1)[-1].removesuffix("()")
     shown = last if short else target
     if last in RENDERED:
         return f"[`{shown}`][{RENDERED[last]}]"
-    return f"`{shown}`"
+    # a dotted name may break after its dots (not inside a word), so that a narrow table column can wrap it
+    code = f"<code>{html.escape(shown).replace('.', '.<wbr>')}</code>"
+    module = _module_of(target.removesuffix("()"))
+    return f"[{code}][{module}]" if module else code
 
 
 class PublicDocstrings(griffe.Extension):
@@ -57,6 +78,9 @@ class PublicDocstrings(griffe.Extension):
         if doc is None:
             return
         doc.value = _ROLE.sub(_role, doc.value)
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        self.on_object(obj=pkg)  # the top-level package is not passed to on_object
 
 
 def _is_literal(text: str) -> bool:

@@ -220,3 +220,105 @@ def test_gpu_page_states_what_was_measured() -> None:
             assert f'id="{path.stem}"' in text
     else:
         assert "No GPU figures have been measured yet" in text
+
+
+#: A page loaded into a 1400 px wide frame; once it has loaded, the frame's tables are measured and the result
+#: written into this page as JSON (read from Chromium's --dump-dom; file:// frames are readable with
+#: --allow-file-access-from-files).
+_MEASURE = """<!doctype html><html><body><pre id="out">not loaded</pre>
+<iframe id="frame" src="{src}" style="width:{width}px;height:900px;border:0"></iframe>
+<script>
+document.getElementById("frame").addEventListener("load", () => {{
+  const doc = document.getElementById("frame").contentDocument;
+  const cut = [], split = [];
+  doc.querySelectorAll("article table").forEach((table, index) => {{
+    const box = table.closest(".md-typeset__scrollwrap") || table.parentElement;
+    const head = Array.from(table.querySelectorAll("th")).map(th => th.textContent.trim()).join(" | ");
+    if (box.scrollWidth > box.clientWidth + 1)
+      cut.push({{table: index, head: head, needs: box.scrollWidth, has: box.clientWidth}});
+    table.querySelectorAll("td code").forEach(code => {{
+      // a line break inside a code span between two word characters ("Strat|egy"); after a space, a dot or
+      // a "|" it is a wrap
+      const range = doc.createRange(), walker = doc.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+      let top = null, previous = "";
+      for (let node = walker.nextNode(); node; node = walker.nextNode()) {{
+        for (let i = 0; i < node.length; i++) {{
+          range.setStart(node, i); range.setEnd(node, i + 1);
+          const rect = range.getBoundingClientRect(), ch = node.data[i];
+          if (top !== null && rect.top > top + 2 && /\\w/.test(previous) && /\\w/.test(ch))
+            split.push({{table: index, code: code.textContent}});
+          if (top === null || rect.top > top + 2) top = rect.top;
+          previous = ch;
+        }}
+      }}
+    }});
+  }});
+  document.getElementById("out").textContent = JSON.stringify({{cut: cut, split: split}});
+}});
+</script></body></html>"""
+
+
+def measure_tables(page: str, tmp_path: Path, width: int = 1400) -> dict[str, list[dict[str, Any]]]:
+    """Tables of ``page`` wider than the page's column at ``width`` px (``cut``: they scroll sideways) and
+    one-word code names broken over two lines inside a table cell (``split``)."""
+    path = SITE / page / "index.html"
+    assert path.is_file(), f"{path} is missing: build the site first (`make docs` runs mkdocs build --strict)"
+    wrapper = tmp_path / f"measure-{page.replace('/', '-') or 'index'}.html"
+    wrapper.write_text(_MEASURE.format(src=path.as_uri(), width=width))
+    proc = processes.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--allow-file-access-from-files", f"--window-size={width + 100},1000", "--virtual-time-budget=5000",
+         "--dump-dom", wrapper.as_uri()],
+        timeout=120,
+    )
+    match = re.search(r'<pre id="out">(.*?)</pre>', proc.stdout, re.S)
+    assert match and match.group(1).startswith("{"), f"{page}: not measured ({proc.stderr[-2000:]})"
+    return json.loads(match.group(1).replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
+
+
+@pytest.mark.parametrize("page", ["", "strategies/fsdp2", "strategies/hsdp", "strategies/ft_hsdp",
+                                  "real-models"])
+def test_tables_fit_a_1400px_window_and_code_names_do_not_break_mid_word(page: str, tmp_path: Path) -> None:
+    found = measure_tables(page, tmp_path)
+    where = page or "home"
+    assert not found["cut"], f"{where}: tables cut off at 1400 px (they scroll sideways): {found['cut']}"
+    assert not found["split"], f"{where}: code names broken mid-word in tables: {found['split']}"
+
+
+def _module_reference() -> Any:
+    import importlib.util
+
+    path = ROOT / "docs" / "hooks" / "module_reference.py"
+    spec = importlib.util.spec_from_file_location("module_reference", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_modules_page_has_every_module_and_names_in_pages_link_to_it() -> None:
+    hook = _module_reference()
+    names = hook.module_names()
+    assert {"fsdp_strategies", "fsdp_strategies.ft.protocol", "fsdp_strategies._torch_seam"} <= set(names)
+    html = (SITE / "modules" / "index.html").read_text()
+    missing = [name for name in names if f'id="{name}"' not in html]
+    assert not missing, f"modules page: no section for {missing}"
+    roles = re.findall(r":(?:func|class|mod|data|meth|attr|exc|obj):", html)
+    assert not roles, f"modules page: Sphinx roles left unrendered: {roles[:5]}"
+    # a name in a page links to its module's section, or to the class's own page
+    ft_page = (SITE / "strategies" / "ft_hsdp" / "index.html").read_text()
+    assert 'href="../../modules/#fsdp_strategies.ft.protocol"' in ft_page
+    linked = hook.link_names("see `fsdp_strategies.ft.UNFIXABLE_EXIT_CODE` and "
+                             "`fsdp_strategies.callbacks.MFUMonitor`\n```\n`fsdp_strategies.nothing`\n```\n",
+                             "page.md")
+    assert "[`fsdp_strategies.ft.UNFIXABLE_EXIT_CODE`][fsdp_strategies.ft]" in linked
+    assert "[`fsdp_strategies.callbacks.MFUMonitor`][fsdp_strategies.callbacks.MFUMonitor]" in linked
+    assert "`fsdp_strategies.nothing`" in linked  # code blocks are left alone
+
+
+@pytest.mark.parametrize("name", ["fsdp_strategies.data_position", "fsdp_strategies.ft.no_such_module",
+                                  "fsdp_strategies.callbacks.hang_watchdog.NO_SUCH_CODE"])
+def test_a_page_naming_something_the_package_does_not_have_fails_the_build(name: str) -> None:
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match=re.escape(name)):
+        _module_reference().link_names(f"the position (`{name}`) is recorded", "checkpoints.md")
