@@ -5,11 +5,13 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
 1. ``fsdp2`` on 2 ranks trains 8 steps with ``ModelCheckpoint(dirpath="s3://...", every_n_train_steps=2,
    save_top_k=2, save_last=True)``: the bucket holds step 6, step 8 and ``last``, each one committed version
    (steps 2 and 4 were removed, manifest first), nothing in a local folder named ``s3:``.
-2. A resume from ``s3://.../epoch=0-step=6.ckpt`` trains steps 7 and 8 with bit-identical losses.
+1b. The same run with ``async_checkpoint="thread"``: the same objects, each committed, the same losses.
+2. A resume from the step-6 checkpoint of 1b trains steps 7 and 8 with bit-identical losses.
 3. A resume from ``last`` whose rank 1 is SIGKILLed inside its save of ``last`` at step 10 (shards written,
    nothing committed): ``last``'s manifest still names the step-8 version, the dead save's objects sit beside
-it. 4. ``hsdp`` 2x2 on 4 ranks resumes from that ``last`` (the previous one: loadable) and its first save
-   commits a new version and removes the orphan.
+   it.
+4. ``hsdp`` 2x2 on 4 ranks with ``async_checkpoint="process"`` resumes from that ``last`` (the previous one:
+   loadable) and its first save commits a new version in the background and removes the orphan.
 5. ``fsdp-strategies-verify`` says OK for ``last``; a truncated shard object of step 8 is named by verify and
    refused by the loader before anything is read into a model; a URL without a manifest is refused as
    uncommitted. In one process: an unknown scheme, a closed endpoint and wrong credentials are clear errors
@@ -112,11 +114,22 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
         )
     assert not list(Path.cwd().glob("s3*")) and not list(tmp_path.glob("s3*")), "a URL became a local folder"
 
-    # 2. resumed from step 6: steps 7 and 8 are the uninterrupted run's, bit for bit
+    # 1b. the same run with async_checkpoint: thread -- the same objects, each committed, the same losses
+    background = f"{run}-async"
+    _job(out, "async", ["--dirpath", f"s3://{background}", "--steps", "8", "--async-checkpoint", "thread"],
+         env)
+    fs.invalidate_cache()
+    names = sorted({p[len(background) + 1 :].split("/", 1)[0] for p in fs.find(background)})
+    assert names == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"], names
+    for name in names:
+        assert _versions(fs, f"{background}/{name}") == [_committed(fs, f"{background}/{name}")]
+    assert _losses(out, "async") == _losses(out, "first")
+
+    # 2. resumed from the background-written step 6: steps 7 and 8 are the uninterrupted run's, bit for bit
     _job(
         out,
         "resumed",
-        ["--dirpath", f"{url}-b", "--steps", "8", "--resume", f"{url}/epoch=0-step=6.ckpt"],
+        ["--dirpath", f"{url}-b", "--steps", "8", "--resume", f"s3://{background}/epoch=0-step=6.ckpt"],
         env,
     )
     first, resumed = _losses(out, "first"), _losses(out, "resumed")
@@ -142,11 +155,13 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
         + (proc.stdout + proc.stderr)[-4000:]
     )
 
-    # 4. hsdp 2x2 resumes from that last (the previous one) and its first commit removes the orphan
+    # 4. hsdp 2x2 resumes from that last (the previous one); its first commit, written by DCP's checkpoint
+    # process in the background, removes the orphan
     _job(
         out,
         "hsdp",
-        ["--strategy", "hsdp", "--dirpath", url, "--steps", "10", "--resume", f"{url}/last.ckpt"],
+        ["--strategy", "hsdp", "--dirpath", url, "--steps", "10", "--resume", f"{url}/last.ckpt",
+         "--async-checkpoint", "process"],
         env,
         nproc=4,
     )

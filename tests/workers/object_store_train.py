@@ -77,13 +77,16 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--async-checkpoint", default="off", choices=["off", "thread", "process"])
     args = parser.parse_args()
     killer = (
         [KillInSave(args.kill_in_save)] if args.kill_in_save and int(os.environ.get("RANK", "0")) == 1 else []
     )
     pl.seed_everything(0)
     strategy = (
-        FSDP2Strategy() if args.strategy == "fsdp2" else HSDPStrategy(replicate_degree=2, shard_degree=2)
+        FSDP2Strategy(async_checkpoint=args.async_checkpoint)
+        if args.strategy == "fsdp2"
+        else HSDPStrategy(replicate_degree=2, shard_degree=2, async_checkpoint=args.async_checkpoint)
     )
     losses = Losses()
     devices = int(os.environ.get("WORLD_SIZE", "1"))

@@ -55,10 +55,11 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,9 @@ from fsdp_strategies.checkpoint.disk_full import (
     let_go,
     state_bytes,
 )
+
+if TYPE_CHECKING:
+    from fsdp_strategies.checkpoint.object_store import RemoteCheckpoint
 
 __all__ = [
     "ASYNC_CHECKPOINT_MODES",
@@ -138,16 +142,20 @@ def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: 
 class _Write:
     """One checkpoint write in flight on this rank (every rank of the group has one, symmetric)."""
 
-    path: Path
+    path: Path | str  # a local folder or file, or a URL (object storage)
     started: float
     thread: threading.Thread | None = None
     error: str | None = None  # set by the background job; the same on every rank once it finished
     failure: SaveFailure | None = None  # what the ranks agreed on (a full disk: the one clear error)
     needed: int = 0  # bytes of the checkpoint, for a full-disk report
-    removals: list[Path] = field(default_factory=list)
+    removals: list[Callable[[], None]] = field(default_factory=list)  # run on rank 0 once committed
 
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+
+def _name(path: Path | str) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -221,7 +229,8 @@ class AsyncCheckpointer:
         if self._write.running() and not self._told_wait:
             self._told_wait = True
             rank_zero_info(
-                f"{self.name}: async_checkpoint: the previous checkpoint ({self._write.path.name}) is still being "
+                f"{self.name}: async_checkpoint: the previous checkpoint ({_name(self._write.path)}) is still "
+                "being "
                 "written; this save waits for it (at most one write in flight). Said once; checkpoint less often "
                 "to avoid waiting."
             )
@@ -285,6 +294,48 @@ class AsyncCheckpointer:
         except BaseException as err:
             write.error = describe_error(error or err, rank)
 
+    def save_sharded_remote(self, tensors: dict[str, Any], metadata: dict[str, Any], ckpt: RemoteCheckpoint,
+                            *, is_rank_zero: bool) -> None:
+        """Every rank: stage this rank's shards, start DCP's async save of a new version on object storage,
+        return; the background job hashes and commits it by its manifest, as the synchronous
+        :func:`~fsdp_strategies.checkpoint.object_store.save_sharded_remote` does (its phases, on the
+        background group)."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        from fsdp_strategies.checkpoint import object_store
+
+        t0 = time.perf_counter()
+        self._before_save()
+        version = object_store.new_version(is_rank_zero)  # training thread: a broadcast on the default group
+        bg_group = self._background.group(single_rank=True)
+        kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
+        future = dcp.async_save(tensors, storage_writer=object_store.version_writer(ckpt, version),
+                                process_group=bg_group, async_checkpointer_type=kind,
+                                async_stager=self._get_stager(), no_dist=not is_multi_rank())
+        if hasattr(future, "upload_completion"):
+            future = future.upload_completion
+
+        def finish() -> None:  # background, every rank: the same phases as the synchronous save
+            shares = object_store.write_shares(ckpt, version, future.result, is_rank_zero=is_rank_zero,
+                                               group=bg_group)
+            object_store.commit_version(ckpt, version, metadata, shares, is_rank_zero=is_rank_zero,
+                                        group=bg_group)
+
+        write = _Write(path=ckpt.url, started=time.perf_counter())
+        write.thread = threading.Thread(target=self._run_remote, args=(write, finish), daemon=False,
+                                        name=f"{self.name}-checkpoint-commit")
+        self._write = write
+        self._register_exit_wait()
+        write.thread.start()
+        self.last_save_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _run_remote(write: _Write, finish: Callable[[], None]) -> None:
+        try:
+            finish()  # its failures are agreed: every rank ends with the same error
+        except BaseException as err:
+            write.error = str(err) or type(err).__name__
+
     def save_full(self, checkpoint: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
         """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a thread."""
         t0 = time.perf_counter()
@@ -314,13 +365,13 @@ class AsyncCheckpointer:
             write.error = write.failure.message
 
     # ------------------------------------------------------------------ ModelCheckpoint bookkeeping
-    def defer_removal(self, filepath: Any) -> bool:
-        """True if a write is in flight: the removal then runs (on rank 0) once it has committed."""
+    def defer_removal(self, filepath: Any, remove: Callable[[], None] | None = None) -> bool:
+        """True if a write is in flight: ``remove`` (default: remove the local file or folder) then runs (on
+        rank 0) once it has committed."""
         if self._write is None:
             return False
-        path = Path(str(filepath))
-        if path != self._write.path:
-            self._write.removals.append(path)
+        if str(filepath) != str(self._write.path):
+            self._write.removals.append(remove or (lambda: remove_path(Path(str(filepath)))))
         return True
 
     # ------------------------------------------------------------------ agreement points
@@ -362,8 +413,8 @@ class AsyncCheckpointer:
         self._write = None
         self.last_write_s = time.perf_counter() - write.started
         if write.removals and rank_and_world()[0] == 0:
-            for old in write.removals:
-                remove_path(old)
+            for remove in write.removals:
+                remove()
 
     def close(self, reason: str = "teardown") -> None:
         """Local, no collective: wait for a job still running (bounded by the group timeout); report a failure."""
@@ -420,9 +471,13 @@ class AsyncCheckpointMixin(AgreementMixin):
         return bool(due()) if callable(due) else True
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._async_checkpointer is not None and self._async_checkpointer.defer_removal(filepath):
-            return
-        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        remove_now = super().remove_checkpoint  # type: ignore[misc]
+        self._remove_after_write(filepath, lambda: remove_now(filepath))
+
+    def _remove_after_write(self, filepath: Any, remove: Callable[[], None]) -> None:
+        """``remove`` now, or (rank 0) once the write in flight has committed (dropped if it fails)."""
+        if self._async_checkpointer is None or not self._async_checkpointer.defer_removal(filepath, remove):
+            remove()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]

@@ -21,6 +21,12 @@ manifest first. What is *not* atomic: the moment between the manifest's PUT and 
 version (both are loadable then, the manifest decides), and two runs writing the same URL at once (the last
 manifest wins; a run's own saves are ordered).
 
+The save runs in phases -- :func:`new_version`, DCP's write through :func:`version_writer` plus the hashing
+(:func:`write_shares`), :func:`commit_version` -- each ending with an agreement of every rank, so a failure
+anywhere is the same error on every rank. :func:`save_sharded_remote` runs them in turn;
+``async_checkpoint`` (:mod:`fsdp_strategies.checkpoint.async_writer`) runs the last two in the background,
+on its own group, after DCP's ``async_save``.
+
 Credentials and endpoint are fsspec's: the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``...) or ``storage_options`` on the strategy. :func:`check_writable` writes and
 removes one small object under each checkpoint directory before training starts, so an unreachable endpoint, a
@@ -42,7 +48,7 @@ import torch.distributed as dist
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
-from fsdp_strategies._distributed import is_multi_rank, rank_and_world
+from fsdp_strategies._distributed import is_multi_rank
 from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import SAVE_ERRORS
 from fsdp_strategies.checkpoint.integrity import (
@@ -228,18 +234,19 @@ def _agreed(
     is_rank_zero: bool,
     version: str | None,
     share: bool = False,
+    group: Any = None,
 ) -> Any:
-    """Run this rank's ``step``, then agree: a failure on any rank removes the partial version (rank 0) and
-    raises the same error on every rank."""
+    """Run this rank's ``step``, then agree (over ``group``, the default group when None): a failure on any
+    rank removes the partial version (rank 0) and raises the same error on every rank."""
     error: BaseException | None = None
     result: Any = None
     try:
         result = step()
     except SAVE_ERRORS as err:
         error = err
-    rank, _ = rank_and_world()
+    rank = dist.get_rank(group) if is_multi_rank() else 0
     mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-    gathered = all_gather_object((result if share else None, mine))
+    gathered = all_gather_object((result if share else None, mine), group)
     failures = [outcome for _, outcome in gathered if outcome is not None]
     if failures:
         if is_rank_zero and version is not None:
@@ -259,7 +266,8 @@ def _remove_quietly(ckpt: RemoteCheckpoint, path: str) -> None:
         pass  # the store is unreachable: the next successful save removes it
 
 
-def _new_version(is_rank_zero: bool) -> str:
+def new_version(is_rank_zero: bool) -> str:
+    """Every rank (a broadcast on the default group): the name of the next save's version, rank 0's."""
     name = [
         f"{VERSION_PREFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         if is_rank_zero
@@ -271,26 +279,40 @@ def _new_version(is_rank_zero: bool) -> str:
     return name[0]
 
 
-def save_sharded_remote(
-    tensors: dict[str, Any], metadata: dict[str, Any], ckpt: RemoteCheckpoint, *, is_rank_zero: bool
-) -> str:
-    """Every rank: write a sharded checkpoint to ``ckpt`` and commit it by its manifest (the module
-    docstring); returns the committed version. A failure on any rank raises the same error on every rank."""
-    import torch.distributed.checkpoint as dcp
+def version_writer(ckpt: RemoteCheckpoint, version: str) -> Any:
+    """torch's fsspec storage writer for ``version`` under ``ckpt`` (``dcp.save``, ``dcp.async_save``)."""
+    return tseam.fsspec_storage("writer")(ckpt.url_of(version), **dict(ckpt.storage_options))
 
-    rank, world = rank_and_world()
-    version = _new_version(is_rank_zero)
+
+def write_shares(
+    ckpt: RemoteCheckpoint, version: str, step: Callable[[], Any], *, is_rank_zero: bool, group: Any = None
+) -> list[dict[str, tuple[int, str]]]:
+    """Every rank: ``step`` runs (or waits for) DCP's write of ``version`` and returns DCP's result; then this
+    rank reads back and hashes its share of the objects DCP wrote. Every rank's share, or the same error on
+    every rank (the partial version removed)."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if is_multi_rank() else (0, 1)
 
     def write() -> dict[str, tuple[int, str]]:
-        writer = tseam.fsspec_storage("writer")(ckpt.url_of(version), **dict(ckpt.storage_options))
-        written = dcp.save(tensors, storage_writer=writer)
-        storage = getattr(written, "storage_data", None) or {}
+        storage = getattr(step(), "storage_data", None) or {}
         names = sorted({info.relative_path for info in storage.values() if hasattr(info, "relative_path")})
         return {name: _digest(ckpt, ckpt.path(version, name)) for name in names[rank::world]}
 
-    shares = _agreed(
-        ckpt, "writing the shards", write, is_rank_zero=is_rank_zero, version=version, share=True
-    )
+    return _agreed(ckpt, "writing the shards", write, is_rank_zero=is_rank_zero, version=version, share=True,
+                   group=group)
+
+
+def commit_version(
+    ckpt: RemoteCheckpoint,
+    version: str,
+    metadata: dict[str, Any],
+    shares: list[dict[str, tuple[int, str]]],
+    *,
+    is_rank_zero: bool,
+    group: Any = None,
+) -> None:
+    """Every rank, once every rank's shares are written and hashed: rank 0 writes Lightning's ``meta.pt`` and
+    then the manifest naming ``version`` (the commit), every rank learns the outcome, rank 0 removes the other
+    versions."""
 
     def commit() -> None:
         if is_rank_zero:
@@ -313,9 +335,24 @@ def save_sharded_remote(
 
     # a failed commit leaves the version for the next save to remove: its manifest PUT may have landed although
     # the client saw an error, and then the version is the committed one
-    _agreed(ckpt, "the commit", commit, is_rank_zero=is_rank_zero, version=None)
+    _agreed(ckpt, "the commit", commit, is_rank_zero=is_rank_zero, version=None, group=group)
     if is_rank_zero:
         remove_other_versions(ckpt, keep=version)
+
+
+def save_sharded_remote(
+    tensors: dict[str, Any], metadata: dict[str, Any], ckpt: RemoteCheckpoint, *, is_rank_zero: bool
+) -> str:
+    """Every rank: write a sharded checkpoint to ``ckpt`` and commit it by its manifest (the module
+    docstring); returns the committed version. A failure on any rank raises the same error on every rank.
+    (:meth:`~fsdp_strategies.checkpoint.async_writer.AsyncCheckpointer.save_sharded_remote` runs the same
+    phases in the background.)"""
+    import torch.distributed.checkpoint as dcp
+
+    version = new_version(is_rank_zero)
+    writer = version_writer(ckpt, version)
+    shares = write_shares(ckpt, version, lambda: dcp.save(tensors, storage_writer=writer), is_rank_zero=is_rank_zero)
+    commit_version(ckpt, version, metadata, shares, is_rank_zero=is_rank_zero)
     return version
 
 
@@ -369,7 +406,6 @@ def check_remote_checkpoint_dir(
     *,
     strategy: str | None,
     sharded: bool,
-    async_checkpoint: str,
     storage_options: Mapping[str, Any] | None,
     is_rank_zero: bool,
     broadcast: Callable[[Any], Any],
@@ -392,12 +428,6 @@ def check_remote_checkpoint_dir(
             "sharded "
             "checkpoints only (committed by their manifest). Fix: save_distributed_checkpoint: true, or a "
             "local path."
-        )
-    if async_checkpoint != "off":
-        raise CheckpointLocationError(
-            f"{what}={url!r} with async_checkpoint={async_checkpoint!r}: background writes to object "
-            "storage are not "
-            "supported yet. Fix: async_checkpoint: off, or a local path."
         )
     problem = None
     if is_rank_zero:

@@ -179,11 +179,11 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             per optimizer step), but every rank keeps the full, unsharded gradient of every parameter between
             micro-batches (N times the gradient memory): for models with memory to spare and a slow network.
             Without accumulation both are the same.
-        storage_options: fsspec's options for checkpoint URLs (``ModelCheckpoint(dirpath="s3://bucket/run")``,
-            ``ckpt_path="s3://..."``), e.g. ``{"endpoint_url": "http://host:8333", "key": ..., "secret": ...}``
-            for s3fs; ``None``: fsspec's defaults and the environment (``AWS_ENDPOINT_URL``,
+        storage_options: fsspec's options for checkpoint URLs (a ``ModelCheckpoint`` ``dirpath`` or a
+            ``ckpt_path`` such as ``s3://bucket/run``), e.g. ``{"endpoint_url": "http://host:8333", "key": ...,
+            "secret": ...}`` for s3fs; ``None``: fsspec's defaults and the environment (``AWS_ENDPOINT_URL``,
             ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``). On object storage a checkpoint is committed by its
-            manifest, written last: see :mod:`fsdp_strategies.checkpoint.object_store` (sharded, synchronous saves).
+            manifest, written last: see :mod:`fsdp_strategies.checkpoint.object_store` (sharded saves; also async).
     """
 
     strategy_name = "fsdp2"
@@ -532,7 +532,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     def _check_remote_location(self, url: str, what: str) -> None:
         check_remote_checkpoint_dir(url, what, strategy=self.strategy_name if not self.object_storage else None,
                                     sharded=seam.saves_distributed_checkpoint(self),
-                                    async_checkpoint=self.async_checkpoint, storage_options=self.storage_options,
+                                    storage_options=self.storage_options,
                                     is_rank_zero=self.is_global_zero, broadcast=self.broadcast)
 
     @override
@@ -541,7 +541,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         url = url_or_none(target)  # object storage: sharded and synchronous, committed by its manifest
         if url is None and storage_options is not None:
             raise TypeError(f"save_checkpoint(storage_options=...) is for URLs; {target!r} is a local path.")
-        if url is not None and (not seam.saves_distributed_checkpoint(self) or self.async_checkpoint != "off"):
+        if url is not None and not seam.saves_distributed_checkpoint(self):
             self._check_remote_location(url, "the checkpoint path")  # raises the clear error
         path = None if url is not None else local_checkpoint_path(target, "the checkpoint path")
         if self.lightning_module is not None:  # which HF class + config the weights are, for --format hf
@@ -553,8 +553,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
             if url is not None:
-                save_sharded_remote(tensors, checkpoint, self._remote(url, "the checkpoint path", storage_options),
-                                    is_rank_zero=self.is_global_zero)
+                save = self.async_checkpointer.save_sharded_remote if background else save_sharded_remote
+                save(tensors, checkpoint, self._remote(url, "the checkpoint path", storage_options),
+                     is_rank_zero=self.is_global_zero)
             elif background:
                 self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
             else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
@@ -576,8 +577,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         url = url_or_none(filepath)
         if url is None:
             super().remove_checkpoint(filepath)
-        elif self.is_global_zero:  # manifest first: the checkpoint stops being valid before its objects go
-            remove_remote(self._remote(url, "the checkpoint to remove"))
+        else:  # rank 0, after a write in flight; manifest first: it stops being valid before its objects go
+            self._remove_after_write(url, lambda: remove_remote(self._remote(url, "the checkpoint to remove")))
 
     @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
