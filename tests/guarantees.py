@@ -328,7 +328,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/checkpoints.md", "Tested against a real S3 server (SeaweedFS)", _ids(
         "test_object_store.py",
         "test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save",
-        "test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors")),
+        "test_a_server_lost_mid_save_fails_every_rank_and_leaves_the_previous_checkpoint",
+        "test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors_and_removal_is_best_effort")),
     Guarantee("docs/checkpoints.md", "(tested by killing a run mid-save)", _ATOMIC,
               "the test crashes a process after the shards are written and before the commit"),
     Guarantee("docs/checkpoints.md", "(`tests/test_disk_full.py`, 2 ranks, gloo)", _DISK_FULL),

@@ -15,7 +15,11 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
 5. ``fsdp-strategies-verify`` says OK for ``last``; a truncated shard object of step 8 is named by verify and
    refused by the loader before anything is read into a model; a URL without a manifest is refused as
    uncommitted. In one process: an unknown scheme, a closed endpoint and wrong credentials are clear errors
-   naming the URL.
+   naming the URL; a removal the store does not answer is a warning.
+
+Apart (a server of its own): the S3 server SIGKILLed inside a save -- every rank stops with the same
+"was not saved" error (rank 0's clean-up of the partial version must not raise botocore's own error instead);
+started again on the same data, the previous checkpoints verify and the interrupted one is not committed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from fsdp_strategies.checkpoint.object_store import (
     CheckpointNotCommittedError,
     check_writable,
     open_remote,
+    remove_remote,
 )
 from fsdp_strategies.checkpoint.verify import verify_main
 from s3_server import KEY, S3Server
@@ -181,8 +186,41 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
         load_remote_into_sharded_model(None, [], open_remote(f"{url}/epoch=0-step=2.ckpt", "ckpt_path"))  # type: ignore[arg-type]
 
 
+@pytest.mark.multiprocess
+def test_a_server_lost_mid_save_fails_every_rank_and_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a server of its own: it is killed, then started again on the same port and data
+    server = S3Server(tmp_path / "server").start()
+    try:
+        env = {**server.env(), "FSDP_TESTS_S3_PID": str(server.job.pid)}
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        run = f"{BUCKET}/lost"
+        # saves: step 2 (epoch=0-step=2.ckpt, then last), step 4 -- the server dies inside its first save
+        proc = _job(tmp_path / "out", "lost", ["--dirpath", f"s3://{run}", "--steps", "6",
+                                                "--stop-server-in-save", "3"], env, check=False)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, output[-3000:]
+        assert server.job.poll() is not None, "the server was not stopped inside the save"
+        assert output.count(f"Checkpoint s3://{run}/epoch=0-step=4.ckpt was not saved") >= 2, output[-4000:]
+        server.stop()
+        server.start()  # the same port and data folder
+        fsspec.filesystem("s3").clear_instance_cache()  # (instances made for another server, or before the kill)
+        fs = _fs()
+        fs.invalidate_cache()
+        assert verify_main([f"s3://{run}/last.ckpt"]) == 0  # step 2's last: committed, every object intact
+        assert json.loads(fs.cat_file(f"{run}/last.ckpt/{MANIFEST_FILE}"))["data"] in _versions(
+            fs, f"{run}/last.ckpt")
+        with pytest.raises(CheckpointNotCommittedError, match="no committed checkpoint"):
+            step4 = open_remote(f"s3://{run}/epoch=0-step=4.ckpt", "ckpt_path")
+            load_remote_into_sharded_model(None, [], step4)  # type: ignore[arg-type]
+    finally:
+        server.stop()
+
+
 @pytest.mark.subprocess
-def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors(
+def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors_and_removal_is_best_effort(
     s3_env: dict[str, str],
 ) -> None:
     with pytest.raises(
@@ -199,3 +237,8 @@ def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors(
             f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)", {**fast, "key": KEY, "secret": "wrong"}
         )
     check_writable(f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)")  # the server's own credentials: fine
+    # save_top_k's removal runs on rank 0 alone: an unreachable store is a warning (the checkpoint stays valid)
+    closed = open_remote("s3://b/run/last.ckpt", "the checkpoint to remove",
+                         {**fast, "endpoint_url": "http://127.0.0.1:9"})
+    with pytest.warns(UserWarning, match=r"Could not remove checkpoint s3://b/run/last\.ckpt .*stays"):
+        remove_remote(closed)

@@ -67,6 +67,29 @@ class KillInSave(pl.Callback):
         object_store._digest = digest_then_die  # type: ignore[assignment]
 
 
+class StopServerInSave(pl.Callback):
+    """Rank 0: SIGKILL the S3 server (its pid in ``FSDP_TESTS_S3_PID``) when this rank hashes the shards of its
+    ``nth`` save -- DCP wrote them, nothing is committed; every later request of every rank meets a closed
+    port."""
+
+    def __init__(self, nth: int) -> None:
+        self.nth = nth
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        real = object_store._digest
+        calls = {"saves": 0}
+
+        def digest_after_the_server_is_gone(ckpt: Any, path: str) -> tuple[int, str]:
+            if path.endswith(".distcp"):
+                calls["saves"] += 1
+                if calls["saves"] == self.nth:
+                    os.kill(int(os.environ["FSDP_TESTS_S3_PID"]), signal.SIGKILL)
+            return real(ckpt, path)
+
+        object_store._digest = digest_after_the_server_is_gone  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "hsdp"])
@@ -77,11 +100,14 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--stop-server-in-save", type=int, default=None)
     parser.add_argument("--async-checkpoint", default="off", choices=["off", "thread", "process"])
     args = parser.parse_args()
     killer = (
         [KillInSave(args.kill_in_save)] if args.kill_in_save and int(os.environ.get("RANK", "0")) == 1 else []
     )
+    if args.stop_server_in_save and int(os.environ.get("RANK", "0")) == 0:
+        killer.append(StopServerInSave(args.stop_server_in_save))
     pl.seed_everything(0)
     strategy = (
         FSDP2Strategy(async_checkpoint=args.async_checkpoint)

@@ -39,6 +39,7 @@ import hashlib
 import io
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,8 +263,8 @@ def _agreed(
 def _remove_quietly(ckpt: RemoteCheckpoint, path: str) -> None:
     try:
         ckpt.fs.rm(path, recursive=True)
-    except (OSError, ValueError):
-        pass  # the store is unreachable: the next successful save removes it
+    except Exception:  # best effort: the store may be unreachable (botocore's errors are not OSErrors)
+        pass  # the next successful save removes it
 
 
 def new_version(is_rank_zero: bool) -> str:
@@ -362,7 +363,7 @@ def remove_other_versions(ckpt: RemoteCheckpoint, keep: str) -> list[str]:
     ckpt.fs.invalidate_cache()
     try:
         entries = ckpt.fs.ls(ckpt.root, detail=False)
-    except (OSError, ValueError):
+    except Exception:  # best effort, as _remove_quietly
         return []
     removed = []
     for entry in entries:
@@ -374,11 +375,17 @@ def remove_other_versions(ckpt: RemoteCheckpoint, keep: str) -> list[str]:
 
 
 def remove_remote(ckpt: RemoteCheckpoint) -> None:
-    """Delete a checkpoint: its manifest first (it stops being valid at once), then every object under it."""
+    """Delete a checkpoint: its manifest first (it stops being valid at once), then every object under it.
+    Called by rank 0 alone (``save_top_k``): a store that does not answer is a warning, not an error that would
+    stop rank 0 while the others train on -- the checkpoint then stays, complete and valid."""
     try:
         ckpt.fs.rm(ckpt.path(MANIFEST_FILE))
     except FileNotFoundError:
         pass
+    except Exception as err:  # botocore's connection errors are not OSErrors
+        warnings.warn(f"Could not remove checkpoint {ckpt.url} ({type(err).__name__}: {err}); it stays, "
+                      "complete and loadable. Remove it by hand if the space matters.", stacklevel=2)
+        return
     _remove_quietly(ckpt, ckpt.root)
 
 
