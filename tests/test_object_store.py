@@ -12,8 +12,9 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
    it.
 4. ``hsdp`` 2x2 on 4 ranks with ``async_checkpoint="process"`` resumes from that ``last`` (the previous one:
    loadable) and its first save commits a new version in the background and removes the orphan.
-5. ``fsdp-strategies-verify`` says OK for ``last``; a truncated shard object of step 8 is named by verify and
-   refused by the loader before anything is read into a model; a URL without a manifest is refused as
+5. ``fsdp-strategies-verify`` says OK for ``last``; ``fsdp-strategies-export`` reads it straight from the bucket
+   (the same tensors as a local read of a copy of its objects); a truncated shard object of step 8 is named by verify and
+   refused by the loader before anything is read into a model, and by the export; a URL without a manifest is refused as
    uncommitted. In one process: an unknown scheme, a closed endpoint and wrong credentials are clear errors
    naming the URL; a removal the store does not answer is a warning.
 
@@ -32,8 +33,10 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 
 from conftest import WORKERS, run_torchrun
+from fsdp_strategies.checkpoint.export import read_sharded_state_dict
 from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, CheckpointIntegrityError
 from fsdp_strategies.checkpoint.load_into_fsdp import load_remote_into_sharded_model
 from fsdp_strategies.checkpoint.location import CheckpointLocationError
@@ -44,6 +47,7 @@ from fsdp_strategies.checkpoint.object_store import (
     remove_remote,
 )
 from fsdp_strategies.checkpoint.verify import verify_main
+from fsdp_strategies.hf.export import main as export_main
 from s3_server import KEY, S3Server
 
 BUCKET = "fsdp-tests"
@@ -174,12 +178,22 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
     now = _committed(fs, last)
     assert now != before and _versions(fs, last) == [now]
 
-    # 5. verify; a truncated shard object is named and refused before any model is touched
+    # 5. verify; export straight from the bucket reads the very tensors a local read of the same objects gives
     assert verify_main([f"{url}/last.ckpt"]) == 0
+    exported = tmp_path / "last.pt"
+    assert export_main([f"{url}/last.ckpt", str(exported)]) == 0
+    local = tmp_path / "last-copy"
+    fs.get(f"{last}/{_committed(fs, last)}", str(local), recursive=True)
+    state, copy = torch.load(exported, weights_only=True), read_sharded_state_dict(local)
+    assert state.keys() == copy.keys() and len(state) > 0
+    assert all(torch.equal(state[k], copy[k]) for k in state)
+    # a truncated shard object is named and refused before any model is touched, or anything exported
     step8 = f"{run}/epoch=0-step=8.ckpt"
     shard = f"{step8}/{_committed(fs, step8)}/__0_0.distcp"
     fs.pipe_file(shard, fs.cat_file(shard)[:-100])
     assert verify_main([f"{url}/epoch=0-step=8.ckpt"]) == 1
+    assert export_main([f"{url}/epoch=0-step=8.ckpt", str(tmp_path / "step8.pt")]) == 1
+    assert not (tmp_path / "step8.pt").exists()
     with pytest.raises(CheckpointIntegrityError, match=r"__0_0\.distcp: size"):
         load_remote_into_sharded_model(None, [], open_remote(f"{url}/epoch=0-step=8.ckpt", "ckpt_path"))  # type: ignore[arg-type]
     with pytest.raises(CheckpointNotCommittedError, match="no committed checkpoint"):

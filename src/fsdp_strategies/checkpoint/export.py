@@ -1,6 +1,8 @@
 """Export: any checkpoint of this package as one plain ``state_dict`` file (``fsdp-strategies-export --format torch``).
 
-A sharded (DCP) folder or a full single file is verified against its checksums, read without running
+A sharded (DCP) folder, a committed sharded checkpoint on object storage (an fsspec URL such as ``s3://...``:
+its manifest and objects, :mod:`fsdp_strategies.checkpoint.object_store`; fsspec's credentials from the
+environment) or a full single file is verified against its checksums, read without running
 code from it (restricted unpicklers, in one process with no process group: DCP's ``no_dist`` load into
 full-size tensors), and its ``state_dict`` is written with ``torch.save`` to a temp file renamed into place.
 The result loads into the plain model with ``model.load_state_dict(torch.load(output))``, no package needed.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,25 +30,42 @@ from fsdp_strategies.checkpoint.atomic import (
     temp_path,
 )
 from fsdp_strategies.checkpoint.integrity import verify_folder, verify_loaded
-from fsdp_strategies.checkpoint.location import local_checkpoint_path
+from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
     load_dcp_metadata,
+    load_dcp_metadata_stream,
     load_file_checkpoint,
+    safe_fsspec_reader,
     safe_torch_load,
 )
 
 __all__ = ["VerifiedCheckpoint", "export_consolidated", "open_checkpoint", "read_sharded_state_dict"]
 
 
-def read_sharded_state_dict(folder: Path, key: str = "state_dict", prefix: str = "") -> dict[str, Any]:
-    """Single process: the full tensors under ``key`` of a DCP folder, read with the restricted reader/planner
-    (only the entries whose name starts with ``prefix``, when one is given)."""
+@dataclass(frozen=True)
+class DCPSource:
+    """Where a sharded checkpoint's DCP files are read from -- a local folder, or a committed version on object
+    storage: its metadata and a restricted storage reader, both read without running code from the files."""
+
+    name: str
+    metadata: Callable[[], Any]
+    reader: Callable[[], Any]
+
+    @staticmethod
+    def folder(folder: Path) -> DCPSource:
+        return DCPSource(str(folder), lambda: load_dcp_metadata(folder), lambda: SafeFileSystemReader(folder))
+
+
+def read_sharded_state_dict(folder: Path | DCPSource, key: str = "state_dict", prefix: str = "") -> dict[str, Any]:
+    """Single process: the full tensors under ``key`` of a DCP folder (or any :class:`DCPSource`), read with
+    the restricted reader/planner (only the entries whose name starts with ``prefix``, when one is given)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = load_dcp_metadata(folder)
+    source = folder if isinstance(folder, DCPSource) else DCPSource.folder(folder)
+    metadata = source.metadata()
     target: dict[str, Any] = {}
     has_key = False
     for flat, meta in metadata.state_dict_metadata.items():
@@ -61,12 +81,12 @@ def read_sharded_state_dict(folder: Path, key: str = "state_dict", prefix: str =
         node[where[-1]] = (torch.empty(meta.size, dtype=meta.properties.dtype)
                            if isinstance(meta, TensorStorageMetadata) else None)
     if not has_key:
-        raise ValueError(f"{folder} holds no {key!r} entry: not a checkpoint written by a Lightning strategy.")
+        raise ValueError(f"{source.name} holds no {key!r} entry: not a checkpoint written by a Lightning strategy.")
     if key not in target:
         return {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(target, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, storage_reader=source.reader(), planner=SafeLoadPlanner(), no_dist=True)
     return target[key]
 
 
@@ -84,15 +104,16 @@ class VerifiedCheckpoint:
         extras: its non-tensor entries: a folder's ``meta.pt``, a file's dict without ``state_dict``.
     """
 
-    path: Path
+    path: Path | str  # a URL for a checkpoint on object storage
     extras: dict[str, Any]
     loaded_state: dict[str, Any] | None = field(default=None, repr=False)  # a full file's state_dict
+    source: DCPSource | None = field(default=None, repr=False)  # a sharded checkpoint's files
 
     def keys(self) -> list[str]:
         """The names in the module's ``state_dict``, without reading a tensor."""
         if self.loaded_state is not None:
             return list(self.loaded_state)
-        metadata = load_dcp_metadata(self.path)
+        metadata = self._source().metadata()
         paths = (tuple((metadata.planner_data or {}).get(flat) or flat.split(".", 1))
                  for flat in metadata.state_dict_metadata)
         return [str(where[1]) for where in paths if len(where) > 1 and where[0] == "state_dict"]
@@ -100,10 +121,13 @@ class VerifiedCheckpoint:
     def state_dict(self, prefix: str = "") -> dict[str, Any]:
         """The module's full tensors whose names start with ``prefix`` (all of them by default)."""
         if self.loaded_state is None:
-            state = read_sharded_state_dict(self.path, prefix=prefix)
+            state = read_sharded_state_dict(self._source(), prefix=prefix)
         else:
             state = {k: v for k, v in self.loaded_state.items() if k.startswith(prefix)}
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+
+    def _source(self) -> DCPSource:
+        return self.source if self.source is not None else DCPSource.folder(Path(self.path))
 
 
 def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
@@ -112,6 +136,8 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
     Single process, no process group. A checkpoint without checksums is read with one warning; a damaged one
     raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` before anything is unpickled.
     """
+    if (url := url_or_none(os.fspath(checkpoint))) is not None:
+        return _open_remote(url)
     src = resolve_checkpoint_path(checkpoint)
     if src.is_dir():
         unverified = verify_folder(src).require_intact()
@@ -129,6 +155,26 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
         _warn_unverified(unverified)
         return VerifiedCheckpoint(src, {k: v for k, v in loaded.items() if k != "state_dict"}, loaded["state_dict"])
     raise FileNotFoundError(f"{src}: no such checkpoint file or folder.")
+
+
+def _open_remote(url: str) -> VerifiedCheckpoint:
+    """A committed checkpoint on object storage (fsspec's credentials and endpoint from the environment): every
+    object verified against its manifest first; no manifest is not committed, never read."""
+    from fsdp_strategies.checkpoint.object_store import open_remote, read_remote_meta, verify_remote
+
+    ckpt = open_remote(url, "CHECKPOINT")
+    result, found = verify_remote(ckpt)
+    version = found.version  # no manifest: CheckpointNotCommittedError
+    result.require_intact()
+    data_url = ckpt.url_of(version)
+
+    def metadata() -> Any:
+        with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
+            return load_dcp_metadata_stream(fh, f"{data_url}/{DCP_METADATA_FILE}")
+
+    source = DCPSource(data_url, metadata, lambda: safe_fsspec_reader(data_url, ckpt.storage_options))
+    extras = read_remote_meta(ckpt, version)
+    return VerifiedCheckpoint(url, extras if isinstance(extras, dict) else {}, source=source)
 
 
 def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], strip_prefix: str = "") -> Path:
