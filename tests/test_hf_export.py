@@ -117,6 +117,26 @@ def test_round_trip_from_the_recorded_metadata(job: Path, tmp_path: Path, run: s
 
 
 @pytest.mark.multiprocess
+def test_export_from_object_storage_gives_the_same_model(job: Path, tmp_path: Path) -> None:
+    """A committed checkpoint at an fsspec URL (``memory://``, in this process; tests/test_object_store.py runs
+    the torch format against a real S3 server) exports to the same Hugging Face model as the local one, read
+    from its recorded metadata."""
+    from fsdp_strategies.checkpoint.export import read_sharded_state_dict
+    from fsdp_strategies.checkpoint.object_store import open_remote, save_sharded_remote
+
+    run = "llama_fsdp2_sharded"
+    local = job / "runs" / f"{run}.ckpt"
+    url = f"memory://hf-export-{os.getpid()}/{run}.ckpt"
+    meta = safe_torch_load(local / "meta.pt")
+    save_sharded_remote({"state_dict": read_sharded_state_dict(local)}, meta, open_remote(url, "url"),
+                        is_rank_zero=True)
+    assert main([url, str(tmp_path / "remote"), "--format", "hf"]) == 0
+    assert _max_diff(job, run, tmp_path / "remote") <= TOL
+    assert export_hf(local, tmp_path / "local") == tmp_path / "local"
+    assert _safetensors_keys(tmp_path / "remote") == _safetensors_keys(tmp_path / "local")
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("run", ["llama_fsdp2_sharded", "gpt2_fsdp2_sharded", "t5_fsdp2_sharded"])
 def test_layout_and_tied_weights_are_save_pretrained_s(job: Path, tmp_path: Path, run: str) -> None:
     """The same files and keys as transformers' own save_pretrained: each tied weight once (GPT-2 keeps wte,
