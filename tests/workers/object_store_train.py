@@ -46,48 +46,27 @@ class Losses(pl.Callback):
 
 
 class KillInSave(pl.Callback):
-    """From the first training step on (after a resume's verification, which hashes objects too): SIGKILL this
-    rank when it hashes the shards of its ``nth`` save -- written, not committed."""
+    """From the first training step on (after a resume's verification, which hashes objects too): SIGKILL
+    process ``pid`` (this rank by default; the S3 server) when this rank hashes the shards of its ``nth`` save
+    -- written, not committed."""
 
-    def __init__(self, nth: int) -> None:
+    def __init__(self, nth: int, pid: int | None = None) -> None:
         self.nth = nth
+        self.pid = pid
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         real = object_store._digest
         calls = {"saves": 0}
 
-        def digest_then_die(ckpt: Any, path: str) -> tuple[int, str]:
+        def digest_then_kill(ckpt: Any, path: str) -> tuple[int, str]:
             if path.endswith(".distcp"):
                 calls["saves"] += 1
                 if calls["saves"] == self.nth:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(self.pid or os.getpid(), signal.SIGKILL)
             return real(ckpt, path)
 
-        object_store._digest = digest_then_die  # type: ignore[assignment]
-
-
-class StopServerInSave(pl.Callback):
-    """Rank 0: SIGKILL the S3 server (its pid in ``FSDP_TESTS_S3_PID``) when this rank hashes the shards of its
-    ``nth`` save -- DCP wrote them, nothing is committed; every later request of every rank meets a closed
-    port."""
-
-    def __init__(self, nth: int) -> None:
-        self.nth = nth
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        real = object_store._digest
-        calls = {"saves": 0}
-
-        def digest_after_the_server_is_gone(ckpt: Any, path: str) -> tuple[int, str]:
-            if path.endswith(".distcp"):
-                calls["saves"] += 1
-                if calls["saves"] == self.nth:
-                    os.kill(int(os.environ["FSDP_TESTS_S3_PID"]), signal.SIGKILL)
-            return real(ckpt, path)
-
-        object_store._digest = digest_after_the_server_is_gone  # type: ignore[assignment]
+        object_store._digest = digest_then_kill  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -107,7 +86,8 @@ def main() -> None:
         [KillInSave(args.kill_in_save)] if args.kill_in_save and int(os.environ.get("RANK", "0")) == 1 else []
     )
     if args.stop_server_in_save and int(os.environ.get("RANK", "0")) == 0:
-        killer.append(StopServerInSave(args.stop_server_in_save))
+        # the server dies inside rank 0's save: every later request of every rank meets a closed port
+        killer.append(KillInSave(args.stop_server_in_save, pid=int(os.environ["FSDP_TESTS_S3_PID"])))
     pl.seed_everything(0)
     strategy = (
         FSDP2Strategy(async_checkpoint=args.async_checkpoint)
