@@ -54,8 +54,10 @@ try:
         pl.Trainer(**kwargs).fit(BoringModel(), ckpt_path="memory://run/last.ckpt")
 except CheckpointLocationError as err:
     print("REFUSED:", err)
-except FileNotFoundError as err:  # fsdp2: a URL without a manifest holds no committed checkpoint
+except FileNotFoundError as err:  # a URL without a manifest holds no committed checkpoint
     print("NOT COMMITTED:", err)
+except Exception as err:  # an object that is not a torch file
+    print("CORRUPT:", type(err).__name__, err)
 import fsspec
 print("MEMORY:", sorted(fsspec.filesystem("memory").find("/run")))
 """
@@ -65,27 +67,26 @@ print("MEMORY:", sorted(fsspec.filesystem("memory").find("/run")))
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp_hooks"])
 def test_a_url_checkpoint_dir_is_refused_before_training_or_written_there(tmp_path: Path, strategy: str) -> None:
     # before the URL check: the fit "succeeded" and wrote ./memory:/run/*.ckpt (fsdp2 and ddp_hooks) -- the URL
-    # collapsed into a local relative path. Now ddp_hooks refuses it before training; fsdp2 writes the URL
-    # (commit by manifest: tests/test_object_store.py runs it against a real S3 server)
+    # collapsed into a local relative path. Now fsdp2 writes the URL (commit by manifest) and ddp_hooks one
+    # object per checkpoint (tests/test_object_store.py runs both against a real S3 server)
     script = tmp_path / "fit.py"
     script.write_text(textwrap.dedent(_FIT))
     env = {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for where, label in (("dirpath", "ModelCheckpoint(dirpath=...)='memory://run'"),
-                         ("ckpt_path", "the checkpoint path='memory://run/last.ckpt'")):
+    for where in ("dirpath", "ckpt_path"):
         work = tmp_path / where
         work.mkdir()
         out = run_python([str(script), strategy, where], cwd=work, env=env, timeout=120).stdout
         assert not (work / "memory:").exists()  # nothing written to a local folder named after the URL
-        if strategy == "ddp_hooks":
-            assert f"REFUSED: {label} is an object-storage URL (memory://)" in out, out[-2000:]
-            if where == "dirpath":
-                assert "Training" not in out  # refused at set-up: no step ran
-        elif where == "dirpath":  # written into the in-memory file system, each checkpoint committed
+        if where == "dirpath":  # written into the in-memory file system
             assert "REFUSED" not in out, out[-2000:]
             listing = out.split("MEMORY:", 1)[1]
-            assert "/run/epoch=0-step=2.ckpt/fsdp_strategies_manifest.json" in listing, listing
-        else:  # a URL holding no manifest is not a committed checkpoint: nothing is read
-            assert "NOT COMMITTED: memory://run/last.ckpt: no committed checkpoint there" in out, out[-2000:]
+            if strategy == "fsdp2":  # each checkpoint committed by its manifest
+                assert "/run/epoch=0-step=2.ckpt/fsdp_strategies_manifest.json" in listing, listing
+            else:  # ddp_hooks: a full file, one object each
+                assert "'/run/epoch=0-step=2.ckpt'" in listing, listing
+        else:  # an object that is not a checkpoint is refused, named, before anything is applied
+            corrupt = "CORRUPT: CheckpointIntegrityError memory://run/last.ckpt is not a readable checkpoint"
+            assert corrupt in out, out[-2000:]
 
 
 def test_export_and_verify_name_the_url(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -104,3 +105,16 @@ def test_a_url_pretrained_folder_is_refused_with_the_fix() -> None:
     with pytest.raises(PretrainedFolderNotFoundError,
                        match=r"pretrained='s3://b/llama' is a URL.*Fix: copy"):
         check_folder("s3://b/llama", "pretrained")
+
+
+def test_ft_hsdp_refuses_a_url_checkpoint_dir_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a restarted replica group is handed local checkpoint files: ft_hsdp does not write object storage
+    import fsdp_strategies
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:9")  # (never contacted here)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    strategy = fsdp_strategies.FTHSDPStrategy()
+    refused = r"ModelCheckpoint\(dirpath=\.\.\.\)='s3://b/run' under ft_hsdp: .* Fix: a local path"
+    with pytest.raises(CheckpointLocationError, match=refused):
+        strategy._check_remote_location("s3://b/run", "ModelCheckpoint(dirpath=...)")

@@ -118,9 +118,9 @@ def test_round_trip_from_the_recorded_metadata(job: Path, tmp_path: Path, run: s
 
 @pytest.mark.multiprocess
 def test_export_from_object_storage_gives_the_same_model(job: Path, tmp_path: Path) -> None:
-    """A committed checkpoint at an fsspec URL (``memory://``, in this process; tests/test_object_store.py runs
-    the torch format against a real S3 server) exports to the same Hugging Face model as the local one, read
-    from its recorded metadata."""
+    """A committed checkpoint at an fsspec URL (``memory://``, in this process; tests/test_object_store.py
+    runs the torch format against a real S3 server) exports to the same Hugging Face model as the local one,
+    read from its recorded metadata."""
     from fsdp_strategies.checkpoint.export import read_sharded_state_dict
     from fsdp_strategies.checkpoint.object_store import open_remote, save_sharded_remote
 

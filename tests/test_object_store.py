@@ -12,11 +12,11 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
    it.
 4. ``hsdp`` 2x2 on 4 ranks with ``async_checkpoint="process"`` resumes from that ``last`` (the previous one:
    loadable) and its first save commits a new version in the background and removes the orphan.
-5. ``fsdp-strategies-verify`` says OK for ``last``; ``fsdp-strategies-export`` reads it straight from the bucket
-   (the same tensors as a local read of a copy of its objects); a truncated shard object of step 8 is named by verify and
-   refused by the loader before anything is read into a model, and by the export; a URL without a manifest is refused as
-   uncommitted. In one process: an unknown scheme, a closed endpoint and wrong credentials are clear errors
-   naming the URL; a removal the store does not answer is a warning.
+5. ``fsdp-strategies-verify`` says OK for ``last``; ``fsdp-strategies-export`` reads it straight from the
+   bucket (the same tensors as a local read of a copy of its objects); a truncated shard object of step 8 is
+   named by verify and refused by the loader before anything is read into a model, and by the export; a URL
+   without a manifest is refused as uncommitted. In one process: an unknown scheme, a closed endpoint and
+   wrong credentials are clear errors naming the URL; a removal the store does not answer is a warning.
 
 Apart (a server of its own): the S3 server SIGKILLed inside a save -- every rank stops with the same
 "was not saved" error (rank 0's clean-up of the partial version must not raise botocore's own error instead);
@@ -201,6 +201,33 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy,mode", [("ddp_hooks", "thread"), ("fsdp2_full", "off")])
+def test_full_file_checkpoints_are_one_object_each_and_resume_exactly(
+    s3_env: dict[str, str], tmp_path: Path, strategy: str, mode: str
+) -> None:
+    # ddp_hooks (and fsdp2 with save_distributed_checkpoint=False) write one file per checkpoint: on object
+    # storage one object, uploaded in one put by rank 0 (here ddp_hooks' from the background thread)
+    fs = _fs()
+    run = f"{BUCKET}/full-{strategy}-{os.getpid()}"
+    out = tmp_path / "out"
+    _job(out, "first", ["--strategy", strategy, "--dirpath", f"s3://{run}", "--steps", "8",
+                        "--async-checkpoint", mode], dict(s3_env))
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(run)) == [
+        "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]  # top 2 + last, each one object
+    assert verify_main([f"s3://{run}/last.ckpt"]) == 0
+    _job(out, "resumed", ["--strategy", strategy, "--dirpath", f"s3://{run}-b", "--steps", "8",
+                          "--resume", f"s3://{run}/epoch=0-step=6.ckpt"], dict(s3_env))
+    first, resumed = _losses(out, "first"), _losses(out, "resumed")
+    assert list(resumed) == ["7", "8"] and all(resumed[s] == first[s] for s in resumed), (first, resumed)
+    exported = tmp_path / "last.pt"
+    assert export_main([f"s3://{run}/last.ckpt", str(exported)]) == 0 and exported.is_file()
+    step8 = f"{run}/epoch=0-step=8.ckpt"
+    fs.pipe_file(step8, fs.cat_file(step8)[:-100])  # a damaged object: refused
+    assert verify_main([f"s3://{step8}"]) == 1
+
+
+@pytest.mark.multiprocess
 def test_a_server_lost_mid_save_fails_every_rank_and_leaves_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,7 +247,7 @@ def test_a_server_lost_mid_save_fails_every_rank_and_leaves_the_previous_checkpo
         assert output.count(f"Checkpoint s3://{run}/epoch=0-step=4.ckpt was not saved") >= 2, output[-4000:]
         server.stop()
         server.start()  # the same port and data folder
-        fsspec.filesystem("s3").clear_instance_cache()  # (instances made for another server, or before the kill)
+        fsspec.filesystem("s3").clear_instance_cache()  # (made for another server, or before the kill)
         fs = _fs()
         fs.invalidate_cache()
         assert verify_main([f"s3://{run}/last.ckpt"]) == 0  # step 2's last: committed, every object intact
@@ -234,7 +261,7 @@ def test_a_server_lost_mid_save_fails_every_rank_and_leaves_the_previous_checkpo
 
 
 @pytest.mark.subprocess
-def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors_and_removal_is_best_effort(
+def test_bad_urls_and_credentials_are_clear_errors_and_removal_is_best_effort(
     s3_env: dict[str, str],
 ) -> None:
     with pytest.raises(
@@ -251,7 +278,7 @@ def test_unknown_scheme_closed_endpoint_and_wrong_credentials_are_clear_errors_a
             f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)", {**fast, "key": KEY, "secret": "wrong"}
         )
     check_writable(f"s3://{BUCKET}/run", "ModelCheckpoint(dirpath=...)")  # the server's own credentials: fine
-    # save_top_k's removal runs on rank 0 alone: an unreachable store is a warning (the checkpoint stays valid)
+    # save_top_k's removal runs on rank 0 alone: an unreachable store is a warning (the checkpoint stays)
     closed = open_remote("s3://b/run/last.ckpt", "the checkpoint to remove",
                          {**fast, "endpoint_url": "http://127.0.0.1:9"})
     with pytest.warns(UserWarning, match=r"Could not remove checkpoint s3://b/run/last\.ckpt .*stays"):

@@ -6,10 +6,11 @@ mkdocstrings block per module (its docstring only, members are documented where 
 order of the source tree, so a new or moved module appears without editing a page.
 
 On every other page an inline code span that names something of the package
-(`` `fsdp_strategies.ft.protocol` ``, `` `fsdp_strategies.ft.UNFIXABLE_EXIT_CODE` ``) becomes a link: to the class's own page when the site renders
-it (the strategies and callbacks), else to the section of the module that defines it. A span whose name
-imports nothing (a moved or misspelt module, an attribute that does not exist) fails the build, naming the
-page and the name. Fenced code blocks and spans already inside a link are left as they are.
+(`` `fsdp_strategies.ft.protocol` ``, `` `fsdp_strategies.ft.UNFIXABLE_EXIT_CODE` ``) becomes a link: to the
+class's own page when the site renders it (the strategies and callbacks), else to the section of the module
+that defines it. A span whose name imports nothing (a moved or misspelt module, an attribute that does not
+exist) fails the build, naming the page and the name. Fenced code blocks and spans already inside a link are
+left as they are.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from fsdp_strategies import FSDP2Strategy, HSDPStrategy  # noqa: E402
+from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy  # noqa: E402
 from fsdp_strategies.checkpoint import object_store  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 from workers.resume_train import TINY_DATA, TINY_MODEL, StopAt  # noqa: E402
@@ -71,7 +71,7 @@ class KillInSave(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "hsdp"])
+    parser.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "hsdp", "ddp_hooks", "fsdp2_full"])
     parser.add_argument("--dirpath", required=True)
     parser.add_argument("--phase", required=True)
     parser.add_argument("--out", required=True)
@@ -89,11 +89,16 @@ def main() -> None:
         # the server dies inside rank 0's save: every later request of every rank meets a closed port
         killer.append(KillInSave(args.stop_server_in_save, pid=int(os.environ["FSDP_TESTS_S3_PID"])))
     pl.seed_everything(0)
-    strategy = (
-        FSDP2Strategy(async_checkpoint=args.async_checkpoint)
-        if args.strategy == "fsdp2"
-        else HSDPStrategy(replicate_degree=2, shard_degree=2, async_checkpoint=args.async_checkpoint)
-    )
+    strategy = {
+        "fsdp2": lambda: FSDP2Strategy(async_checkpoint=args.async_checkpoint),
+        "fsdp2_full": lambda: FSDP2Strategy(
+            async_checkpoint=args.async_checkpoint, save_distributed_checkpoint=False
+        ),
+        "hsdp": lambda: HSDPStrategy(
+            replicate_degree=2, shard_degree=2, async_checkpoint=args.async_checkpoint
+        ),
+        "ddp_hooks": lambda: DDPHooksStrategy(async_checkpoint=args.async_checkpoint),
+    }[args.strategy]()
     losses = Losses()
     devices = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = pl.Trainer(

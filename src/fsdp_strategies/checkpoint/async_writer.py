@@ -229,10 +229,9 @@ class AsyncCheckpointer:
         if self._write.running() and not self._told_wait:
             self._told_wait = True
             rank_zero_info(
-                f"{self.name}: async_checkpoint: the previous checkpoint ({_name(self._write.path)}) is still "
-                "being "
-                "written; this save waits for it (at most one write in flight). Said once; checkpoint less often "
-                "to avoid waiting."
+                f"{self.name}: async_checkpoint: the previous checkpoint ({_name(self._write.path)}) is "
+                "still being written; this save waits for it (at most one write in flight). Said once; "
+                "checkpoint less often to avoid waiting."
             )
         self.finish()
 
@@ -336,15 +335,19 @@ class AsyncCheckpointer:
         except BaseException as err:
             write.error = str(err) or type(err).__name__
 
-    def save_full(self, checkpoint: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
-        """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a thread."""
+    def save_full(self, checkpoint: dict[str, Any], path: Path | RemoteCheckpoint, *,
+                  is_rank_zero: bool) -> None:
+        """Every rank (rank 0 writes): stage the checkpoint dict, then digest + ``torch.save`` + rename in a
+        thread (or, at a URL, the upload of one object:
+        :func:`~fsdp_strategies.checkpoint.object_store.write_full`)."""
         t0 = time.perf_counter()
         self._before_save()
-        write = _Write(path=path, started=time.perf_counter(), needed=state_bytes(checkpoint) if is_rank_zero else 0)
+        write = _Write(path=path if isinstance(path, Path) else path.url, started=time.perf_counter(),
+                       needed=state_bytes(checkpoint) if is_rank_zero else 0)
         if is_rank_zero:
             staged = self._get_stager().stage(checkpoint)
-            write.thread = threading.Thread(target=self._finish_full, args=(write, staged), daemon=False,
-                                            name=f"{self.name}-checkpoint-write")
+            write.thread = threading.Thread(target=self._finish_full, args=(write, staged, path),
+                                            daemon=False, name=f"{self.name}-checkpoint-write")
         self._write = write
         self._register_exit_wait()
         if write.thread is not None:
@@ -352,15 +355,23 @@ class AsyncCheckpointer:
         self.last_save_s = time.perf_counter() - t0
 
     @staticmethod
-    def _finish_full(write: _Write, staged: dict[str, Any]) -> None:
+    def _finish_full(write: _Write, staged: dict[str, Any], target: Path | RemoteCheckpoint) -> None:
         """Background, rank 0 only: digest + ``torch.save`` + rename; a failure removes the temp (the other ranks
         learn it at the next agreement point, :meth:`_fail`)."""
+        from fsdp_strategies.checkpoint import object_store
+
         try:
-            atomic_save_full(staged, write.path)
+            if isinstance(target, Path):
+                atomic_save_full(staged, target)
+            else:
+                object_store.write_full(staged, target)
         except BaseException as err:
             let_go(err)  # its open temp file would keep the space after the removal
+            if not isinstance(target, Path):  # nothing was committed: the upload is one object or none
+                write.error = describe_error(err, 0)
+                return
             write.failure = failure_report(
-                write.path, [(describe_error(err, 0), disk_full_evidence(err, write.path.parent, write.needed))],
+                target, [(describe_error(err, 0), disk_full_evidence(err, target.parent, write.needed))],
                 write.needed)
             write.error = write.failure.message
 

@@ -47,8 +47,9 @@ __all__ = ["VerifiedCheckpoint", "export_consolidated", "open_checkpoint", "read
 
 @dataclass(frozen=True)
 class DCPSource:
-    """Where a sharded checkpoint's DCP files are read from -- a local folder, or a committed version on object
-    storage: its metadata and a restricted storage reader, both read without running code from the files."""
+    """Where a sharded checkpoint's DCP files are read from -- a local folder, or a committed version on
+    object storage: its metadata and a restricted storage reader, both read without running code from the
+    files."""
 
     name: str
     metadata: Callable[[], Any]
@@ -59,7 +60,9 @@ class DCPSource:
         return DCPSource(str(folder), lambda: load_dcp_metadata(folder), lambda: SafeFileSystemReader(folder))
 
 
-def read_sharded_state_dict(folder: Path | DCPSource, key: str = "state_dict", prefix: str = "") -> dict[str, Any]:
+def read_sharded_state_dict(
+    folder: Path | DCPSource, key: str = "state_dict", prefix: str = ""
+) -> dict[str, Any]:
     """Single process: the full tensors under ``key`` of a DCP folder (or any :class:`DCPSource`), read with
     the restricted reader/planner (only the entries whose name starts with ``prefix``, when one is given)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -81,7 +84,8 @@ def read_sharded_state_dict(folder: Path | DCPSource, key: str = "state_dict", p
         node[where[-1]] = (torch.empty(meta.size, dtype=meta.properties.dtype)
                            if isinstance(meta, TensorStorageMetadata) else None)
     if not has_key:
-        raise ValueError(f"{source.name} holds no {key!r} entry: not a checkpoint written by a Lightning strategy.")
+        raise ValueError(f"{source.name} holds no {key!r} entry: not a checkpoint written by a Lightning "
+                         "strategy.")
     if key not in target:
         return {}
     with warnings.catch_warnings():
@@ -148,21 +152,34 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
         extras = safe_torch_load(meta, name=str(meta)) if meta.is_file() else {}
         return VerifiedCheckpoint(src, extras if isinstance(extras, dict) else {})
     if src.is_file():
-        loaded = load_file_checkpoint(src)
-        unverified = verify_loaded(loaded, src).require_intact()
-        if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
-            raise ValueError(f"{src} has no 'state_dict' entry: not a checkpoint written by a Lightning strategy.")
-        _warn_unverified(unverified)
-        return VerifiedCheckpoint(src, {k: v for k, v in loaded.items() if k != "state_dict"}, loaded["state_dict"])
+        return _full_file(load_file_checkpoint(src), src)
     raise FileNotFoundError(f"{src}: no such checkpoint file or folder.")
 
 
+def _full_file(loaded: Any, src: Path | str) -> VerifiedCheckpoint:
+    """A full (single-file) checkpoint read with the restricted loader: checked against its digest."""
+    unverified = verify_loaded(loaded, src).require_intact()
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), dict):
+        raise ValueError(f"{src} has no 'state_dict' entry: not a checkpoint written by a Lightning "
+                         "strategy.")
+    _warn_unverified(unverified)
+    extras = {k: v for k, v in loaded.items() if k != "state_dict"}
+    return VerifiedCheckpoint(src, extras, loaded["state_dict"])
+
+
 def _open_remote(url: str) -> VerifiedCheckpoint:
-    """A committed checkpoint on object storage (fsspec's credentials and endpoint from the environment): every
-    object verified against its manifest first; no manifest is not committed, never read."""
-    from fsdp_strategies.checkpoint.object_store import open_remote, read_remote_meta, verify_remote
+    """A committed checkpoint on object storage (fsspec's credentials and endpoint from the environment):
+    every object verified against its manifest first; no manifest is not committed, never read."""
+    from fsdp_strategies.checkpoint.object_store import (
+        open_remote,
+        read_full,
+        read_remote_meta,
+        verify_remote,
+    )
 
     ckpt = open_remote(url, "CHECKPOINT")
+    if ckpt.is_full_file():
+        return _full_file(read_full(ckpt), url)
     result, found = verify_remote(ckpt)
     version = found.version  # no manifest: CheckpointNotCommittedError
     result.require_intact()

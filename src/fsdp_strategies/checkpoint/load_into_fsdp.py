@@ -188,8 +188,8 @@ def _model_shapes(module: nn.Module) -> dict[str, tuple[int, ...] | None]:
     return {clean_name(k): _shape(v) for k, v in module.state_dict().items()}
 
 
-def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path, *, strict: bool,
-               target: str) -> dict[str, Any]:
+def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path | RemoteCheckpoint, *,
+               strict: bool, target: str) -> dict[str, Any]:
     checkpoint = load_full_file(path)
     if not isinstance(checkpoint.get("state_dict"), Mapping):
         raise CheckpointMismatchError(f"{path} has no 'state_dict' entry: not a checkpoint written by a Lightning "
@@ -275,7 +275,10 @@ def load_remote_into_sharded_model(module: nn.Module, optimizers: Sequence[Optim
                                    target: str = "fsdp2") -> dict[str, Any]:
     """Every rank: :func:`load_into_sharded_model` for a checkpoint on object storage
     (:mod:`~fsdp_strategies.checkpoint.object_store`): only a committed one (its manifest exists), verified
-    object by object (the ranks share the hashing) before anything is unpickled."""
+    object by object (the ranks share the hashing) before anything is unpickled; or a full-file checkpoint
+    there (one object), checked against its embedded digest."""
+    if ckpt.is_full_file():
+        return _load_full(module, optimizers, ckpt, strict=strict, target=target)
     rank, world = rank_and_world()
     result, found = verify_remote(ckpt, rank=rank, world_size=world, all_gather=all_gather_object)
     version = found.version  # no manifest: CheckpointNotCommittedError

@@ -21,6 +21,10 @@ manifest first. What is *not* atomic: the moment between the manifest's PUT and 
 version (both are loadable then, the manifest decides), and two runs writing the same URL at once (the last
 manifest wins; a run's own saves are ordered).
 
+A full-file checkpoint (``ddp_hooks``, ``save_distributed_checkpoint=False``) at ``URL`` is one object named
+``URL`` (:func:`write_full`): its digest is embedded as in a local file, and the object, uploaded in one
+``put``, appears complete or not at all; it is verified when read (:func:`read_full`).
+
 The save runs in phases -- :func:`new_version`, DCP's write through :func:`version_writer` plus the hashing
 (:func:`write_shares`), :func:`commit_version` -- each ending with an agreement of every rank, so a failure
 anywhere is the same error on every rank. :func:`save_sharded_remote` runs them in turn;
@@ -37,11 +41,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tempfile
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +62,7 @@ from fsdp_strategies.checkpoint.integrity import (
     MANIFEST_FILE,
     CheckpointIntegrityError,
     VerifyResult,
+    embed_digest,
     manifest_text,
     parse_manifest,
     verify_files,
@@ -68,8 +75,10 @@ __all__ = [
     "check_remote_checkpoint_dir",
     "check_writable",
     "open_remote",
+    "read_full",
     "read_remote_meta",
     "remove_remote",
+    "save_full_remote",
     "save_sharded_remote",
     "verify_remote",
 ]
@@ -92,6 +101,14 @@ class RemoteCheckpoint:
     fs: Any
     root: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def is_full_file(self) -> bool:
+        """Whether ``url`` is one object -- a full-file checkpoint (:func:`write_full`) -- not a prefix."""
+        self.fs.invalidate_cache()
+        return bool(self.fs.isfile(self.root))
 
     def path(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
@@ -352,9 +369,42 @@ def save_sharded_remote(
 
     version = new_version(is_rank_zero)
     writer = version_writer(ckpt, version)
-    shares = write_shares(ckpt, version, lambda: dcp.save(tensors, storage_writer=writer), is_rank_zero=is_rank_zero)
+    shares = write_shares(ckpt, version, lambda: dcp.save(tensors, storage_writer=writer),
+                          is_rank_zero=is_rank_zero)
     commit_version(ckpt, version, metadata, shares, is_rank_zero=is_rank_zero)
     return version
+
+
+def write_full(checkpoint: dict[str, Any], ckpt: RemoteCheckpoint) -> None:
+    """Rank 0: a full (single-file) checkpoint as one object at ``ckpt.url`` -- its digest embedded, as in
+    a local full file -- written with ``torch.save`` to a local temp file and uploaded in one ``put`` (on
+    S3, GCS and Azure an object, multipart uploads included, appears complete or not at all: a reader finds
+    the previous checkpoint or the new one, never part of one; an interrupted upload leaves no object)."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_strategies-upload-") as tmp:
+        local = Path(tmp) / "checkpoint.pt"
+        torch.save(embed_digest(checkpoint), local)
+        ckpt.fs.put_file(str(local), ckpt.root)
+
+
+def save_full_remote(
+    checkpoint: dict[str, Any] | None, ckpt: RemoteCheckpoint, *, is_rank_zero: bool
+) -> None:
+    """Every rank: rank 0 runs :func:`write_full`; every rank learns its outcome (the same error on every
+    rank)."""
+
+    def write() -> None:
+        if is_rank_zero and checkpoint is not None:
+            write_full(checkpoint, ckpt)
+
+    _agreed(ckpt, "writing the file", write, is_rank_zero=is_rank_zero, version=None)
+
+
+def read_full(ckpt: RemoteCheckpoint) -> Any:
+    """The full-file checkpoint object at ``ckpt.url``, read with the restricted loader (check it with
+    :func:`~fsdp_strategies.checkpoint.integrity.verify_loaded`)."""
+    from fsdp_strategies.checkpoint.safe_load import load_file_checkpoint
+
+    return load_file_checkpoint(io.BytesIO(ckpt.fs.cat_file(ckpt.root)), mmap=False, name=ckpt.url)
 
 
 def remove_other_versions(ckpt: RemoteCheckpoint, keep: str) -> list[str]:
@@ -376,8 +426,8 @@ def remove_other_versions(ckpt: RemoteCheckpoint, keep: str) -> list[str]:
 
 def remove_remote(ckpt: RemoteCheckpoint) -> None:
     """Delete a checkpoint: its manifest first (it stops being valid at once), then every object under it.
-    Called by rank 0 alone (``save_top_k``): a store that does not answer is a warning, not an error that would
-    stop rank 0 while the others train on -- the checkpoint then stays, complete and valid."""
+    Called by rank 0 alone (``save_top_k``): a store that does not answer is a warning, not an error that
+    would stop rank 0 while the others train on -- the checkpoint then stays, complete and valid."""
     try:
         ckpt.fs.rm(ckpt.path(MANIFEST_FILE))
     except FileNotFoundError:
@@ -412,7 +462,6 @@ def check_remote_checkpoint_dir(
     what: str,
     *,
     strategy: str | None,
-    sharded: bool,
     storage_options: Mapping[str, Any] | None,
     is_rank_zero: bool,
     broadcast: Callable[[Any], Any],
@@ -427,14 +476,8 @@ def check_remote_checkpoint_dir(
             "file system "
             "only (a restarted replica group is handed local checkpoint files). Fix: a local path or the "
             "bucket "
-            "mounted as a file system (e.g. mountpoint-s3, gcsfuse); fsdp2 and hsdp write object storage."
-        )
-    if not sharded:
-        raise CheckpointLocationError(
-            f"{what}={url!r} with save_distributed_checkpoint=False: on object storage this package writes "
-            "sharded "
-            "checkpoints only (committed by their manifest). Fix: save_distributed_checkpoint: true, or a "
-            "local path."
+            "mounted as a file system (e.g. mountpoint-s3, gcsfuse); fsdp2, hsdp and ddp_hooks write object "
+            "storage."
         )
     problem = None
     if is_rank_zero:

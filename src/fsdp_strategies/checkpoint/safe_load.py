@@ -121,18 +121,21 @@ def safe_torch_load(source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = F
         raise
 
 
-def load_file_checkpoint(path: pathlib.Path, *, mmap: bool = True) -> Any:
-    """Read a single-file checkpoint with :func:`safe_torch_load`; a file torch cannot read at all (truncated,
-    not a torch file) raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` in one line."""
+def load_file_checkpoint(path: pathlib.Path | BinaryIO, *, mmap: bool = True,
+                         name: str | None = None) -> Any:
+    """Read a single-file checkpoint (or a stream: ``name`` labels it) with :func:`safe_torch_load`; a file
+    torch cannot read at all (truncated, not a torch file) raises
+    :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` in one line."""
     try:
-        return safe_torch_load(path, mmap=mmap)
+        return safe_torch_load(path, mmap=mmap, name=name)
     except UnsafeCheckpointError:
         raise
     except Exception as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
         raise CheckpointIntegrityError(
-            f"{path} is not a readable checkpoint (torch.load failed: {type(err).__name__}: {first}). It is truncated, "
-            "corrupted or not a file written by torch.save. " + FIX_CORRUPT
+            f"{name or path} is not a readable checkpoint "
+            f"(torch.load failed: {type(err).__name__}: {first}). "
+            "It is truncated, corrupted or not a file written by torch.save. " + FIX_CORRUPT
         ) from None
 
 

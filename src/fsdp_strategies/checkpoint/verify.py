@@ -35,7 +35,7 @@ from fsdp_strategies.checkpoint.integrity import (
     verify_loaded,
 )
 from fsdp_strategies.checkpoint.location import CheckpointLocationError, url_or_none
-from fsdp_strategies.checkpoint.object_store import open_remote, verify_remote
+from fsdp_strategies.checkpoint.object_store import RemoteCheckpoint, open_remote, read_full, verify_remote
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     UnsafeCheckpointError,
@@ -60,15 +60,16 @@ def verify_folder_before_load(path: Path) -> None:
     _before_load(verify_folder(path, rank=rank, world_size=world, all_gather=all_gather_object))
 
 
-def load_full_file(path: Path, *, mmap: bool = True) -> dict[str, Any]:
-    """Every rank of the default group: restricted ``torch.load`` (mmap) of a single-file checkpoint,
-    checked against its embedded digest by rank 0. Any rank's failure is raised on every rank, so
-    none is left waiting in a collective."""
+def load_full_file(path: Path | RemoteCheckpoint, *, mmap: bool = True) -> dict[str, Any]:
+    """Every rank of the default group: restricted ``torch.load`` (mmap) of a single-file checkpoint (or of
+    one object on object storage), checked against its embedded digest by rank 0. Any rank's failure is
+    raised on every rank, so none is left waiting in a collective."""
     rank, _ = rank_and_world()
     loaded: Any = None
     error: BaseException | None = None
     try:
-        loaded = load_file_checkpoint(path, mmap=mmap)
+        loaded = read_full(path) if isinstance(path, RemoteCheckpoint) else load_file_checkpoint(
+            path, mmap=mmap)
     except (CheckpointIntegrityError, UnsafeCheckpointError) as err:
         error = err
     result = verify_loaded(loaded, path) if rank == 0 and error is None else None
@@ -111,6 +112,11 @@ def _inconsistent(where: str, structural: list[str]) -> VerifyResult:
 
 def _verify_url(url: str) -> VerifyResult:
     ckpt = open_remote(url, "PATH")
+    if ckpt.is_full_file():  # one object: its embedded digest
+        try:
+            return verify_loaded(read_full(ckpt), url)
+        except (CheckpointIntegrityError, UnsafeCheckpointError) as err:
+            return VerifyResult(VerifyStatus.CORRUPT, str(err))
     result, found = verify_remote(ckpt)
     if found.manifest_text() is None:
         return VerifyResult(VerifyStatus.CORRUPT, f"{url}: no committed checkpoint there (no {MANIFEST_FILE}: "

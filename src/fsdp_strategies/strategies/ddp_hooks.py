@@ -50,7 +50,12 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
     CheckpointMismatchError,
     optimizer_param_names,
 )
-from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path
+from fsdp_strategies.checkpoint.location import check_checkpoint_locations, local_checkpoint_path, url_or_none
+from fsdp_strategies.checkpoint.object_store import (
+    check_remote_checkpoint_dir,
+    open_remote,
+    save_full_remote,
+)
 from fsdp_strategies.checkpoint.verify import load_full_file
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.parallel.mesh import check_torchrun_layout
@@ -342,8 +347,10 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if type(self.checkpoint_io) is TorchCheckpointIO:  # the package's commit path: local paths only
-            check_checkpoint_locations(trainer)
+        if type(self.checkpoint_io) is TorchCheckpointIO:  # the package's commit path; URLs: one object each
+            check_checkpoint_locations(trainer, remote=lambda url, what: check_remote_checkpoint_dir(
+                url, what, strategy=None, storage_options=None, is_rank_zero=self.is_global_zero,
+                broadcast=self.broadcast))
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or self.comm_hook not in LOCAL_SGD_HOOKS:
             return
@@ -470,9 +477,15 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))  # for `fsdp-strategies-export --format hf`
             # for a resume at any width
             checkpoint.update(data_position.record(self.lightning_module.trainer))
+        own_io = type(self.checkpoint_io) is TorchCheckpointIO
+        url = url_or_none(self.broadcast(str(filepath))) if own_io else None
+        remote = None if url is None else open_remote(url, "the checkpoint path", storage_options)
         if background:  # the digest is computed by the background writer, on its copy
-            path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
+            path = remote or local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
             self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
+            return
+        if remote is not None:  # one object, uploaded by rank 0; every rank learns the outcome
+            save_full_remote(checkpoint, remote, is_rank_zero=self.is_global_zero)
             return
         if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
             # Lightning's own writer saves through a temp file it *copies* onto the target across filesystems
@@ -487,8 +500,18 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read with the restricted unpickler (never runs code from the file) and check the embedded digest."""
-        path = resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        """Read with the restricted unpickler (never runs code from the file) and check the embedded digest; a
+        URL is one object on object storage (``fsspec``'s credentials from the environment)."""
+        target = self.broadcast(str(checkpoint_path))
+        if (url := url_or_none(target)) is not None:
+            remote = open_remote(url, "ckpt_path")
+            if not remote.is_full_file():
+                raise FileNotFoundError(f"{url}: no single checkpoint object there; {self.strategy_name} "
+                                        f"resumes from {FULL_FORMAT} (a sharded one: under fsdp2/hsdp).")
+            checkpoint = load_full_file(remote, mmap=False)
+            self.restored_data_position(checkpoint)
+            return checkpoint
+        path = resolve_checkpoint_path(target)
         if path.is_dir():
             raise CheckpointMismatchError(
                 f"{path} is {SHARDED_FORMAT}; {self.strategy_name} resumes from {FULL_FORMAT}. Fix: resume it under "

@@ -52,6 +52,7 @@ from fsdp_strategies.checkpoint.object_store import (
     check_remote_checkpoint_dir,
     open_remote,
     remove_remote,
+    save_full_remote,
     save_sharded_remote,
 )
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained
@@ -179,11 +180,11 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             per optimizer step), but every rank keeps the full, unsharded gradient of every parameter between
             micro-batches (N times the gradient memory): for models with memory to spare and a slow network.
             Without accumulation both are the same.
-        storage_options: fsspec's options for checkpoint URLs (a ``ModelCheckpoint`` ``dirpath`` or a
-            ``ckpt_path`` such as ``s3://bucket/run``), e.g. ``{"endpoint_url": "http://host:8333", "key": ...,
-            "secret": ...}`` for s3fs; ``None``: fsspec's defaults and the environment (``AWS_ENDPOINT_URL``,
-            ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``). On object storage a checkpoint is committed by its
-            manifest, written last: see :mod:`fsdp_strategies.checkpoint.object_store` (sharded saves; also async).
+        storage_options: fsspec's options for checkpoint URLs (a ``ModelCheckpoint`` ``dirpath``, a
+            ``ckpt_path``: ``s3://bucket/run``), e.g. ``{"endpoint_url": "http://host:8333", "key": ...}``
+            for s3fs; ``None``: fsspec's defaults and the environment (``AWS_ENDPOINT_URL``,
+            ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``). Committed by a manifest written last (a full
+            file: one object): see :mod:`fsdp_strategies.checkpoint.object_store`.
     """
 
     strategy_name = "fsdp2"
@@ -531,18 +532,16 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
 
     def _check_remote_location(self, url: str, what: str) -> None:
         check_remote_checkpoint_dir(url, what, strategy=self.strategy_name if not self.object_storage else None,
-                                    sharded=seam.saves_distributed_checkpoint(self),
                                     storage_options=self.storage_options,
                                     is_rank_zero=self.is_global_zero, broadcast=self.broadcast)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         target = self.broadcast(str(filepath))
-        url = url_or_none(target)  # object storage: sharded and synchronous, committed by its manifest
+        url = url_or_none(target)  # object storage: committed by its manifest (sharded), or one object (full)
         if url is None and storage_options is not None:
             raise TypeError(f"save_checkpoint(storage_options=...) is for URLs; {target!r} is a local path.")
-        if url is not None and not seam.saves_distributed_checkpoint(self):
-            self._check_remote_location(url, "the checkpoint path")  # raises the clear error
+        remote = None if url is None else self._remote(url, "the checkpoint path", storage_options)
         path = None if url is not None else local_checkpoint_path(target, "the checkpoint path")
         if self.lightning_module is not None:  # which HF class + config the weights are, for --format hf
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
@@ -552,23 +551,24 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            if url is not None:
+            if remote is not None:
                 save = self.async_checkpointer.save_sharded_remote if background else save_sharded_remote
-                save(tensors, checkpoint, self._remote(url, "the checkpoint path", storage_options),
-                     is_rank_zero=self.is_global_zero)
+                save(tensors, checkpoint, remote, is_rank_zero=self.is_global_zero)
             elif background:
                 self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
             else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
                 atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
         else:
-            assert path is not None
             if self.is_global_zero:
                 assert self.model is not None
                 # Lightning numbers this file's optimizer state by module order: record the names behind it
                 checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.model, self.optimizers)
             if background:
-                self.async_checkpointer.save_full(checkpoint, path, is_rank_zero=self.is_global_zero)
+                self.async_checkpointer.save_full(checkpoint, remote or path,
+                                                  is_rank_zero=self.is_global_zero)
                 self.barrier()
+            elif remote is not None:  # one object, uploaded by rank 0; every rank learns the outcome
+                save_full_remote(checkpoint, remote, is_rank_zero=self.is_global_zero)
             else:  # rank 0 writes; every rank learns its outcome (no rank left in a barrier if it fails)
                 atomic_save_full_agreed(checkpoint, path, is_rank_zero=self.is_global_zero)
 
@@ -578,7 +578,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if url is None:
             super().remove_checkpoint(filepath)
         else:  # rank 0, after a write in flight; manifest first: it stops being valid before its objects go
-            self._remove_after_write(url, lambda: remove_remote(self._remote(url, "the checkpoint to remove")))
+            self._remove_after_write(url, lambda: remove_remote(self._remote(url, "the old checkpoint")))
 
     @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
