@@ -36,7 +36,6 @@ from fsdp_strategies.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     load_dcp_metadata,
-    load_dcp_metadata_stream,
     load_file_checkpoint,
     safe_fsspec_reader,
     safe_torch_load,
@@ -174,6 +173,7 @@ def _open_remote(url: str) -> VerifiedCheckpoint:
         open_remote,
         read_full,
         read_remote_meta,
+        read_version_metadata,
         verify_remote,
     )
 
@@ -184,12 +184,8 @@ def _open_remote(url: str) -> VerifiedCheckpoint:
     version = found.version  # no manifest: CheckpointNotCommittedError
     result.require_intact()
     data_url = ckpt.url_of(version)
-
-    def metadata() -> Any:
-        with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
-            return load_dcp_metadata_stream(fh, f"{data_url}/{DCP_METADATA_FILE}")
-
-    source = DCPSource(data_url, metadata, lambda: safe_fsspec_reader(data_url, ckpt.storage_options))
+    source = DCPSource(data_url, lambda: read_version_metadata(ckpt, version),
+                       lambda: safe_fsspec_reader(data_url, ckpt.storage_options))
     extras = read_remote_meta(ckpt, version)
     return VerifiedCheckpoint(url, extras if isinstance(extras, dict) else {}, source=source)
 

@@ -42,14 +42,18 @@ from fsdp_strategies._distributed import rank_and_world
 from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
-from fsdp_strategies.checkpoint.object_store import RemoteCheckpoint, read_remote_meta, verify_remote
+from fsdp_strategies.checkpoint.object_store import (
+    RemoteCheckpoint,
+    read_remote_meta,
+    read_version_metadata,
+    verify_remote,
+)
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     load_dcp_metadata,
-    load_dcp_metadata_stream,
     safe_fsspec_reader,
     safe_torch_load,
 )
@@ -284,9 +288,7 @@ def load_remote_into_sharded_model(module: nn.Module, optimizers: Sequence[Optim
     version = found.version  # no manifest: CheckpointNotCommittedError
     result.require_intact()
     data_url = ckpt.url_of(version)
-    with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
-        metadata = load_dcp_metadata_stream(fh, f"{data_url}/{DCP_METADATA_FILE}")
-    return _apply_sharded(module, optimizers, ckpt.url, metadata,
+    return _apply_sharded(module, optimizers, ckpt.url, read_version_metadata(ckpt, version),
                           lambda: safe_fsspec_reader(data_url, ckpt.storage_options),
                           lambda: read_remote_meta(ckpt, version), strict=strict, target=target)
 

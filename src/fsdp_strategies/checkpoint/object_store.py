@@ -235,6 +235,15 @@ def verify_remote(
     return verify_files(found, **kwargs), found
 
 
+def read_version_metadata(ckpt: RemoteCheckpoint, version: str, name: str | None = None) -> Any:
+    """DCP's ``.metadata`` of ``version``, read with the restricted unpickler (``name`` labels it in errors:
+    the object's URL by default)."""
+    from fsdp_strategies.checkpoint.safe_load import DCP_METADATA_FILE, load_dcp_metadata_stream
+
+    with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
+        return load_dcp_metadata_stream(fh, name or ckpt.url_of(version, DCP_METADATA_FILE))
+
+
 def read_remote_meta(ckpt: RemoteCheckpoint, version: str) -> dict[str, Any]:
     """Lightning's ``meta.pt`` of a verified version, read with the restricted loader."""
     from fsdp_strategies.checkpoint.safe_load import safe_torch_load

@@ -35,12 +35,17 @@ from fsdp_strategies.checkpoint.integrity import (
     verify_loaded,
 )
 from fsdp_strategies.checkpoint.location import CheckpointLocationError, url_or_none
-from fsdp_strategies.checkpoint.object_store import RemoteCheckpoint, open_remote, read_full, verify_remote
+from fsdp_strategies.checkpoint.object_store import (
+    RemoteCheckpoint,
+    open_remote,
+    read_full,
+    read_version_metadata,
+    verify_remote,
+)
 from fsdp_strategies.checkpoint.safe_load import (
     DCP_METADATA_FILE,
     UnsafeCheckpointError,
     load_dcp_metadata,
-    load_dcp_metadata_stream,
     load_file_checkpoint,
 )
 
@@ -126,11 +131,8 @@ def _verify_url(url: str) -> VerifyResult:
     version = found.version
     sizes = found.sizes()
 
-    def metadata() -> Any:
-        with ckpt.fs.open(ckpt.path(version, DCP_METADATA_FILE), "rb") as fh:
-            return load_dcp_metadata_stream(fh, f"{url}/{DCP_METADATA_FILE}")
-
-    structural = _structural(metadata, sizes)
+    label = f"{url}/{DCP_METADATA_FILE}"
+    structural = _structural(lambda: read_version_metadata(ckpt, version, label), sizes)
     return _inconsistent(url, structural) if structural else result
 
 
