@@ -145,8 +145,17 @@ def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | N
     proc = processes.run([python, *args], timeout=timeout, env=_env(env), cwd=str(cwd or ROOT))
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
+                    f"--- stderr\n{proc.stderr[-8000:]}{_group_logs(args)}")
     return proc
+
+
+def _group_logs(args: list[str]) -> str:
+    """The ends of an ``fsdp-strategies-ft`` job's group logs (a timed-out group's stacks are there)."""
+    if "--events-dir" not in args:
+        return ""
+    folder = Path(args[args.index("--events-dir") + 1])
+    return "".join(f"\n--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-80:])
+                   for log in sorted(folder.glob("group*.log")))
 
 
 def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: float = 300,

@@ -120,7 +120,7 @@ def test_hung_group_is_exited_by_its_watchdog_restarted_and_heals(tmp_path: Path
         tmp_path, "hang",
         [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--max-restarts", "1"],
-        {"FT_TEST_HANG": "1:1:5:20", "FT_TEST_SLEEP_ALONE": "0.5"},
+        {"FT_TEST_HANG": "1:1:5:20", "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
     )
     out = tmp_path / "hang"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -199,7 +199,7 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
     events = _launch(
         tmp_path, "spare", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1", "--warm-spares"],
-        {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5"},
+        {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
     )
     out = tmp_path / "spare"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -243,7 +243,7 @@ def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path)
     events = _launch(
         tmp_path, "fork", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--runner", "forkserver", "--min-replicas", "1", "--kill-at-steps", "0@12,1@24", "--max-restarts", "1"],
-        {"FT_TEST_SLEEP_ALONE": "0.5"},
+        {"FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
     )
     out = tmp_path / "fork"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -392,12 +392,13 @@ def test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0(tmp_path
 @pytest.mark.multiprocess
 def test_a_group_restarted_beside_a_live_peer_heals_and_is_handed_nothing(tmp_path: Path) -> None:
     # Checkpoints every 2 steps, group 1 SIGKILLed in step 5 while group 0 lives: the launcher hands group 1
-    # no checkpoint (a live peer is ahead), it heals from group 0 as always and both end identical.
+    # no checkpoint (a live peer is ahead), it heals from group 0 as always and both end identical. (Group 0
+    # waits, while alone, until the restarted group 1 trains: a slow restart must not find the job finished.)
     steps, ckpt = 12, tmp_path / "ckpt"
     events = _launch(tmp_path, "ft", [*FT, "--trainer.max_steps", str(steps)],
                      ["--min-replicas", "1", "--max-restarts", "1"],
                      {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_KILL": "1:5:1",
-                      "FT_TEST_SLEEP_ALONE": "0.5"})
+                      "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"})
     launcher = _jsonl(events / "launcher.jsonl")
     assert not [e for e in launcher if e["event"] == "hand_checkpoints"], launcher
     assert sorted(e["group"] for e in launcher if e["event"] == "start") == [0, 1, 1]

@@ -221,3 +221,41 @@ def test_errors_a_restart_cannot_fix(tmp_path: Path) -> None:
     for error in (RuntimeError("Connection closed by peer"), OSError(errno.EIO, "I/O error"),
                   ConnectionError("lighthouse"), KeyboardInterrupt(), ValueError("nan loss")):
         assert not restart_cannot_fix(error), error
+
+
+_STUCK = textwrap.dedent("""\
+    import os, threading, time
+
+    def stuck_after_training():  # a rank that never returns (the launcher's --timeout must find it)
+        time.sleep(1000)
+
+    def side_thread_waits():
+        time.sleep(1000)
+
+    threading.Thread(target=side_thread_waits, daemon=True).start()
+    print(f"rank {os.environ.get('RANK')} ready", flush=True)
+    stuck_after_training()
+""")
+
+
+@pytest.mark.parametrize("runner", ["torchrun", "forkserver"])
+@pytest.mark.multiprocess
+def test_the_timeout_prints_every_stuck_ranks_stacks_into_its_log(tmp_path: Path, runner: str) -> None:
+    # A group that never exits: at --timeout the launcher makes each of its processes print the Python stacks
+    # of all its threads into the group's log (SIGABRT + PYTHONFAULTHANDLER, no core file), then ends the job
+    # with 124 and says where the stacks are.
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK)
+    events = tmp_path / "events"
+    proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "1", "--ranks-per-group", "2",
+                       "--runner", runner, "--events-dir", str(events), "--timeout", "10", "--", str(script)],
+                      timeout=120, check=False, cwd=tmp_path)
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    log = (events / "group0.log").read_text()
+    assert log.count("rank") >= 2 and "rank 0 ready" in log and "rank 1 ready" in log, log[-3000:]
+    assert log.count("in stuck_after_training") == 2, log[-4000:]  # each rank's main thread ...
+    assert log.count("in side_thread_waits") == 2, log[-4000:]  # ... and its other threads
+    assert f"the Python stacks of its processes are at the end of {events / 'group0.log'}" in proc.stderr
+    records = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
+    assert [r["group"] for r in records if r["event"] == "stacks"] == [0]
+    assert not list(tmp_path.glob("core*")), "no core file is left behind"

@@ -31,6 +31,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
                        output by NaN)
     FT_TEST_ALL_DIE_AT  "STEP": the first incarnation of every group kills itself (torchrun and every rank)
                        right after committed step STEP -- no live peer is left to heal from
+    FT_TEST_AWAIT_REJOIN  "GROUP": the other groups, after each step they commit alone, wait until a restarted
+                       incarnation of GROUP has started training (a survivor must not finish before it joins)
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -271,8 +273,23 @@ class FTProbe(pl.Callback):
         self._await_spares(trainer)
         if self.sleep:
             time.sleep(self.sleep)
-        if self.sleep_alone and record.get("participants", self.groups) < self.groups:
+        if record.get("participants", self.groups) < self.groups:
+            self._await_rejoin()
             time.sleep(self.sleep_alone)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.incarnation > 0 and os.environ.get("FT_TEST_AWAIT_REJOIN") == self.group:
+            (self.out / f"group{self.group}_inc{self.incarnation}.started").touch()
+
+    def _await_rejoin(self) -> None:
+        group = os.environ.get("FT_TEST_AWAIT_REJOIN")
+        if group is None or group == self.group:
+            return
+        deadline = time.monotonic() + 180
+        while not list(self.out.glob(f"group{group}_inc*.started")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {group} was never restarted ({self.out})")
+            time.sleep(0.1)
 
     def _await_spares(self, trainer: pl.Trainer) -> None:
         spec = os.environ.get("FT_TEST_AWAIT_SPARES")

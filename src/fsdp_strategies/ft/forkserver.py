@@ -16,6 +16,7 @@ down. Like ``--warm-spares`` it helps against process failures; losing the host 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -135,6 +136,8 @@ def _run_rank(command: list[str], local_rank: int, ranks: int, run_id: str) -> i
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
     })
     code = 0
+    if os.environ.get("PYTHONFAULTHANDLER"):  # as a fresh interpreter does (the server had another env)
+        faulthandler.enable(all_threads=True)
     try:
         import torch
 

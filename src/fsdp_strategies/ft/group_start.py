@@ -72,7 +72,9 @@ class GroupStarter:
                                   launcher_pid=os.getpid() if standby_file else None).to_env())
         genv.update(self.options.lighthouse_timeouts().to_env())  # the strategy checks its quorum timeout against them
         genv.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-                     "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"})
+                     "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+                     # stacks on a fatal signal, and on the SIGABRT of process_tree.dump_stacks (--timeout)
+                     "PYTHONFAULTHANDLER": genv.get("PYTHONFAULTHANDLER") or "1"})
         return genv
 
     def argv(self, master_port: int) -> list[str]:

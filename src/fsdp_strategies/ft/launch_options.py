@@ -82,7 +82,8 @@ class LaunchOptions:
         "per-group stdout/stderr; None: --events-dir"))
     seed: int = field(default=0, metadata=_help("victim choice for --kill-every"))
     timeout: float | None = field(default=None, metadata=_help(
-        "give up after this long (exit status 124)", metavar="SECONDS"))
+        "give up after this long: the Python stacks of every group still running go to its log, then exit "
+        "status 124", metavar="SECONDS"))
     grace: float = field(default=30.0, metadata=_help(
         "on SIGTERM: how long the groups may take to stop (and checkpoint) before SIGKILL; more than the "
         "strategy's preempt_grace_s", metavar="SECONDS"))

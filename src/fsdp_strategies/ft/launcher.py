@@ -42,7 +42,7 @@ from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_l
 from fsdp_strategies.ft.group_start import GroupProcess, GroupStarter
 from fsdp_strategies.ft.handover import hand_checkpoints
 from fsdp_strategies.ft.launch_options import LaunchOptions, core_sets, parse_args, parse_kill_at
-from fsdp_strategies.ft.process_tree import kill_tree
+from fsdp_strategies.ft.process_tree import dump_stacks, kill_tree
 from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, resume_file, standby_ready_file
 
 #: the supervision loop's period, and how old a group's events may be within one pass (less than the period, so
@@ -258,6 +258,15 @@ class FTLauncher:
         self.kills.append({"t": time.time(), **rec})
         self.note(rec)
 
+    def _dump_stuck_groups(self) -> None:
+        """At the timeout: every group still running prints its processes' Python stacks into its log."""
+        for g in self.running():
+            log = self.logs / f"group{g.gid}.log"
+            self.note({"event": "stacks", "group": g.gid, "pids": dump_stacks(g.proc.pid), "log": str(log)})
+            print(f"fsdp-strategies-ft: TIMEOUT: replica group {g.gid} was still running after --timeout "
+                  f"{self.opts.timeout:g}; the Python stacks of its processes are at the end of {log}",
+                  file=sys.stderr, flush=True)
+
     def running(self) -> list[_Group]:
         return [g for g in self.groups if g.proc is not None and g.proc.poll() is None]
 
@@ -433,6 +442,7 @@ class FTLauncher:
                 if o.timeout is not None and now - self.t_start > o.timeout:
                     self.note({"event": "timeout", "after_s": o.timeout})
                     self.returncode = 124
+                    self._dump_stuck_groups()
                     break
                 finished = self._stop_groups_that_cannot_join()
                 self._handle_exits(finished)

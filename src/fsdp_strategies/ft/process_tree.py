@@ -5,15 +5,19 @@ launcher) and its ranks. ``torchrun`` puts each worker in its own session, so si
 session alone (``killpg``) would leave ranks running; :func:`process_tree` walks the parent links of
 every process in Linux's ``/proc`` instead, and :func:`kill_tree` signals what it finds and then the
 session as well, for a process the walk raced with. The launcher SIGKILLs a tree for a fault and
-SIGTERMs it to forward a preemption; tests and benchmarks use the same two functions.
+SIGTERMs it to forward a preemption; tests and benchmarks use the same two functions. Before it kills a
+group that is stuck (its ``--timeout``), :func:`dump_stacks` makes each of its processes print its Python
+stacks.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import time
 
-__all__ = ["kill_tree", "process_tree"]
+__all__ = ["dump_stacks", "kill_tree", "process_tree"]
 
 
 def process_tree(root: int) -> list[int]:
@@ -56,3 +60,45 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
     except (ProcessLookupError, PermissionError):
         pass
     return pids
+
+
+def dump_stacks(root: int, wait_s: float = 2.0) -> list[int]:
+    """Make ``root`` and its descendants print the Python stacks of all their threads, then end.
+
+    The tree is frozen first (SIGSTOP: a ``torchrun`` that saw one rank end would kill the rest before they
+    wrote); then, children before parents and one at a time (their stacks do not interleave in the shared
+    log), each gets SIGABRT with core dumps off (``prlimit``) and SIGCONT, and is given up to ``wait_s`` to
+    end. A Python with :mod:`faulthandler` enabled (the launcher sets ``PYTHONFAULTHANDLER=1`` for its
+    groups) answers SIGABRT by writing every thread's stack to its stderr -- the group's log. Returns the
+    pids signalled."""
+    pids = list(reversed(process_tree(root))) if os.path.isdir("/proc") else [root]
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    for pid in pids:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+        except OSError:  # gone, or not ours
+            continue
+        _signal(pid, signal.SIGABRT)
+        _signal(pid, signal.SIGCONT)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.02)
+    for pid in pids:  # anything that did not end stays runnable for the kill that follows
+        _signal(pid, signal.SIGCONT)
+    return pids
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
