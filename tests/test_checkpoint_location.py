@@ -105,16 +105,3 @@ def test_a_url_pretrained_folder_is_refused_with_the_fix() -> None:
     with pytest.raises(PretrainedFolderNotFoundError,
                        match=r"pretrained='s3://b/llama' is a URL.*Fix: copy"):
         check_folder("s3://b/llama", "pretrained")
-
-
-def test_ft_hsdp_refuses_a_url_checkpoint_dir_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a restarted replica group is handed local checkpoint files: ft_hsdp does not write object storage
-    import fsdp_strategies
-
-    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:9")  # (never contacted here)
-    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
-    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
-    strategy = fsdp_strategies.FTHSDPStrategy()
-    refused = r"ModelCheckpoint\(dirpath=\.\.\.\)='s3://b/run' under ft_hsdp: .* Fix: a local path"
-    with pytest.raises(CheckpointLocationError, match=refused):
-        strategy._check_remote_location("s3://b/run", "ModelCheckpoint(dirpath=...)")

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -120,7 +121,7 @@ def test_hung_group_is_exited_by_its_watchdog_restarted_and_heals(tmp_path: Path
         tmp_path, "hang",
         [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--max-restarts", "1"],
-        {"FT_TEST_HANG": "1:1:5:20", "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
+        {"FT_TEST_HANG": "1:1:5:20", "FT_TEST_SLEEP_ALONE": "0.5"},
     )
     out = tmp_path / "hang"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -199,7 +200,7 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
     events = _launch(
         tmp_path, "spare", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1", "--warm-spares"],
-        {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
+        {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5"},
     )
     out = tmp_path / "spare"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -243,7 +244,7 @@ def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path)
     events = _launch(
         tmp_path, "fork", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--runner", "forkserver", "--min-replicas", "1", "--kill-at-steps", "0@12,1@24", "--max-restarts", "1"],
-        {"FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_AWAIT_REJOIN": "1"},
+        {"FT_TEST_SLEEP_ALONE": "0.5"},
     )
     out = tmp_path / "fork"
     launcher = _jsonl(events / "launcher.jsonl")
@@ -359,15 +360,35 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
                 assert torch.equal(straight["shards"][key], resumed["shards"][key]), (group, rank, key)
 
 
+@pytest.fixture
+def checkpoint_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A local folder, or a folder on a real S3 server (SeaweedFS) with the client's environment."""
+    if request.param == "local":
+        yield str(tmp_path / "ckpt"), {}
+        return
+    from s3_server import S3Server
+
+    server = S3Server(tmp_path / "s3").start()
+    try:
+        yield "s3://fsdp-tests/ft-run", server.env()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("checkpoint_dir", ["local", "s3"], indirect=True)
 @pytest.mark.multiprocess
-def test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0(tmp_path: Path) -> None:
+def test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0(
+        tmp_path: Path, checkpoint_dir: tuple[str, dict[str, str]]) -> None:
     # Both groups kill themselves right after committed step 5 -- no live peer is left to heal from -- with a
     # checkpoint every 2 steps. Restarted, each gets the recorded checkpoints from the launcher and resumes
     # from the newest that verifies (before: both started over from step 0); they end at max_steps, identical.
-    steps, ckpt = 8, tmp_path / "ckpt"
+    # On object storage (s3): the writer group commits each checkpoint by its manifest, the launcher hands the
+    # URLs over, and the restarted groups verify and read them from the bucket.
+    steps, (ckpt, store_env) = 8, checkpoint_dir
     args = [*FT, "--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
     events = _launch(tmp_path, "ft", args, ["--min-replicas", "2", "--max-restarts", "1"],
-                     {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_ALL_DIE_AT": "5"})
+                     {"FT_TEST_CKPT": ckpt, "FT_TEST_CKPT_EVERY": "2", "FT_TEST_ALL_DIE_AT": "5",
+                      **store_env})
     launcher = _jsonl(events / "launcher.jsonl")
     exits = sorted((e["group"], e["code"]) for e in launcher if e["event"] == "exit")
     assert exits == [(0, -9), (0, 0), (1, -9), (1, 0)], exits  # each killed once, then finished
@@ -383,10 +404,24 @@ def test_every_group_down_resumes_from_the_newest_checkpoint_not_step_0(tmp_path
     assert 4 in firsts and set(firsts) <= {0, 4}, firsts  # a group restored the newest checkpoint (step 4)
     handed = [e for e in launcher if e["event"] == "hand_checkpoints"]
     assert handed and all(e["step"] == 4 for e in handed), handed
+    assert all(e["newest"] == f"{ckpt}/step4.ckpt" for e in handed), handed
     for rank in (0, 1):
         a, b = (_dump(tmp_path / "ft", f"group{g}_rank{rank}")["shards"] for g in (0, 1))
         for key in a:
             assert torch.equal(a[key], b[key]), (rank, key)
+    logs = "".join((events / f"group{g}.log").read_text() for g in (0, 1))
+    assert f"resumes from {ckpt}/step4.ckpt" in logs
+    if store_env:  # every checkpoint is in the bucket and verifies; nothing went to a local folder "s3:"
+        import fsspec
+
+        options = {"endpoint_url": store_env["AWS_ENDPOINT_URL"], "key": store_env["AWS_ACCESS_KEY_ID"],
+                   "secret": store_env["AWS_SECRET_ACCESS_KEY"]}
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(ckpt.removeprefix("s3://")))
+        assert names == ["step2.ckpt", "step4.ckpt", "step6.ckpt", "step8.ckpt"], names
+        for name in names:
+            assert verify_checkpoint(f"{ckpt}/{name}", options).ok, name
+        assert not list(Path.cwd().glob("s3:*")) and not list(tmp_path.rglob("s3:*"))
 
 
 @pytest.mark.multiprocess

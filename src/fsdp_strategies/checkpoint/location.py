@@ -5,9 +5,9 @@ Why: ``pathlib.Path("s3://bucket/run")`` is the *local* relative path ``s3:/buck
 ``ModelCheckpoint`` accepts fsspec URLs for ``dirpath`` and hands the URL to the strategy's
 ``save_checkpoint``; a strategy that wraps it in ``Path`` writes the "remote" checkpoints into a local folder
 literally named ``s3:`` -- they vanish with the node, and a later ``ckpt_path="s3://..."`` resume reads that
-local copy. ``fsdp2`` and ``hsdp`` write sharded checkpoints to URLs through
-:mod:`fsdp_strategies.checkpoint.object_store` (commit by a manifest written last). Every other path the
-package writes or reads (``ddp_hooks`` and ``ft_hsdp`` checkpoints, full files, export, ``pretrained=``) goes
+local copy. ``fsdp2``, ``hsdp`` and ``ft_hsdp`` write sharded checkpoints to URLs through
+:mod:`fsdp_strategies.checkpoint.object_store` (commit by a manifest written last), ``ddp_hooks`` and full
+files one object each. Every other path the package writes (export's output, ``pretrained=``) goes
 through :func:`local_checkpoint_path`: ``file://`` URLs become their local path, any other URL (``s3://``,
 ``gs://``, a scheme fsspec does not know) raises :class:`CheckpointLocationError`, naming the option and the
 URL, before anything is written. :func:`check_checkpoint_locations` runs the check on every

@@ -470,24 +470,13 @@ def check_remote_checkpoint_dir(
     url: str,
     what: str,
     *,
-    strategy: str | None,
     storage_options: Mapping[str, Any] | None,
     is_rank_zero: bool,
     broadcast: Callable[[Any], Any],
 ) -> None:
-    """Every rank, before training: a checkpoint directory on object storage with the strategy's options --
-    what is supported (``strategy``: the name of a strategy that does not write object storage, None), then a
-    probe write by rank 0 (``broadcast``: rank 0's object to every rank); every rank raises the same
-    :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError`."""
-    if strategy is not None:
-        raise CheckpointLocationError(
-            f"{what}={url!r} under {strategy}: its checkpoints are written and read on a local or mounted "
-            "file system "
-            "only (a restarted replica group is handed local checkpoint files). Fix: a local path or the "
-            "bucket "
-            "mounted as a file system (e.g. mountpoint-s3, gcsfuse); fsdp2, hsdp and ddp_hooks write object "
-            "storage."
-        )
+    """Every rank, before training: a probe write by rank 0 under a checkpoint directory on object storage,
+    with the strategy's ``storage_options`` (``broadcast``: rank 0's object to every rank); every rank raises
+    the same :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError`."""
     problem = None
     if is_rank_zero:
         try:

@@ -88,11 +88,13 @@ def load_full_file(path: Path | RemoteCheckpoint, *, mmap: bool = True) -> dict[
     return loaded
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyResult:
+def verify_checkpoint(path: str | os.PathLike[str],
+                      storage_options: Mapping[str, Any] | None = None) -> VerifyResult:
     """Single-process check of a checkpoint folder or file, or of a committed checkpoint on object storage (an
-    fsspec URL: its manifest, then every object), what ``fsdp-strategies-verify`` runs."""
+    fsspec URL: its manifest, then every object; ``storage_options``: fsspec's, for the URL), what
+    ``fsdp-strategies-verify`` runs."""
     if (url := url_or_none(path)) is not None:
-        return _verify_url(url)
+        return _verify_url(url, storage_options)
     p = resolve_checkpoint_path(path)
     if p.is_dir():
         result = verify_folder(p)
@@ -115,8 +117,8 @@ def _inconsistent(where: str, structural: list[str]) -> VerifyResult:
                         tuple(structural))
 
 
-def _verify_url(url: str) -> VerifyResult:
-    ckpt = open_remote(url, "PATH")
+def _verify_url(url: str, storage_options: Mapping[str, Any] | None = None) -> VerifyResult:
+    ckpt = open_remote(url, "PATH", storage_options)
     if ckpt.is_full_file():  # one object: its embedded digest
         try:
             return verify_loaded(read_full(ckpt), url)

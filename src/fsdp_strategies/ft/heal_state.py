@@ -21,7 +21,7 @@ stepped them for the step that ends at that sync, so it steps them once itself
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -167,19 +167,21 @@ class SchedulerRollback:
                 cfg.scheduler.step()
 
 
-def resume_from_handed(trainer: Any, events_file: str | None) -> str | None:
+def resume_from_handed(trainer: Any, events_file: str | None,
+                       storage_options: Mapping[str, Any] | None = None) -> str | None:
     """A restarted group with checkpoints handed by the launcher
     (:func:`~fsdp_strategies.ft.protocol.resume_file`) restores the newest that verifies, unless the run was
     given its own ``ckpt_path``; returns its path. A live peer ahead of it heals it further at the first
     quorum; without one the group goes on from the checkpoint instead of step 0. Called at the end of the
-    strategy's ``setup`` (model and optimizers exist), on every rank."""
+    strategy's ``setup`` (model and optimizers exist), on every rank. A handed URL (object storage) is read
+    with ``storage_options`` (the strategy's)."""
     if events_file is None or trainer.ckpt_path is not None or trainer.state.fn != "fit":
         return None
     handed = resume_file(events_file)
     if not handed.exists():
         return None
     for path in handed.read_text().split():
-        if verify_checkpoint(path).ok:
+        if verify_checkpoint(path, storage_options).ok:
             seam.restore_checkpoint(trainer, path)
             rank_zero_info(
                 f"ft_hsdp: this restarted replica group resumes from {path} (a live peer ahead heals it)"

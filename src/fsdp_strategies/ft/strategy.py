@@ -127,7 +127,6 @@ class FTHSDPStrategy(HSDPStrategy):
 
     strategy_name = "ft_hsdp"
     data_width_change = "refuse"  # a mid-epoch resume at another number of groups / group size: not exact yet
-    object_storage = False  # the hand-over to a restarted group reads local checkpoint files
     def __init__(
         self,
         lighthouse_addr: str | None = None,
@@ -301,7 +300,7 @@ class FTHSDPStrategy(HSDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        resume_from_handed(trainer, self.events_file)  # restarted with no live peer ahead: not from step 0
+        resume_from_handed(trainer, self.events_file, self.storage_options)  # no live peer ahead: not step 0
 
     @override
     def on_train_start(self) -> None:

@@ -349,7 +349,7 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
     def setup(self, trainer: pl.Trainer) -> None:
         if type(self.checkpoint_io) is TorchCheckpointIO:  # the package's commit path; URLs: one object each
             check_checkpoint_locations(trainer, remote=lambda url, what: check_remote_checkpoint_dir(
-                url, what, strategy=None, storage_options=None, is_rank_zero=self.is_global_zero,
+                url, what, storage_options=None, is_rank_zero=self.is_global_zero,
                 broadcast=self.broadcast))
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or self.comm_hook not in LOCAL_SGD_HOOKS:

@@ -188,7 +188,6 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     """
 
     strategy_name = "fsdp2"
-    object_storage = True  # checkpoints may be fsspec URLs (checkpoint/object_store.py)
 
     def __init__(
         self,
@@ -531,8 +530,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         return open_remote(url, what, {**self.storage_options, **dict(storage_options or {})})
 
     def _check_remote_location(self, url: str, what: str) -> None:
-        check_remote_checkpoint_dir(url, what, strategy=self.strategy_name if not self.object_storage else None,
-                                    storage_options=self.storage_options,
+        check_remote_checkpoint_dir(url, what, storage_options=self.storage_options,
                                     is_rank_zero=self.is_global_zero, broadcast=self.broadcast)
 
     @override
