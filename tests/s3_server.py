@@ -37,7 +37,10 @@ def weed_binary() -> str:
 
 
 class S3Server:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, volumes: int = 20) -> None:
+        """``volumes``: how many 64 MB volumes the server may create (its capacity; deleted objects are not
+        reclaimed while it runs): 20 for the tests, more for the checkpoint benchmark's GB-sized saves."""
+        self.volumes = volumes
         self.root = root / MARK
         self.data = self.root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
@@ -93,7 +96,7 @@ class S3Server:
             f"-s3.port={self.port}",
             f"-s3.config={self.root / 's3.json'}",
             "-master.volumeSizeLimitMB=64",
-            "-volume.max=20",
+            f"-volume.max={self.volumes}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             *(f"-{name}={port}" for name, port in ports.items()),

@@ -205,13 +205,20 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None:
-    # the async-checkpoint benchmark (issue 14): 2 ranks, a sync and a thread job of 4 steps, a save every 2
+    # the async-checkpoint benchmark (issue 14): 2 ranks, a sync and a thread job of 4 steps, a save every 2;
+    # and the thread job to object storage (issue 42: a SeaweedFS server the suite starts itself)
     proc = run_python(["benchmarks/suites/checkpoint.py", "--quick", "--contenders", "sync", "thread",
-                       "--out-dir", str(tmp_path)], timeout=600)
+                       "s3-thread", "--out-dir", str(tmp_path)], timeout=600)
     assert "stall sync/thread" in proc.stdout
     result = json.loads(_one("checkpoint-*.json", tmp_path).read_text())
-    assert result["config"]["contenders"] == ["sync", "thread"] and result["config"]["ranks"] == 2
-    for name in ("sync", "thread"):
+    assert result["config"]["contenders"] == ["sync", "thread", "s3-thread"]
+    assert result["config"]["ranks"] == 2
+    assert result["config"]["s3"] == "a SeaweedFS server on this machine (127.0.0.1)"
+    s3 = next(r for r in result["summary"]
+              if r["ratio"] == "stall s3-thread / thread (object storage over local disk)")
+    local, remote = (result["contenders"][c]["runs"][0]["median_stall_s"] for c in ("thread", "s3-thread"))
+    assert s3["value"] == pytest.approx(remote / local)
+    for name in ("sync", "thread", "s3-thread"):
         rec = result["contenders"][name]
         assert rec["errors"] == []
         [run] = rec["runs"]

