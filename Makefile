@@ -108,8 +108,10 @@ test-lightning-range: install
 	$(call lightning_range_run,$(LIGHTNING_PIN),.lightning-newest,newest)
 
 # Supported torch / transformers / Python range (pyproject.toml: torch>=2.11, transformers>=5.17, Python
-# 3.11-3.12), tested at both ends, each in a venv of its own under $(RANGE_DIR)/ (git-ignored; created when
-# missing, reused after): the floor -- torch 2.11.0 on Python 3.12 with transformers 5.17.0, what the GPU
+# 3.11-3.12), tested at both ends, each in a venv of its own under $(RANGE_DIR)/ (created when missing, reused
+# after; a cache outside the clone, named after pyproject.toml's content, so that a fresh clone of the same
+# dependencies does not unpack two CUDA builds of torch again -- ~4.6 GB each; RANGE_DIR=.range keeps them in the
+# clone): the floor -- torch 2.11.0 on Python 3.12 with transformers 5.17.0, what the GPU
 # machines lent here run -- and the newest -- torch 2.14.1 (the newest this machine's pip installs from its
 # disk) on Python 3.11 with the newest transformers pip resolves. Both are CUDA builds from PyPI (they run
 # on CPU). Each venv's first install prints its time. tests/conftest.py stops the run if another torch (or
@@ -119,7 +121,6 @@ test-lightning-range: install
 # process, hsdp 1x2x2 with tensor parallel on an HF Llama (GQA) and a memory budget, an ft_hsdp kill + heal
 # (forkserver runner), a pretrained fine-tune + export + reload, an asynchronous checkpoint and its exact
 # resume.
-RANGE_DIR ?= .range
 TORCH_FLOOR ?= 2.11.0
 TORCH_FLOOR_PYTHON ?= python3.12
 TRANSFORMERS_FLOOR ?= 5.17.0
@@ -128,6 +129,9 @@ TORCH_NEWEST_PYTHON ?= python3.11
 # e.g. `make test-torch-range TORCH_NEWEST=2.15.0 RANGE_PIP_ENV=PIP_CONSTRAINT=/dev/null`: a torch above this
 # machine's pip cap (/etc/xdg/pip, torch<=2.14.1), from the registry
 RANGE_PIP_ENV ?=
+RANGE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fsdp-strategies
+RANGE_DIR ?= $(RANGE_CACHE)/range-$(shell (cat pyproject.toml; echo '$(TORCH_FLOOR) $(TORCH_FLOOR_PYTHON) \
+	$(TRANSFORMERS_FLOOR) $(TORCH_NEWEST) $(TORCH_NEWEST_PYTHON) $(RANGE_PIP_ENV)') | sha256sum | cut -c1-16)
 TORCH_RANGE_TESTS ?= tests/test_lightning_seam.py tests/test_registry_and_errors.py tests/test_blocks.py \
 	tests/test_straggler.py tests/test_ddp_hooks.py tests/test_throughput.py tests/test_torch_range.py \
 	tests/test_activation_checkpointing.py::test_lightning_single_device_applies_once_before_strategy \
@@ -141,13 +145,22 @@ find_python = $(firstword $(shell for p in $(1) \
 	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(1:python%=%).*/bin/$(1) 2>/dev/null | sort -rV); \
 	do "$$p" -c "" 2>/dev/null && echo "$$p"; done))
 # $(1) venv folder, $(2) its Python (python3.N), $(3) torch requirement, $(4) transformers requirement
+# (one build at a time per venv: flock; the package itself is installed as a copy, not editable -- the clone
+# that built the venv may be gone -- and the runs put this clone's src/ first on PYTHONPATH; other caches of
+# this kind unused for 3 days are removed)
 define torch_range_venv
 	@start=$$(date +%s); set -e; py="$(call find_python,$(2))"; \
 	[ -n "$$py" ] || { echo "test-torch-range: no $(2) here (on PATH or under pyenv)"; exit 2; }; \
-	"$$py" -m venv $(1); \
-	$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q "$(3)"; \
-	$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q -e ".[test,hf,bench]" "$(4)"; \
-	echo "== $(1): venv ($(2), $(3), $(4)) installed in $$(( $$(date +%s) - start )) s"; touch $(1)/.installed
+	mkdir -p $(dir $(1)); exec 9> $(1).lock; flock 9; \
+	if [ ! -f $(1)/.installed ]; then \
+		rm -rf $(1); "$$py" -m venv $(1); \
+		$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q "$(3)"; \
+		$(RANGE_PIP_ENV) $(1)/bin/python -m pip install -q ".[test,hf,bench]" "$(4)"; \
+		echo "== $(1): venv ($(2), $(3), $(4)) installed in $$(( $$(date +%s) - start )) s"; \
+		touch $(1)/.installed; \
+	fi; \
+	find $(RANGE_CACHE) -mindepth 1 -maxdepth 1 -name 'range-*' ! -path '$(RANGE_DIR)' -mtime +3 \
+		-exec rm -rf {} + 2>/dev/null || true; touch $(RANGE_DIR)
 endef
 # $(1) venv folder, $(2) the torch version it must import, $(3) the transformers one (empty: pip's choice)
 define torch_range_run
@@ -158,10 +171,10 @@ define torch_range_run
 		--durations=10 \
 		$(call junit,torch-range-$(2))
 endef
-$(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed: pyproject.toml
+$(RANGE_DIR)/torch-$(TORCH_FLOOR)/.installed:
 	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_FLOOR),$(TORCH_FLOOR_PYTHON),torch==$(TORCH_FLOOR),$\
 		transformers==$(TRANSFORMERS_FLOOR))
-$(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed: pyproject.toml
+$(RANGE_DIR)/torch-$(TORCH_NEWEST)/.installed:
 	$(call torch_range_venv,$(RANGE_DIR)/torch-$(TORCH_NEWEST),$(TORCH_NEWEST_PYTHON),torch==$(TORCH_NEWEST),$\
 		transformers)
 

@@ -266,6 +266,16 @@ def _check_expected_torch_and_transformers() -> None:
                 f"Python of the venv that has {package} {expected}.")
 
 
+def _one_compute_thread() -> None:
+    """In-process tests compute on one thread, as the jobs they start do (``OMP_NUM_THREADS=1`` in :func:`_env`):
+    ``make test`` runs two pytest workers beside the serial pass's jobs on two cores, where torch's default (a
+    thread per core) only adds threads that wait for each other (two activation-checkpointing tests beside three
+    busy loops: 11.4 s on two threads, 8.2 s on one)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse a pytest session started from inside a test, and one that runs against another Lightning
     (``make test-lightning-range``) or torch / transformers (``make test-torch-range``) than the one it asked
@@ -279,6 +289,7 @@ def pytest_configure(config: pytest.Config) -> None:
                     returncode=3)
     processes.become_subreaper()
     _check_expected_torch_and_transformers()
+    _one_compute_thread()
     expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")
     if not expected:
         return

@@ -10,6 +10,7 @@ pretrained weights -- random, a wrong key, an untied head, uninitialised rotary 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from conftest import ROOT, WORKERS, run_python
+from conftest import _env as suite_env
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "examples"))
@@ -302,7 +304,7 @@ def _check_ranks(out: Path, folder: Path, ranks: int, tied: bool | None = None) 
 
 
 def _env() -> dict[str, str]:
-    return {"PYTHONPATH": str(WORKERS)}
+    return {"PYTHONPATH": os.pathsep.join([str(WORKERS), suite_env()["PYTHONPATH"]])}
 
 
 @pytest.mark.multiprocess

@@ -31,7 +31,9 @@ out = int(os.environ["PROBE_FD"])
 os.write(out, json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "main": __name__,
     "env": os.environ.get("PROBE_VALUE"), "ppid": os.getppid(), "cpus": sorted(os.sched_getaffinity(0)),
     "policy": os.sched_getscheduler(0), "nice": os.nice(0), "nofile": __import__("resource").getrlimit(7), "stdin": sys.stdin.read(), "umask": os.umask(0),
-    "executable": sys.executable, "preloaded": preloaded, "file": globals().get("__file__")}).encode())
+    "executable": sys.executable, "preloaded": preloaded, "file": globals().get("__file__"), "path": sys.path,
+    "faulthandler": __import__("faulthandler").is_enabled(), "extra": __import__("extra_mod").WHERE
+    if os.environ.get("PROBE_EXTRA") else None}).encode())
 os.close(out)
 print("to stdout"); print("to stderr", file=sys.stderr)
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
@@ -81,6 +83,31 @@ def test_an_import_time_variable_of_its_own_gets_a_fresh_interpreter(tmp_path: P
     assert not info["preloaded"] and info["executable"] == sys.executable
 
 
+def test_a_job_adding_a_path_folder_or_asking_for_faulthandler_is_forked_as_python_would_run_it(
+        tmp_path: Path) -> None:
+    # what the FT launcher's groups (PYTHONFAULTHANDLER=1) and tests with helper modules (a folder put before
+    # the suite's PYTHONPATH) start: still forked, with the sys.path and faulthandler a fresh interpreter has
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "extra_mod.py").write_text("WHERE = __file__\n")
+    path = os.pathsep.join([str(tmp_path / "extra"), _env()["PYTHONPATH"]])
+    env = {"PYTHONPATH": path, "PYTHONFAULTHANDLER": "1", "PROBE_EXTRA": "1"}
+    forked = _probe(python_executable(), [str(tmp_path / "probe.py")], tmp_path, **env)
+    fresh = _probe(sys.executable, [str(tmp_path / "probe.py")], tmp_path, **env)
+    assert forked.pop("preloaded") and not fresh.pop("preloaded")
+    assert forked.pop("executable") == python_executable() and fresh.pop("executable") == sys.executable
+    assert forked == fresh, (forked, fresh)
+    assert forked["faulthandler"] and forked["extra"] == str(tmp_path / "extra" / "extra_mod.py")
+    assert forked["path"][1] == str(tmp_path / "extra")
+    # a folder that would shadow a preloaded module, or a PYTHONPATH without the folder the package was
+    # preloaded from: a fresh python
+    (tmp_path / "shadow" / "lightning").mkdir(parents=True)
+    shadow = os.pathsep.join([str(tmp_path / "shadow"), _env()["PYTHONPATH"]])
+    probe = [str(tmp_path / "probe.py")]
+    assert not _probe(python_executable(), probe, tmp_path, PYTHONPATH=shadow)["preloaded"]
+    assert not _probe(python_executable(), probe, tmp_path, PYTHONPATH=str(tmp_path / "extra"))["preloaded"]
+
+
 def test_what_a_job_starts_with_sys_executable_is_forked_too(tmp_path: Path) -> None:
     code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
             "'import sys; print(\"lightning.pytorch\" in sys.modules)'], check=True)")
@@ -121,10 +148,11 @@ def test_a_killed_client_takes_its_jobs_tree_with_it(tmp_path: Path) -> None:
 def test_the_server_refuses_what_it_cannot_reproduce() -> None:
     env = {"PYTHONPATH": "x", "OMP_NUM_THREADS": "1"}
     server = zygote._import_time_env(env)
-    assert zygote._plan(["-u", "s.py", "a"], server, env, {}) == ("script", "s.py", ["s.py", "a"])
-    assert zygote._plan(["-m", "m", "a"], server, env, {}) == ("-m", "m", ["m", "a"])
-    assert zygote._plan(["-c", "pass", "a"], server, env, {}) == ("-c", "pass", ["-c", "a"])
+    assert zygote._plan(["-u", "s.py", "a"], server, env, {}) == ("script", "s.py", ["s.py", "a"], None)
+    assert zygote._plan(["-m", "m", "a"], server, env, {}) == ("-m", "m", ["m", "a"], None)
+    assert zygote._plan(["-c", "pass", "a"], server, env, {}) == ("-c", "pass", ["-c", "a"], None)
     assert "flag -X" in zygote._plan(["-X", "dev", "s.py"], server, env, {})
+    assert zygote._plan(["-u", "s.py", "a"], server, {**env, "PYTHONFAULTHANDLER": "1"}, {})[0] == "script"
     assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "y"}, {})
     assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:"}, {})  # '' is the working folder
     assert zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:x"}, {})[0] == "script"

@@ -19,10 +19,13 @@ How, without changing what a job sees:
   module or ``-c`` code as ``__main__`` and exits through the interpreter's normal shutdown (atexit handlers, threads, flush).
 * The client stays the job's stand-in for its parent: it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to
   the job and exits with the job's status (or dies of the same signal). If the client is killed (a test's timeout
-  kills its tree), the server kills the job's whole tree.
+  kills its tree), the server kills the job's whole tree. SIGABRT to the client (how the FT launcher's
+  ``--timeout`` asks a stuck group for its stacks) makes the server do the same to the job's tree.
 * Anything the server cannot reproduce exactly -- another interpreter flag, or an environment variable read at
   import time (``PYTHON*``, ``OMP_*``, ``TORCHINDUCTOR_*``, ... see :data:`IMPORT_TIME_ENV`) that differs from
-  the server's -- is run by the client ``exec``-ing the real Python instead: slower, never different.
+  the server's -- is run by the client ``exec``-ing the real Python instead: slower, never different. Two such
+  variables the job reproduces itself: ``PYTHONFAULTHANDLER`` (the FT launcher's groups set it) and a
+  ``PYTHONPATH`` that only adds folders holding none of the preloaded modules (a test's helper modules).
 
 What it cannot give a job is its client's pid: ``os.getpid()`` in the job is the fork's. A job whose parent
 matches the pid its ``Popen`` returned against one the child reports itself (``benchmarks/suites/ft_scale.py``)
@@ -50,8 +53,15 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torchmetrics", "transformers"
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_LOGS",
                    "TORCH_COMPILE", "TORCH_SHOW", "FSDP_STRATEGIES_EXPECT", "FSDP_STRATEGIES_LIGHTNING",
                    "HF_", "TRANSFORMERS", "TOKENIZERS")
+#: what a client sends its server when it gets SIGABRT (:func:`_ask_for_stacks`)
+STACKS_REQUEST = b"S"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
+
+
+#: import-time variables a forked job reproduces itself (:func:`_become_job`): ``PYTHONFAULTHANDLER`` (the
+#: FT launcher sets it for its groups) and ``PYTHONPATH`` where :func:`_job_sys_path` allows it
+REPRODUCED_ENV = ("PYTHONFAULTHANDLER", "PYTHONPATH")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -59,6 +69,38 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     if "PYTHONPATH" in found:  # a folder listed twice is looked in once: the first listing is what counts
         found["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(found["PYTHONPATH"].split(os.pathsep)))
     return found
+
+
+def _path_entries(value: str, cwd: str) -> list[str]:
+    """``PYTHONPATH``'s folders as the interpreter puts them on ``sys.path``: absolute, each once."""
+    if not value:
+        return []
+    return list(dict.fromkeys(os.path.abspath(os.path.join(cwd, e)) for e in value.split(os.pathsep)))
+
+
+def _job_sys_path(entries: list[str], server_entries: list[str], base: list[str],
+                  loaded: set[str]) -> list[str] | str:
+    """The ``sys.path`` (after ``sys.path[0]``) a fresh ``python`` with ``PYTHONPATH`` ``entries`` would have,
+    or why a fork of the server cannot be that interpreter.
+
+    It can when the folders it keeps of the server's ``PYTHONPATH`` keep their order, the ones it drops gave
+    the server none of its modules, and the ones it adds hold no top-level module the server has already
+    imported (``loaded``): every preloaded module is then the one a fresh interpreter would have found, and
+    anything else is found along the job's own path."""
+    kept = [e for e in entries if e in server_entries]
+    if kept != [e for e in server_entries if e in entries]:
+        return f"PYTHONPATH differs: it reorders the server's {server_entries}"
+    files = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
+    for entry in server_entries:
+        if entry not in entries and any(f.startswith(entry + os.sep) for f in files):
+            return f"PYTHONPATH differs: it drops {entry}, where preloaded modules come from"
+    for entry in entries:
+        if entry in server_entries or not os.path.isdir(entry):
+            continue
+        shadowing = sorted({name.split(".")[0] for name in os.listdir(entry)} & loaded)
+        if shadowing:
+            return f"PYTHONPATH differs: {entry} holds {shadowing[:3]}, preloaded from elsewhere"
+    return list(dict.fromkeys([*entries, *base]))
 
 
 # ----------------------------------------------------------------------------------------------------- client
@@ -127,7 +169,7 @@ def client(args: list[str]) -> None:
     umask = os.umask(0o022)  # (reading it means setting it)
     os.umask(umask)
     body = json.dumps({"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
-                       "fds": fds, "ppid": os.getppid(), **_scheduling()}).encode()
+                       "fds": fds, "ppid": os.getppid(), "pid": os.getpid(), **_scheduling()}).encode()
     socket.send_fds(conn, [_HEADER.pack(len(body))], fds)
     conn.sendall(body)
     reader = conn.makefile("rb")
@@ -138,6 +180,7 @@ def client(args: list[str]) -> None:
     pid = reply["pid"]
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    signal.signal(signal.SIGABRT, lambda *_: _ask_for_stacks(conn))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
     line = b""
     while not line:
@@ -151,6 +194,17 @@ def client(args: list[str]) -> None:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def _ask_for_stacks(conn: socket.socket) -> None:
+    """SIGABRT to the client: the FT launcher's ``--timeout`` asks every process of a stuck group for its Python
+    stacks that way (``fsdp_strategies.ft.process_tree.dump_stacks``). The job's processes descend from the
+    server, not from this client, so the server does it for the job's tree; the job then ends of SIGABRT and
+    so does this client."""
+    try:
+        conn.send(STACKS_REQUEST)
+    except OSError:  # the server is gone: so is the job
+        pass
 
 
 def install_shim(python: str) -> str:
@@ -175,13 +229,23 @@ def install_shim(python: str) -> str:
 # ----------------------------------------------------------------------------------------------------- server
 
 
-def _plan(args: list[str], server_env: dict[str, str], env: dict[str, str],
-          set_by_imports: dict[str, str]) -> tuple[str, str, list[str]] | str:
-    """(kind, target, argv) for ``python ARGS``, or why a fresh interpreter must run it."""
+def _plan(args: list[str], server_env: dict[str, str], env: dict[str, str], set_by_imports: dict[str, str],
+          paths: dict | None = None, cwd: str = "/") -> tuple[str, str, list[str], list[str] | None] | str:
+    """(kind, target, argv, sys.path after its first entry or None for the server's) for ``python ARGS``, or
+    why a fresh interpreter must run it. ``paths``: the server's ``PYTHONPATH`` folders (``entries``), the
+    rest of its ``sys.path`` (``base``) and the top-level modules it imported (``loaded``); without it any
+    other ``PYTHONPATH`` is refused."""
     job_env = _import_time_env({k: v for k, v in env.items() if set_by_imports.get(k) != v})
-    if job_env != server_env:
-        changed = sorted(set(job_env.items()) ^ set(server_env.items()))
+    reproduced = REPRODUCED_ENV if paths is not None else ("PYTHONFAULTHANDLER",)
+    changed = sorted(set(job_env.items()) ^ set(server_env.items()))
+    if [kv for kv in changed if kv[0] not in reproduced]:
         return f"import-time environment differs: {changed[:4]}"
+    sys_path = None
+    if paths is not None and job_env.get("PYTHONPATH") != server_env.get("PYTHONPATH"):
+        entries = _path_entries(env.get("PYTHONPATH", ""), cwd)
+        sys_path = _job_sys_path(entries, paths["entries"], paths["base"], paths["loaded"])
+        if isinstance(sys_path, str):
+            return sys_path
     rest = list(args)
     while rest and rest[0] in ("-u", "-B"):
         rest.pop(0)
@@ -190,10 +254,10 @@ def _plan(args: list[str], server_env: dict[str, str], env: dict[str, str],
     if rest[0] in ("-m", "-c"):
         if len(rest) < 2:
             return f"{rest[0]} without an argument"
-        return rest[0], rest[1], ([rest[0]] if rest[0] == "-c" else [rest[1]]) + rest[2:]
+        return rest[0], rest[1], ([rest[0]] if rest[0] == "-c" else [rest[1]]) + rest[2:], sys_path
     if rest[0].startswith("-"):
         return f"interpreter flag {rest[0]}"
-    return "script", rest[0], rest
+    return "script", rest[0], rest, sys_path
 
 
 def _place_fds(received: list[int], wanted: list[int]) -> None:
@@ -229,12 +293,20 @@ def _become_job(request: dict, received: list[int], shim: str,
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     _inherit_scheduling(request)
-    kind, target, argv = request["plan"]
+    kind, target, argv, rest_of_path = request["plan"]
     sys.argv = argv
     sys.executable = shim
     parent = int(request["ppid"])
     os.getppid = lambda: parent  # the process that started the client, not the server
     sys.path[0] = {"script": os.path.dirname(os.path.realpath(target)), "-m": os.getcwd(), "-c": ""}[kind]
+    if rest_of_path is not None:  # the job's own PYTHONPATH (see _job_sys_path)
+        sys.path[1:] = rest_of_path
+    import faulthandler
+
+    if os.environ.get("PYTHONFAULTHANDLER"):  # as the interpreter does at start-up
+        faulthandler.enable(all_threads=True)
+    else:
+        faulthandler.disable()
     import random
 
     import numpy
@@ -261,6 +333,20 @@ def _run_as_main(kind: str, target: str) -> None:
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
+def _job_tree(job: int, client_jobs: dict[int, int]) -> list[int]:
+    """``job`` and its descendants, parents before children, where a descendant that is a client stands for its
+    job's tree (a job's own ``python`` children -- torchrun's ranks -- are forked from the server too)."""
+    from fsdp_strategies.ft.process_tree import process_tree
+
+    tree = []
+    for pid in process_tree(job):
+        if pid in client_jobs:
+            tree.extend(_job_tree(client_jobs[pid], client_jobs))
+        else:
+            tree.append(pid)
+    return tree
+
+
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     msg, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 255)
     (size,) = _HEADER.unpack(msg)
@@ -280,11 +366,16 @@ def serve(path: str, shim: str) -> None:
     import importlib
     import select
 
-    from fsdp_strategies.ft.process_tree import kill_tree
+    from fsdp_strategies.ft.process_tree import dump_stacks_of, kill_tree
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the pytest process
     parent = os.getppid()
     before = dict(os.environ)
+    entries = _path_entries(before.get("PYTHONPATH", ""), os.getcwd())
+    if sys.path[1:1 + len(entries)] == entries:
+        paths: dict | None = {"entries": entries, "base": sys.path[1 + len(entries):]}
+    else:  # not the sys.path this module expects: no other PYTHONPATH is reproduced
+        paths = None
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -293,6 +384,8 @@ def serve(path: str, shim: str) -> None:
     gc.collect()
     gc.freeze()  # the jobs' pages stay shared with the server
     server_env = _import_time_env(before)
+    if paths is not None:
+        paths["loaded"] = {name.split(".")[0] for name in sys.modules}
     # what the imports put into the environment (e.g. inductor's TORCHINDUCTOR_CACHE_DIR): a fresh `python`
     # would have set it the same way, so every job gets it too
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -306,6 +399,7 @@ def serve(path: str, shim: str) -> None:
     os.rename(path + ".tmp", path)  # ready: the path appears only now
     jobs: dict[int, socket.socket | None] = {}
     clients: dict[socket.socket, int] = {}
+    client_jobs: dict[int, int] = {}  # a client's pid -> its job's
     while os.getppid() == parent:
         ready, _, _ = select.select([listener, wake_r, *clients], [], [], 1.0)
         if wake_r in ready:
@@ -322,6 +416,8 @@ def serve(path: str, shim: str) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
             conn = jobs.pop(pid, None)
+            for client in [c for c, j in client_jobs.items() if j == pid]:
+                del client_jobs[client]
             if conn is not None:
                 clients.pop(conn, None)
                 try:
@@ -331,10 +427,13 @@ def serve(path: str, shim: str) -> None:
                 conn.close()
         for conn in [c for c in ready if c in clients]:
             try:
-                gone = not conn.recv(1)
+                data = conn.recv(1)
             except OSError:
-                gone = True
-            if gone:  # the client is gone (killed): so is its job
+                data = b""
+            if data == STACKS_REQUEST:
+                dump_stacks_of(_job_tree(clients[conn], client_jobs))
+                continue
+            if not data:  # the client is gone (killed): so is its job
                 pid = clients.pop(conn)
                 jobs[pid] = None
                 kill_tree(pid)  # the job, its descendants and its session
@@ -348,8 +447,10 @@ def serve(path: str, shim: str) -> None:
             conn.close()
             print(f"zygote: bad request: {exc}", file=sys.stderr)
             continue
-        plan = _plan(request["args"], server_env, request["env"], set_by_imports)
+        plan = _plan(request["args"], server_env, request["env"], set_by_imports, paths, request["cwd"])
         if isinstance(plan, str):
+            print(f"zygote: a fresh interpreter for {request['args'][:3]}: {plan}", file=sys.stderr,
+                  flush=True)
             conn.sendall(json.dumps({"refused": plan}).encode() + b"\n")
             conn.close()
             for fd in received:
@@ -374,6 +475,7 @@ def serve(path: str, shim: str) -> None:
             os.close(fd)
         jobs[pid] = conn
         clients[conn] = pid
+        client_jobs[int(request["pid"])] = pid
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 

@@ -17,7 +17,7 @@ import resource
 import signal
 import time
 
-__all__ = ["dump_stacks", "kill_tree", "process_tree"]
+__all__ = ["dump_stacks", "dump_stacks_of", "kill_tree", "process_tree"]
 
 
 def process_tree(root: int) -> list[int]:
@@ -71,7 +71,12 @@ def dump_stacks(root: int, wait_s: float = 2.0) -> list[int]:
     end. A Python with :mod:`faulthandler` enabled (the launcher sets ``PYTHONFAULTHANDLER=1`` for its
     groups) answers SIGABRT by writing every thread's stack to its stderr -- the group's log. Returns the
     pids signalled."""
-    pids = list(reversed(process_tree(root))) if os.path.isdir("/proc") else [root]
+    return dump_stacks_of(process_tree(root) if os.path.isdir("/proc") else [root], wait_s)
+
+
+def dump_stacks_of(tree: list[int], wait_s: float = 2.0) -> list[int]:
+    """:func:`dump_stacks` for a tree walked another way: ``tree`` lists parents before children."""
+    pids = list(reversed(tree))
     for pid in pids:
         _signal(pid, signal.SIGSTOP)
     for pid in pids:
