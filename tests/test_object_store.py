@@ -21,6 +21,8 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
 Apart (a server of its own): the S3 server SIGKILLed inside a save -- every rank stops with the same
 "was not saved" error (rank 0's clean-up of the partial version must not raise botocore's own error instead);
 started again on the same data, the previous checkpoints verify and the interrupted one is not committed.
+And ``fsdp-strategies-export`` writing both formats to the bucket (a Hugging Face folder: ``config.json``
+last, never into a prefix that holds objects).
 """
 
 from __future__ import annotations
@@ -283,3 +285,55 @@ def test_bad_urls_and_credentials_are_clear_errors_and_removal_is_best_effort(
                          {**fast, "endpoint_url": "http://127.0.0.1:9"})
     with pytest.warns(UserWarning, match=r"Could not remove checkpoint s3://b/run/last\.ckpt .*stays"):
         remove_remote(closed)
+
+
+@pytest.mark.subprocess
+def test_export_writes_both_formats_to_s3_and_never_into_a_used_prefix(s3_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    # fsdp-strategies-export OUT may be a URL: --format torch is one object, --format hf a folder of objects
+    # that transformers' from_pretrained loads once copied down (it reads no URLs itself)
+    transformers = pytest.importorskip("transformers")
+    from finetune_hf import make_tiny
+
+    hf_folder = Path(make_tiny(str(tmp_path / "tiny"), "llama"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder)
+    ckpt = tmp_path / "plain.ckpt"  # a full file without digests, as Lightning writes one (a warning)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+    fs, run = _fs(), f"{BUCKET}/export-{os.getpid()}"
+
+    assert export_main([str(ckpt), f"s3://{run}/plain.pt", "--strip-prefix", "model."]) == 0
+    with fs.open(f"{run}/plain.pt", "rb") as fh:
+        plain = torch.load(fh, weights_only=True)
+    assert plain.keys() == model.state_dict().keys()
+    assert all(torch.equal(plain[k], v) for k, v in model.state_dict().items())
+
+    hf_args = ["--format", "hf", "--prefix", "model.", "--hf-config", str(hf_folder)]
+    assert export_main([str(ckpt), f"s3://{run}/hf", *hf_args]) == 0
+    fs.invalidate_cache()
+    assert {p.rsplit("/", 1)[-1] for p in fs.find(f"{run}/hf")} >= {"config.json", "model.safetensors"}
+    fs.get(f"{run}/hf", str(tmp_path / "down"), recursive=True)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "down")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    # a prefix that holds objects is refused before anything is read or written; nothing there changes
+    before = {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/hf")}
+    assert export_main([str(ckpt), f"s3://{run}/hf", *hf_args]) == 1
+    fs.invalidate_cache()
+    assert {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/hf")} == before
+
+
+def test_a_folder_upload_puts_the_named_files_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # export_hf uploads config.json last: from_pretrained reads it first, so a copy cut short has none
+    from fsdp_strategies.checkpoint.object_store import upload_folder
+
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "generation_config.json"):
+        (tmp_path / name).write_text(name)
+    memory = fsspec.filesystem("memory")
+    order: list[str] = []
+    real_put = memory.put_file
+    monkeypatch.setattr(memory, "put_file", lambda src, dst, **kw: (order.append(Path(src).name),
+                                                                   real_put(src, dst, **kw)))
+    upload_folder(tmp_path, f"memory://export-{os.getpid()}", "output", last=("config.json",))
+    assert order[-1] == "config.json" and len(order) == 5, order
+    with pytest.raises(CheckpointLocationError, match=r"output='memory://export-\d+' already holds objects"):
+        upload_folder(tmp_path, f"memory://export-{os.getpid()}", "output")

@@ -13,6 +13,7 @@ Hugging Face export (:mod:`fsdp_strategies.hf.export`, whose ``main`` is the con
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -190,20 +191,37 @@ def _open_remote(url: str) -> VerifiedCheckpoint:
     return VerifiedCheckpoint(url, extras if isinstance(extras, dict) else {}, source=source)
 
 
-def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], strip_prefix: str = "") -> Path:
+def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str],
+                        strip_prefix: str = "") -> Path | str:
     """Turn a sharded (DCP) or full checkpoint into one plain ``state_dict`` file.
 
     Runs in a single process without a process group. The result loads with
     ``model.load_state_dict(torch.load(output))`` into the plain model, no package needed.
     ``strip_prefix`` (e.g. ``"model."``) drops a LightningModule attribute prefix. The checkpoint is
     verified against its checksums first and read without running code from it (restricted
-    unpicklers); on any failure nothing is left at ``output`` or ``<output>.tmp``.
+    unpicklers); on any failure nothing is left at ``output`` or ``<output>.tmp``. ``output`` may be an
+    object-storage URL (``s3://bucket/model.pt``; credentials and endpoint from the environment, as fsspec
+    reads them): the file is written in a local temporary folder and put as one object, whole or not at all.
+    Returns the file written (the URL for one).
     """
-    out = local_checkpoint_path(output, "output")  # before reading anything
+    url = url_or_none(os.fspath(output) if isinstance(output, os.PathLike) else output)
+    if url is not None:  # before reading anything: the store takes writes there
+        from fsdp_strategies.checkpoint.object_store import check_writable
+
+        check_writable(url, "output", beside=True)
+    out = local_checkpoint_path(output, "output") if url is None else None
     state = open_checkpoint(checkpoint).state_dict()
     plain = {
         (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()
     }
+    if url is not None:
+        from fsdp_strategies.checkpoint.object_store import upload_file
+
+        with tempfile.TemporaryDirectory(prefix="fsdp-strategies-export-") as staging:
+            torch.save(plain, Path(staging) / "state_dict.pt")
+            upload_file(Path(staging) / "state_dict.pt", url, "output")
+        return url
+    assert out is not None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(out)
     try:

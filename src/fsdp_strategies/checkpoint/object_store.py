@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tempfile
 import time
 import uuid
@@ -78,8 +79,11 @@ __all__ = [
     "read_full",
     "read_remote_meta",
     "remove_remote",
+    "require_empty",
     "save_full_remote",
     "save_sharded_remote",
+    "upload_file",
+    "upload_folder",
     "verify_remote",
 ]
 
@@ -448,12 +452,46 @@ def remove_remote(ckpt: RemoteCheckpoint) -> None:
     _remove_quietly(ckpt, ckpt.root)
 
 
-def check_writable(url: str, what: str, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write, read back and remove one small object under ``url`` (a checkpoint directory): an unreachable
-    endpoint, a missing bucket, missing credentials or a denied write raise one
-    :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError` naming the URL."""
+def upload_file(local: str | os.PathLike[str], url: str, what: str,
+                storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write the local file ``local`` as the one object ``url``: an object store puts an object whole or not
+    at all, so no reader sees part of it (what ``rename`` gives a file on disk)."""
     ckpt = open_remote(url, what, storage_options)
-    probe = ckpt.path(f".fsdp_strategies-write-check-{uuid.uuid4().hex[:8]}")
+    ckpt.fs.put_file(os.fspath(local), ckpt.root)
+
+
+def require_empty(url: str, what: str, storage_options: Mapping[str, Any] | None = None) -> RemoteCheckpoint:
+    """``url`` opened, when the prefix holds no objects; else
+    :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError` (nothing there is overwritten)."""
+    ckpt = open_remote(url, what, storage_options)
+    ckpt.fs.invalidate_cache()
+    found = ckpt.fs.find(ckpt.root, detail=True)  # a folder listed with no objects left in it is not one
+    if any(info.get("type") != "directory" for info in found.values()):
+        raise CheckpointLocationError(f"{what}={url!r} already holds objects. Fix: choose a new prefix, or "
+                                      "remove that one first (nothing in it is overwritten).")
+    return ckpt
+
+
+def upload_folder(local: Path, url: str, what: str, storage_options: Mapping[str, Any] | None = None,
+                  last: tuple[str, ...] = ()) -> None:
+    """Copy every file under the local folder ``local`` to the prefix ``url``, the files named in ``last``
+    after all the others (a reader that looks for those first never sees the folder incomplete). A prefix that
+    already holds objects raises :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError`:
+    nothing there is overwritten."""
+    ckpt = require_empty(url, what, storage_options)
+    files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: (f.name in last, str(f)))
+    for file in files:
+        ckpt.fs.put_file(str(file), ckpt.path(*file.relative_to(local).parts))
+
+
+def check_writable(url: str, what: str, storage_options: Mapping[str, Any] | None = None,
+                   beside: bool = False) -> None:
+    """Write, read back and remove one small object under ``url`` (a checkpoint directory; ``beside``: next
+    to the object ``url``): an unreachable endpoint, a missing bucket, missing credentials or a denied write
+    raise one :class:`~fsdp_strategies.checkpoint.location.CheckpointLocationError` naming the URL."""
+    ckpt = open_remote(url, what, storage_options)
+    folder = ckpt.root.rsplit("/", 1)[0] if beside else ckpt.root
+    probe = f"{folder}/.fsdp_strategies-write-check-{uuid.uuid4().hex[:8]}"
     try:
         ckpt.fs.pipe_file(probe, b"ok")
         ckpt.fs.rm(probe)

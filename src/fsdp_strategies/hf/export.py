@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ import torch.distributed.checkpoint as dcp
 
 from fsdp_strategies.checkpoint.atomic import abandon_save, commit_save, prepare_save
 from fsdp_strategies.checkpoint.export import VerifiedCheckpoint, export_consolidated, open_checkpoint
-from fsdp_strategies.checkpoint.location import local_checkpoint_path
+from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
+from fsdp_strategies.checkpoint.object_store import check_writable, require_empty, upload_folder
 from fsdp_strategies.hf.metadata import hf_model_records
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "HFExportError", "export_hf", "main", "parse_size"]
@@ -239,12 +241,16 @@ def export_hf(
     hf_config: str | os.PathLike[str] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     dtype: str | None = None,
-) -> Path:
+) -> Path | str:
     """Write a checkpoint as a Hugging Face ``save_pretrained`` folder that ``from_pretrained(output)`` loads.
 
     Args:
         checkpoint: a sharded (DCP) folder or a full file written by an fsdp_strategies strategy or Lightning.
         output: the folder to write (must not exist, or be empty); written to ``<output>.tmp`` and renamed.
+            An object-storage URL (``s3://bucket/model``; credentials and endpoint from the environment, as
+            fsspec reads them) is a prefix that must hold no objects: the folder is written in a local
+            temporary folder, then uploaded file by file, ``config.json`` last -- ``from_pretrained`` reads it
+            first, so a copy cut short has none.
         prefix: the attribute path of the HF model in the LightningModule (``"model."``; a missing final dot
             is added). Default: the recorded model's prefix, or inferred from the keys with ``hf_config``.
         hf_config: a folder with the model's ``config.json`` (and ``generation_config.json``), e.g. the
@@ -254,7 +260,7 @@ def export_hf(
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` to cast floating-point weights; default: the checkpoint's.
 
     Returns:
-        The output folder.
+        The output folder (the URL for one).
     """
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
@@ -262,6 +268,15 @@ def export_hf(
                             "unset to keep the checkpoint's dtype.")
     if prefix is not None and prefix and not prefix.endswith("."):
         prefix += "."
+    url = url_or_none(os.fspath(output) if isinstance(output, os.PathLike) else output)
+    if url is not None:  # before reading anything: the store takes writes there and the prefix is empty
+        require_empty(url, "output")
+        check_writable(url, "output")
+        with tempfile.TemporaryDirectory(prefix="fsdp-strategies-export-") as staging:
+            export_hf(checkpoint, Path(staging) / "model", prefix=prefix, hf_config=hf_config,
+                      max_shard_size=max_shard_size, dtype=dtype)
+            upload_folder(Path(staging) / "model", url, "output", last=("config.json",))
+        return url
     out = local_checkpoint_path(output, "output")
     _check_output(out)
     ckpt: VerifiedCheckpoint = open_checkpoint(checkpoint)
