@@ -6,10 +6,12 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
    save_top_k=2, save_last=True)``: the bucket holds step 6, step 8 and ``last``, each one committed version
    (steps 2 and 4 were removed, manifest first), nothing in a local folder named ``s3:``.
 1b. The same run with ``async_checkpoint="thread"``: the same objects, each committed, the same losses.
-2. A resume from the step-6 checkpoint of 1b trains steps 7 and 8 with bit-identical losses.
-3. A resume from ``last`` whose rank 1 is SIGKILLed inside its save of ``last`` at step 10 (shards written,
-   nothing committed): ``last``'s manifest still names the step-8 version, the dead save's objects sit beside
-   it.
+2. A resume from the step-6 checkpoint of 1b is preempted (SIGTERM to every rank) after step 7: its
+   preemption checkpoint is committed in the bucket, and a resume from that trains step 8 with the
+   uninterrupted run's loss, bit for bit.
+3. A resume from ``last`` whose rank 1 is SIGKILLed inside its asynchronous (``thread``) save of ``last`` at
+   step 10 (shards written, nothing committed): ``last``'s manifest still names the step-8 version, the dead
+   save's objects sit beside it.
 4. ``hsdp`` 2x2 on 4 ranks with ``async_checkpoint="process"`` resumes from that ``last`` (the previous one:
    loadable) and its first save commits a new version in the background and removes the orphan.
 5. ``fsdp-strategies-verify`` says OK for ``last``; ``fsdp-strategies-export`` reads it straight from the
@@ -21,8 +23,9 @@ The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the exam
 Apart (a server of its own): the S3 server SIGKILLed inside a save -- every rank stops with the same
 "was not saved" error (rank 0's clean-up of the partial version must not raise botocore's own error instead);
 started again on the same data, the previous checkpoints verify and the interrupted one is not committed.
-And ``fsdp-strategies-export`` writing both formats to the bucket (a Hugging Face folder: ``config.json``
-last, never into a prefix that holds objects).
+And ``fsdp-strategies-export`` from the bucket to the bucket: the Hugging Face fine-tune example's sharded
+checkpoint as a ``torch`` file and a Hugging Face folder (``config.json`` last, never into a prefix that holds
+objects).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import fsspec
 import pytest
 import torch
 
-from conftest import WORKERS, run_torchrun
+from conftest import ROOT, WORKERS, run_python, run_torchrun
 from fsdp_strategies.checkpoint.export import read_sharded_state_dict
 from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, CheckpointIntegrityError
 from fsdp_strategies.checkpoint.load_into_fsdp import load_remote_into_sharded_model
@@ -136,24 +139,35 @@ def test_fsdp2_and_hsdp_save_to_s3_resume_exactly_and_survive_a_kill_mid_save(
         assert _versions(fs, f"{background}/{name}") == [_committed(fs, f"{background}/{name}")]
     assert _losses(out, "async") == _losses(out, "first")
 
-    # 2. resumed from the background-written step 6: steps 7 and 8 are the uninterrupted run's, bit for bit
-    _job(
+    # 2. resumed from the background-written step 6 and preempted (SIGTERM to every rank) after step 7:
+    # the preemption checkpoint is committed in the bucket; resumed from it, step 8 is the uninterrupted
+    # run's, bit for bit
+    proc = _job(
         out,
-        "resumed",
-        ["--dirpath", f"{url}-b", "--steps", "8", "--resume", f"s3://{background}/epoch=0-step=6.ckpt"],
+        "preempted",
+        ["--dirpath", f"{url}-b", "--steps", "8", "--resume", f"s3://{background}/epoch=0-step=6.ckpt",
+         "--sigterm-at", "7"],
         env,
+        check=False,
     )
+    preempt = f"{url}-b/last-preempt.ckpt"
+    assert proc.returncode != 0 and f"preemption checkpoint of step 7 written to {preempt}" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert _versions(fs, f"{run}-b/last-preempt.ckpt") == [_committed(fs, f"{run}-b/last-preempt.ckpt")]
+    _job(out, "resumed", ["--dirpath", f"{url}-c", "--steps", "8", "--resume", preempt], env)
     first, resumed = _losses(out, "first"), _losses(out, "resumed")
-    assert list(resumed) == ["7", "8"] and all(resumed[s] == first[s] for s in resumed), (first, resumed)
+    assert list(resumed) == ["8"] and resumed["8"] == first["8"], (first, resumed)
 
     # 3. a resume from last whose rank 1 is killed inside its second save of step 10 (the first is
-    # epoch=0-step=10.ckpt, the second last.ckpt): last's new version is written, not committed
+    # epoch=0-step=10.ckpt, the second last.ckpt), written by the background thread (async_checkpoint:
+    # thread): last's new version is written, not committed
     last = f"{run}/last.ckpt"
     before = _committed(fs, last)
     proc = _job(
         out,
         "killed",
-        ["--dirpath", url, "--steps", "12", "--resume", f"{url}/last.ckpt", "--kill-in-save", "2"],
+        ["--dirpath", url, "--steps", "12", "--resume", f"{url}/last.ckpt", "--kill-in-save", "2",
+         "--async-checkpoint", "thread"],
         env,
         check=False,
     )
@@ -287,38 +301,41 @@ def test_bad_urls_and_credentials_are_clear_errors_and_removal_is_best_effort(
         remove_remote(closed)
 
 
-@pytest.mark.subprocess
+@pytest.mark.multiprocess
 def test_export_writes_both_formats_to_s3_and_never_into_a_used_prefix(s3_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
-    # fsdp-strategies-export OUT may be a URL: --format torch is one object, --format hf a folder of objects
-    # that transformers' from_pretrained loads once copied down (it reads no URLs itself)
+    # the fine-tune example (a tiny HF Llama, fsdp2 on 2 ranks, 2 steps) checkpoints into the bucket;
+    # then `fsdp-strategies-export s3://.../CKPT s3://... --format hf` (and --format torch): the folder
+    # reloads with from_pretrained once copied down (transformers reads no URLs itself), with the torch
+    # export's weights
     transformers = pytest.importorskip("transformers")
     from finetune_hf import make_tiny
 
-    hf_folder = Path(make_tiny(str(tmp_path / "tiny"), "llama"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder)
-    ckpt = tmp_path / "plain.ckpt"  # a full file without digests, as Lightning writes one (a warning)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
     fs, run = _fs(), f"{BUCKET}/export-{os.getpid()}"
+    folder = make_tiny(str(tmp_path / "tiny"), "llama")
+    run_python([str(ROOT / "examples" / "finetune_hf.py"), "fit", "--config", "configs/finetune_hf.yaml",
+                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                "--trainer.max_steps", "2", "--data.num_train", "32", "--trainer.default_root_dir",
+                f"s3://{run}", "--model.pretrained", folder], env=dict(s3_env))
+    fs.invalidate_cache()
+    ckpt = next(p for p in fs.find(run) if p.endswith(MANIFEST_FILE)).rsplit("/", 1)[0]
 
-    assert export_main([str(ckpt), f"s3://{run}/plain.pt", "--strip-prefix", "model."]) == 0
-    with fs.open(f"{run}/plain.pt", "rb") as fh:
+    assert export_main([f"s3://{ckpt}", f"s3://{run}/export/plain.pt", "--strip-prefix", "model."]) == 0
+    with fs.open(f"{run}/export/plain.pt", "rb") as fh:
         plain = torch.load(fh, weights_only=True)
-    assert plain.keys() == model.state_dict().keys()
-    assert all(torch.equal(plain[k], v) for k, v in model.state_dict().items())
-
-    hf_args = ["--format", "hf", "--prefix", "model.", "--hf-config", str(hf_folder)]
-    assert export_main([str(ckpt), f"s3://{run}/hf", *hf_args]) == 0
+    assert export_main([f"s3://{ckpt}", f"s3://{run}/export/hf", "--format", "hf"]) == 0
     fs.invalidate_cache()
-    assert {p.rsplit("/", 1)[-1] for p in fs.find(f"{run}/hf")} >= {"config.json", "model.safetensors"}
-    fs.get(f"{run}/hf", str(tmp_path / "down"), recursive=True)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "down")
-    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert {p.rsplit("/", 1)[-1] for p in fs.find(f"{run}/export/hf")} >= {"config.json", "model.safetensors"}
+    fs.get(f"{run}/export/hf", str(tmp_path / "down"), recursive=True)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "down").state_dict()
+    assert reloaded.keys() == plain.keys() and all(torch.equal(reloaded[k], plain[k]) for k in plain)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert any(not torch.equal(trained[k], plain[k]) for k in plain)  # the fine-tuned weights, not the file's
     # a prefix that holds objects is refused before anything is read or written; nothing there changes
-    before = {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/hf")}
-    assert export_main([str(ckpt), f"s3://{run}/hf", *hf_args]) == 1
+    before = {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/export/hf")}
+    assert export_main([f"s3://{ckpt}", f"s3://{run}/export/hf", "--format", "hf"]) == 1
     fs.invalidate_cache()
-    assert {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/hf")} == before
+    assert {p: fs.info(p)["ETag"] for p in fs.find(f"{run}/export/hf")} == before
 
 
 def test_a_folder_upload_puts_the_named_files_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,9 @@
 ``ModelCheckpoint(dirpath=URL, every_n_train_steps=2, save_last=True, save_top_k=2)``; ``--resume URL``
 resumes from a checkpoint URL. Rank 0 writes ``OUT/<phase>.json``: the loss of every optimizer step (exact
 floats) and the steps it ran. ``--kill-in-save N`` SIGKILLs rank 1 inside its N-th checkpoint write, after its
-shards are written and before the commit (the other rank is then stopped by the launcher). Endpoint and
+shards are written and before the commit (the other rank is then stopped by the launcher); ``--sigterm-at
+N`` SIGTERMs every rank after step N (a preemption: the strategy's checkpoint goes to
+``<dirpath>/last-preempt.ckpt`` and the ranks exit with status 75). Endpoint and
 credentials come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``).
 """
@@ -45,6 +47,20 @@ class Losses(pl.Callback):
         self.losses[trainer.global_step] = float(outputs["loss"].detach())
 
 
+class SigtermAt(pl.Callback):
+    """What a scheduler's preemption does: SIGTERM to every rank, here after optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class KillInSave(pl.Callback):
     """From the first training step on (after a resume's verification, which hashes objects too): SIGKILL
     process ``pid`` (this rank by default; the S3 server) when this rank hashes the shards of its ``nth`` save
@@ -79,6 +95,7 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--sigterm-at", type=int, default=None)
     parser.add_argument("--stop-server-in-save", type=int, default=None)
     parser.add_argument("--async-checkpoint", default="off", choices=["off", "thread", "process"])
     args = parser.parse_args()
@@ -89,15 +106,12 @@ def main() -> None:
         # the server dies inside rank 0's save: every later request of every rank meets a closed port
         killer.append(KillInSave(args.stop_server_in_save, pid=int(os.environ["FSDP_TESTS_S3_PID"])))
     pl.seed_everything(0)
+    common = {"async_checkpoint": args.async_checkpoint, "checkpoint_on_preempt": args.sigterm_at is not None}
     strategy = {
-        "fsdp2": lambda: FSDP2Strategy(async_checkpoint=args.async_checkpoint),
-        "fsdp2_full": lambda: FSDP2Strategy(
-            async_checkpoint=args.async_checkpoint, save_distributed_checkpoint=False
-        ),
-        "hsdp": lambda: HSDPStrategy(
-            replicate_degree=2, shard_degree=2, async_checkpoint=args.async_checkpoint
-        ),
-        "ddp_hooks": lambda: DDPHooksStrategy(async_checkpoint=args.async_checkpoint),
+        "fsdp2": lambda: FSDP2Strategy(**common),
+        "fsdp2_full": lambda: FSDP2Strategy(**common, save_distributed_checkpoint=False),
+        "hsdp": lambda: HSDPStrategy(replicate_degree=2, shard_degree=2, **common),
+        "ddp_hooks": lambda: DDPHooksStrategy(**common),
     }[args.strategy]()
     losses = Losses()
     devices = int(os.environ.get("WORLD_SIZE", "1"))
@@ -122,6 +136,7 @@ def main() -> None:
                 mode="max",
             ),
             *([StopAt(args.stop_at)] if args.stop_at else []),
+            *([SigtermAt(args.sigterm_at)] if args.sigterm_at else []),
             *killer,
         ],
     )
