@@ -23,23 +23,24 @@ What it gives a suite:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import re
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from timing_stats import judge, median, paired_ratio, withhold_if_aa_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "benchmarks"
@@ -229,19 +230,25 @@ ROUND_RETRIES = 2
 class Rounds(dict):  # type: ignore[type-arg]
     """:func:`interleave`'s result: contender -> one result per round (a dict as before), plus ``failures``.
 
-    ``failures`` lists every failed attempt: ``contender``, ``round``, ``attempt``, ``error`` (first
-    line), ``returncode``, ``stderr_tail`` and ``outcome`` (``"round re-run"`` or, after the last
-    attempt, ``"round incomplete"``).
+    ``orders`` lists the order each round ran its contenders in. ``failures`` lists every failed attempt:
+    ``contender``, ``round``, ``attempt``, ``error`` (first line), ``returncode``, ``stderr_tail`` and
+    ``outcome`` (``"round re-run"`` or, after the last attempt, ``"round incomplete"``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.failures: list[dict[str, Any]] = []
+        self.orders: list[list[str]] = []
 
 
 def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int], Any],
-               bar: Any | None = None, *, retries: int | None = None) -> Rounds:
-    """Run ``run_one(contender, rep)`` as A B C, A B C, ... for ``reps`` rounds; results per contender.
+               bar: Any | None = None, *, retries: int | None = None, warm_up: bool = False) -> Rounds:
+    """Run ``run_one(contender, rep)`` as A B C, B C A, C A B, ... for ``reps`` rounds; results per contender.
+
+    The order rotates every round (``orders`` lists each round's), so no contender always runs first -- on
+    a shared machine the first job of a round met other conditions (a cold page cache, a quieter machine)
+    than the rest. ``warm_up``: one untimed job of the first contender before the first round (its result,
+    or its failure, is dropped), so the first timed job does not read the libraries from disk.
 
     ``run_one`` may raise. A round in which any contender raised is run again, every contender of it
     (up to ``retries`` more times, default :data:`ROUND_RETRIES`), and the attempt that completes it
@@ -252,10 +259,18 @@ def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int
     """
     retries = ROUND_RETRIES if retries is None else max(0, retries)
     results = Rounds({c: [] for c in contenders})
+    if warm_up and contenders:
+        try:
+            run_one(contenders[0], 0)
+        except Exception:  # a contender that fails fails its timed rounds too, where it is recorded
+            pass
     for rep in range(reps):
+        shift = rep % len(contenders) if contenders else 0
+        order = [*contenders[shift:], *contenders[:shift]]
+        results.orders.append(order)
         for attempt in range(retries + 1):
             got: dict[str, Any] = {}
-            for name in contenders:
+            for name in order:
                 if bar is not None:
                     bar.set_postfix_str(f"{name} rep {rep + 1}/{reps}" + (f" try {attempt + 1}" if attempt else ""))
                 try:
@@ -284,42 +299,17 @@ def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-def median(values: Iterable[float]) -> float | None:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(vals) if vals else None
-
-
-def _present(x: float | None) -> bool:
-    return x is not None and not math.isnan(x)
-
-
-def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> dict[str, Any]:
-    """Ratio num/den of per-round medians, over the rounds both sides completed (``None``: failed).
-
-    ``value`` is the median of the per-round ratios; ``ratio_of_medians`` uses the same rounds only
-    (a median over rounds one side lacks would compare different moments of a shared machine);
-    ``rounds_paired`` / ``rounds_unpaired`` say how many rounds each figure stands on.
-    """
-    pairs = [(a, b) for a, b in zip(num, den) if _present(a) and _present(b) and b]
-    per_round = [a / b for a, b in pairs]
-    mn, md = median(a for a, _ in pairs), median(b for _, b in pairs)
-    return {
-        "value": median(per_round),
-        "per_round": per_round,
-        "ratio_of_medians": (mn / md) if mn is not None and md else None,
-        "rounds_paired": len(pairs),
-        "rounds_unpaired": max(len(num), len(den)) - len(pairs),
-    }
-
-
 @dataclass
 class RatioSpec:
-    """``num / den`` with a target the ratio should not exceed (``None``: reported only)."""
+    """``num / den`` with a target the ratio should not exceed (``None``: reported only); see
+    ``timing_stats``."""
 
     num: str
     den: str
     target: float | None = None
     meaning: str = ""
+    #: an A/A pair (the same configuration twice): its interval must hold 1.00, else the case gets no verdict
+    aa: bool = False
 
     @property
     def name(self) -> str:
@@ -337,6 +327,8 @@ class Contender:
     description: str
     skip_reason: Callable[[int], str | None] = field(default=lambda ranks: None)
     replicate: Callable[[int], int] = field(default=lambda ranks: 1)
+    #: the worker's ``--contender`` (default: ``name``); an A/A twin runs its original's
+    worker_name: str | None = None
 
 
 def size_config(size: str) -> dict[str, Any]:
@@ -348,7 +340,8 @@ def size_config(size: str) -> dict[str, Any]:
 def worker_args(contender: Contender, size: str, ranks: int, steps: int, warmup: int, precision: str,
                 seed: int = 0) -> list[str]:
     cfg = size_config(size)
-    return ["--contender", contender.name, "--model", json.dumps(cfg["model"]), "--seq-len", str(cfg["seq_len"]),
+    return ["--contender", contender.worker_name or contender.name, "--model", json.dumps(cfg["model"]),
+            "--seq-len", str(cfg["seq_len"]),
             "--global-batch", str(cfg["global_batch"]), "--steps", str(steps), "--warmup", str(warmup),
             "--replicate", str(contender.replicate(ranks)), "--precision", precision, "--seed", str(seed)]
 
@@ -384,8 +377,9 @@ def suite_config(contenders: Sequence[Contender], sizes: Sequence[str], ranks: S
 
 def collect_cases(suite: str, contenders: Sequence[Contender], *, sizes: Sequence[str], ranks: Sequence[int],
                   reps: int, steps: int, warmup: int, precision: str, timeout: float = 900,
-                  show_progress: bool = True) -> list[dict[str, Any]]:
-    """Run every (size, ranks) case, its contenders interleaved; one record per case (no ratios yet)."""
+                  show_progress: bool = True, warm_up: bool = True) -> list[dict[str, Any]]:
+    """Run every (size, ranks) case, its contenders interleaved (order rotated per round; ``warm_up``: one
+    untimed job first, see :func:`interleave`); one record per case (no ratios yet)."""
     plan = []
     for size in sizes:
         size_config(size)
@@ -412,12 +406,12 @@ def collect_cases(suite: str, contenders: Sequence[Contender], *, sizes: Sequenc
                 return run_worker(c.script, n, worker_args(c, size, n, steps, warmup, precision, seed=rep),
                                   timeout=timeout)
 
-            runs = interleave([c.name for c in active], reps, run_one, bar)
+            runs = interleave([c.name for c in active], reps, run_one, bar, warm_up=warm_up)
             per: dict[str, Any] = {name: summarise(r) for name, r in runs.items()}
             for name, reason in skipped.items():
                 per[name] = {"skipped": reason}
             case: dict[str, Any] = {"size": size, "ranks": n, "params": None, "contenders": per, "ratios": {},
-                                    "failures": runs.failures}
+                                    "failures": runs.failures, "orders": runs.orders}
             ok = [x for r in runs.values() for x in r if isinstance(x, dict)]
             if ok:
                 case["params"] = ok[0]["params"]
@@ -446,10 +440,11 @@ def run_timing_suite(
 ) -> dict[str, Any]:
     """Step-time suite: cases from :func:`collect_cases`, the ratios, the JSON and the PNG."""
     config = suite_config(contenders, sizes, ranks, reps, steps, warmup, precision, quick)
-    config["ratios"] = {r.name: {"target": r.target, "meaning": r.meaning} for r in ratios}
+    config["ratios"] = {r.name: {"target": r.target, "meaning": r.meaning, "aa": r.aa} for r in ratios}
     result = header(suite, config)
     cases = collect_cases(suite, contenders, sizes=sizes, ranks=ranks, reps=reps, steps=steps, warmup=warmup,
-                          precision=precision, timeout=timeout, show_progress=show_progress)
+                          precision=precision, timeout=timeout, show_progress=show_progress,
+                          warm_up=not quick)
     for case in cases:
         per = case["contenders"]
         for spec in ratios:
@@ -457,13 +452,13 @@ def run_timing_suite(
             if "rep_medians_s" not in a or "rep_medians_s" not in b:
                 continue
             ratio = paired_ratio(a["rep_medians_s"], b["rep_medians_s"])
-            ratio["target"] = spec.target
-            ratio["met"] = None if spec.target is None or ratio["value"] is None else ratio["value"] <= spec.target
-            case["ratios"][spec.name] = ratio
+            case["ratios"][spec.name] = judge(ratio, spec.target, spec.aa)
+        case["aa_failed"] = withhold_if_aa_failed(case["ratios"])
     result["cases"] = cases
     result["summary"] = [
-        {"size": c["size"], "ranks": c["ranks"], "ratio": name, "value": r["value"], "target": r["target"],
-         "met": r["met"], "rounds": f"{r['rounds_paired']}/{reps}"}
+        {"size": c["size"], "ranks": c["ranks"], "ratio": name, "value": r["value"], "ci95": r["ci95"],
+         "target": r["target"], "met": r["met"], "aa": r["aa"], "rounds": f"{r['rounds_paired']}/{reps}",
+         **({"verdict": r["verdict"]} if "verdict" in r else {})}
         for c in cases for name, r in c["ratios"].items()
     ]
     path = write_result(suite, result, out_dir)
@@ -580,7 +575,16 @@ def format_summary(result: dict[str, Any]) -> str:
         value = row.get("value")
         shown = f"{value:.3f}" if isinstance(value, (int, float)) else str(value)
         target = row.get("target")
-        verdict = "" if row.get("met") is None else ("  ok" if row["met"] else "  MISSED")
+        if row.get("aa"):
+            verdict = {None: "  A/A: no interval", True: "  A/A ok", False: "  A/A FAILED"}[row.get("met")]
+            target = None
+        else:
+            verdict = "" if row.get("met") is None else ("  ok" if row["met"] else "  MISSED")
+        if row.get("verdict"):
+            verdict = ("  (no verdict: A/A failed)" if "A/A" in row["verdict"]
+                       else "  undecided (interval spans it)")
+        ci = row.get("ci95")
+        shown += f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
         keys = " ".join(f"{k}={row[k]}" for k in ("size", "ranks") if k in row)
         rounds = f"  [{row['rounds']} rounds]" if row.get("rounds") else ""
         lines.append(f"  {keys:<22} {row.get('ratio', ''):<42} {shown:>7}"
@@ -687,6 +691,16 @@ def pick(value: Any, quick: bool, quick_default: Any, default: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- contenders
+#: a contender's A/A twin is named ``<name>_aa``
+AA_SUFFIX = "_aa"
+
+
+def aa_pair(name: str) -> RatioSpec:
+    """The A/A ratio of ``name`` and its twin: its interval must hold 1.00 for the case's verdicts."""
+    return RatioSpec(name, f"{name}{AA_SUFFIX}", None, f"A/A: {name} against itself (the machine's noise)",
+                     aa=True)
+
+
 def _ddp_hooks_missing(ranks: int) -> str | None:
     try:
         from lightning.pytorch.strategies import StrategyRegistry
@@ -717,7 +731,12 @@ def _hsdp_needs_4(ranks: int) -> str | None:
 
 
 def contender(name: str) -> Contender:
-    """The catalogue of contenders every suite draws from (see benchmarks/README.md)."""
+    """The catalogue of contenders every suite draws from (see benchmarks/README.md). ``<name>_aa`` is
+    ``<name>`` once more, the A/A twin a timing suite compares it with (``timing_stats``)."""
+    if name.endswith(AA_SUFFIX):
+        original = contender(name[: -len(AA_SUFFIX)])
+        return dataclasses.replace(original, name=name, worker_name=original.worker_name or original.name,
+                                   description=f"{original.name} again: the suite's A/A twin (the same job)")
     catalogue = {
         "fsdp2": Contender("fsdp2", "lightning_fit.py", "ours",
                            "Trainer(strategy=FSDP2Strategy(block_class_names=['TransformerBlock']))"),
@@ -788,8 +807,16 @@ def case_table(result: dict[str, Any]) -> list[str]:
                 row.append("-")
                 continue
             mark = "" if ratio.get("met") is None else (" met" if ratio["met"] else " **missed**")
-            tgt = f" (<= {ratio['target']:.3f})" if ratio.get("target") is not None else ""
-            row.append(f"{ratio['value']:.3f}{tgt}{mark}")
+            if ratio.get("aa"):
+                mark = {None: "", True: " A/A ok", False: " **A/A failed**"}[ratio.get("met")]
+            elif ratio.get("verdict"):
+                undecided = ratio["verdict"].startswith("undecided")
+                mark = " undecided" if undecided else " no verdict (A/A failed)"
+            has_target = ratio.get("target") is not None and not ratio.get("aa")
+            tgt = f" (<= {ratio['target']:.3f})" if has_target else ""
+            ci = ratio.get("ci95")
+            interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
+            row.append(f"{ratio['value']:.3f}{interval}{tgt}{mark}")
         out.append("| " + " | ".join(row) + " |")
     skipped = sorted({f"`{n}`: {rec['skipped']}" for c in cases for n, rec in c["contenders"].items()
                       if "skipped" in rec and "2-D mesh" not in rec["skipped"]})

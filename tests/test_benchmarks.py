@@ -50,8 +50,10 @@ def test_interleave_order_and_ratios() -> None:
         return {"A": 2.0, "B": 1.0}[name] * (rep + 1)
 
     out = common.interleave(["A", "B", "C"], 2, run_one, retries=1)
-    # C fails in every attempt: each round is run twice (1 retry), A B C as a whole, then left incomplete
-    assert calls == [("A", 0), ("B", 0), ("C", 0)] * 2 + [("A", 1), ("B", 1), ("C", 1)] * 2
+    # C fails in every attempt: each round is run twice (1 retry) as a whole, then left incomplete; the order
+    # rotates per round (A B C, then B C A)
+    assert calls == [("A", 0), ("B", 0), ("C", 0)] * 2 + [("B", 1), ("C", 1), ("A", 1)] * 2
+    assert out.orders == [["A", "B", "C"], ["B", "C", "A"]]
     assert out["A"] == [2.0, 4.0] and out["B"] == [1.0, 2.0]
     assert all(isinstance(e, RuntimeError) for e in out["C"])  # a failing contender does not stop the others
     assert [(f["contender"], f["round"], f["attempt"], f["outcome"]) for f in out.failures] == [
@@ -65,6 +67,45 @@ def test_interleave_order_and_ratios() -> None:
     assert (ratio["rounds_paired"], ratio["rounds_unpaired"]) == (2, 1)
     none = common.paired_ratio([None, None], [1.0, 2.0])
     assert none["value"] is None and none["ratio_of_medians"] is None and none["rounds_paired"] == 0
+
+
+def test_ratio_intervals_and_the_aa_pair_that_withholds_verdicts() -> None:
+    import timing_stats
+
+    # the 95 % t interval of the geometric mean of per-round ratios, reciprocal for b/a
+    ratio = common.paired_ratio([1.10, 1.00, 1.20, 1.05], [1.0, 1.0, 1.0, 1.0])
+    logs = [math.log(x) for x in (1.10, 1.00, 1.20, 1.05)]
+    half = 3.182 * statistics.stdev(logs) / 2  # t(0.975, df=3), sqrt(4)
+    assert ratio["geo_mean"] == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert ratio["ci95"] == pytest.approx([math.exp(statistics.fmean(logs) - half),
+                                           math.exp(statistics.fmean(logs) + half)])
+    back = common.paired_ratio([1.0] * 4, [1.10, 1.00, 1.20, 1.05])
+    assert back["ci95"] == pytest.approx([1 / ratio["ci95"][1], 1 / ratio["ci95"][0]])
+    assert common.paired_ratio([1.0], [2.0])["ci95"] is None  # one round: no spread to estimate
+    assert timing_stats.t975(3) == 3.182 and timing_stats.t975(11) == 2.228 and timing_stats.t975(500) == 1.96
+
+    # an A/A pair whose interval holds 1.00 leaves the case's verdicts alone ...
+    quiet = {"a/b": timing_stats.judge(common.paired_ratio([1.01, 0.99, 1.0], [1.0] * 3), 1.03, False),
+             "a/a_aa": timing_stats.judge(common.paired_ratio([1.0, 1.02, 0.99], [1.0] * 3), None, True)}
+    assert quiet["a/a_aa"]["met"] is True and timing_stats.withhold_if_aa_failed(quiet) is None
+    assert quiet["a/b"]["met"] is True and "verdict" not in quiet["a/b"]
+    # a ratio whose interval spans its target gets no verdict: the rounds cannot tell
+    spans = timing_stats.judge(common.paired_ratio([1.0, 1.06, 0.98], [1.0] * 3), 1.03, False)
+    assert spans["met"] is None and spans["verdict"].startswith("undecided: the interval")
+    clear = timing_stats.judge(common.paired_ratio([1.20, 1.22, 1.19], [1.0] * 3), 1.03, False)
+    assert clear["met"] is False and "verdict" not in clear
+    # ... one that excludes 1.00 (identical jobs 1.17x apart, as the fsdp suite once gave) withholds them
+    noisy = {"a/b": timing_stats.judge(common.paired_ratio([1.01, 0.99, 1.0], [1.0] * 3), 1.03, False),
+             "a/a_aa": timing_stats.judge(common.paired_ratio([1.18, 1.10, 1.16], [1.0] * 3), None, True)}
+    reason = timing_stats.withhold_if_aa_failed(noisy)
+    assert noisy["a/a_aa"]["met"] is False and reason and "too noisy" in reason
+    assert noisy["a/b"]["met"] is None and noisy["a/b"]["verdict"] == reason
+    # and the console table says so
+    table = common.format_summary({"suite": "x", "summary": [
+        {"ratio": n, "value": r["value"], "ci95": r["ci95"], "target": r["target"], "met": r["met"],
+         "aa": r["aa"], **({"verdict": r["verdict"]} if "verdict" in r else {})} for n, r in noisy.items()]})
+    assert "A/A FAILED" in table and "(no verdict: A/A failed)" in table
+    assert common.contender("fsdp2_aa").worker_name == "fsdp2"  # the twin runs the same job
 
 
 def test_a_failed_round_is_rerun_so_contenders_stay_paired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +126,9 @@ def test_a_failed_round_is_rerun_so_contenders_stay_paired(tmp_path: Path, monke
     specs = [common.RatioSpec("flaky", "steady", 2.5), common.RatioSpec("broken", "steady", 1.0)]
     result = common.run_timing_suite("fake", contenders[:2], specs[:1], sizes=["tiny"], ranks=[1], reps=2, steps=2,
                                      warmup=1, precision="32-true", out_dir=tmp_path, quick=True, show_progress=False)
-    assert log.read_text().split("\n")[:-1] == ["steady 0", "flaky 0", "steady 1", "flaky 1", "steady 1", "flaky 1"]
+    # round 2 runs in the rotated order (flaky first): its failed attempt is run again, in the same order
+    assert log.read_text().split("\n")[:-1] == ["steady 0", "flaky 0", "flaky 1", "steady 1", "flaky 1",
+                                                "steady 1"]
     saved = json.loads(Path(result["json_path"]).read_text())
     [case] = saved["cases"]
     for name in ("steady", "flaky"):
@@ -183,7 +226,11 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     a, b = case["contenders"]["fsdp2"]["rep_medians_s"], case["contenders"]["torch_fsdp2"]["rep_medians_s"]
     assert ratio["per_round"] == pytest.approx([x / y for x, y in zip(a, b)])
     assert ratio["value"] == pytest.approx(statistics.median(ratio["per_round"]))
-    assert ratio["target"] == 1.03 and ratio["met"] == (ratio["value"] <= 1.03)
+    assert ratio["ci95"][0] < ratio["geo_mean"] < ratio["ci95"][1]  # two rounds: an interval
+    lo, hi = ratio["ci95"]  # met / missed when the interval is on one side of the target, else no verdict
+    assert ratio["target"] == 1.03 and ratio["met"] == {(True, True): True, (False, False): False}.get(
+        (hi <= 1.03, lo <= 1.03))
+    assert case["orders"] == [["fsdp2", "torch_fsdp2"], ["torch_fsdp2", "fsdp2"]]  # no contender always first
     assert {r["ratio"] for r in fsdp["summary"]} == {"fsdp2/torch_fsdp2"}
     png = _one("fsdp-*.png", tmp_path).read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000

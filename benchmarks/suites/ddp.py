@@ -15,11 +15,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-CONTENDERS = ("ddp_hooks", "lightning_ddp", "torch_ddp")
+CONTENDERS = ("ddp_hooks", "lightning_ddp", "torch_ddp", "ddp_hooks_aa")
 RATIOS = (
     common.RatioSpec("ddp_hooks", "torch_ddp", 1.03, "ours / plain torch DDP loop"),
     common.RatioSpec("ddp_hooks", "lightning_ddp", 1.00, "ours / Lightning DDPStrategy"),
     common.RatioSpec("lightning_ddp", "torch_ddp", None, "Lightning's own overhead over plain torch"),
+    common.aa_pair("ddp_hooks"),
 )
 
 

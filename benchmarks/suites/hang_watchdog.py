@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-CONTENDERS = ("fsdp2", "fsdp2_hang_watchdog", "lightning_model_parallel", "torch_fsdp2")
+CONTENDERS = ("fsdp2", "fsdp2_hang_watchdog", "lightning_model_parallel", "torch_fsdp2", "fsdp2_aa")
 RATIOS = (
     common.RatioSpec(
         "fsdp2_hang_watchdog", "fsdp2", 1.01, "HangWatchdog's cost while nothing hangs (step time)"
@@ -41,6 +41,7 @@ RATIOS = (
     common.RatioSpec(
         "fsdp2_hang_watchdog", "torch_fsdp2", None, "ours with the watchdog / plain torch FSDP2 loop"
     ),
+    common.aa_pair("fsdp2"),
 )
 
 

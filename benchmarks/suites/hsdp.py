@@ -13,8 +13,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-CONTENDERS = ("hsdp", "torch_hsdp")
-RATIOS = (common.RatioSpec("hsdp", "torch_hsdp", 1.03, "ours / plain torch FSDP2 on the same 2-D mesh"),)
+CONTENDERS = ("hsdp", "torch_hsdp", "hsdp_aa")
+RATIOS = (common.RatioSpec("hsdp", "torch_hsdp", 1.03, "ours / plain torch FSDP2 on the same 2-D mesh"),
+          common.aa_pair("hsdp"))
 
 
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,

@@ -487,8 +487,12 @@ def summary_table() -> str:
             where = ", ".join(f"{k} {row[k]}" for k in ("size", "ranks") if row.get(k) is not None)
             target = (f"<= {_fmt(row['target'])}" if row.get("target") is not None
                       else f">= {_fmt(row['target_min'])}")
+            ci = row.get("ci95")
+            value = _fmt(row.get("value")) + (f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "")
+            undecided = str(row.get("verdict", "")).startswith("undecided")
+            verdict = "undecided" if undecided else _verdict(row.get("met"))
             rows.append([f"[`{path.name}`](#{path.stem})", f"{name}" + (f" ({where})" if where else ""),
-                         _fmt(row.get("value")), target, _verdict(row.get("met"))])
+                         value, target, verdict])
     return "\n".join(_table(["result file", "comparison", "value", "target", "met"], rows))
 
 
