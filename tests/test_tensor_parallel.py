@@ -104,7 +104,9 @@ def test_hsdp_1x2x2_hf_llama_equals_ddp(tmp_path: Path, ddp_llama: list[dict]) -
     for record in run:
         _planned_are_2d(record, ("q_proj.weight", "up_proj.weight"), ["replicate", "shard"])
         budget = record["budget"]
-        assert budget["floor_bytes"] < budget["measured_bytes"] <= 0.5 * budget["none_bytes"] * 1.05, budget
+        # (the whole record in the message: CI once measured 16 KiB over the prediction on torch 2.14.1)
+        assert budget["floor_bytes"] < budget["measured_bytes"] <= 0.5 * budget["none_bytes"] * 1.05, \
+            json.dumps(budget)
         assert budget["kept_calls"] == run[0]["budget"]["kept_calls"]
 
 

@@ -271,6 +271,8 @@ class BudgetPlanner:
         self.profiles: dict[str, BlockProfile] = {}
         self.choice: BudgetChoice | None = None
         self.measured_bytes: int | None = None
+        #: the measured bytes saved outside the checkpointed blocks and inside them (where a surprise is)
+        self.measured_by_tag: dict[str, int] = {}
 
     @property
     def done(self) -> bool:
@@ -341,6 +343,7 @@ class BudgetPlanner:
                 )
         else:
             self.measured_bytes = tracker.alive()
+            self.measured_by_tag = {tag: tracker.alive(tag=tag) for tag in ("outside", "block")}
             self.phase = "done"
             if self.log is not None and self.choice is not None:
                 self.log(
@@ -357,5 +360,6 @@ class BudgetPlanner:
             return {"phase": self.phase}
         return {"phase": self.phase, "memory_budget": c.memory_budget, "none_bytes": c.none_bytes,
                 "floor_bytes": c.floor_bytes, "predicted_bytes": c.predicted_bytes, "measured_bytes": self.measured_bytes,
+                "measured_by_tag": dict(self.measured_by_tag),
                 "recompute_flops": c.recompute_flops, "full_recompute_flops": c.full_recompute_flops,
                 "kept_calls": c.kept_calls}
