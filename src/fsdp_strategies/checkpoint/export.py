@@ -204,7 +204,7 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
     reads them): the file is written in a local temporary folder and put as one object, whole or not at all.
     Returns the file written (the URL for one).
     """
-    url = url_or_none(os.fspath(output) if isinstance(output, os.PathLike) else output)
+    url = url_or_none(output)
     if url is not None:  # before reading anything: the store takes writes there
         from fsdp_strategies.checkpoint.object_store import check_writable
 

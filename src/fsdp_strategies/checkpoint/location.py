@@ -40,7 +40,7 @@ def is_url(path: object) -> bool:
 
 def url_or_none(path: object) -> str | None:
     """``path`` as a string when it is a URL other than ``file://`` (object storage), else None."""
-    text = str(path)
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     return text if is_url(text) and not text.lower().startswith("file://") else None
 
 

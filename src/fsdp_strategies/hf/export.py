@@ -268,7 +268,7 @@ def export_hf(
                             "unset to keep the checkpoint's dtype.")
     if prefix is not None and prefix and not prefix.endswith("."):
         prefix += "."
-    url = url_or_none(os.fspath(output) if isinstance(output, os.PathLike) else output)
+    url = url_or_none(output)
     if url is not None:  # before reading anything: the store takes writes there and the prefix is empty
         require_empty(url, "output")
         check_writable(url, "output")
