@@ -508,6 +508,56 @@ def test_ft_recovery_step_time_and_what_a_fault_leaves_behind() -> None:
     assert _step_time({"kills": [], "timelines": {"job": [{"t": 1.0, "step": 1}]}}, groups=2) is None  # hsdp
 
 
+def test_ft_overhead_steady_step_time_costs_and_the_cpu_each_role_spent_more() -> None:
+    from suites.ft_overhead import breakdown, costs, steady, step_records, step_time
+
+    # group 0's events: 50 ms steps, step 7 missing (a discarded step: its gap is not a step time), the
+    # first steps slower (left out by the warm-up); group 1's records are not read
+    rows = [{"t": 0.2 * s if s < 5 else 1.0 + 0.05 * (s - 5), "step": s, "committed": s != 7, "step_s": 0.05,
+             "cost_allreduce_s": 0.004 + 0.001 * (s % 2), "allreduces": 3} for s in range(1, 40)]
+    run = {"timelines": {"0": rows, "1": [{"t": 0.0, "step": 1, "committed": True}]}}
+    records = steady(step_records(run), warmup=5)
+    assert records[0]["step"] == 5 and 7 not in [r["step"] for r in records]
+    assert step_time(records) == pytest.approx(0.05)
+    assert step_time(records[:4]) is None  # too few gaps for a median
+    assert costs(records) == {"cost_allreduce_s": pytest.approx(0.0045), "allreduces": 3}
+    ft = {"step_s": 0.105, "costs": {"cost_allreduce_s": 0.004},
+          "cpu_per_step": {"rank:main": 0.2, "self:main": 0.01}}
+    hsdp = {"step_s": 0.100, "cpu_per_step": {"rank:main": 0.19, "agent": 0.001}}
+    b = breakdown({"ft_nofault": [ft, dict(ft, step_s=0.115), RuntimeError("a failed round")],
+                   "hsdp_nofault": [hsdp, dict(hsdp, step_s=0.100)]})
+    assert b["step_s"]["extra"] == pytest.approx(0.010)
+    extra = b["cpu_s_per_step"]["extra"]
+    assert extra == pytest.approx({"agent": -0.001, "rank:main": 0.01, "self:main": 0.01})
+    assert b["ft_costs_per_step"] == {"cost_allreduce_s": 0.004}
+
+
+def test_cpu_sampler_counts_a_ranks_threads_by_name_and_only_inside_the_window() -> None:
+    import subprocess
+
+    from cpu_roles import CpuSampler
+
+    # a "rank" (its command line holds --worker) that burns CPU in its main thread and in a thread named
+    # "burner", then idles (a process's last reading is the last sample before it exits); the window after it
+    # exited counts nothing more
+    script = ("import ctypes, threading, time\n"
+              "def burn(s):\n    end = time.process_time() + s\n    while time.process_time() < end: pass\n"
+              "def named():\n    ctypes.CDLL(None).prctl(15, b'burner', 0, 0, 0)\n    burn(0.6)\n"
+              "burn(0.3); t = threading.Thread(target=named); t.start(); t.join(); time.sleep(0.35)\n")
+    with CpuSampler(interval_s=0.1) as sampler:
+        subprocess.run([sys.executable, "-c", script, "--worker"], check=True)
+        t_end = time.time()
+        time.sleep(0.5)
+    t_start = sampler.samples[0][0]
+    spent = sampler.between(t_start, t_end + 0.3)
+    assert spent is not None
+    assert spent["rank:burner"] == pytest.approx(0.6, abs=0.15)
+    assert spent["rank:main"] >= 0.3 - 0.05  # plus the interpreter's start
+    after = sampler.between(t_end + 0.15, time.time())
+    assert after is not None and after.get("rank:burner", 0.0) == pytest.approx(0.0, abs=1e-6)
+    assert sampler.between(t_end + 100, t_end + 200) is None  # no samples there
+
+
 def test_ft_sync_compare_seeds_pick_the_chain_and_the_initialisation(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 

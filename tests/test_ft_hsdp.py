@@ -326,8 +326,8 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
     no_fault = ["--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
     launcher = ["--min-replicas", "2", "--max-restarts", "0"]
     # The checkpoints are written in the background (async_checkpoint: thread) by the participating rank-0 group.
-    _launch(tmp_path, "ft", [*FT, *no_fault, "--trainer.strategy.init_args.async_checkpoint", "thread"], launcher,
-            {"FT_TEST_CKPT": str(ckpt)})
+    events = _launch(tmp_path, "ft", [*FT, *no_fault, "--trainer.strategy.init_args.async_checkpoint",
+                                      "thread"], launcher, {"FT_TEST_CKPT": str(ckpt)})
     run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, "--trainer.max_steps", str(steps),
                 "--trainer.enable_checkpointing", "false"], env={"FT_TEST_OUT": str(tmp_path / "hsdp")}, timeout=300)
 
@@ -343,6 +343,22 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
     # Per-step torchft figures reach the LightningModule's logged metrics.
     assert ft0["ft_metrics"]["ft/participants"] == 2 and ft0["ft_metrics"]["ft/committed_steps"] == steps
     assert ft0["ft_metrics"]["ft/discarded_steps"] == 0
+    # Each step's line says what its fault tolerance cost (benchmarks/suites/ft_overhead.py sums these):
+    # the same cross-group all-reduces every step -- one per FSDP unit (2 blocks + the root), together this
+    # rank's whole fp32 gradient shard (dim 0 split over the group's 2 ranks) -- and each part timed
+    from llama import LlamaLM
+
+    model = LlamaLM(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+    model.configure_model()
+    shard_bytes = sum(4 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in model.parameters())
+    for group in (0, 1):
+        lines = [r for r in _jsonl(events / f"group{group}.jsonl") if "step_s" in r]
+        assert [r["step"] for r in lines] == list(range(1, steps + 1)), lines
+        assert {(r["allreduces"], r["allreduce_bytes"]) for r in lines} == {(3, shard_bytes)}, lines
+        for r in lines:
+            assert 0 < r["cost_allreduce_s"] < r["step_s"] and 0 < r["cost_capture_s"] < r["step_s"], r
+            assert r["cost_batch_s"] >= 0 and r["cost_quorum_start_s"] > 0, r
+        assert all(r["cost_account_s"] > 0 for r in lines[1:]) and "cost_account_s" not in lines[0], lines
 
     # The whole job restarted from the step-4 checkpoint continues exactly.
     assert sorted(p.name for p in ckpt.iterdir()) == ["step4.ckpt", "step8.ckpt"]

@@ -488,6 +488,38 @@ def test__current_fx_name(fitted: _Probe) -> None:
     assert seam.in_lightning_hook(fitted) is False  # after fit: no hook running
 
 
+def test__logger_connector() -> None:
+    """``logs_this_step`` inside a training step is true exactly at the steps whose ``on_step`` metrics
+    reach the loggers (every ``log_every_n_steps``-th), as ``ft_hsdp`` relies on to log its metrics there."""
+    from lightning.pytorch.loggers import Logger
+
+    class Steps(Logger):
+        name, version = "steps", 0
+        written: list[int] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            if "m" in metrics:
+                self.written.append(int(metrics["m"]))
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    asked: list[int] = []
+
+    class Model(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if seam.logs_this_step(self.trainer):
+                asked.append(batch_idx + 1)
+            self.log("m", float(batch_idx + 1), on_step=True, on_epoch=False)
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=7, log_every_n_steps=3, logger=Steps(),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(Model())
+    assert asked == Steps.written == [3, 6]
+
+
 def test__on_before_batch_transfer(fitted: _Probe) -> None:
     assert fitted.record["transfer"] == 1000.0
 
@@ -688,6 +720,26 @@ def test__random_is_rng_supported_mesh(monkeypatch: pytest.MonkeyPatch, recwarn:
     with _one_process_group(monkeypatch):
         assert tseam.dtensor_rng_per_shard(init_device_mesh("cpu", (1,))) is False
     assert not [w for w in recwarn if "random" in str(w.message)]
+
+
+def test_DTensor__local_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``local_shard`` is the shard ``to_local()`` gives (same storage, same values), as a plain tensor with
+    no autograd node even with grad enabled; an FSDP2 parameter's shard is the one the optimizer updates."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    with _one_process_group(monkeypatch):
+        model = fully_shard(torch.nn.Linear(4, 3), mesh=init_device_mesh("cpu", (1,)))
+        weight = model.weight
+        assert isinstance(weight, DTensor) and weight.requires_grad
+        shard = tseam.local_shard(weight)
+        assert type(shard) is torch.Tensor and shard.grad_fn is None
+        assert shard.untyped_storage().data_ptr() == weight.to_local().untyped_storage().data_ptr()
+        model(torch.ones(2, 4)).sum().backward()
+        before = shard.clone()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        assert not torch.equal(before, shard) and torch.equal(shard, weight.to_local().detach())
 
 
 def test_UntypedStorage__new_with_weak_ptr() -> None:

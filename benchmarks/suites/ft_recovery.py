@@ -69,6 +69,8 @@ import common
 ROOT = common.ROOT
 THIS = Path(__file__).resolve()
 STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
+#: a folder: every worker rank writes a cProfile of its run there (``<group>_<rank>_<pid>.prof``)
+PROFILE_ENV = "FT_RECOVERY_PROFILE_DIR"
 CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_faults_fork", "diloco_nofault",
               "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork", "hsdp_nofault",
               "hsdp_restart")
@@ -190,6 +192,9 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
 
     ckpt, log = work / "ckpt", work / "steps.jsonl"
     ckpt.mkdir(parents=True, exist_ok=True)
+    # ckpt_every 0: no checkpoints at all (a fault-free comparison with ft_hsdp, which writes none either)
+    saving = [str(ckpt)] if ckpt_every > 0 else ["-"]
+    no_ckpt = [] if ckpt_every > 0 else ["--trainer.enable_checkpointing", "false"]
     world = groups * ranks
     env = common.worker_env({STEP_LOG_ENV: str(log), "FT_RECOVERY_CKPT_EVERY": str(ckpt_every), "OMP_NUM_THREADS": "1",
                              "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
@@ -200,8 +205,9 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
     with (work / "hsdp.log").open("ab") as out:
         while True:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
-                   "--master_addr=127.0.0.1", f"--master_port={common.free_port()}", str(THIS), "--worker", str(ckpt),
-                   "fit", "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices", str(world),
+                   "--master_addr=127.0.0.1", f"--master_port={common.free_port()}", str(THIS), "--worker",
+                   *saving, "fit", "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices",
+                   str(world), *no_ckpt,
                    "--trainer.strategy.init_args.replicate_degree", str(groups),
                    "--trainer.strategy.init_args.shard_degree", str(ranks), *_model_args(size, steps, groups, ranks)]
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -674,6 +680,19 @@ def _add_options(parser: Any) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker_main(sys.argv[2:])
+        if os.environ.get(PROFILE_ENV):  # a cProfile of each rank (where the time of a step goes)
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            try:
+                _worker_main(sys.argv[2:])
+            finally:
+                profiler.disable()
+                group, rank = os.environ.get("REPLICA_GROUP_ID", "x"), os.environ.get("RANK", "0")
+                tag = f"g{group}_r{rank}_{os.getpid()}"
+                profiler.dump_stats(str(Path(os.environ[PROFILE_ENV]) / f"{tag}.prof"))
+        else:
+            _worker_main(sys.argv[2:])
     else:
         common.suite_main(run, (__doc__ or "").split("\n\n")[0], add_options=_add_options)

@@ -57,6 +57,7 @@ __all__ = [
     "in_lightning_hook",
     "init_process_group",
     "is_stateful_loader",
+    "logs_this_step",
     "materialize_meta_module",
     "optimizers_to_device",
     "rebuild_loader_with_sampler",
@@ -218,6 +219,13 @@ def restore_sigterm_broadcast(loop: Any) -> None:
 def in_lightning_hook(module: Any) -> bool:
     """Whether Lightning is inside one of ``module``'s hooks, where ``self.log`` works (``_current_fx_name``)."""
     return module is not None and getattr(module, "_current_fx_name", None) is not None
+
+
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's loggers write this training step's ``on_step`` metrics: every
+    ``log_every_n_steps``-th step, or one after which training stops
+    (``LoggerConnector.should_update_logs``)."""
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 def before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx: int = 0) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "is_op_overload",
     "live_storage",
     "loader_iterator",
+    "local_shard",
     "numpy_pickle_globals",
     "op_schema",
     "quorum_id",
@@ -286,6 +287,13 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
         allowed[(cls.__module__, cls.__name__)] = cls
     return allowed
+
+
+def local_shard(dtensor: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor as the tensor it holds (``DTensor._local_tensor``): what ``to_local()``
+    gives without autograd, at no cost (``to_local()`` with grad enabled builds a view and an autograd node
+    per call, which ``ft_hsdp``'s per-step heal snapshot paid for every parameter and optimizer moment)."""
+    return dtensor._local_tensor
 
 
 # ------------------------------------------------------------------------------ numpy

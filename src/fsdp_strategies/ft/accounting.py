@@ -25,18 +25,29 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies.ft.protocol import EventLog
 
 if TYPE_CHECKING:
     from fsdp_strategies.ft.data import StepAlignedData
     from fsdp_strategies.ft.outer_sync import OuterSync
 
-__all__ = ["StepAccounting", "StepInFlight"]
+__all__ = ["COST_PARTS", "StepAccounting", "StepInFlight"]
+
+#: the parts of a step's fault-tolerance work that :class:`StepInFlight` times (events ``cost_<part>_s``; the
+#: quorum wait and the commit vote are the events' ``quorum_s`` and ``commit_s``)
+COST_PARTS = {
+    "batch": "taking the committed step's batch (the data position follows the quorum)",
+    "capture": "snapshotting the references a healing peer would fetch",
+    "quorum_start": "starting the quorum (asynchronous: the request, not the wait)",
+    "allreduce": "the cross-group all-reduces of the step (the FSDP hook), waited for",
+    "account": "the previous step's accounting: counters, events line, ft/* metrics (written one step late)",
+}
 
 
 @dataclass
@@ -64,6 +75,18 @@ class StepInFlight:
     excluded: bool = False
     #: groups of this step's quorum that left its average because their loss was not finite
     excluded_groups: int = 0
+    #: seconds of this step's fault-tolerance work by part (:meth:`timed`), written with its events line as
+    #: ``cost_<part>_s`` and emptied there: where ``ft_hsdp``'s fault-free cost goes (see ``COST_PARTS``)
+    costs: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the seconds spent inside to ``costs[part]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.costs[part] = self.costs.get(part, 0.0) + time.perf_counter() - t0
 
     def begin(self) -> None:
         """Reset the timings at the start of a step (the data fields are set when the batch is taken)."""
@@ -116,6 +139,7 @@ class StepAccounting:
         self._after_discard = False
         self._missed_since: int | None = None
         self._missed_run = 0
+        self._counted = (0.0, 0.0)  # cross-group all-reduce calls and bytes at the last events line
 
     def finish(self, step: StepInFlight, *, committed: bool, committed_step: int, participants: int, quorum_id: int,
                commit_s: float, data: dict[str, Any], write_event: bool) -> dict[str, float]:
@@ -146,12 +170,32 @@ class StepAccounting:
         if data.get("missed_samples") is not None:
             metrics["ft/missed_samples"] = float(data["missed_samples"])
             metrics["ft/missed_samples_total"] = float(stats["missed_samples"])
+        costs = {f"cost_{k}_s": round(v, 6) for k, v in step.costs.items()}
+        calls, sent = stats["cross_group_allreduces"], stats["cross_group_bytes"]
+        costs.update(allreduces=int(calls - self._counted[0]), allreduce_bytes=int(sent - self._counted[1]))
+        self._counted = (calls, sent)
+        step.costs = {}
         if self.events is not None and write_event:
             self.events.write_step(
                 self.replica_group_id, committed_step, committed, participants=participants, quorum_id=quorum_id,
                 healed=step.healed, step_s=step_s, quorum_s=step.quorum_wait_s, commit_s=commit_s, pid=os.getpid(),
-                **{f"data_{k}": v for k, v in data.items()})
+                **costs, **{f"data_{k}": v for k, v in data.items()})
         return metrics
+
+    def log_due(self, metrics: dict[str, float], trainer: Any) -> bool:
+        """Whether to hand this step's ``ft/*`` metrics to Lightning's ``self.log``: at the steps the
+        Trainer's loggers write (every ``log_every_n_steps``-th, so the loggers see what they would if every
+        step were logged), at the last step (``max_steps``), and at every step that did not go as planned
+        (discarded, healed, a group missing or left out) so that ``trainer.callback_metrics`` shows it at
+        once. Logging all ten metrics every step cost more than the rest of a fault-free step's fault
+        tolerance (``benchmarks/suites/ft_overhead.py``); :attr:`stats` and :attr:`last_step_data` are
+        current every step.
+        """
+        if seam.logs_this_step(trainer) or 0 < trainer.max_steps <= metrics["ft/committed_steps"]:
+            return True
+        missing = metrics["ft/participants"] < self.num_replica_groups
+        return not metrics["ft/committed"] or bool(metrics["ft/heal"]) or missing \
+            or bool(metrics.get("ft/missed_samples"))
 
     def data_record(self, step: StepInFlight, *, committed: bool, participants: int, data: StepAlignedData | None,
                     round_of: OuterSync | None, round_samples: int, quorum_step: int, world_size: int) -> dict[str, Any]:

@@ -39,12 +39,12 @@ from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
 from fsdp_strategies.checkpoint.load_into_fsdp import CheckpointMismatchError
 from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError
 from fsdp_strategies.ft.manager import exit_now
-from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE
+from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE, EventLog
 from fsdp_strategies.hf.pretrained import PretrainedFolderError
 from fsdp_strategies.parallel.blocks import BlockNotFoundError
 
-__all__ = ["GroupExit", "classify_exit", "exit_if_unfixable", "last_error_line", "restart_cannot_fix",
-           "torchrun_worker_exit_code"]
+__all__ = ["GroupExit", "classify_exit", "exit_if_unfixable", "last_error_line", "leave_now",
+           "restart_cannot_fix", "torchrun_worker_exit_code"]
 
 #: errors a restart of the group meets again (option errors -- an unreachable ``memory_budget`` too -- are
 #: recognised by ``is_option_error``)
@@ -111,6 +111,18 @@ def exit_if_unfixable(error: BaseException, manager: Any) -> None:
           f"{UNFIXABLE_EXIT_CODE} and the launcher does not restart it. Fix the cause, then resume from the last "
           "checkpoint.", file=sys.stderr, flush=True)
     exit_now(manager, UNFIXABLE_EXIT_CODE)
+
+
+def leave_now(manager: Any, events: EventLog | None, *, group: int, rank: int, step: int | None,
+              reason: str) -> None:
+    """This rank of replica group ``group`` leaves the quorum now: says why on stderr, writes the ``left``
+    record (``events``: rank 0's log, else ``None``) and exits with ``LEAVE_EXIT_CODE`` without waiting on
+    peers."""
+    print(f"ft_hsdp: replica group {group} rank {rank} leaves the quorum"
+          f"{'' if step is None else f' at committed step {step}'}: {reason}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.write_left(group, reason, step)
+    exit_now(manager, LEAVE_EXIT_CODE)
 
 
 def _latest_start(log: Path, max_bytes: int = LOG_TAIL_BYTES) -> list[str] | None:

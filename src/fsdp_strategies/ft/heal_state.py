@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam
 from fsdp_strategies.checkpoint.verify import verify_checkpoint
 from fsdp_strategies.ft.protocol import resume_file
 
@@ -41,7 +42,7 @@ __all__ = ["HealState", "SchedulerRollback", "TrainingState", "local", "resume_f
 
 def local(value: Any) -> Any:
     """This rank's shard of a DTensor; other values unchanged (the heal transfer sends plain tensors)."""
-    return value.to_local() if isinstance(value, DTensor) else value
+    return _torch_seam.local_shard(value) if isinstance(value, DTensor) else value
 
 
 class TrainingState(NamedTuple):

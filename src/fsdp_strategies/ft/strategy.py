@@ -27,7 +27,6 @@ their own modules: ``options``, ``manager``, ``heal_state``, ``semi_sync``, ``re
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -42,14 +41,13 @@ from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.data import StepAlignedData
-from fsdp_strategies.ft.group_exit import exit_if_unfixable
+from fsdp_strategies.ft.group_exit import exit_if_unfixable, leave_now
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState, resume_from_handed
 from fsdp_strategies.ft.manager import (
     CountedManager,
     LighthouseUnreachableError,
     check_lighthouse,
     create_manager,
-    exit_now,
     release_manager,
 )
 from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
@@ -269,7 +267,8 @@ class FTHSDPStrategy(HSDPStrategy):
                 self._step.sum_scale, ReduceOp.SUM)  # NonFiniteGuard left a group out: weighted sum
             if scale != 1.0:  # redistribute / the sum: this group's share of the step's samples
                 reduce_output.mul_(scale) if scale else reduce_output.zero_()  # zero_: NaN * 0 is NaN
-            self._link.allreduce(reduce_output, reduce_op=op).wait()  # error -> no commit
+            with self._step.timed("allreduce"):
+                self._link.allreduce(reduce_output, reduce_op=op).wait()  # error -> no commit
         self._step.cross_s += time.perf_counter() - t0
 
     def leave_step_if_nonfinite(self, loss_nonfinite: bool) -> None:
@@ -403,7 +402,8 @@ class FTHSDPStrategy(HSDPStrategy):
                 raw = trainer.precision_plugin.convert_input(raw)
                 return seam.before_batch_transfer(module, raw, dataloader_idx)
 
-            batch, rebuilt = self._data.take(batch, step, prepare)
+            with self._step.timed("batch"):
+                batch, rebuilt = self._data.take(batch, step, prepare)
             self._step.take_batch(step)
             self._accounting.last_step_data = {"position": step, "rebuilt": rebuilt}
             if self.data_on_failure == "redistribute" and self._data.sharded:
@@ -428,9 +428,11 @@ class FTHSDPStrategy(HSDPStrategy):
         self._schedulers.restore_pending()
         if not self._semi.active and not self._quorum_started:
             self._step.begin()
-            self._heal.capture()
+            with self._step.timed("capture"):
+                self._heal.capture()
             self._waited_quorum = False
-            self._manager.start_quorum()  # straggler_sync: synchronous (a healing group has the peer's state now)
+            with self._step.timed("quorum_start"):  # synchronous with straggler_sync (heals here)
+                self._manager.start_quorum()
             self._quorum_started = True
             if self._semi.switchable:
                 self._step.cross_s += time.perf_counter() - self._step.t0
@@ -521,6 +523,7 @@ class FTHSDPStrategy(HSDPStrategy):
 
     def _after_step(self, committed: bool, commit_s: float, log: bool = True) -> None:
         """Account a committed/discarded step or outer sync: counters, data, ``ft/*`` metrics, events line."""
+        t0 = time.perf_counter()
         participants = int(self._manager.num_participants())
         data = self._accounting.data_record(
             self._step, committed=committed, participants=participants, data=self._data,
@@ -531,11 +534,12 @@ class FTHSDPStrategy(HSDPStrategy):
             quorum_id=_torch_seam.quorum_id(self._manager), commit_s=commit_s, data=data,
             write_event=self.global_rank == 0)
         module = self.lightning_module
-        if log and seam.in_lightning_hook(module):
+        if log and seam.in_lightning_hook(module) and self._accounting.log_due(metrics, module.trainer):
             try:
                 module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
             except Exception as err:  # never let logging break a committed step
                 rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+        self._step.costs["account"] = time.perf_counter() - t0  # in the next step's line
 
     # ------------------------------------------------------------------ leaving and shutting down
     def leave_quorum(self, reason: str) -> None:
@@ -543,12 +547,8 @@ class FTHSDPStrategy(HSDPStrategy):
         and it heals. Every rank exits with :data:`LEAVE_EXIT_CODE` without waiting on peers; call it on every
         rank of the group at the same step (as ``StragglerDetector(action="evict")`` does)."""
         step = self._committed_step() if self._manager is not None else None
-        msg = (f"ft_hsdp: replica group {self.replica_group_id} rank {self.global_rank} leaves the quorum"
-               f"{'' if step is None else f' at committed step {step}'}: {reason}")
-        print(msg, file=sys.stderr, flush=True)
-        if self._events is not None and self.global_rank == 0:
-            self._events.write_left(self.replica_group_id, reason, step)
-        exit_now(self._manager, LEAVE_EXIT_CODE)
+        leave_now(self._manager, self._events if self.global_rank == 0 else None, group=self.replica_group_id,
+                  rank=self.global_rank, step=step, reason=reason)
 
     @override
     def on_train_end(self) -> None:

@@ -1,0 +1,214 @@
+"""ft_overhead suite: what ``ft_hsdp`` costs when nothing fails, against ``hsdp`` on the same mesh, and where.
+
+The fault-free pair of ``ft_recovery``, measured the way the timing suites measure (``common.interleave``:
+rounds, the order rotating every round, an A/A twin), with nothing pinned and nothing checkpointed:
+
+* ``ft_nofault`` -- ``fsdp-strategies-ft``: 2 replica groups x R ranks (``configs/ft_hsdp.yaml``,
+  ``sync: every_step``), no faults, ``--pin-cores none``;
+* ``hsdp_nofault`` -- ``hsdp`` 2 x R in one torchrun job (``configs/hsdp.yaml``);
+* ``hsdp_nofault_aa`` -- the same job again: the A/A pair, whose interval must hold 1.00.
+
+Per job: the median step time over its steady steps (from step ``--warmup`` on; step times are the gaps
+between rank 0's per-step records: ``ft_hsdp``'s events lines, ``hsdp``'s step log), and the CPU seconds per
+step spent by each process role and thread (:mod:`cpu_roles`: ranks' main threads, ranks' other threads by
+name, torchrun agents, the launcher + lighthouse process). ``ft_nofault`` also gives the median per-step cost
+of each part of its fault-tolerance work (the events' ``cost_*_s``, ``quorum_s``, ``commit_s``; the
+cross-group all-reduces per step and their bytes; see ``fsdp_strategies.ft.accounting.COST_PARTS``).
+
+Ratios (each with a 95 % interval over the rounds, ``timing_stats``): ``ft_nofault / hsdp_nofault`` step time
+(target <= 1/0.97 = 1.031, i.e. ``ft_hsdp`` keeps >= 97 % of ``hsdp``'s throughput) and the A/A.
+
+    python benchmarks/suites/ft_overhead.py                   # small model, 2 x 2 ranks, 3 rounds (~12 min)
+    python benchmarks/suites/ft_overhead.py --reps 5 --steps 400
+    python benchmarks/suites/ft_overhead.py --quick           # tiny, 2 x 1 rank, 2 rounds
+    python benchmarks/run.py ft_overhead
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+import timing_stats
+from cpu_roles import CpuSampler
+from suites import ft_recovery
+
+CONTENDERS = ("ft_nofault", "hsdp_nofault", "hsdp_nofault_aa")
+#: ft_hsdp's step time over hsdp's: at most this (throughput >= 0.97 of hsdp's)
+TARGET = 1 / 0.97
+GROUPS = 2
+#: the events fields of ft_hsdp's per-step costs summarised (seconds, except the counts)
+COST_FIELDS = ("cost_batch_s", "cost_capture_s", "cost_quorum_start_s", "quorum_s", "cost_allreduce_s",
+               "commit_s", "cost_account_s", "allreduces", "allreduce_bytes")
+
+
+def step_records(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rank 0's per-step records of a job (group 0's for ``ft_hsdp``), committed ones, in step order."""
+    timeline = run["timelines"].get(0) or run["timelines"].get("0") or []
+    return sorted((r for r in timeline if r.get("committed") and "t" in r), key=lambda r: r["step"])
+
+
+def steady(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """The records from step ``warmup`` on (the first steps compile caches and fill the page cache)."""
+    return [r for r in records if r["step"] >= warmup]
+
+
+def step_time(records: list[dict[str, Any]]) -> float | None:
+    """Median gap between consecutive records of consecutive steps (seconds per step)."""
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(records) if b["step"] == a["step"] + 1]
+    return statistics.median(gaps) if len(gaps) >= 5 else None
+
+
+def costs(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median per step of each of :data:`COST_FIELDS` the records have."""
+    return {f: statistics.median(r[f] for r in records if f in r) for f in COST_FIELDS
+            if any(f in r for r in records)}
+
+
+def cpu_per_step(sampler: CpuSampler, records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """CPU seconds per step by role over the steady records' span."""
+    if len(records) < 2:
+        return None
+    t0, t1 = records[0]["t"], records[-1]["t"]
+    spent = sampler.between(t0, t1)
+    steps = records[-1]["step"] - records[0]["step"]
+    return None if spent is None or steps <= 0 else {k: v / steps for k, v in spent.items()}
+
+
+def _job(name: str, work: Path, size: str, steps: int, ranks: int, warmup: int, heartbeat_ms: int,
+         timeout: float) -> dict[str, Any]:
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    with CpuSampler() as sampler:
+        if name.startswith("ft"):
+            run = ft_recovery._run_ft(work, size, steps, GROUPS, ranks, None, heartbeat_ms, timeout,
+                                      pin_cores="none")
+        else:
+            run = ft_recovery._run_hsdp_restart(work, size, steps, GROUPS, ranks, None, 0, timeout)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"{name} exited with {run['returncode']} (logs under {work})")
+    records = steady(step_records(run), warmup)
+    out = {"step_s": step_time(records), "steps_measured": len(records), "wall_s": run["wall_s"],
+           "cpu_per_step": cpu_per_step(sampler, records)}
+    if name.startswith("ft"):
+        out["costs"] = costs(records)
+    return out
+
+
+def _median_of(rounds: list[Any], key: str) -> dict[str, float]:
+    """Per key of the rounds' ``key`` dicts: the median over the rounds."""
+    dicts = [r[key] for r in rounds if isinstance(r, dict) and r.get(key)]
+    names = sorted({k for d in dicts for k in d})
+    return {k: statistics.median(d[k] for d in dicts if k in d) for k in names}
+
+
+def breakdown(per: dict[str, list[Any]]) -> dict[str, Any]:
+    """Where ft_nofault's extra time per step goes: its timed parts, and the CPU each role spent per step
+    more than in hsdp_nofault (medians over the rounds)."""
+    ft_cpu = _median_of(per["ft_nofault"], "cpu_per_step")
+    hsdp_cpu = _median_of(per["hsdp_nofault"], "cpu_per_step")
+    ft_step = timing_stats.median(r["step_s"] for r in per["ft_nofault"] if isinstance(r, dict))
+    hsdp_step = timing_stats.median(r["step_s"] for r in per["hsdp_nofault"] if isinstance(r, dict))
+    return {
+        "step_s": {"ft_nofault": ft_step, "hsdp_nofault": hsdp_step,
+                   "extra": None if ft_step is None or hsdp_step is None else ft_step - hsdp_step},
+        "ft_costs_per_step": _median_of(per["ft_nofault"], "costs"),
+        "cpu_s_per_step": {"ft_nofault": ft_cpu, "hsdp_nofault": hsdp_cpu,
+                           "extra": {k: ft_cpu.get(k, 0.0) - hsdp_cpu.get(k, 0.0)
+                                     for k in sorted(set(ft_cpu) | set(hsdp_cpu))}},
+    }
+
+
+def _breakdown_rows(b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The breakdown as console rows (milliseconds per step, no verdicts)."""
+    rows = [{"ratio": "ft_nofault step time minus hsdp_nofault's [ms]",
+             "value": 1e3 * (b["step_s"]["extra"] or 0)}]
+    rows += [{"ratio": f"ft_nofault {k} per step" + (" [ms]" if k.endswith("_s") else ""),
+              "value": 1e3 * v if k.endswith("_s") else v} for k, v in b["ft_costs_per_step"].items()]
+    rows += [{"ratio": f"extra CPU per step, {k} [ms]", "value": 1e3 * v}
+             for k, v in b["cpu_s_per_step"]["extra"].items() if abs(v) >= 1e-4]
+    return rows
+
+
+def _plot(result: dict[str, Any], path: Path) -> Path:
+    plt = common._pyplot()
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(result["per_round"])
+    meds = [result["medians_step_s"].get(n) for n in names]
+    points = [[r["step_s"] for r in result["per_round"][n] if isinstance(r, dict) and r.get("step_s")]
+              for n in names]
+    common.bars_with_points(ax0, names, meds, points, ["tab:blue", "tab:pink", "tab:gray"][:len(names)],
+                            ylabel="median step time [s]")
+    ax0.set_title("ft_hsdp vs hsdp, no faults (points: rounds)")
+    extra = result["breakdown"]["cpu_s_per_step"]["extra"]
+    costs = result["breakdown"]["ft_costs_per_step"]
+    labels = [f"cpu {k}" for k in extra] + [f"time {k}" for k in costs if k.endswith("_s")]
+    values = [1e3 * v for v in extra.values()] + [1e3 * v for k, v in costs.items() if k.endswith("_s")]
+    ax1.barh(labels, values, color=["tab:blue"] * len(extra) + ["tab:orange"] * (len(values) - len(extra)))
+    ax1.set_xlabel("ms per step (cpu: ft_nofault minus hsdp_nofault; time: ft_nofault's parts)")
+    ax1.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    return common.save_figure(fig, path)
+
+
+def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
+        reps: int | None = None, steps: int | None = None, warmup: int | None = None,
+        contenders: list[str] | None = None, heartbeat_ms: int = 1000, **_: Any) -> dict[str, Any]:
+    size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
+    rpg = common.pick(ranks, quick, [1], [2])[0]
+    reps = common.pick(reps, quick, 2, 3)
+    steps = common.pick(steps, quick, 80, 260)
+    warmup = common.pick(warmup, quick, 10, 30)
+    names = [n for n in CONTENDERS if not contenders or n in contenders]
+    work = Path(out_dir) / "ft_overhead-work"
+    timeout = 600.0 if quick else 1800.0
+    bar = common.progress(len(names) * reps, "ft_overhead")
+    per = common.interleave(
+        names, reps,
+        lambda name, rep: _job(name, work / name, size, steps, rpg, warmup, heartbeat_ms, timeout),
+        bar, warm_up=not quick)
+    bar.close()
+    step_s = {n: [r["step_s"] if isinstance(r, dict) else None for r in per[n]] for n in names}
+    ratios: dict[str, dict[str, Any]] = {}
+    if "ft_nofault" in per and "hsdp_nofault" in per:
+        ratios["ft_nofault / hsdp_nofault step time"] = timing_stats.judge(
+            timing_stats.paired_ratio(step_s["ft_nofault"], step_s["hsdp_nofault"]), TARGET, aa=False)
+    if "hsdp_nofault_aa" in per and "hsdp_nofault" in per:
+        ratios["A/A: hsdp_nofault / hsdp_nofault_aa step time"] = timing_stats.judge(
+            timing_stats.paired_ratio(step_s["hsdp_nofault"], step_s["hsdp_nofault_aa"]), None, aa=True)
+    withheld = timing_stats.withhold_if_aa_failed(ratios)
+    summary = [{"ratio": name, "value": r["value"], "ci95": r.get("ci95"), "target": r.get("target"),
+                "aa": r.get("aa"), "met": r.get("met"),
+                **({"verdict": r["verdict"]} if r.get("verdict") else {})}
+               for name, r in ratios.items()]
+    config = {"size": size, "groups": GROUPS, "ranks_per_group": rpg, "reps": reps, "steps": steps,
+              "warmup_steps": warmup, "quick": quick, "pin_cores": "none", "checkpointing": False,
+              "heartbeat_timeout_ms": heartbeat_ms, "contenders": names}
+    clean = {n: [r if isinstance(r, dict) else {"error": str(r)} for r in per[n]] for n in names}
+    result = {**common.header("ft_overhead", config), "orders": per.orders, "failures": per.failures,
+              "per_round": clean, "medians_step_s": {n: timing_stats.median(step_s[n]) for n in names},
+              "ratios": ratios, "withheld": withheld, "summary": summary,
+              "breakdown": breakdown(per) if {"ft_nofault", "hsdp_nofault"} <= set(per) else None}
+    if result["breakdown"] is not None:
+        summary.extend(_breakdown_rows(result["breakdown"]))
+    result["json_path"] = str(common.write_result("ft_overhead", result, Path(out_dir)))  # before the plot
+    if result["breakdown"] is not None:
+        result["png_path"] = str(_plot(result, Path(out_dir) / f"ft_overhead-{common.device_slug()}.png"))
+        common.write_result("ft_overhead", result, Path(out_dir))
+    return result
+
+
+def _add_options(parser: Any) -> None:
+    parser.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
+
+
+if __name__ == "__main__":
+    common.suite_main(run, __doc__ or "", _add_options)
