@@ -151,6 +151,51 @@ def _ft_scale(path: Path) -> dict[str, Any] | None:
             "source": f"{path.name}: sweep[].quorum_s.p50, sweep[].survivor_stall_s.p50, sweep[].heal_s.p50 (status ok)"}
 
 
+#: ft_overhead's per-step parts that a faster device does not shrink (host work and RPCs, every step)
+FIXED_PARTS = ("commit_s", "cost_capture_s", "cost_quorum_start_s", "cost_account_s", "cost_batch_s")
+#: HBM bandwidth of an H100 SXM (NVIDIA's data sheet: 3.35 TB/s), for torchft's averaging pass on the device
+HBM_BYTES_PER_S = 3.35e12
+#: dense BF16 peak of an H100 SXM (NVIDIA's data sheet, no sparsity) and the MFU assumed for the 1B example
+H100_BF16_FLOPS, EXAMPLE_MFU = 989e12, 0.40
+
+
+def _ft_fault_free(path: Path) -> dict[str, Any] | None:
+    """``ft_overhead``'s per-step cost of ``ft_hsdp``'s protocol when nothing fails, if its result exists:
+    the fixed host-side parts (:data:`FIXED_PARTS`, medians per step) and the cross-group all-reduces per
+    step."""
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    costs = (data.get("breakdown") or {}).get("ft_costs_per_step") or {}
+    if not costs:
+        return None
+    return {"fixed_s": sum(costs.get(k, 0.0) for k in FIXED_PARTS),
+            "parts": {k: costs.get(k) for k in FIXED_PARTS}, "allreduces": costs.get("allreduces"),
+            "allreduce_bytes": costs.get("allreduce_bytes"), "step_s": data["breakdown"]["step_s"],
+            "source": f"{path.name}: breakdown.ft_costs_per_step ({' + '.join(FIXED_PARTS)})"}
+
+
+def example_1b() -> dict[str, Any]:
+    """The ~1B example (``configs/fsdp2_gpu_1b.yaml``): parameters, FSDP units, tokens per GPU and step."""
+    import yaml
+
+    cfg = yaml.safe_load((common.ROOT / "configs" / "fsdp2_gpu_1b.yaml").read_text())
+    m, d = cfg["model"], cfg["data"]
+    dim, layers, kv = m["dim"], m["n_layers"], m["dim"] * m["n_kv_heads"] // m["n_heads"]
+    per_layer = 2 * dim * dim + 2 * dim * kv + 3 * dim * m["mlp_hidden"] + 2 * dim
+    params = 2 * m["vocab_size"] * dim + layers * per_layer + dim  # embedding, output, blocks, final norm
+    return {"params": params, "units": layers + 1, "tokens_per_gpu": d["batch_size"] * d["seq_len"]}
+
+
+def fault_free_overhead(fixed_s: float, shard_bytes: float, step_s: float) -> dict[str, float]:
+    """What ``ft_hsdp`` adds to a fault-free step of ``step_s`` seconds: the fixed host-side parts, and
+    torchft's average (a SUM all-reduce, then one read + write pass dividing this rank's gradient shard of
+    ``shard_bytes`` on the device); the all-reduce itself moves the same bytes as ``hsdp``'s."""
+    division_s = 2 * shard_bytes / HBM_BYTES_PER_S
+    return {"step_s": step_s, "fixed_s": fixed_s, "division_s": division_s,
+            "fraction": (fixed_s + division_s) / step_s}
+
+
 def growth(scale: dict[str, Any] | None, key: str, n: float) -> float:
     """How much ``key`` grew from the smallest measured N to ``n``: interpolated in log N inside the sweep,
     continued linearly in N past its largest N (the last two points' slope, never negative); 0 without data."""
@@ -171,8 +216,9 @@ def growth(scale: dict[str, Any] | None, key: str, n: float) -> float:
 
 
 def read_inputs(results: Path, step_s: float, sync_every: int, group_size: int) -> dict[str, dict[str, Any]]:
-    """Every input of the model with its source."""
+    """Every input of the model with its source (``ft_fixed_step_s``: 0 until ``ft_overhead`` has run)."""
     rec_path, ck_path = results / "ft_recovery-cpu.json", results / "checkpoint-cpu.json"
+    free = _ft_fault_free(results / "ft_overhead-cpu.json")
     rec, ck = json.loads(rec_path.read_text()), json.loads(ck_path.read_text())
     fig = rec["figures"]
     restarts, redone, hsdp_step = _restart_decomposition(rec["runs"]["hsdp_restart"])
@@ -212,6 +258,10 @@ def read_inputs(results: Path, step_s: float, sync_every: int, group_size: int) 
                                    "published stall per failure, synchronous"),
         "paper_ft_stall_s": _inp(FT_HSDP_PAPER["ft_stall_s"], "s", FT_HSDP_PAPER["source"],
                                  "published stall per failure, FT-HSDP"),
+        "ft_fixed_step_s": _inp(free["fixed_s"] if free else 0.0, "s",
+                                free["source"] if free else "ft_overhead-cpu.json not written yet: 0",
+                                "ft_hsdp's fixed cost per fault-free step (commit vote, heal snapshot, "
+                                "quorum request, accounting; measured on this CPU host)"),
     }
 
 
@@ -231,12 +281,13 @@ def predict(inputs: dict[str, dict[str, Any]], gpus: float, rate: float, scale: 
     tau = daly_interval_s(v["checkpoint_s"], m)
     extra_stall, extra_heal = growth(scale, "stall_s", groups), growth(scale, "heal_s", groups)
     quorum = growth(scale, "quorum_p50_s", groups)
+    fixed = v.get("ft_fixed_step_s", 0.0)  # every step (every_step), once per round (diloco)
     return {
         "restart": restart_goodput(m, v["restart_s"], v["checkpoint_s"], tau),
         "ft_every_step": ft_goodput(m, groups, v["stall_s"] + extra_stall, v["down_s"] + extra_heal,
-                                    overhead=quorum / v["step_s"]),
+                                    overhead=(quorum + fixed) / v["step_s"]),
         "ft_diloco": ft_goodput(m, groups, v["stall_s"] + extra_stall, v["diloco_down_s"] + extra_heal,
-                                lost_work_s=round_s, overhead=quorum / round_s),
+                                lost_work_s=round_s, overhead=(quorum + fixed) / round_s),
     }
 
 
@@ -283,7 +334,21 @@ def build(results: Path, step_s: float, sync_every: int, group_size: int, alt_gr
                         "model_measured": predict(inputs, TORCHFT_RUN["gpus"],
                                                   inputs["torchft_failures_per_gpu_hour"]["value"], scale)},
     }
-    return {"inputs": inputs, "ft_scale": scale or {"path": str(results / "ft_scale-cpu.json"), "usable": False,
+    fixed = inputs["ft_fixed_step_s"]["value"]
+    ex = example_1b()
+    ex_step = 6 * ex["params"] * ex["tokens_per_gpu"] / (H100_BF16_FLOPS * EXAMPLE_MFU)
+    fault_free = {
+        "example_1b": {**ex, "group_gpus": group_size, "assumed_mfu": EXAMPLE_MFU,
+                       **fault_free_overhead(fixed, 4 * ex["params"] / group_size, ex_step)},
+        # 405B over Llama 3's 8-way tensor x 16-way pipeline parallelism (arXiv:2407.21783 sec. 3.3.2): at
+        # most this many fp32 gradient bytes per GPU before any data-parallel sharding (an upper bound)
+        "paper_setting": {"params_per_gpu": 405e9 / (8 * 16),
+                          **fault_free_overhead(fixed, 4 * 405e9 / (8 * 16), step_s)},
+        "source": (f"{inputs['ft_fixed_step_s']['source']}; HBM {HBM_BYTES_PER_S / 1e12:g} TB/s and "
+                   f"{H100_BF16_FLOPS / 1e12:g} TFLOP/s BF16 (H100 SXM data sheet)"),
+    }
+    return {"inputs": inputs, "fault_free": fault_free,
+            "ft_scale": scale or {"path": str(results / "ft_scale-cpu.json"), "usable": False,
                                                      "why": "not written yet: the stall, heal and quorum are held at "
                                                             "their 2-group values (ft_recovery) for every N"},
             "table": table, "comparison": comparison, "validation": validation(inputs, results)}
@@ -311,6 +376,14 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
                  "value": tf["implied_lost_s_per_failure"], "met": None})
     rows.append({"ratio": "model with measured inputs at that run's size and rate, `ft_every_step`",
                  "value": tf["model_measured"]["ft_every_step"], "met": None})
+    ff = result.get("fault_free") or {}
+    for key, label in (("example_1b", "the ~1B example (configs/fsdp2_gpu_1b.yaml) on H100s"),
+                       ("paper_setting", "a 405B-class step of --step-s at scale")):
+        if key in ff:
+            x = ff[key]
+            parts = f"{x['fixed_s'] * 1e3:.2f} ms fixed + {x['division_s'] * 1e3:.2f} ms averaging"
+            rows.append({"ratio": f"ft_every_step fault-free cost, {label}: ({parts}) / {x['step_s']:.3g} s",
+                         "value": x["fraction"], "met": None})
     for r in result["validation"]:
         rows.append({"ratio": f"check at the measured conditions, `{r['run']}`: model / measured",
                      "value": f"{r['model']:.3f} / {r['measured']:.3f}", "met": None})

@@ -112,3 +112,35 @@ def test_a_rerun_reads_ft_scale_when_it_exists(tmp_path: Path) -> None:
     big_before, big_after = before["table"]["100000"]["measured"], after["table"]["100000"]["measured"]
     assert big_after["ft_every_step"] < big_before["ft_every_step"]
     assert big_after["restart"] == big_before["restart"]  # the restart mode has no per-N input
+
+
+def test_ft_overhead_s_fixed_cost_is_charged_to_every_fault_free_step(tmp_path: Path) -> None:
+    # the ~1B example: 16 blocks of dim 2048 (k/v: 8 of 16 heads' width), MLP 5632, vocab 32000,
+    # 4 x 2048 tokens
+    ex = goodput.example_1b()
+    per_layer = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 5632 + 2 * 2048
+    assert ex == {"params": 2 * 32000 * 2048 + 16 * per_layer + 2048, "units": 17, "tokens_per_gpu": 8192}
+    # 2 ms fixed + 1 GB shard read and written once at 3.35 TB/s, over a 0.1 s step
+    x = goodput.fault_free_overhead(0.002, 1e9, 0.1)
+    assert x["division_s"] == pytest.approx(2e9 / 3.35e12)
+    assert x["fraction"] == pytest.approx((0.002 + 2e9 / 3.35e12) / 0.1)
+    results = _results_dir(tmp_path)
+    before = json.loads(goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "a")])
+                        .read_text())
+    assert before["inputs"]["ft_fixed_step_s"]["value"] == 0.0  # no ft_overhead result: nothing charged
+    parts = {"commit_s": 0.002, "cost_capture_s": 0.001, "cost_quorum_start_s": 0.0001,
+             "cost_account_s": 0.0004, "cost_batch_s": 0.0, "cost_allreduce_s": 0.02, "allreduces": 3,
+             "allreduce_bytes": 900000}
+    (results / "ft_overhead-cpu.json").write_text(json.dumps({"breakdown": {
+        "ft_costs_per_step": parts, "step_s": {"ft_nofault": 0.13, "hsdp_nofault": 0.1, "extra": 0.03}}}))
+    after = json.loads(goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "b")])
+                       .read_text())
+    fixed = after["inputs"]["ft_fixed_step_s"]
+    # the fixed parts, not the all-reduce (hsdp moves the same bytes)
+    assert fixed["value"] == pytest.approx(0.0035) and "ft_overhead-cpu.json" in fixed["source"]
+    small, big = before["table"]["1000"]["measured"], after["table"]["1000"]["measured"]
+    assert big["ft_every_step"] < small["ft_every_step"] and big["restart"] == small["restart"]
+    ex_ff = after["fault_free"]["example_1b"]
+    assert ex_ff["fixed_s"] == pytest.approx(0.0035) and 0 < ex_ff["fraction"] < 1
+    assert ex_ff["step_s"] == pytest.approx(6 * ex["params"] * 8192 / (989e12 * 0.4))
+    assert any("fault-free cost, the ~1B example" in r["ratio"] for r in after["summary"])
