@@ -532,6 +532,45 @@ def test_ft_overhead_steady_step_time_costs_and_the_cpu_each_role_spent_more() -
     assert b["ft_costs_per_step"] == {"cost_allreduce_s": 0.004}
 
 
+def test_ft_overhead_runs_a_before_checkout_in_the_same_rounds(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from suites import ft_overhead, ft_recovery
+
+    with pytest.raises(ValueError, match=r"--before-src /nonexistent: no fsdp_strategies package there"):
+        ft_overhead.run(quick=True, out_dir=tmp_path, before_src="/nonexistent")
+    before = tmp_path / "before" / "src"
+    (before / "fsdp_strategies").mkdir(parents=True)
+    (before / "fsdp_strategies" / "__init__.py").write_text("")
+    calls: list[tuple[str, object]] = []
+
+    def timeline(step_s: float) -> dict:  # 40 steps of step_s seconds, rank 0's records
+        rows = [{"t": 100.0 + step_s * s, "step": s, "committed": True, "cost_account_s": step_s / 100}
+                for s in range(1, 41)]
+        return {"returncode": 0, "wall_s": 1.0, "timelines": {0: rows}}
+
+    def fake_ft(work: Path, *args: object, src: Path | None = None, **kwargs: object) -> dict:
+        calls.append(("ft", src))
+        return timeline(0.12 if src else 0.11)  # the "before" checkout is slower
+
+    def fake_hsdp(work: Path, *args: object, **kwargs: object) -> dict:
+        calls.append(("hsdp", None))
+        return timeline(0.10)
+
+    monkeypatch.setattr(ft_recovery, "_run_ft", fake_ft)
+    monkeypatch.setattr(ft_recovery, "_run_hsdp_restart", fake_hsdp)
+    result = ft_overhead.run(quick=True, out_dir=tmp_path / "out", reps=2, before_src=str(before))
+    assert result["config"]["contenders"] == ["ft_nofault", "ft_nofault_before", "hsdp_nofault",
+                                              "hsdp_nofault_aa"]
+    ft_sources = [src for kind, src in calls if kind == "ft"]
+    assert ft_sources.count(None) == 2 and ft_sources.count(before) == 2
+    assert result["orders"][1][0] == "ft_nofault_before"  # rotated
+    change = result["ratios"]["ft_nofault / ft_nofault_before step time (the change)"]
+    assert change["value"] == pytest.approx(0.11 / 0.12)
+    assert result["ratios"]["ft_nofault / hsdp_nofault step time"]["value"] == pytest.approx(1.1)
+    assert result["breakdown"]["ft_before_costs_per_step"]["cost_account_s"] == pytest.approx(0.0012)
+    assert json.loads(Path(result["json_path"]).read_text())["config"]["before_src"] == str(before)
+
+
 def test_cpu_sampler_counts_a_ranks_threads_by_name_and_only_inside_the_window() -> None:
     import subprocess
 

@@ -6,7 +6,10 @@ rounds, the order rotating every round, an A/A twin), with nothing pinned and no
 * ``ft_nofault`` -- ``fsdp-strategies-ft``: 2 replica groups x R ranks (``configs/ft_hsdp.yaml``,
   ``sync: every_step``), no faults, ``--pin-cores none``;
 * ``hsdp_nofault`` -- ``hsdp`` 2 x R in one torchrun job (``configs/hsdp.yaml``);
-* ``hsdp_nofault_aa`` -- the same job again: the A/A pair, whose interval must hold 1.00.
+* ``hsdp_nofault_aa`` -- the same job again: the A/A pair, whose interval must hold 1.00;
+* ``ft_nofault_before`` (with ``--before-src DIR``) -- ``ft_nofault`` with its ranks importing the package
+  from another checkout's ``src`` (e.g. a worktree of an earlier commit), in the same rounds: a change's
+  effect measured side by side (the ratio ``ft_nofault / ft_nofault_before``), not across two runs.
 
 Per job: the median step time over its steady steps (from step ``--warmup`` on; step times are the gaps
 between rank 0's per-step records: ``ft_hsdp``'s events lines, ``hsdp``'s step log), and the CPU seconds per
@@ -21,6 +24,7 @@ Ratios (each with a 95 % interval over the rounds, ``timing_stats``): ``ft_nofau
     python benchmarks/suites/ft_overhead.py                   # small model, 2 x 2 ranks, 3 rounds (~12 min)
     python benchmarks/suites/ft_overhead.py --reps 5 --steps 400
     python benchmarks/suites/ft_overhead.py --quick           # tiny, 2 x 1 rank, 2 rounds
+    git worktree add /tmp/before <rev> && python benchmarks/suites/ft_overhead.py --before-src /tmp/before/src
     python benchmarks/run.py ft_overhead
 """
 
@@ -81,7 +85,7 @@ def cpu_per_step(sampler: CpuSampler, records: list[dict[str, Any]]) -> dict[str
 
 
 def _job(name: str, work: Path, size: str, steps: int, ranks: int, warmup: int, heartbeat_ms: int,
-         timeout: float) -> dict[str, Any]:
+         timeout: float, before_src: Path | None = None) -> dict[str, Any]:
     if work.exists():
         import shutil
 
@@ -90,7 +94,7 @@ def _job(name: str, work: Path, size: str, steps: int, ranks: int, warmup: int, 
     with CpuSampler() as sampler:
         if name.startswith("ft"):
             run = ft_recovery._run_ft(work, size, steps, GROUPS, ranks, None, heartbeat_ms, timeout,
-                                      pin_cores="none")
+                                      pin_cores="none", src=before_src if name.endswith("_before") else None)
         else:
             run = ft_recovery._run_hsdp_restart(work, size, steps, GROUPS, ranks, None, 0, timeout)
     if run["returncode"] != 0:
@@ -121,6 +125,8 @@ def breakdown(per: dict[str, list[Any]]) -> dict[str, Any]:
         "step_s": {"ft_nofault": ft_step, "hsdp_nofault": hsdp_step,
                    "extra": None if ft_step is None or hsdp_step is None else ft_step - hsdp_step},
         "ft_costs_per_step": _median_of(per["ft_nofault"], "costs"),
+        **({"ft_before_costs_per_step": _median_of(per["ft_nofault_before"], "costs")}
+           if "ft_nofault_before" in per else {}),
         "cpu_s_per_step": {"ft_nofault": ft_cpu, "hsdp_nofault": hsdp_cpu,
                            "extra": {k: ft_cpu.get(k, 0.0) - hsdp_cpu.get(k, 0.0)
                                      for k in sorted(set(ft_cpu) | set(hsdp_cpu))}},
@@ -145,7 +151,9 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     meds = [result["medians_step_s"].get(n) for n in names]
     points = [[r["step_s"] for r in result["per_round"][n] if isinstance(r, dict) and r.get("step_s")]
               for n in names]
-    common.bars_with_points(ax0, names, meds, points, ["tab:blue", "tab:pink", "tab:gray"][:len(names)],
+    palette = {"ft_nofault": "tab:blue", "ft_nofault_before": "tab:cyan", "hsdp_nofault": "tab:pink",
+               "hsdp_nofault_aa": "tab:gray"}
+    common.bars_with_points(ax0, names, meds, points, [palette[n] for n in names],
                             ylabel="median step time [s]")
     ax0.set_title("ft_hsdp vs hsdp, no faults (points: rounds)")
     extra = result["breakdown"]["cpu_s_per_step"]["extra"]
@@ -161,19 +169,27 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
 
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
         reps: int | None = None, steps: int | None = None, warmup: int | None = None,
-        contenders: list[str] | None = None, heartbeat_ms: int = 1000, **_: Any) -> dict[str, Any]:
+        contenders: list[str] | None = None, heartbeat_ms: int = 1000, before_src: str | None = None,
+        **_: Any) -> dict[str, Any]:
     size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
     rpg = common.pick(ranks, quick, [1], [2])[0]
     reps = common.pick(reps, quick, 2, 3)
     steps = common.pick(steps, quick, 80, 260)
     warmup = common.pick(warmup, quick, 10, 30)
     names = [n for n in CONTENDERS if not contenders or n in contenders]
+    before = Path(before_src).resolve() if before_src else None
+    if before is not None:
+        if not (before / "fsdp_strategies" / "__init__.py").is_file():
+            raise ValueError(f"--before-src {before_src}: no fsdp_strategies package there. Fix: the src "
+                             "folder of another checkout (git worktree add /tmp/before <rev>; --before-src "
+                             "/tmp/before/src)")
+        names.insert(names.index("ft_nofault") + 1 if "ft_nofault" in names else 0, "ft_nofault_before")
     work = Path(out_dir) / "ft_overhead-work"
     timeout = 600.0 if quick else 1800.0
     bar = common.progress(len(names) * reps, "ft_overhead")
     per = common.interleave(
         names, reps,
-        lambda name, rep: _job(name, work / name, size, steps, rpg, warmup, heartbeat_ms, timeout),
+        lambda name, rep: _job(name, work / name, size, steps, rpg, warmup, heartbeat_ms, timeout, before),
         bar, warm_up=not quick)
     bar.close()
     step_s = {n: [r["step_s"] if isinstance(r, dict) else None for r in per[n]] for n in names}
@@ -181,6 +197,13 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     if "ft_nofault" in per and "hsdp_nofault" in per:
         ratios["ft_nofault / hsdp_nofault step time"] = timing_stats.judge(
             timing_stats.paired_ratio(step_s["ft_nofault"], step_s["hsdp_nofault"]), TARGET, aa=False)
+    if "ft_nofault_before" in per:
+        if "hsdp_nofault" in per:
+            pair = timing_stats.paired_ratio(step_s["ft_nofault_before"], step_s["hsdp_nofault"])
+            ratios["ft_nofault_before / hsdp_nofault step time"] = timing_stats.judge(pair, TARGET, aa=False)
+        if "ft_nofault" in per:
+            ratios["ft_nofault / ft_nofault_before step time (the change)"] = timing_stats.judge(
+                timing_stats.paired_ratio(step_s["ft_nofault"], step_s["ft_nofault_before"]), None, aa=False)
     if "hsdp_nofault_aa" in per and "hsdp_nofault" in per:
         ratios["A/A: hsdp_nofault / hsdp_nofault_aa step time"] = timing_stats.judge(
             timing_stats.paired_ratio(step_s["hsdp_nofault"], step_s["hsdp_nofault_aa"]), None, aa=True)
@@ -191,7 +214,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                for name, r in ratios.items()]
     config = {"size": size, "groups": GROUPS, "ranks_per_group": rpg, "reps": reps, "steps": steps,
               "warmup_steps": warmup, "quick": quick, "pin_cores": "none", "checkpointing": False,
-              "heartbeat_timeout_ms": heartbeat_ms, "contenders": names}
+              "heartbeat_timeout_ms": heartbeat_ms, "contenders": names,
+              "before_src": str(before) if before else None}
     clean = {n: [r if isinstance(r, dict) else {"error": str(r)} for r in per[n]] for n in names}
     result = {**common.header("ft_overhead", config), "orders": per.orders, "failures": per.failures,
               "per_round": clean, "medians_step_s": {n: timing_stats.median(step_s[n]) for n in names},
@@ -208,6 +232,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
 
 def _add_options(parser: Any) -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
+    parser.add_argument("--before-src", default=None,
+                        help="another checkout's src: adds ft_nofault_before, run from it in the same rounds")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,9 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
             heartbeat_ms: int, timeout: float, sync: str = "every_step", pin_cores: str = "auto",
-            warm_spares: bool = False, runner: str = "torchrun") -> dict[str, Any]:
+            warm_spares: bool = False, runner: str = "torchrun", src: Path | None = None) -> dict[str, Any]:
+    """``src``: the ranks import the package from this folder (another checkout's ``src``; default: this
+    one's)."""
     from fsdp_strategies.ft.launcher import run as ft_run
 
     events = work / "events"
@@ -172,7 +174,8 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
     result = ft_run(command, groups=groups, ranks_per_group=ranks, min_replicas=1 if kill_every else groups,
                     heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=min(heartbeat_ms, 1000),
                     kill_every=kill_every, max_restarts=50 if kill_every else 0, events_dir=events, timeout=timeout,
-                    pin_cores=pin_cores, warm_spares=warm_spares, runner=runner, env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
+                    pin_cores=pin_cores, warm_spares=warm_spares, runner=runner,
+                    env={"PYTHONPATH": os.pathsep.join([str(src or ROOT / "src"), str(ROOT / "examples")])})
     timelines = {g: _read(events / f"group{g}.jsonl") for g in range(groups)}
     faults = [k for k in result.kills if str(k.get("why", "")).startswith(("every", "at step"))]
     launcher = _read(events / "launcher.jsonl")
