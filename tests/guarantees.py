@@ -204,8 +204,11 @@ _FORKSERVER = _ids("test_ft_hsdp.py", "test_forkserver_runner_restarts_preimport
                    "test_forkserver_group_fails_as_a_whole_like_torchrun",
                    "test_forkserver_runner_rejects_warm_spares_and_another_python")
 _WARM_SPARE = _ids("test_ft_hsdp.py", "test_warm_spare_replaces_a_killed_group_and_heals")
-_FT_DATA = _ids("test_ft_data.py", "test_every_sample_is_accounted_for_across_kills[skip]",
-                "test_every_sample_is_accounted_for_across_kills[redistribute]")
+_FT_DATA = _ids("test_ft_data.py", "test_every_sample_is_accounted_for_across_kills[skip-2]",
+                "test_every_sample_is_accounted_for_across_kills[skip-1]",
+                "test_every_sample_is_accounted_for_across_kills[redistribute-2]")
+_FT_ACCUMULATION = _ids(
+    "test_ft_hsdp.py", "test_accumulation_one_cross_group_reduction_per_step_sharded_gradients_kill_and_heal")
 _FT_SWITCH = _ids("test_ft_switch.py", "test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps")
 _SITE = _ids("docs/test_site.py", "test_option_discovery_follows_kwargs_into_the_parent",
              "test_page_renders_every_option_in_a_parameters_table")
@@ -449,6 +452,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
               _ACCUMULATION[1:]),
     # docs/strategies/ft_hsdp.md
     Guarantee("docs/strategies/ft_hsdp.md", "Both modes are tested with SIGKILLs", _FT_DATA),
+    Guarantee("docs/strategies/ft_hsdp.md", "Tested with `accumulate_grad_batches=4`", _FT_ACCUMULATION),
+    Guarantee("docs/strategies/ft_hsdp.md", "The data accounting test (`tests/test_ft_data.py`)", _FT_DATA),
     Guarantee("docs/strategies/ft_hsdp.md", "(tested by digests)", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests: `tests/test_ft_sync.py`", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests (`tests/test_ft_switch.py`", (

@@ -9,9 +9,13 @@ steps they were down -- which is what the strategy reported (per-step records an
 with ``redistribute`` the groups in a step also trained the missing groups' batches of that step, so every
 data epoch trains every sample exactly once.
 
-Both modes run with 2 kills in CI (one launcher kill, one kill during the heal that follows; ``skip`` in
-``make test``, ``redistribute`` in ``make test-full``); ``FSDP_STRATEGIES_FULL=1`` adds both with 6 kills (4
-launcher kills, 2 of them followed by a kill during the heal).
+Under ``accumulate_grad_batches=A`` committed step ``s`` trains positions ``s * A`` to ``s * A + A - 1``
+(one quorum, one cross-group reduction, one commit per step); a kill mid-step loses that step only.
+
+With 2 kills in CI (one launcher kill, one kill during the heal that follows): ``skip`` with accumulation 2
+in ``make test``, ``skip`` without and ``redistribute`` with accumulation 2 in ``make test-full`` (the
+latter weights each micro-batch by its share); ``FSDP_STRATEGIES_FULL=1`` adds both modes without
+accumulation with 6 kills (4 launcher kills, 2 of them followed by a kill during the heal).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _expected(group: int, step: int, cache: dict) -> list[int]:
-    """Batch ``step mod PER_EPOCH`` of data epoch ``step // PER_EPOCH`` of the group's shard (Lightning's sampler)."""
-    epoch, i = divmod(step, PER_EPOCH)
+def _expected(group: int, position: int, cache: dict) -> list[int]:
+    """Batch ``position mod PER_EPOCH`` of data epoch ``position // PER_EPOCH`` of the group's shard
+    (Lightning's sampler). Committed step ``s`` trains positions ``s * A .. s * A + A - 1``
+    (``accumulate_grad_batches=A``)."""
+    epoch, i = divmod(position, PER_EPOCH)
     if (group, epoch) not in cache:
         sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=group, shuffle=True, seed=SEED)
         sampler.set_epoch(epoch)
@@ -45,7 +51,8 @@ def _expected(group: int, step: int, cache: dict) -> list[int]:
     return cache[group, epoch][i * BATCH:(i + 1) * BATCH]
 
 
-def _run(tmp: Path, mode: str, steps: int, kill_at: str, heal_kill: str, timeout: float) -> tuple[dict, list]:
+def _run(tmp: Path, mode: str, steps: int, kill_at: str, heal_kill: str, timeout: float,
+         accumulate: int = 1) -> tuple[dict, list]:
     # Steps are paced (0.1 s, 1 s while a group is down) so that restarts (tens of seconds on a busy machine)
     # overlap training; the lighthouse's join timeout (2 s) stays above the pause, so a restarted group never
     # forms a quorum of its own while the survivor sleeps.
@@ -56,12 +63,15 @@ def _run(tmp: Path, mode: str, steps: int, kill_at: str, heal_kill: str, timeout
                 "--max-restarts", "8", "--", WORKER],
                env={"FT_DATA_OUT": str(tmp / "out"), "FT_DATA_STEPS": str(steps), "FT_DATA_SLEEP": "0.1",
                     "FT_DATA_SLEEP_ALONE": "1.0",
-                    "FT_DATA_HEAL_KILL": heal_kill, "FT_DATA_MODE": mode}, timeout=timeout)
+                    "FT_DATA_HEAL_KILL": heal_kill, "FT_DATA_MODE": mode,
+                    "FT_DATA_ACCUMULATE": str(accumulate)}, timeout=timeout)
     records = {g: _jsonl(tmp / "out" / f"group{g}_rank0.jsonl") for g in range(GROUPS)}
     return records, _jsonl(events / "launcher.jsonl")
 
 
-def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills: int, heal_kills: int) -> dict:
+def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills: int, heal_kills: int,
+           accumulate: int = 1) -> dict:
+    a = accumulate
     kills = [e for e in launcher if e["event"] == "kill" and e["why"].startswith("at step")]
     assert len(kills) == launcher_kills, kills
     in_heal = [r for g in records for r in records[g] if r.get("killed_in_heal")]
@@ -81,8 +91,10 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
                 continue
             assert r["step_after"] == r["step"] + int(r["committed"]), r
             if r["participating"]:  # (a healing group contributes zeros: its batch does not matter)
-                assert r["position"] == r["step"] and r["ids"][:BATCH] == _expected(g, r["step"], cache), (g, r)
-                assert len(r["ids"]) == BATCH + r["redistributed_samples"], r
+                assert r["position"] == r["step"] * a and r["micro_batches"] == len(r["ids"]) == a, (g, r)
+                for m, ids in enumerate(r["ids"]):  # each micro-batch: its own batch, then redistributed ones
+                    assert ids[:BATCH] == _expected(g, r["step"] * a + m, cache), (g, m, r)
+                assert sum(map(len, r["ids"])) == a * BATCH + r["redistributed_samples"], r
                 assert mode == "redistribute" or not r["redistributed_samples"], r
             if r["committed"]:
                 assert r["step"] not in seen, f"group {g} committed step {r['step']} twice"
@@ -102,19 +114,25 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
         active = {g for g, r in recs.items() if r["participating"]}
         trained[step] = set(range(GROUPS)) if p == GROUPS else active
         assert len(trained[step]) == p, (step, recs)
-        extra_ids[step] = [i for r in recs.values() if r["participating"] for i in r["ids"][BATCH:]]
+        extra_ids[step] = [i for r in recs.values() if r["participating"]
+                           for m in r["ids"] for i in m[BATCH:]]
         reports = {r["missed_samples"] for r in recs.values() if r["participating"]}
         assert len(reports) == 1, (step, recs)
         missed_reported[step] = reports.pop()
 
     # 3. Per data epoch: no sample twice; missed = exactly the down groups' shards for the down steps = reported.
     total_missed = 0
-    for epoch in range(steps // PER_EPOCH):
+    per_epoch = PER_EPOCH // a  # committed steps per data epoch
+    for epoch in range(steps // per_epoch):
         ids: list[int] = []
         missed: set[int] = set()
-        for step in range(epoch * PER_EPOCH, (epoch + 1) * PER_EPOCH):
+        for step in range(epoch * per_epoch, (epoch + 1) * per_epoch):
             down = [g for g in range(GROUPS) if g not in trained[step]]
-            step_missed = [i for g in down for i in _expected(g, step, cache)]
+
+            def batches(groups: list[int] | set[int], step: int = step) -> list[int]:
+                return [i for g in groups for m in range(a) for i in _expected(g, step * a + m, cache)]
+
+            step_missed = batches(down)
             if mode == "redistribute":  # the down groups' batches were trained by the others, in this step
                 assert sorted(extra_ids[step]) == sorted(step_missed), (step, extra_ids[step], down)
                 step_missed = []
@@ -122,7 +140,7 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
                 assert not extra_ids[step], step
             assert missed_reported[step] == len(step_missed), (step, missed_reported[step], down)
             missed.update(step_missed)
-            ids += [i for g in trained[step] for i in _expected(g, step, cache)] + extra_ids[step]
+            ids += batches(trained[step]) + extra_ids[step]
         twice = [i for i, n in Counter(ids).items() if n > 1]
         assert not twice, f"data epoch {epoch}: samples trained twice: {twice}"
         assert set(ids) | missed == set(range(NUM_SAMPLES)) and not set(ids) & missed, epoch
@@ -138,18 +156,22 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
         assert summary["redistributed_samples"] == sum(len(v) for v in extra_ids.values()) >= BATCH * launcher_kills
     # the loader follows the step: batches are rebuilt from the dataset only around faults
     rebuilt = sum(r["rebuilt"] for recs in records.values() for r in recs if "rebuilt" in r)
-    assert rebuilt <= 6 * (launcher_kills + heal_kills) + 2 * GROUPS, rebuilt
+    assert rebuilt <= 6 * a * (launcher_kills + heal_kills) + 2 * GROUPS, rebuilt
     return {"missed_samples": summary["missed_samples"], "redistributed": sum(len(v) for v in extra_ids.values()), "stretches": summary["missed_stretches"],
             "rebuilt": rebuilt, "restarts": sum(e["event"] == "start" for e in launcher) - GROUPS}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["skip", pytest.param("redistribute", marks=pytest.mark.full)])
-def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str) -> None:
-    # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals
-    records, launcher = _run(tmp_path, mode, 100, "1@5", "1:1", timeout=420)
-    figures = _check(mode, records, launcher, 100, 1, 1)
-    print(f"data accounting ({mode}): {figures}")
+@pytest.mark.parametrize(("mode", "accumulate"), [
+    ("skip", 2), pytest.param("skip", 1, marks=pytest.mark.full),
+    pytest.param("redistribute", 2, marks=pytest.mark.full)])
+def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str, accumulate: int) -> None:
+    # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals; with
+    # accumulate_grad_batches=A a step is A micro-batches (positions s*A..s*A+A-1), its records hold them all
+    steps = 100 // accumulate
+    records, launcher = _run(tmp_path, mode, steps, "1@5", "1:1", timeout=420, accumulate=accumulate)
+    figures = _check(mode, records, launcher, steps, 1, 1, accumulate)
+    print(f"data accounting ({mode}, accumulate_grad_batches={accumulate}): {figures}")
 
 
 @pytest.mark.multiprocess
@@ -234,6 +256,10 @@ def test_redistribute_batch_and_gradient_weight() -> None:
             tensor.copy_(torch.tensor([1.0, 0.0, 1.0]))
             return type("Done", (), {"wait": lambda self: None})()
 
+    class NoAllReduce(Manager):
+        def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> object:
+            raise AssertionError("the step's groups were known")
+
     model = torch.nn.Linear(3, 1)
 
     def grad(batch: dict) -> torch.Tensor:
@@ -245,9 +271,16 @@ def test_redistribute_batch_and_gradient_weight() -> None:
     for group in (0, 2):
         sampler = DistributedSampler(Samples(), num_replicas=3, rank=group, shuffle=True, seed=SEED)
         data = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler), per_epoch)
-        batch, extra, grad_scale = redistribute(None, step, data=data, manager=Manager(), replica_group_id=group,
-                                                num_replica_groups=3, rank=0, world_size=1,
-                                                device=torch.device("cpu"), prepare=lambda b: b)
+        got = redistribute(None, step, data=data, manager=Manager(), replica_group_id=group,
+                           num_replica_groups=3, rank=0, world_size=1, device=torch.device("cpu"),
+                           prepare=lambda b: b)
+        batch, extra, grad_scale = got.batch, got.extra_samples, got.grad_scale
+        assert got.live == [0, 2]
+        # a later micro-batch of the same step reuses the groups learnt: no second mask all-reduce
+        again = redistribute(None, step, data=data, manager=NoAllReduce(), replica_group_id=group,
+                             num_replica_groups=3, rank=0, world_size=1, device=torch.device("cpu"),
+                             prepare=lambda b: b, live=got.live)
+        assert again.batch["idx"].tolist() == batch["idx"].tolist() and again.grad_scale == grad_scale
         assert batch["idx"].tolist()[:BATCH] == data.indices_of(step)
         assert extra == BATCH // 2
         seen += batch["idx"].tolist()

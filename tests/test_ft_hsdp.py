@@ -376,6 +376,62 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
                 assert torch.equal(straight["shards"][key], resumed["shards"][key]), (group, rank, key)
 
 
+@pytest.mark.multiprocess
+def test_accumulation_one_cross_group_reduction_per_step_sharded_gradients_kill_and_heal(
+        tmp_path: Path) -> None:
+    # accumulate_grad_batches=4 under accumulation="sharded" (ft_hsdp's default), 2 groups x 2 ranks: 8
+    # samples a micro-batch, 32 a step (one step per data epoch). Group 1 SIGKILLs itself in its first
+    # cross-group all-reduce of step 3 -- after its 4 micro-batches, in the step's one reduction -- restarts
+    # and heals.
+    acc, max_steps = 4, 8
+    common = ["--trainer.accumulate_grad_batches", str(acc), "--trainer.enable_checkpointing", "false"]
+    events = _launch(
+        tmp_path, "acc", [*FT, *common, "--trainer.max_steps", str(max_steps),
+                          "--trainer.strategy.init_args.init_sync", "false"],
+        ["--min-replicas", "1", "--max-restarts", "1"],
+        {"FT_TEST_KILL": "1:3:1", "FT_TEST_SLEEP_ALONE": "1.0", "FT_TEST_REJOIN_AFTER": "2",
+         "FT_TEST_GRAD_BYTES": "1"})
+    # (the same max_steps: the example's LR schedule depends on it)
+    run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, *common,
+                "--trainer.max_steps", str(max_steps)],
+               env={"FT_TEST_OUT": str(tmp_path / "hsdp")}, timeout=300)
+    out = tmp_path / "acc"
+    launcher = _jsonl(events / "launcher.jsonl")
+    assert next((e["group"], e["code"]) for e in launcher if e["event"] == "exit") == (1, -9), launcher
+    for rank in (0, 1):
+        g0, g1 = _records(out, 0, rank), _records(out, 1, rank)
+        for r in g0 + g1:
+            # between micro-batches a rank holds half the gradients (shard degree 2), never a whole one;
+            # the step's last micro-batch ends after the optimizer step (gradients freed)
+            held, last = r["held"], r["batch_idx"] % acc == acc - 1
+            assert held["unsharded"] == held["pending_all_reduce"] == 0, r
+            if not last:
+                assert held["sharded"] == pytest.approx(held["full"] / 2, rel=0.02), r
+            # one cross-group all-reduce per optimizer step, after its last micro-batch's backward
+            assert r["allreduces"] == (1 if last and r["participants"] else 0) or not r["committed"], r
+        # the steps both groups trained before the fault equal hsdp's with the same accumulation
+        before = [r["loss"] for r in g0 if r["incarnation"] == 0 and r["step_before"] < 3]
+        ref = [r["loss"] for r in _records(tmp_path / "hsdp", "hsdp", rank)]  # type: ignore[arg-type]
+        assert before == pytest.approx(ref[:3 * acc], rel=1e-5)  # group 0's rank r = hsdp's rank r (data)
+        # a kill mid-step loses that step only: the survivor's step 3 is discarded, nothing else
+        at3 = [r for r in g0 if r["incarnation"] == 0 and r["step_before"] == 3
+               and r["batch_idx"] % acc == acc - 1]
+        assert at3[0]["committed"] is False and at3[0]["before"] == at3[0]["after"], at3
+        first = next(r for r in g1 if r["incarnation"] == 1)
+        assert first["step_before"] == 0, first
+        healed = next(r for r in g1 if r["incarnation"] == 1 and r["batch_idx"] % acc == acc - 1)
+        assert healed["committed"] and healed["step_after"] > 3, healed
+        a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
+        assert a["global_step"] == b["global_step"] == max_steps
+        for key in a["shards"]:
+            assert torch.equal(a["shards"][key], b["shards"][key]), key
+    for group in (0, 1):  # the events: one all-reduce per step of both groups, the gradient shard's bytes
+        lines = [r for r in _jsonl(events / f"group{group}.jsonl") if "step_s" in r and r["committed"]
+                 and r.get("participants") == 2]
+        assert lines and {r["allreduces"] for r in lines} == {1}, lines
+        assert {r["data_micro_batches"] for r in lines if "data_micro_batches" in r} <= {acc}, lines
+
+
 @pytest.fixture
 def checkpoint_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """A local folder, or a folder on a real S3 server (SeaweedFS) with the client's environment."""

@@ -3,12 +3,15 @@
 Started per replica group by ``fsdp-strategies-ft`` (torchrun, 1 rank per group). A callback records,
 per step, the sample ids this rank trained, the committed step, the commit decision and whether the
 group took part (a healing group contributes zeros), so the test can count every sample per data epoch.
+Under gradient accumulation a record holds the step's micro-batches.
 
     FT_DATA_OUT        folder for the records (required)
     FT_DATA_STEPS      max_steps
     FT_DATA_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
     FT_DATA_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
     FT_DATA_MODE       data_on_failure (default skip)
+    FT_DATA_ACCUMULATE accumulate_grad_batches (default 1); a record is written per optimizer step, its
+                       ``ids`` one list per micro-batch
     FT_DATA_HEAL_KILL  "GROUP:INCARNATION,...": that incarnation of the group SIGKILLs itself (torchrun + ranks)
                        while applying the state it fetched from a live peer (a kill during heal)
 """
@@ -63,20 +66,25 @@ class Recorder(pl.Callback):
         self.sleep = float(os.environ.get("FT_DATA_SLEEP", "0"))
         self.sleep_alone = float(os.environ.get("FT_DATA_SLEEP_ALONE", "0"))
         self.groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+        self.accumulate = int(os.environ.get("FT_DATA_ACCUMULATE", "1"))
+        self._micro: list[list[int]] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.path = self.out / f"group{os.environ['REPLICA_GROUP_ID']}_rank{trainer.global_rank}.jsonl"
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._ids = batch["idx"].tolist()
+        self._micro.append(batch["idx"].tolist())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if (batch_idx + 1) % self.accumulate:  # a non-final micro-batch: the step is not over
+            return
         strategy = trainer.strategy
         assert isinstance(strategy, FTHSDPStrategy)
         data = strategy.last_step_data
-        record = {"incarnation": self.incarnation, "ids": self._ids, "committed": strategy.last_step_committed,
+        ids, self._micro = self._micro, []
+        record = {"incarnation": self.incarnation, "ids": ids, "committed": strategy.last_step_committed,
                   "step_after": int(strategy.manager.current_step()), "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "participants": int(strategy.manager.num_participants()), **data}
         with self.path.open("a") as fh:
@@ -110,7 +118,8 @@ def main() -> None:
     strategy = HealKillingFTHSDP(timeout_s=10, connect_timeout_s=5, init_sync=False,
                                  data_on_failure=os.environ.get("FT_DATA_MODE", "skip"))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=int(os.environ["FT_DATA_STEPS"]),
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         accumulate_grad_batches=int(os.environ.get("FT_DATA_ACCUMULATE", "1")), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Recorder()])
     trainer.fit(Tiny())
 

@@ -33,6 +33,8 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
                        right after committed step STEP -- no live peer is left to heal from
     FT_TEST_AWAIT_REJOIN  "GROUP": the other groups, after each step they commit alone, wait until a restarted
                        incarnation of GROUP has started training (a survivor must not finish before it joins)
+    FT_TEST_GRAD_BYTES "1": each record also holds the gradient bytes FSDP2 held right after the micro-batch's
+                       backward (``fsdp_strategies.testing.fsdp_gradient_bytes``) and the full model's
     FT_TEST_REJOIN_AFTER  "N": a restarted incarnation of the FT_TEST_KILL group waits until the other group
                        has committed N steps alone before it starts (makes "survivors keep training while a
                        group is down" independent of how fast a restart is on the machine)
@@ -62,7 +64,7 @@ from group_kill import kill_own_group  # noqa: E402
 
 import fsdp_strategies  # noqa: F401, E402
 from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402
-from fsdp_strategies.testing import HangInjector, state_digest  # noqa: E402
+from fsdp_strategies.testing import HangInjector, fsdp_gradient_bytes, state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 
@@ -110,6 +112,7 @@ class FTProbe(pl.Callback):
         self.group = os.environ.get("REPLICA_GROUP_ID", "hsdp")
         self._before = ""
         self._step_before = 0
+        self._held: dict[str, int] | None = None
 
     def _tag(self, trainer: pl.Trainer) -> str:
         return f"group{self.group}_rank{trainer.global_rank}"
@@ -149,19 +152,21 @@ class FTProbe(pl.Callback):
         group, step, call = (int(x) for x in self.kill.split(":"))
         if group != strategy.replica_group_id:
             return
-        original = strategy._cross_group_all_reduce
+        # every cross-group gradient all-reduce goes through CrossGroupReduce._all_reduce (one per FSDP unit,
+        # or one per dtype after the last micro-batch under accumulation)
+        original = strategy._cross._all_reduce
         calls = {"n": 0}
 
-        def killing_all_reduce(reduce_output: torch.Tensor) -> None:
+        def killing_all_reduce(reduce_output: torch.Tensor, op: Any) -> None:
             if strategy.manager.current_step() == step:
                 calls["n"] += 1
                 if calls["n"] == call:
                     print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of step {step}", flush=True)
                     kill_own_group()  # torchrun agent + every rank of this group
                     time.sleep(60)
-            original(reduce_output)
+            original(reduce_output, op)
 
-        strategy._cross_group_all_reduce = killing_all_reduce  # type: ignore[method-assign]
+        strategy._cross._all_reduce = killing_all_reduce  # type: ignore[method-assign]
 
     def _break_write(self, trainer: pl.Trainer) -> None:
         """FT_TEST_BREAK_WRITE="GROUP:N": the first incarnation of GROUP dies (torchrun + every rank) right
@@ -236,14 +241,22 @@ class FTProbe(pl.Callback):
         self._batch = int(batch.sum()) if isinstance(batch, torch.Tensor) else None
         self._epoch = trainer.current_epoch
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if os.environ.get("FT_TEST_GRAD_BYTES"):
+            self._held = fsdp_gradient_bytes(pl_module)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         strategy = trainer.strategy
-        record = {
+        if self._held is not None:
+            full = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+            self._held = {**self._held, "full": full}
+        record = {"held": self._held,
             "incarnation": self.incarnation, "step_before": self._step_before, "step_after": trainer.global_step,
             "before": self._before, "after": state_digest(_shards(trainer, pl_module)),
             "loss": float(outputs["loss"]) if isinstance(outputs, dict) else None,
             "batch_sum": self._batch, "epoch": self._epoch, "batch_idx": batch_idx,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         }
         if isinstance(strategy, FTHSDPStrategy):
             record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),

@@ -28,9 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.protocol import EventLog
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ COST_PARTS = {
     "batch": "taking the committed step's batch (the data position follows the quorum)",
     "capture": "snapshotting the references a healing peer would fetch",
     "quorum_start": "starting the quorum (asynchronous: the request, not the wait)",
-    "allreduce": "the cross-group all-reduces of the step (the FSDP hook), waited for",
+    "allreduce": "the cross-group all-reduces of the step (the FSDP hook, or one per dtype after the last "
+                 "micro-batch under accumulation), waited for",
     "account": "the previous step's accounting: counters, events line, ft/* metrics (written one step late)",
 }
 
@@ -64,10 +66,22 @@ class StepInFlight:
     participating: bool = True
     #: data position of the batch taken (``None``: not step-aligned, or already accounted)
     position: int | None = None
+    #: samples of this rank's own shard in the step (all its micro-batches)
+    own_samples: int = 0
+    #: micro-batches taken in the step (``accumulate_grad_batches``; positions ``position`` onwards)
+    micro_batches: int = 0
     #: samples of missing groups this rank trains in the step (``data_on_failure="redistribute"``)
     extra_samples: int = 0
-    #: weight of this group's gradient in the cross-group average (``redistribute``)
+    #: weight of this group's gradient -- of the current micro-batch's -- in the cross-group average
+    #: (``redistribute``)
     grad_scale: float = 1.0
+    #: a batch of the step was built from the dataset (the loader was not at its position)
+    rebuilt: bool = False
+    #: the groups in the step, learnt by the first micro-batch's redistribution (``None``: not yet)
+    live: list[int] | None = None
+    #: ``NonFiniteGuard`` under accumulation: whether any micro-batch's loss was not finite (``None``: no
+    #: verdict yet); the group's verdict is agreed once, after the step's last backward
+    nonfinite: bool | None = None
     #: ``NonFiniteGuard``: this group's weight in a cross-group *sum* (its share of the finite groups'
     #: samples; 0 when its loss was not finite), ``None``: the plain average
     sum_scale: float | None = None
@@ -94,7 +108,7 @@ class StepInFlight:
         self.quorum_wait_s = 0.0
         self.cross_s = 0.0
         self.healed = False
-        self.sum_scale, self.excluded, self.excluded_groups = None, False, 0
+        self.sum_scale, self.excluded, self.excluded_groups, self.nonfinite = None, False, 0, None
 
     #: ``time.monotonic()`` when this rank began waiting for other replica groups (``None``: not waiting)
     peer_wait_since: float | None = None
@@ -113,8 +127,16 @@ class StepInFlight:
         since = self.peer_wait_since
         return None if since is None else time.monotonic() - since
 
-    def take_batch(self, position: int) -> None:
-        self.position, self.extra_samples, self.grad_scale = position, 0, 1.0
+    def take_batch(self, position: int, own_samples: int, first: bool, rebuilt: bool) -> None:
+        """Micro-batch ``position`` (``own_samples`` of this rank's shard; ``rebuilt`` from the dataset) is
+        trained in this step; ``first``: the step's first micro-batch (the data fields start over)."""
+        if first:
+            self.position, self.own_samples, self.extra_samples, self.micro_batches = position, 0, 0, 0
+            self.live, self.rebuilt = None, False
+        self.rebuilt = self.rebuilt or rebuilt
+        self.own_samples += own_samples
+        self.micro_batches += 1
+        self.grad_scale = 1.0
 
 
 class StepAccounting:
@@ -182,6 +204,27 @@ class StepAccounting:
                 **costs, **{f"data_{k}": v for k, v in data.items()})
         return metrics
 
+    def close_step(self, step: StepInFlight, *, committed: bool, commit_s: float, manager: Any,
+                   committed_step: int, data: StepAlignedData | None, round_of: OuterSync | None,
+                   round_samples: int, world_size: int, write_event: bool) -> dict[str, float]:
+        """Account a committed / discarded step or outer sync (:meth:`data_record`, then :meth:`finish`) with
+        the quorum's view from ``manager``; return its ``ft/*`` metrics."""
+        participants = int(manager.num_participants())
+        record = self.data_record(step, committed=committed, participants=participants, data=data,
+                                  round_of=round_of, round_samples=round_samples,
+                                  quorum_step=committed_step - int(committed), world_size=world_size)
+        return self.finish(step, committed=committed, committed_step=committed_step,
+                           participants=participants, quorum_id=_torch_seam.quorum_id(manager),
+                           commit_s=commit_s, data=record, write_event=write_event)
+
+    def log(self, module: Any, metrics: dict[str, float]) -> None:
+        """Hand ``metrics`` to ``module.log_dict`` when :meth:`log_due` and inside a Lightning hook."""
+        if seam.in_lightning_hook(module) and self.log_due(metrics, module.trainer):
+            try:
+                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+            except Exception as err:  # never let logging break a committed step
+                rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+
     def log_due(self, metrics: dict[str, float], trainer: Any) -> bool:
         """Whether to hand this step's ``ft/*`` metrics to Lightning's ``self.log``: at the steps the
         Trainer's loggers write (every ``log_every_n_steps``-th, so the loggers see what they would if every
@@ -207,22 +250,23 @@ class StepAccounting:
             return self.round_data(committed=committed, participants=participants, round_samples=round_samples,
                                    healed=round_of.healed, committed_steps=round_of.committed,
                                    round_steps=round_of.last_round)
-        batch_size = 0 if step.position is None else data.batch_size_of(step.position)
         return self.step_data(step, committed=committed, quorum_step=quorum_step, participants=participants,
-                              batch_size=batch_size, world_size=world_size, sharded=data.sharded)
+                              batch_size=step.own_samples, world_size=world_size, sharded=data.sharded)
 
     def step_data(self, step: StepInFlight, *, committed: bool, quorum_step: int, participants: int, batch_size: int,
                   world_size: int, sharded: bool) -> dict[str, Any]:
         """What an every-step step trained and missed; ``{}`` when the position is not aligned.
 
-        ``quorum_step``: the quorum's step (a healing group's jumps); ``batch_size``: one rank's batch at this
-        position; ``sharded``: the loader shards over the groups (redistribution possible).
+        ``quorum_step``: the quorum's step (a healing group's jumps); ``batch_size``: one rank's samples in
+        the step (its micro-batches from ``position`` on: ``micro_batches`` of them); ``sharded``: the loader
+        shards over the groups (redistribution possible).
         """
         if step.position is None:
             return {}
         position, step.position = step.position, None
         done = committed and step.participating and not step.excluded
-        data: dict[str, Any] = {"step": quorum_step, "position": position, "participating": step.participating,
+        data: dict[str, Any] = {"step": quorum_step, "position": position,
+                                "micro_batches": step.micro_batches, "participating": step.participating,
                                 "rebuilt": self.last_step_data.get("rebuilt", False),
                                 "samples": (batch_size + step.extra_samples) * world_size if done else 0,
                                 "missed_samples": None,

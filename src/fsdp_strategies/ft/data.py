@@ -33,7 +33,9 @@ fault-tolerant runs with ``max_steps``.
 Limits: one map-style training ``DataLoader`` with automatic batching (``batch_size=``, no custom
 ``batch_sampler``), whose sampler's order depends only on its seed and ``set_epoch``
 (``DistributedSampler`` -- the one Lightning injects -- or ``SequentialSampler``); no gradient
-accumulation; no ``reload_dataloaders_every_n_epochs``. Anything else gets a warning and the old,
+accumulation unless ``accumulate_grad_batches`` divides the batches per epoch (committed step ``s`` trains
+positions ``s * A`` to ``s * A + A - 1``); no ``reload_dataloaders_every_n_epochs``. Anything else gets a
+warning and the old,
 unaligned behaviour. A torchdata ``StatefulDataLoader`` is handled like a ``DataLoader`` (replaced by
 a plain one over positions; its saved position is not needed, the step is).
 """
@@ -141,22 +143,25 @@ def _why_not(trainer: pl.Trainer, loaders: list[Any]) -> str | None:
     if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
         return (f"its sampler is a `{type(sampler).__qualname__}`, whose order is not a function of its seed and "
                 "epoch (use Lightning's injected `DistributedSampler`: `use_distributed_sampler=True`)")
-    if trainer.accumulate_grad_batches != 1:
-        return f"accumulate_grad_batches={trainer.accumulate_grad_batches} (only 1 is supported)"
     if trainer.reload_dataloaders_every_n_epochs:
         return "reload_dataloaders_every_n_epochs is set"
-    if not isinstance(trainer.num_training_batches, int) or trainer.num_training_batches < 1:
-        return f"the number of training batches per epoch is {trainer.num_training_batches}"
+    per_epoch, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+    if not isinstance(per_epoch, int) or per_epoch < 1:
+        return f"the number of training batches per epoch is {per_epoch}"
+    if per_epoch % accumulate:
+        return (f"accumulate_grad_batches={accumulate} does not divide the {per_epoch} training batches per "
+                "epoch (Lightning ends an epoch's last step early, so steps and batch positions fall out of "
+                "phase; use a divisor, or limit_train_batches / drop_last to a multiple)")
     return None
 
 
 class StepAlignedData:
     """The training loader over positions and the per-step choice of the batch of the committed step."""
 
-    #: most loader batches kept for a later step (a loader ahead of the step); older ones are dropped
+    #: most loader batches kept for a later step (a loader ahead of the step), per micro-batch of a step
     MAX_AHEAD = 8
 
-    def __init__(self, loader: DataLoader, per_epoch: int) -> None:
+    def __init__(self, loader: DataLoader, per_epoch: int, accumulate: int = 1) -> None:
         sampler = loader.sampler.sampler if isinstance(loader.sampler, _SkipFirstIterationSampler) else loader.sampler
         assert loader.batch_size is not None
         self.batches = _PositionBatches(loader.dataset, sampler, int(loader.batch_size), per_epoch,
@@ -171,6 +176,8 @@ class StepAlignedData:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         self.loader = DataLoader(self.batches, sampler=self.positions, batch_size=None, collate_fn=_identity, **kwargs)
         self.per_epoch = per_epoch
+        #: micro-batches per optimizer step (``accumulate_grad_batches``): step ``s`` trains ``s * A + m``
+        self.accumulate = accumulate
         self._ahead: dict[int, Any] = {}
         #: batches built from the dataset because the loader had not delivered the step's position
         self.rebuilt = 0
@@ -183,7 +190,7 @@ class StepAlignedData:
         loaders = list(combined.flattened) if combined is not None else []
         reason = _why_not(trainer, loaders)
         if reason is None:
-            aligned = cls(loaders[0], int(trainer.num_training_batches))
+            aligned = cls(loaders[0], int(trainer.num_training_batches), int(trainer.accumulate_grad_batches))
             epoch = fit_loop.epoch_progress.current.processed
             if _install(trainer, combined, {0: aligned.loader}, epoch):
                 return aligned
@@ -192,7 +199,7 @@ class StepAlignedData:
             f"ft_hsdp: the data position cannot follow the committed step because {reason}. A replica group that "
             "heals restarts its shard at the start of an epoch and a discarded step skips a batch, so groups may "
             "train some samples twice and miss others. Fix: one map-style DataLoader with `batch_size=` and "
-            "Lightning's injected DistributedSampler, no gradient accumulation."
+            "Lightning's injected DistributedSampler, accumulate_grad_batches dividing the batches per epoch."
         )
         return None
 
@@ -213,23 +220,35 @@ class StepAlignedData:
         """One batch of these dataset indices, collated as the loader does."""
         return self.batches.collate_fn([self.batches.dataset[i] for i in indices])
 
-    def take(self, loader_batch: Any, step: int, prepare: Callable[[Any], Any]) -> tuple[Any, bool]:
-        """The batch to train at committed ``step`` (``prepare`` applies Lightning's pre-transfer hooks to a
-        batch built here); also re-aims the loader so its next batches are the next steps'. Returns
-        ``(batch, rebuilt)``."""
+    def take_for(self, step: Any, loader_batch: Any, committed_step: int,
+                 prepare: Callable[[Any], Any]) -> Any:
+        """The next micro-batch of ``committed_step`` (:meth:`take` at ``committed_step * accumulate + m``,
+        ``m`` the micro-batches ``step`` took so far; ``step.position is None``: its first), noted in
+        ``step`` (the strategy's :class:`~fsdp_strategies.ft.accounting.StepInFlight`)."""
+        first = step.position is None
+        position = committed_step * self.accumulate + (0 if first else step.micro_batches)
+        with step.timed("batch"):
+            batch, rebuilt = self.take(loader_batch, position, prepare)
+        step.take_batch(position, self.batch_size_of(position), first, rebuilt)
+        return batch
+
+    def take(self, loader_batch: Any, position: int, prepare: Callable[[Any], Any]) -> tuple[Any, bool]:
+        """The batch to train at data position ``position`` (micro-batch ``m`` of committed step ``s``:
+        ``s * accumulate + m``; ``prepare`` applies Lightning's pre-transfer hooks to a batch built here);
+        also re-aims the loader so its next batches are the next positions'. Returns ``(batch, rebuilt)``."""
         issued = self.positions.issued
         if issued:
             self._ahead[issued.popleft()] = loader_batch
-        for q in [q for q in self._ahead if q < step]:
+        for q in [q for q in self._ahead if q < position]:
             del self._ahead[q]
-        if step in self._ahead:
-            batch, rebuilt = self._ahead.pop(step), False
+        if position in self._ahead:
+            batch, rebuilt = self._ahead.pop(position), False
         else:
-            batch, rebuilt = prepare(self.batches[step]), True
+            batch, rebuilt = prepare(self.batches[position]), True
             self.rebuilt += 1
-        while len(self._ahead) > self.MAX_AHEAD:
+        while len(self._ahead) > self.MAX_AHEAD * self.accumulate:
             del self._ahead[max(self._ahead)]
-        # the batches the loader already queued feed steps step+1 .. step+len(issued); what it reads next
-        # should be the step after those
-        self.positions.cursor = step + 1 + len(issued)
+        # the batches the loader already queued feed positions position+1 .. position+len(issued); what it
+        # reads next should be the position after those
+        self.positions.cursor = position + 1 + len(issued)
         return batch, rebuilt

@@ -41,13 +41,15 @@ __all__ = ["leave_step_if_nonfinite"]
 
 
 def leave_step_if_nonfinite(loss_nonfinite: bool, *, step: StepInFlight, link: Any, group_id: int,
-                            groups: int, samples: int, device: torch.device, step_number: int) -> None:
+                            groups: int, device: torch.device, step_number: int) -> None:
     """Decide this group's weight in the step's cross-group sum (see the module docstring).
 
-    Call on every rank of every group in the step, after the quorum, before the backward pass; ``link``: the
-    group's ``torchft`` manager; ``samples``: this rank's samples in the step (its batch plus redistributed
-    ones).
+    Call on every rank of every group in the step, after the quorum, before the backward pass (under
+    gradient accumulation: once, after the last); ``link``: the group's ``torchft`` manager. The group's
+    weight counts this rank's samples in the step (its micro-batches plus redistributed ones; 1 when the
+    data position is not step-aligned).
     """
+    samples = (step.own_samples if step.position is not None else 1) + step.extra_samples
     flag = torch.tensor([float(loss_nonfinite)], device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the group's ranks agree

@@ -86,14 +86,8 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
 def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoint_transport: str,
                      timeout_s: float | None, quorum_timeout_s: float | None, connect_timeout_s: float | None,
                      data_on_failure: str, sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
-                     num_fragments: int, straggler_sync: str, accumulation: str = "no_sync") -> Timeouts:
+                     num_fragments: int, straggler_sync: str) -> Timeouts:
     """Raise ``ValueError`` naming the option, its value and the fix; return the timeouts to use."""
-    if accumulation != "no_sync":
-        # the cross-group all-reduce is an FSDP2 all-reduce hook on a 1-D mesh: FSDP2 runs it after every
-        # reduce-scatter, on that micro-batch's gradient alone ("sharded" would average each one apart)
-        raise OptionError(f"ft_hsdp: accumulation={accumulation!r} is not supported yet (the cross-group "
-                         "all-reduce would run on every micro-batch). Fix: accumulation='no_sync' (ft_hsdp's "
-                         "default), or hsdp.")
     check_int("min_replica_size", min_replica_size, 1, num_replica_groups, prefix="ft_hsdp: ",
               fix=f"1 <= min_replica_size <= num_replica_groups ({num_replica_groups}).")
     check_choice("checkpoint_transport", checkpoint_transport, Transport)
@@ -123,6 +117,18 @@ def resolve_timeouts(num_replica_groups: int, sync_every: int, timeout_s: float 
     timeouts = Timeouts(timeout, quorum, connect)
     check_timeouts(timeouts, lighthouse)
     return timeouts
+
+
+def check_accumulation(accumulation: str, data_on_failure: str, accumulate_grad_batches: int) -> None:
+    """``redistribute`` weights each micro-batch's gradient by its share of the step's samples, which needs
+    the micro-batch's own reduce-scatter (``accumulation="sharded"``); raise naming the options otherwise."""
+    if accumulate_grad_batches > 1 and accumulation == "no_sync" and data_on_failure == "redistribute":
+        raise OptionError(
+            "ft_hsdp: accumulation='no_sync' with data_on_failure='redistribute' and "
+            f"accumulate_grad_batches={accumulate_grad_batches} is not supported (a micro-batch's gradient "
+            "is never reduced on its own, "
+            "so it cannot be weighted by its share of the step's samples). Fix: accumulation='sharded' (the "
+            "default), or data_on_failure='skip'.")
 
 
 def check_group_size(shard_degree: int | str, num_nodes: int, devices: int) -> None:

@@ -27,11 +27,13 @@ __all__ = ["Redistributed", "redistribute", "warn_unless_sharded"]
 
 
 class Redistributed(NamedTuple):
-    """The batch to train, the missing groups' samples it holds (per rank), and this group's gradient weight."""
+    """The batch to train, the missing groups' samples it holds (per rank), this group's gradient weight, and
+    the groups in the step (``None``: not asked, nobody was missing)."""
 
     batch: Any
     extra_samples: int
     grad_scale: float
+    live: list[int] | None = None
 
 
 def warn_unless_sharded(data: StepAlignedData | None) -> None:
@@ -44,28 +46,32 @@ def warn_unless_sharded(data: StepAlignedData | None) -> None:
 
 def redistribute(batch: Any, step: int, *, data: StepAlignedData, manager: Any, replica_group_id: int,
                  num_replica_groups: int, rank: int, world_size: int, device: torch.device,
-                 prepare: Callable[[Any], Any]) -> Redistributed:
-    """Add this rank's share of the missing groups' batches of ``step`` (the quorum must have been formed).
+                 prepare: Callable[[Any], Any], live: list[int] | None = None) -> Redistributed:
+    """Add this rank's share of the missing groups' batches at data position ``step`` (the quorum must have
+    been formed).
 
-    ``batch`` is this rank's own batch of ``step``; ``prepare`` does to a collated batch what Lightning's loop
+    ``batch`` is this rank's own batch there; ``prepare`` does to a collated batch what Lightning's loop
     does to a loader's batch before ``batch_to_device``. Nothing changes when every group is in the step, or
-    when this group is healing (it contributes zeros).
+    when this group is healing (it contributes zeros). ``live``: the groups in the step, as an earlier
+    micro-batch of the same optimizer step learnt them (one mask all-reduce per step, not per micro-batch).
     """
     unchanged = Redistributed(batch, 0, 1.0)
     groups = num_replica_groups
     participants = int(manager.num_participants())
     if participants >= groups or participants < 1:
         return unchanged
-    mask = torch.zeros(groups, device=device)
-    mask[replica_group_id] = 1.0
-    manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()  # zeros from healing groups
-    live = [g for g in range(groups) if mask[g].item() > 0.5]
+    if live is None:
+        mask = torch.zeros(groups, device=device)
+        mask[replica_group_id] = 1.0
+        manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()  # zeros from healing groups
+        live = [g for g in range(groups) if mask[g].item() > 0.5]
     if replica_group_id not in live or not manager.is_participating():
-        return unchanged  # healing: contributes zeros, nothing to add
+        return Redistributed(batch, 0, 1.0, live)  # healing: contributes zeros, nothing to add
     missing = [g for g in range(groups) if g not in live]
     pool = [i for g in missing for i in data.indices_of(step, rank + world_size * g)]
     j, p = live.index(replica_group_id), len(live)
     lo, hi = (len(pool) * j) // p, (len(pool) * (j + 1)) // p
     own = data.indices_of(step)
     extra = pool[lo:hi]
-    return Redistributed(prepare(data.collate(own + extra)), len(extra), (len(own) + len(extra)) * p / (len(own) * groups))
+    return Redistributed(prepare(data.collate(own + extra)), len(extra),
+                         (len(own) + len(extra)) * p / (len(own) * groups), live)

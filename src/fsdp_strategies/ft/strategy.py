@@ -1,15 +1,17 @@
 """``ft_hsdp``: fault-tolerant HSDP on torchft -- replica groups are the unit of failure.
 
 Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards the model with
-FSDP2 over its own 1-D mesh. Across groups, every FSDP unit's reduce-scatter output is averaged by torchft's
-fault-tolerant all-reduce (``FSDPModule.set_all_reduce_hook`` calling ``Manager.allreduce``), whose membership
-is re-decided every step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others go
-on; the restarted group heals from a live peer (the manager's checkpoint transport), not from a checkpoint.
+FSDP2 over its own 1-D mesh. Across groups, the gradients are averaged by torchft's fault-tolerant all-reduce
+(``Manager.allreduce``; :mod:`~fsdp_strategies.ft.cross_group`: per FSDP unit in the backward pass, or once
+after the last micro-batch under gradient accumulation), whose membership is re-decided every step by a
+``torchft.Manager`` talking to a lighthouse. When a group dies the others go on; the restarted group heals
+from a live peer (the manager's checkpoint transport), not from a checkpoint.
 
 Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
 
 * ``on_train_batch_start``: snapshot this rank's shards (a healer fetches them), ``Manager.start_quorum()``.
-* forward + backward: the all-reduce hook waits for the quorum and reduces across groups (errors recorded).
+* forward + backward: the all-reduce hook waits for the quorum and reduces across groups (errors recorded);
+  with ``accumulate_grad_batches`` the step's micro-batches share one quorum, one reduction and one commit.
 * ``optimizer_step``: ``Manager.should_commit()`` (applies a healed state first, then votes); the optimizer
   steps only on commit. A discarded step leaves parameters, optimizer state and LR schedulers untouched on
   every member. Lightning's progress counters follow the manager's committed step: ``Trainer.global_step``
@@ -28,18 +30,19 @@ their own modules: ``options``, ``manager``, ``heal_state``, ``semi_sync``, ``re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
+from fsdp_strategies.ft.cross_group import CrossGroupReduce
 from fsdp_strategies.ft.data import StepAlignedData
 from fsdp_strategies.ft.group_exit import exit_if_unfixable, leave_now
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState, resume_from_handed
@@ -54,6 +57,7 @@ from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
 from fsdp_strategies.ft.options import (
     DataOnFailure,
     Transport,
+    check_accumulation,
     check_ft_options,
     check_group_size,
     resolve_placement,
@@ -119,7 +123,10 @@ class FTHSDPStrategy(HSDPStrategy):
             starts with ``sync="every_step"`` and comes back to it. ``sync_every``/``outer_lr``/``outer_momentum``
             describe the fallback. Needs that callback, ``num_fragments=1``, ``data_on_failure="skip"`` and a
             ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies.ft.straggler_switch`.
-        accumulation: ``"no_sync"`` only, yet (``"sharded"`` would all-reduce across groups per micro-batch).
+        accumulation: what the non-final micro-batches of ``accumulate_grad_batches`` do inside a group, as
+            for ``fsdp2``: ``"sharded"`` reduce-scatters each one (a shard's gradient memory), ``"no_sync"``
+            keeps the unsharded gradients until the last. Across groups, either way: one all-reduce per step,
+            after the last micro-batch. ``"no_sync"`` with ``data_on_failure="redistribute"`` is refused.
         **kwargs: every ``fsdp2`` option (see :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`).
     """
 
@@ -145,7 +152,7 @@ class FTHSDPStrategy(HSDPStrategy):
         sync_every: int = 1, outer_lr: float = 1.0,
         outer_momentum: float = 0.0, num_fragments: int = 1,
         straggler_sync: StragglerSync = "off",
-        accumulation: Literal["no_sync"] = "no_sync",
+        accumulation: Literal["sharded", "no_sync"] = "sharded",
         **kwargs: Any,
     ) -> None:
         super().__init__(replicate_degree=1, shard_degree=shard_degree, accumulation=accumulation, **kwargs)
@@ -155,7 +162,7 @@ class FTHSDPStrategy(HSDPStrategy):
             checkpoint_transport=checkpoint_transport, timeout_s=timeout_s, quorum_timeout_s=quorum_timeout_s,
             connect_timeout_s=connect_timeout_s, data_on_failure=data_on_failure, sync_every=sync_every,
             outer_lr=outer_lr, outer_momentum=outer_momentum, num_fragments=num_fragments,
-            straggler_sync=straggler_sync, accumulation=accumulation)
+            straggler_sync=straggler_sync)
         self.straggler_sync, self.data_on_failure = straggler_sync, data_on_failure
         self.sync, self.sync_every, self.num_fragments = sync, sync_every, num_fragments
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -177,6 +184,7 @@ class FTHSDPStrategy(HSDPStrategy):
         state = self._training_state
         self._heal, self._schedulers = HealState(state), SchedulerRollback(state)
         self._step = StepInFlight()
+        self._cross = CrossGroupReduce(self._step, self._wait_quorum, lambda: self._semi.active)
         self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
         self._data: StepAlignedData | None = None
         self._manager: Any = None
@@ -233,7 +241,7 @@ class FTHSDPStrategy(HSDPStrategy):
             # torchft's DiLoCo needs the synchronous quorum (straggler_sync builds it in every mode)
             use_async_quorum=self.sync == "every_step" and not self._semi.switchable,
             state_dict=self._heal.state_dict, load_state_dict=self._load_heal_state)
-        self._link = CountedManager(self._manager, self.ft_stats)
+        self._link = self._cross.link = CountedManager(self._manager, self.ft_stats)
         rank_zero_info(
             f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} ({self.world_size} ranks), "
             f"lighthouse {self.lighthouse_addr}, min_replica_size={self.min_replica_size}, "
@@ -252,34 +260,30 @@ class FTHSDPStrategy(HSDPStrategy):
         module = super().shard_module(module)
         if self.sync != "every_step":  # inner steps: only the group's own FSDP collectives
             return module
-        set_all_reduce_hook(module, self._cross_group_all_reduce)  # every FSDP unit and the replicated 0-d params
+        set_all_reduce_hook(module, self._cross.hook)  # every FSDP unit and the replicated 0-d params
         return module
 
-    def _cross_group_all_reduce(self, reduce_output: torch.Tensor) -> None:
-        """The FSDP all-reduce hook: average one unit's reduce-scatter output over the replica groups of this quorum."""
-        if self._semi.active:  # straggler_sync in a semi-synchronous phase: the hook stays, the traffic stops
-            return
-        assert self._link is not None
-        t0 = time.perf_counter()
-        with self._step.waiting_for_peers():
-            self._wait_quorum()
-            scale, op = (self._step.grad_scale, ReduceOp.AVG) if self._step.sum_scale is None else (
-                self._step.sum_scale, ReduceOp.SUM)  # NonFiniteGuard left a group out: weighted sum
-            if scale != 1.0:  # redistribute / the sum: this group's share of the step's samples
-                reduce_output.mul_(scale) if scale else reduce_output.zero_()  # zero_: NaN * 0 is NaN
-            with self._step.timed("allreduce"):
-                self._link.allreduce(reduce_output, reduce_op=op).wait()  # error -> no commit
-        self._step.cross_s += time.perf_counter() - t0
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """A non-final micro-batch: accumulated in the group (``accumulation``); groups reduce after."""
+        with self._cross.micro_batch(), super().block_backward_sync():
+            yield None
 
     def leave_step_if_nonfinite(self, loss_nonfinite: bool) -> None:
         """protocols.NonFiniteLossSink (NonFiniteGuard, before each backward): see ``ft/nonfinite.py``."""
-        if self._manager is not None and not self._semi.active:  # rounds: a group's inner steps are its own
-            self._wait_quorum()
-            at, data = self._step.position, self._data
-            samples = self._step.extra_samples + (1 if data is None or at is None else data.batch_size_of(at))
-            leave_step_if_nonfinite(loss_nonfinite, step=self._step, link=self._link, samples=samples,
-                                    group_id=self.replica_group_id, groups=self.num_replica_groups,
-                                    device=self.root_device, step_number=self._committed_step())
+        if self._manager is None or self._semi.active:  # rounds: a group's inner steps are its own
+            return
+        if self._cross.deferred:  # accumulation: the group's verdict is agreed once, after the last backward
+            self._step.nonfinite = bool(self._step.nonfinite) or loss_nonfinite
+        else:
+            self._agree_nonfinite(loss_nonfinite)
+
+    def _agree_nonfinite(self, loss_nonfinite: bool) -> None:
+        self._wait_quorum()
+        leave_step_if_nonfinite(loss_nonfinite, step=self._step, link=self._link, device=self.root_device,
+                                group_id=self.replica_group_id, groups=self.num_replica_groups,
+                                step_number=self._committed_step())
 
     # ------------------------------------------------------------------ heal state
     def _training_state(self) -> TrainingState:
@@ -298,6 +302,7 @@ class FTHSDPStrategy(HSDPStrategy):
     # ------------------------------------------------------------------ train start
     @override
     def setup(self, trainer: Any) -> None:
+        check_accumulation(self.accumulation, self.data_on_failure, trainer.accumulate_grad_batches)
         super().setup(trainer)
         resume_from_handed(trainer, self.events_file, self.storage_options)  # no live peer ahead: not step 0
 
@@ -380,8 +385,7 @@ class FTHSDPStrategy(HSDPStrategy):
     def _join_outer_sync(self) -> None:
         """Healed, in the every-step quorum, from groups in a semi-synchronous phase: join their outer sync, then
         continue in rounds (or every-step, if that sync switched back)."""
-        self._quorum_started = False
-        self._waited_quorum = False
+        self._quorum_started = self._waited_quorum = False
         committed = self._outer_sync_between_steps(join=True)
         rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed into a {self.straggler_sync} phase and "
                        f"joined its outer sync ({'committed' if committed else 'discarded'}); continuing at step "
@@ -395,32 +399,32 @@ class FTHSDPStrategy(HSDPStrategy):
         if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
             if self._semi.switchable:  # synchronous quorum: heal (and learn the mode) before picking the batch
                 self._begin_step()
-            step = self._committed_step()
-            trainer = module.trainer
+            data, trainer = self._data, module.trainer
 
             def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
                 raw = trainer.precision_plugin.convert_input(raw)
                 return seam.before_batch_transfer(module, raw, dataloader_idx)
 
-            with self._step.timed("batch"):
-                batch, rebuilt = self._data.take(batch, step, prepare)
-            self._step.take_batch(step)
-            self._accounting.last_step_data = {"position": step, "rebuilt": rebuilt}
-            if self.data_on_failure == "redistribute" and self._data.sharded:
+            batch = data.take_for(self._step, batch, self._committed_step(), prepare)
+            self._accounting.last_step_data = {"position": self._step.position, "rebuilt": self._step.rebuilt}
+            if self.data_on_failure == "redistribute" and data.sharded:
                 self._begin_step()  # the quorum decides which groups are missing
                 self._wait_quorum()
-                batch, self._step.extra_samples, self._step.grad_scale = redistribute(
-                    batch, step, data=self._data, manager=self._manager, replica_group_id=self.replica_group_id,
-                    num_replica_groups=self.num_replica_groups, rank=self.data_parallel_rank, world_size=self.data_parallel_size,
-                    device=self.root_device, prepare=prepare)
+                position = self._step.position + self._step.micro_batches - 1
+                more = redistribute(batch, position, data=data, manager=self._manager,
+                                    replica_group_id=self.replica_group_id,
+                                    num_replica_groups=self.num_replica_groups, rank=self.data_parallel_rank,
+                                    world_size=self.data_parallel_size, device=self.root_device,
+                                    prepare=prepare, live=self._step.live)
+                batch, self._step.grad_scale, self._step.live = more.batch, more.grad_scale, more.live
+                self._step.extra_samples += more.extra_samples
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._manager is None:
-            return
-        self._begin_step()
+        if self._manager is not None:
+            self._begin_step()
 
     def _begin_step(self) -> None:
         """Snapshot the heal state and start the quorum, once per step (at batch start, or earlier when the batch
@@ -465,6 +469,10 @@ class FTHSDPStrategy(HSDPStrategy):
         if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
             self.on_train_batch_start(None, -1)
         loss = closure()  # forward + backward; the all-reduce hook reduces across groups
+        if self._cross.deferred:  # accumulation: the step's one cross-group reduction, after its backward
+            if self._step.nonfinite is not None:  # NonFiniteGuard's verdict over the step's micro-batches
+                self._agree_nonfinite(self._step.nonfinite)
+            self._cross.reduce_accumulated(self.model)
         self._wait_quorum()
         self._step.participating = bool(self._manager.is_participating())  # False while healing: zeros contributed
         if self._semi.vote_due(self._committed_step()):  # between the quorum and should_commit: commits with the step
@@ -493,7 +501,7 @@ class FTHSDPStrategy(HSDPStrategy):
         assert outer is not None
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._data is not None and self._step.position is not None:
-            self._semi.round_samples += self._data.batch_size_of(self._step.position) * self.data_parallel_size
+            self._semi.round_samples += self._step.own_samples * self.data_parallel_size
         t0 = time.perf_counter()
         committed = outer.after_inner_step()
         sync_s = time.perf_counter() - t0
@@ -524,21 +532,14 @@ class FTHSDPStrategy(HSDPStrategy):
     def _after_step(self, committed: bool, commit_s: float, log: bool = True) -> None:
         """Account a committed/discarded step or outer sync: counters, data, ``ft/*`` metrics, events line."""
         t0 = time.perf_counter()
-        participants = int(self._manager.num_participants())
-        data = self._accounting.data_record(
-            self._step, committed=committed, participants=participants, data=self._data,
+        metrics = self._accounting.close_step(
+            self._step, committed=committed, commit_s=commit_s, manager=self._manager,
+            committed_step=self._committed_step(), data=self._data, world_size=self.data_parallel_size,
             round_of=self._semi.outer if self._semi.active else None, round_samples=self._semi.round_samples,
-            quorum_step=self._committed_step() - int(committed), world_size=self.data_parallel_size)
-        metrics = self._accounting.finish(
-            self._step, committed=committed, committed_step=self._committed_step(), participants=participants,
-            quorum_id=_torch_seam.quorum_id(self._manager), commit_s=commit_s, data=data,
             write_event=self.global_rank == 0)
-        module = self.lightning_module
-        if log and seam.in_lightning_hook(module) and self._accounting.log_due(metrics, module.trainer):
-            try:
-                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
-            except Exception as err:  # never let logging break a committed step
-                rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+        self._cross.end_step()  # the next step starts undeferred
+        if log:
+            self._accounting.log(self.lightning_module, metrics)
         self._step.costs["account"] = time.perf_counter() - t0  # in the next step's line
 
     # ------------------------------------------------------------------ leaving and shutting down

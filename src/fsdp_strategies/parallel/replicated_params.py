@@ -116,10 +116,12 @@ class ReplicatedParams:
             # The hook's result can differ between this mesh's ranks: torchft decides per rank which replica
             # groups take part (at a heal, rank 0's peer may be healing while rank 1's is not). A sharded
             # parameter lives on one rank, so that is consistent; a replicated one must stay equal on all.
-            self._from_first_rank([out])
+            self.agree([out])
         return out.to(grad.dtype)
 
-    def _from_first_rank(self, tensors: Sequence[torch.Tensor]) -> None:
+    def agree(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Give every rank of the mesh the first rank's values of ``tensors`` (in place; one broadcast per
+        tensor and mesh dimension): after a hook whose result may differ between ranks."""
         for group in self.groups:  # one dimension after the other: (r, s) <- (r, 0) <- (0, 0)
             if dist.get_world_size(group) > 1:
                 src = dist.get_global_rank(group, 0)
@@ -129,7 +131,7 @@ class ReplicatedParams:
     @torch.no_grad()
     def broadcast(self) -> None:
         """Give every rank the values of the mesh's first rank (one broadcast per mesh dimension)."""
-        self._from_first_rank([p.detach() for p in self.params])
+        self.agree([p.detach() for p in self.params])
 
     def _on_first_forward(self, *_: Any) -> None:
         self._first_forward.remove()
