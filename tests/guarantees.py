@@ -207,6 +207,8 @@ _WARM_SPARE = _ids("test_ft_hsdp.py", "test_warm_spare_replaces_a_killed_group_a
 _FT_DATA = _ids("test_ft_data.py", "test_every_sample_is_accounted_for_across_kills[skip-2]",
                 "test_every_sample_is_accounted_for_across_kills[skip-1]",
                 "test_every_sample_is_accounted_for_across_kills[redistribute-2]")
+_FT_WIDTH = _ids("test_ft_data.py", "test_a_job_resumed_with_three_groups_trains_the_rest_of_the_epoch_once",
+                 "test_a_resume_at_another_width_continues_at_the_global_sample_position")
 _FT_ACCUMULATION = _ids(
     "test_ft_hsdp.py", "test_accumulation_one_cross_group_reduction_per_step_sharded_gradients_kill_and_heal")
 _FT_SWITCH = _ids("test_ft_switch.py", "test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps")
@@ -454,6 +456,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/strategies/ft_hsdp.md", "Both modes are tested with SIGKILLs", _FT_DATA),
     Guarantee("docs/strategies/ft_hsdp.md", "Tested with `accumulate_grad_batches=4`", _FT_ACCUMULATION),
     Guarantee("docs/strategies/ft_hsdp.md", "The data accounting test (`tests/test_ft_data.py`)", _FT_DATA),
+    Guarantee("docs/checkpoints.md", "Tested in `tests/test_ft_data.py`: 2 groups -> 3", _FT_WIDTH),
     Guarantee("docs/strategies/ft_hsdp.md", "(tested by digests)", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests: `tests/test_ft_sync.py`", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests (`tests/test_ft_switch.py`", (

@@ -184,6 +184,40 @@ def test_every_sample_is_accounted_for_across_six_kills(tmp_path: Path, mode: st
     print(f"data accounting ({mode}, 6 kills): {figures}")
 
 
+@pytest.mark.multiprocess
+def test_a_job_resumed_with_three_groups_trains_the_rest_of_the_epoch_once(tmp_path: Path) -> None:
+    # 2 groups x 1 rank x batch 4 train 5 steps (40 of the epoch's 96 samples) and checkpoint; the job is
+    # restarted with 3 groups from that checkpoint: the 56 samples left are split over 3 shards (19 each, one
+    # padding sample: DistributedSampler's rule), 5 steps; then epoch 1 is the 3-shard sampler's own.
+    ckpt = tmp_path / "ckpt"
+
+    def launch(name: str, groups: int, steps: int, env: dict[str, str]) -> dict[int, list[dict]]:
+        run_python(["-m", "fsdp_strategies.ft", "--groups", str(groups), "--ranks-per-group", "1",
+                    "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "2000",
+                    "--min-replicas", str(groups), "--events-dir", str(tmp_path / f"{name}-events"),
+                    "--timeout", "200", "--max-restarts", "0", "--", WORKER],
+                   env={"FT_DATA_OUT": str(tmp_path / name), "FT_DATA_STEPS": str(steps), **env}, timeout=240)
+        return {g: _jsonl(tmp_path / name / f"group{g}_rank0.jsonl") for g in range(groups)}
+
+    first = launch("two", 2, 5, {"FT_DATA_CKPT": str(ckpt), "FT_DATA_CKPT_EVERY": "5"})
+    second = launch("three", 3, 12, {"FT_DATA_RESUME": str(ckpt / "step=5.ckpt")})
+    ids = [i for recs in first.values() for r in recs for m in r["ids"] for i in m]
+    assert sorted(r["step"] for recs in first.values() for r in recs) == sorted(2 * list(range(5)))
+    resumed = {g: {r["step"]: r for r in recs} for g, recs in second.items()}
+    assert all(sorted(by_step) == list(range(5, 12)) for by_step in resumed.values()), resumed
+    ids += [i for by_step in resumed.values() for s in range(5, 10) for m in by_step[s]["ids"] for i in m]
+    counts = Counter(ids)
+    assert set(counts) == set(range(NUM_SAMPLES)), sorted(set(range(NUM_SAMPLES)) - set(counts))
+    assert sum(n - 1 for n in counts.values()) == 1, counts  # the one padding sample of 56 over 3 shards
+    for g, by_step in resumed.items():  # epoch 1: the 3-shard sampler's own batches
+        sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=3, rank=g, shuffle=True, seed=SEED)
+        sampler.set_epoch(1)
+        assert [by_step[s]["ids"][0] for s in (10, 11)] == [list(sampler)[:4], list(sampler)[4:8]], g
+    log = (tmp_path / "three-events" / "group0.log").read_text()
+    assert "ft_hsdp: resuming step 5 with another data layout: the checkpoint's 2 shards x batch 4" in log, \
+        log[-3000:]
+
+
 # ---------------------------------------------------------------------------- no processes
 def test_data_on_failure_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp_strategies import FTHSDPStrategy
@@ -290,3 +324,61 @@ def test_redistribute_batch_and_gradient_weight() -> None:
     full = [i for g in range(3) for i in everything.indices_of(step, g)]
     assert sorted(seen) == sorted(full)
     torch.testing.assert_close(averaged, grad(everything.collate(full)))
+
+
+def _aligned(shards: int, shard: int, batch: int, accumulate: int = 1, seed: int = SEED):
+    from fsdp_strategies.ft.data import StepAlignedData
+
+    sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=shards, rank=shard, shuffle=True, seed=seed)
+    loader = torch.utils.data.DataLoader(_Ids(), batch_size=batch, sampler=sampler)
+    return StepAlignedData(loader, len(loader), accumulate)
+
+
+def _trained(layouts: list[tuple[int, int, int, int]]) -> list[int]:
+    """Sample ids of the runs ``(shards, batch, accumulate, steps)``, each resumed from the previous one's
+    checkpoint at its last step (a new layout every time), all shards of every step."""
+    ids: list[int] = []
+    saved, step = None, 0
+    for shards, batch, accumulate, steps in layouts:
+        run = [_aligned(shards, g, batch, accumulate) for g in range(shards)]
+        for data in run:
+            data.resume_from(saved, step, loader_drop_last=False)
+        for s in range(step, step + steps):
+            for m in range(accumulate):
+                ids += [i for data in run for i in data.indices_of(s * accumulate + m)]
+        saved, step = run[0].layout().to_dict(), step + steps
+    return ids
+
+
+def test_a_resume_at_another_width_continues_at_the_global_sample_position() -> None:
+    # ft_hsdp's steps are positions; resumed with another number of groups (shards), per-rank batch or
+    # accumulation, the run continues the checkpoint's epoch at its global sample position: every sample of
+    # an epoch is trained once (DistributedSampler's padding of the rest excepted), across chained changes.
+    from fsdp_strategies.ft.resume_width import Layout
+    from fsdp_strategies.runtime.data_position import DataPositionError
+
+    # 2 shards x 4 for 5 steps (40 samples), then 3 shards x 4: 56 left -> 19 each (1 padding), 5 batches
+    ids = _trained([(2, 4, 1, 5), (3, 4, 1, 5)])
+    counts = Counter(ids)
+    assert set(counts) == set(range(NUM_SAMPLES)) and sum(n - 1 for n in counts.values()) == 1, counts
+    # chained: 2 x 4 (3 steps) -> 3 x 4 with accumulation 2 (2 steps: 48 samples) -> 4 x 2 (to the end)
+    ids = _trained([(2, 4, 1, 3), (3, 4, 2, 2), (4, 2, 1, 3)])
+    assert Counter(ids) == Counter(range(NUM_SAMPLES))  # 24 + 48 + 24, no padding needed
+    # after the resumed epoch, the new sampler's own epochs: 3 shards x 4, epoch 1 batch 0 at step 5 + 5
+    later = [_aligned(3, g, 4) for g in range(3)]
+    saved = _aligned(2, 0, 4).layout().to_dict()
+    for data in later:
+        data.resume_from(saved, 5, loader_drop_last=False)
+    for g, data in enumerate(later):
+        sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=3, rank=g, shuffle=True, seed=SEED)
+        sampler.set_epoch(1)
+        assert data.indices_of(10) == list(sampler)[:4], g
+    # the same layout keeps the checkpoint's mapping (its rest included): a restart of the resumed run
+    again = _aligned(3, 1, 4)
+    line = again.resume_from(later[1].layout().to_dict(), 7, loader_drop_last=False)
+    assert line is None
+    assert [again.indices_of(q) for q in range(5, 12)] == [later[1].indices_of(q) for q in range(5, 12)]
+    assert Layout.from_dict(later[1].layout().to_dict()) == later[1].layout()
+    # another epoch order cannot be placed: refused, naming both orders and the fix
+    with pytest.raises(DataPositionError, match=r"seed=7\) differs from this run's .*seed=8\).*Fix: resume"):
+        _aligned(3, 0, 4, seed=8).resume_from(saved, 5, loader_drop_last=False)

@@ -534,6 +534,18 @@ def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> 
         FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, min_replica_size=3)
     with pytest.raises(ValueError, match="checkpoint_transport='nccl'"):
         FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, checkpoint_transport="nccl")
+    with pytest.raises(ValueError, match="accumulation='gather' is invalid"):
+        FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, accumulation="gather")
+    # What the Trainer and the module ask (checked in the strategy's setup, with these arguments)
+    from fsdp_strategies.ft.options import check_training
+
+    with pytest.raises(ValueError, match=r"automatic optimization only.*Fix: remove `self.automatic_opt"):
+        check_training("sharded", "skip", 1, automatic_optimization=False)
+    with pytest.raises(ValueError, match=r"accumulation='no_sync' with data_on_failure='redistribute' and "
+                                         r"accumulate_grad_batches=2 is not supported.*Fix: accumulation="):
+        check_training("no_sync", "redistribute", 2, automatic_optimization=True)
+    check_training("no_sync", "redistribute", 1, automatic_optimization=True)  # no accumulation: no conflict
+    check_training("sharded", "redistribute", 4, automatic_optimization=True)
 
     # Degrees must match the group's size; the lighthouse must answer -- both before any process starts.
     port = free_port()

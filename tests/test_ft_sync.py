@@ -190,9 +190,13 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int, fragments: int = 1) -> dict[str, int]:
+def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int, fragments: int = 1,
+                        accumulate: int = 1) -> dict[str, int]:
     """Replicas identical after every outer sync both committed and at the end; inner steps without cross-group
     traffic; a discarded sync rolls the parameters back to the last committed one. Returns counts.
+
+    ``accumulate``: micro-batches per inner step (``accumulate_grad_batches``); a record is written per
+    micro-batch, and the non-final ones neither step nor send anything across groups.
 
     Streaming (``fragments > 1``): one fragment syncs every ``sync_every / fragments`` steps, the others hold
     local progress, so only DiLoCo's backups and outer-optimizer state are compared (they are identical after
@@ -213,6 +217,10 @@ def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int,
                 is_sync = prev_syncs is not None and r["syncs"] != prev_syncs
                 first = prev_syncs is None
                 prev_syncs = r["syncs"]
+                if not first and (r["batch_idx"] + 1) % accumulate:  # a micro-batch inside an inner step
+                    assert r["allreduces"] == 0 and not is_sync, f"cross-group traffic mid-step: {g} {r}"
+                    assert r["step_after"] == r["step_before"], r
+                    continue
                 if first:  # the incarnation's start = right after its initial sync (a committed state)
                     by_step.setdefault(r["step_before"], pick((r["model_before"], r["outer_before"])))
                     if r["syncs"] == 1:  # no sync in this step (the initial one was the first)
@@ -307,15 +315,18 @@ def test_diloco_kill_during_an_outer_sync_then_live_heal(tmp_path: Path) -> None
     # Group 1 SIGKILLs itself (torchrun + both ranks) inside the 2nd cross-group all-reduce of the outer sync
     # that ends inner step 8: group 0's sync is discarded (rolled back to step 4 on both of its ranks). Group 1
     # restarts and heals from group 0 at its first sync (weights, inner AND outer optimizer state, DiLoCo's
-    # backup, the step). A group alone sleeps 2.5 s per step so that the restart overlaps training.
+    # backup, the step). A group alone sleeps 2.5 s per step so that the restart overlaps training. Every
+    # inner step accumulates 2 micro-batches (accumulate_grad_batches=2): rounds count optimizer steps.
+    acc = 2
     events = _launch(tmp_path, "diloco", "configs/ft_hsdp_diloco.yaml",
-                     ["--trainer.strategy.init_args.sync_every", "4", "--trainer.max_steps", "32"],
+                     ["--trainer.strategy.init_args.sync_every", "4", "--trainer.max_steps", "32",
+                      "--trainer.accumulate_grad_batches", str(acc)],
                      ["--min-replicas", "1", "--max-restarts", "1"],
-                     {"FT_TEST_KILL": "1:8:2", "FT_TEST_SLEEP_ALONE": "2.5"})
+                     {"FT_TEST_KILL": "1:8:2", "FT_TEST_SLEEP_ALONE": str(2.5 / acc)})
     launcher = _jsonl(events / "launcher.jsonl")
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
     assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
-    counts = check_semi_sync_run(tmp_path / "diloco", 2, 32, 4)
+    counts = check_semi_sync_run(tmp_path / "diloco", 2, 32, 4, accumulate=acc)
     assert counts["discarded_syncs"] >= 2, counts  # group 0's sync at step 8 (rank 0 and rank 1)
     assert counts["heals"] >= 2, counts  # group 1 healed on both ranks
     assert counts["compared_syncs"] >= 6, counts

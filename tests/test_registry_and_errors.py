@@ -79,11 +79,12 @@ def test_bad_options_name_option_value_and_fix() -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             cls(accumulation="zero")
     assert HSDPStrategy().accumulation == "sharded"
-    # ft_hsdp's cross-group all-reduce is a per-reduce-scatter hook: only no_sync, its default, is accepted
+    # ft_hsdp takes both (across groups: one all-reduce per optimizer step either way), sharded by default
     ft = {"lighthouse_addr": "http://localhost:1", "replica_group_id": 0, "num_replica_groups": 2}
-    with pytest.raises(ValueError, match=r"ft_hsdp: accumulation='sharded' is not supported yet.*Fix"):
-        fsdp_strategies.FTHSDPStrategy(accumulation="sharded", **ft)
-    assert fsdp_strategies.FTHSDPStrategy(**ft).accumulation == "no_sync"
+    with pytest.raises(ValueError, match=r"accumulation='gather' is invalid.*Fix"):
+        fsdp_strategies.FTHSDPStrategy(accumulation="gather", **ft)  # type: ignore[arg-type]
+    assert fsdp_strategies.FTHSDPStrategy(**ft).accumulation == "sharded"
+    assert fsdp_strategies.FTHSDPStrategy(accumulation="no_sync", **ft).accumulation == "no_sync"
 
 
 class Block(nn.Module):

@@ -12,6 +12,8 @@ Under gradient accumulation a record holds the step's micro-batches.
     FT_DATA_MODE       data_on_failure (default skip)
     FT_DATA_ACCUMULATE accumulate_grad_batches (default 1); a record is written per optimizer step, its
                        ``ids`` one list per micro-batch
+    FT_DATA_CKPT       folder: a ModelCheckpoint writes ``step=N.ckpt`` there every FT_DATA_CKPT_EVERY steps
+    FT_DATA_RESUME     checkpoint to resume from (``fit(ckpt_path=...)``)
     FT_DATA_HEAL_KILL  "GROUP:INCARNATION,...": that incarnation of the group SIGKILLs itself (torchrun + ranks)
                        while applying the state it fetched from a live peer (a kill during heal)
 """
@@ -27,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from group_kill import kill_own_group
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from fsdp_strategies.ft import FTHSDPStrategy
@@ -117,11 +120,16 @@ def main() -> None:
     pl.seed_everything(7)
     strategy = HealKillingFTHSDP(timeout_s=10, connect_timeout_s=5, init_sync=False,
                                  data_on_failure=os.environ.get("FT_DATA_MODE", "skip"))
+    callbacks: list[pl.Callback] = [Recorder()]
+    ckpt = os.environ.get("FT_DATA_CKPT")
+    if ckpt:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt, filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=int(os.environ.get("FT_DATA_CKPT_EVERY", "1"))))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=int(os.environ["FT_DATA_STEPS"]),
                          accumulate_grad_batches=int(os.environ.get("FT_DATA_ACCUMULATE", "1")), logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Recorder()])
-    trainer.fit(Tiny())
+                         enable_checkpointing=bool(ckpt), enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(Tiny(), ckpt_path=os.environ.get("FT_DATA_RESUME") or None)
 
 
 if __name__ == "__main__":

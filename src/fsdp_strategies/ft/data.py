@@ -45,9 +45,10 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -59,6 +60,13 @@ from torch.utils.data import (
 )
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies.ft.resume_width import Layout, Rest, rest_after
+from fsdp_strategies.runtime.data_position import (
+    DataPositionError,
+    data_parallel_size,
+    epoch_order,
+    split_remainder,
+)
 from fsdp_strategies.runtime.resume_position import _install, _SkipFirstIterationSampler
 
 if TYPE_CHECKING:
@@ -104,11 +112,41 @@ class _PositionBatches(Dataset[Any]):
         self.batch_size = batch_size
         self.per_epoch = per_epoch
         self.collate_fn = collate_fn
+        #: a resume at another layout: the rest of the epoch it stopped in (:mod:`.resume_width`)
+        self.rest: Rest | None = None
         self._orders: dict[tuple[int, int | None], list[Any]] = {}
+
+    def layout(self, accumulate: int) -> Layout:
+        """This loader's :class:`~fsdp_strategies.ft.resume_width.Layout` (with its rest)."""
+        s = self.sampler
+        sharded = isinstance(s, DistributedSampler)
+        return Layout(width=int(s.num_replicas) if sharded else 1, batch_size=self.batch_size,
+                      per_epoch=self.per_epoch, accumulate=accumulate, dataset_len=len(self.dataset),
+                      shuffle=bool(s.shuffle) if sharded else False, seed=int(s.seed) if sharded else 0,
+                      drop_last=bool(s.drop_last) if sharded else False, rest=self.rest)
+
+    def _rest_indices(self, rest: Rest, j: int, shard: int | None) -> list[Any]:
+        key = (-1 - rest.epoch, shard)  # (negative: not an epoch of the sampler's own)
+        if key not in self._orders:
+            s = self.sampler
+            sharded = isinstance(s, DistributedSampler)
+            kind, seed = ("distributed", int(s.seed)) if sharded else ("sequential", 0)
+            order = epoch_order({"kind": kind, "dataset_len": len(self.dataset), "seed": seed,
+                                 "shuffle": bool(s.shuffle) if sharded else False}, rest.epoch)
+            rank = (int(s.rank) if shard is None else shard) if sharded else 0
+            self._orders[key] = split_remainder(order[rest.trained:], rest.width, rank, rest.drop_last)
+        return self._orders[key][j * self.batch_size:(j + 1) * self.batch_size]
 
     def indices(self, q: int, shard: int | None = None) -> list[Any]:
         """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a ``DistributedSampler``."""
-        epoch, i = divmod(q, self.per_epoch)
+        rest = self.rest
+        if rest is not None and q >= rest.start:
+            if q - rest.start < rest.batches:
+                return self._rest_indices(rest, q - rest.start, shard)
+            epoch, i = divmod(q - rest.start - rest.batches, self.per_epoch)
+            epoch += rest.epoch + 1
+        else:
+            epoch, i = divmod(q, self.per_epoch)
         key = (epoch, shard)
         if key not in self._orders:
             if len(self._orders) >= 8:
@@ -183,18 +221,34 @@ class StepAlignedData:
         self.rebuilt = 0
 
     @classmethod
-    def install(cls, trainer: pl.Trainer) -> StepAlignedData | None:
-        """Swap the fit loop's training loader for one over positions; ``None`` (warned) if not possible."""
+    def install(cls, trainer: pl.Trainer, saved: dict[str, Any] | None = None) -> StepAlignedData | None:
+        """Swap the fit loop's training loader for one over positions; ``None`` (warned) if not possible.
+
+        ``saved``: the resumed checkpoint's layout (:data:`fsdp_strategies.ft.resume_width.KEY`): the
+        positions continue its mapping, at another layout from its global sample position (logged); a
+        checkpoint of another data-parallel width whose position cannot be followed is refused.
+        """
         fit_loop = trainer.fit_loop
         combined = seam.training_combined_loader(trainer)
         loaders = list(combined.flattened) if combined is not None else []
         reason = _why_not(trainer, loaders)
         if reason is None:
             aligned = cls(loaders[0], int(trainer.num_training_batches), int(trainer.accumulate_grad_batches))
+            # before the loader's workers copy the mapping
+            line = aligned.resume_from(saved, int(trainer.global_step), bool(loaders[0].drop_last))
             epoch = fit_loop.epoch_progress.current.processed
             if _install(trainer, combined, {0: aligned.loader}, epoch):
+                if line:
+                    rank_zero_info(line)
                 return aligned
             reason = "the training iterators could not be restarted"
+        width = data_parallel_size(trainer)
+        if saved is not None and int(saved["width"]) != width:
+            raise DataPositionError(
+                f"ft_hsdp cannot resume at data-parallel width {width} from a checkpoint written at width "
+                f"{saved['width']} (replica groups x ranks per group): {reason}, so the samples already "
+                f"trained cannot be placed. Fix: resume at width {saved['width']}, or use one map-style "
+                "DataLoader with `batch_size=` and Lightning's injected DistributedSampler.")
         rank_zero_warn(
             f"ft_hsdp: the data position cannot follow the committed step because {reason}. A replica group that "
             "heals restarts its shard at the start of an epoch and a discarded step skips a batch, so groups may "
@@ -202,6 +256,30 @@ class StepAlignedData:
             "Lightning's injected DistributedSampler, accumulate_grad_batches dividing the batches per epoch."
         )
         return None
+
+    def layout(self) -> Layout:
+        """How this run's positions map to samples (written into every checkpoint)."""
+        return self.batches.layout(self.accumulate)
+
+    def resume_from(self, saved: dict[str, Any] | None, step: int, loader_drop_last: bool) -> str | None:
+        """Continue the mapping of a checkpoint at committed ``step`` whose layout is ``saved`` (see
+        :mod:`fsdp_strategies.ft.resume_width`); the line to log when the layout changed."""
+        if saved is None:
+            return None
+        old, now = Layout.from_dict(saved), self.layout()
+        if replace(old, rest=None) == now:  # the same layout: the same mapping, its rest included
+            self.batches.rest = old.rest
+            return None
+        rest = self.batches.rest = rest_after(old, step, now, loader_drop_last)
+        where = (f"at the start of data epoch {rest.epoch + 1}" if rest.trained == 0 else
+                 f"in data epoch {rest.epoch} at global sample {rest.trained} of {now.dataset_len}: the "
+                 f"{now.dataset_len - rest.trained} samples left are split over {now.width} shards, "
+                 f"{rest.batches} batches each")
+        return (f"ft_hsdp: resuming step {step} with another data layout: the checkpoint's {old.width} "
+                f"shards x batch {old.batch_size} x {old.accumulate} micro-batches (global batch "
+                f"{old.width * old.batch_size * old.accumulate}) -> now {now.width} x {now.batch_size} x "
+                f"{now.accumulate} (global batch {now.width * now.batch_size * now.accumulate}); continuing "
+                f"{where}")
 
     def batch_size_of(self, position: int) -> int:
         """Samples of this rank's batch at ``position`` (the last batch of an epoch may be smaller)."""

@@ -119,9 +119,16 @@ def resolve_timeouts(num_replica_groups: int, sync_every: int, timeout_s: float 
     return timeouts
 
 
-def check_accumulation(accumulation: str, data_on_failure: str, accumulate_grad_batches: int) -> None:
-    """``redistribute`` weights each micro-batch's gradient by its share of the step's samples, which needs
-    the micro-batch's own reduce-scatter (``accumulation="sharded"``); raise naming the options otherwise."""
+def check_training(accumulation: str, data_on_failure: str, accumulate_grad_batches: int,
+                   automatic_optimization: bool) -> None:
+    """What the Trainer and the module ask of ``ft_hsdp`` (at set-up; raise naming the options and the fix):
+    automatic optimization (the optimizer step must follow ``should_commit``); and ``redistribute`` weights
+    each micro-batch's gradient by its share of the step's samples, which needs the micro-batch's own
+    reduce-scatter (``accumulation="sharded"``)."""
+    if not automatic_optimization:
+        raise OptionError("ft_hsdp supports automatic optimization only (the optimizer step must follow the "
+                          "commit vote, should_commit). Fix: remove `self.automatic_optimization = False`, "
+                          "or use hsdp.")
     if accumulate_grad_batches > 1 and accumulation == "no_sync" and data_on_failure == "redistribute":
         raise OptionError(
             "ft_hsdp: accumulation='no_sync' with data_on_failure='redistribute' and "

@@ -21,9 +21,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed import ReduceOp
 
+from fsdp_strategies.ft.accounting import StepInFlight
 from fsdp_strategies.ft.data import StepAlignedData
 
-__all__ = ["Redistributed", "redistribute", "warn_unless_sharded"]
+__all__ = ["Redistributed", "add_missing_groups", "redistribute", "warn_unless_sharded"]
 
 
 class Redistributed(NamedTuple):
@@ -75,3 +76,17 @@ def redistribute(batch: Any, step: int, *, data: StepAlignedData, manager: Any, 
     extra = pool[lo:hi]
     return Redistributed(prepare(data.collate(own + extra)), len(extra),
                          (len(own) + len(extra)) * p / (len(own) * groups), live)
+
+
+def add_missing_groups(step: StepInFlight, batch: Any, *, data: StepAlignedData, manager: Any,
+                       replica_group_id: int, num_replica_groups: int, rank: int, world_size: int,
+                       device: torch.device, prepare: Callable[[Any], Any]) -> Any:
+    """:func:`redistribute` for the micro-batch ``step`` took last; notes in ``step`` the samples added,
+    this micro-batch's gradient weight and the step's groups (asked once per step). Returns the batch."""
+    assert step.position is not None
+    more = redistribute(batch, step.position + step.micro_batches - 1, data=data, manager=manager,
+                        replica_group_id=replica_group_id, num_replica_groups=num_replica_groups, rank=rank,
+                        world_size=world_size, device=device, prepare=prepare, live=step.live)
+    step.grad_scale, step.live = more.grad_scale, more.live
+    step.extra_samples += more.extra_samples
+    return more.batch

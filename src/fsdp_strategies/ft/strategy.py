@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies.ft import resume_width
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.cross_group import CrossGroupReduce
 from fsdp_strategies.ft.data import StepAlignedData
@@ -57,14 +58,14 @@ from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
 from fsdp_strategies.ft.options import (
     DataOnFailure,
     Transport,
-    check_accumulation,
     check_ft_options,
     check_group_size,
+    check_training,
     resolve_placement,
 )
 from fsdp_strategies.ft.outer_sync import SyncMode
 from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, EventLog, FTEnvironment, wait_for_activation
-from fsdp_strategies.ft.redistribute import redistribute, warn_unless_sharded
+from fsdp_strategies.ft.redistribute import add_missing_groups, warn_unless_sharded
 from fsdp_strategies.ft.semi_sync import SemiSync
 from fsdp_strategies.ft.straggler_switch import StragglerSync
 from fsdp_strategies.parallel.mesh import HSDPDegrees
@@ -131,7 +132,7 @@ class FTHSDPStrategy(HSDPStrategy):
     """
 
     strategy_name = "ft_hsdp"
-    data_width_change = "refuse"  # a mid-epoch resume at another number of groups / group size: not exact yet
+    data_width_change = "strategy"  # another number of groups / group size: ft/resume_width.py
     def __init__(
         self,
         lighthouse_addr: str | None = None,
@@ -187,6 +188,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self._cross = CrossGroupReduce(self._step, self._wait_quorum, lambda: self._semi.active)
         self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
         self._data: StepAlignedData | None = None
+        self._saved_layout: dict[str, Any] | None = None  # the resumed checkpoint's data layout
         self._manager: Any = None
         self._link: CountedManager | None = None  # the manager, its all-reduces counted
         self._lighthouse_checked = self._quorum_started = self._waited_quorum = False  # quorum started/waited
@@ -302,23 +304,20 @@ class FTHSDPStrategy(HSDPStrategy):
     # ------------------------------------------------------------------ train start
     @override
     def setup(self, trainer: Any) -> None:
-        check_accumulation(self.accumulation, self.data_on_failure, trainer.accumulate_grad_batches)
+        check_training(self.accumulation, self.data_on_failure, trainer.accumulate_grad_batches,
+                       trainer.lightning_module.automatic_optimization)
         super().setup(trainer)
         resume_from_handed(trainer, self.events_file, self.storage_options)  # no live peer ahead: not step 0
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
-            raise TypeError("ft_hsdp supports automatic optimization only (the optimizer step must follow "
-                            "should_commit). Fix: remove `self.automatic_optimization = False`.")
-        if self._manager is None:
+        if self._manager is None or self.lightning_module is None:
             return
         # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
         trainer = self.lightning_module.trainer
         self._manager.load_state_dict({"step": trainer.global_step, "batches_committed": self._manager.batches_committed()})
-        self._data = StepAlignedData.install(trainer)
+        self._data = StepAlignedData.install(trainer, self._saved_layout)
         if self.data_on_failure == "redistribute":
             warn_unless_sharded(self._data)
         if self.sync == "every_step" and not self._semi.switchable:
@@ -339,9 +338,8 @@ class FTHSDPStrategy(HSDPStrategy):
                        f"step {outer.step} ({outer.last_participants} groups in the first sync)")
 
     def _outer_sync_between_steps(self, join: bool) -> bool:
-        """An outer sync outside Lightning's optimizer step: the first one at train start, or (``join``) the sync of
-        the groups in a semi-synchronous phase that this group healed from in its every-step quorum (that quorum
-        was their sync's, this group finishes the sync with them as a healing participant)."""
+        """An outer sync outside Lightning's step: the first (train start), or (``join``) the sync of the
+        semi-synchronous groups this group healed from in its every-step quorum (it finishes it with them)."""
         outer = self._semi.outer
         assert outer is not None
         t0 = time.perf_counter()
@@ -410,14 +408,10 @@ class FTHSDPStrategy(HSDPStrategy):
             if self.data_on_failure == "redistribute" and data.sharded:
                 self._begin_step()  # the quorum decides which groups are missing
                 self._wait_quorum()
-                position = self._step.position + self._step.micro_batches - 1
-                more = redistribute(batch, position, data=data, manager=self._manager,
-                                    replica_group_id=self.replica_group_id,
-                                    num_replica_groups=self.num_replica_groups, rank=self.data_parallel_rank,
-                                    world_size=self.data_parallel_size, device=self.root_device,
-                                    prepare=prepare, live=self._step.live)
-                batch, self._step.grad_scale, self._step.live = more.batch, more.grad_scale, more.live
-                self._step.extra_samples += more.extra_samples
+                batch = add_missing_groups(
+                    self._step, batch, data=data, manager=self._manager, prepare=prepare,
+                    replica_group_id=self.replica_group_id, num_replica_groups=self.num_replica_groups,
+                    rank=self.data_parallel_rank, world_size=self.data_parallel_size, device=self.root_device)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -573,8 +567,7 @@ class FTHSDPStrategy(HSDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:
-        """All committed groups hold the same state; the one ranked 0 in the current quorum writes it. A preemption
-        checkpoint is written by every group that stops, each to its own file (:meth:`_preempt_checkpoint_path`)."""
+        """The group ranked 0 in the quorum writes (all hold the same state); at a preemption, every group."""
         if self._preempt_saving:
             return True
         if self._manager is None or not _torch_seam.quorum_started(self._manager):
@@ -589,10 +582,17 @@ class FTHSDPStrategy(HSDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
         if self._is_checkpoint_writer():
+            if self._data is not None:  # how the steps map to samples: a resume at another width follows it
+                checkpoint[resume_width.KEY] = self._data.layout().to_dict()
             super().save_checkpoint(checkpoint, filepath, storage_options)
             if self._events is not None and self.global_rank == 0:  # for a group restarted with no peer
                 self._events.write_checkpoint(self.replica_group_id, int(checkpoint.get("global_step", 0)),
                                               str(filepath))
+
+    @override
+    def restored_data_position(self, checkpoint: dict[str, Any]) -> None:
+        super().restored_data_position(checkpoint)
+        self._saved_layout = checkpoint.get(resume_width.KEY)
 
     @override
     def remove_checkpoint(self, filepath: seam.PATH) -> None:

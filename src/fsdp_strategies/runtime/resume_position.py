@@ -230,6 +230,8 @@ def _split_at_saved_position(
         and placed.resuming
     ):
         return done  # a second call in the same fit: already placed
+    if new_width == "strategy":
+        return 0  # the strategy places the data itself (ft_hsdp: the positions follow the committed step)
     if new_width == "refuse":
         raise data_position.DataPositionError(
             f"{type(trainer.strategy).__name__} cannot resume in the middle of epoch {epoch} at another "
@@ -310,7 +312,8 @@ class ResumePositionMixin:
     hands the loaded one to :meth:`restored_data_position`.
     """
 
-    #: a mid-epoch resume at another data-parallel size: ``"split"`` (exact) or ``"refuse"``
+    #: a mid-epoch resume at another data-parallel size: ``"split"`` (exact), ``"refuse"``, or ``"strategy"``
+    #: (the strategy places the data itself)
     data_width_change: str = "split"
     _saved_data_position: dict[str, Any] | None = None
 
