@@ -457,6 +457,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/strategies/ft_hsdp.md", "Tested with `accumulate_grad_batches=4`", _FT_ACCUMULATION),
     Guarantee("docs/strategies/ft_hsdp.md", "The data accounting test (`tests/test_ft_data.py`)", _FT_DATA),
     Guarantee("docs/checkpoints.md", "Tested in `tests/test_ft_data.py`: 2 groups -> 3", _FT_WIDTH),
+    Guarantee("docs/strategies/ft_hsdp.md", "tested by `tests/test_ft_sync.py` and `tests/test_ft_switch.py`",
+              (*_FT_SYNC_KILL, *_FT_SWITCH)),
     Guarantee("docs/strategies/ft_hsdp.md", "(tested by digests)", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests: `tests/test_ft_sync.py`", (*_FT_SYNC_KILL, *_FT_SYNC_FULL)),
     Guarantee("docs/strategies/ft_hsdp.md", "Tests (`tests/test_ft_switch.py`", (

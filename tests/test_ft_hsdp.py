@@ -389,7 +389,7 @@ def test_accumulation_one_cross_group_reduction_per_step_sharded_gradients_kill_
         tmp_path, "acc", [*FT, *common, "--trainer.max_steps", str(max_steps),
                           "--trainer.strategy.init_args.init_sync", "false"],
         ["--min-replicas", "1", "--max-restarts", "1"],
-        {"FT_TEST_KILL": "1:3:1", "FT_TEST_SLEEP_ALONE": "1.0", "FT_TEST_REJOIN_AFTER": "2",
+        {"FT_TEST_KILL": "1:3:1", "FT_TEST_SLEEP_ALONE": "0.5", "FT_TEST_REJOIN_AFTER": "2",
          "FT_TEST_GRAD_BYTES": "1"})
     # (the same max_steps: the example's LR schedule depends on it)
     run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, *common,
@@ -564,6 +564,58 @@ def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> 
         trainer = pl.Trainer(strategy="ft_hsdp", accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, FTHSDPStrategy)
         assert (trainer.strategy.replica_group_id, trainer.strategy.num_replica_groups) == (1, 2)
+
+
+def test_cross_group_reduction_is_deferred_to_one_call_per_dtype_under_accumulation() -> None:
+    # CrossGroupReduce with a fake manager link (each all-reduce triples the tensor: "the other groups").
+    from types import SimpleNamespace
+
+    from torch.distributed import ReduceOp
+
+    from fsdp_strategies.ft.accounting import StepInFlight
+    from fsdp_strategies.ft.cross_group import CrossGroupReduce
+
+    calls: list[tuple[torch.dtype, int, ReduceOp]] = []
+
+    class Link:
+        def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> object:
+            calls.append((tensor.dtype, tensor.numel(), reduce_op))
+            tensor.mul_(3.0)
+            return SimpleNamespace(wait=lambda: None)
+
+    step, waits = StepInFlight(), []
+    cross = CrossGroupReduce(step, lambda: waits.append(1), lambda: False)
+    cross.link = Link()
+    # one micro-batch per step: the FSDP hook reduces each unit's output at once, with this group's weight
+    step.grad_scale, out = 0.5, torch.ones(4)
+    cross.hook(out)
+    assert calls == [(torch.float32, 4, ReduceOp.AVG)] and out.tolist() == [1.5] * 4 and waits
+    # accumulation: from a non-final micro-batch on, the hook only weights; one reduction after the last
+    calls.clear()
+    with cross.micro_batch():
+        cross.hook(out := torch.ones(4))
+    cross.hook(last := torch.ones(4))
+    assert not calls and out.tolist() == last.tolist() == [0.5] * 4
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1).double())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    cross.reduce_accumulated(model)
+    assert calls == [(torch.float32, 8, ReduceOp.AVG), (torch.float64, 3, ReduceOp.AVG)], calls
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+    # NonFiniteGuard's weight (a sum) replaces the redistribute weights the micro-batches already got
+    calls.clear()
+    step.sum_scale, step.micro_scales = 0.25, [0.5, 0.5]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    cross.reduce_accumulated(model)
+    assert {op for *_, op in calls} == {ReduceOp.SUM}
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25 / 0.5 * 3.0)) for p in model.parameters())
+    cross.end_step()
+    assert not cross.deferred
+    cross.paused = lambda: True  # a semi-synchronous phase: nothing deferred, nothing sent
+    with cross.micro_batch():
+        cross.hook(torch.ones(4))
+    assert not cross.deferred and len(calls) == 2
 
 
 @pytest.mark.subprocess

@@ -125,7 +125,7 @@ def _records(out: Path, group: int) -> list[dict[str, Any]]:
 
 
 def _launch(tmp: Path, slow_link: dict[str, Any], steps: int, launcher: list[str], env: dict[str, str],
-            timeout: float = 300) -> Path:
+            timeout: float = 300, accumulate: int = 1) -> Path:
     override = tmp / "callbacks.yaml"
     override.write_text(yaml.safe_dump({"trainer": {"callbacks": [
         {"class_path": "fsdp_strategies.callbacks.StragglerDetector",
@@ -136,16 +136,18 @@ def _launch(tmp: Path, slow_link: dict[str, Any], steps: int, launcher: list[str
     run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--quorum-tick-ms", "10", "--events-dir", str(events),
                 "--timeout", str(timeout - 20), *launcher, "--", WORKER, "fit", "--config", CONFIG, "--config",
-                str(override), *TINY, "--trainer.max_steps", str(steps)],
-               env={"FT_TEST_OUT": str(tmp / "out"), "FT_TEST_SLEEP": "0.3",
+                str(override), *TINY, "--trainer.max_steps", str(steps),
+                "--trainer.accumulate_grad_batches", str(accumulate)],
+               env={"FT_TEST_OUT": str(tmp / "out"), "FT_TEST_SLEEP": str(0.3 / accumulate),  # per record
                     "FSDP_STRATEGIES_SLOW_LINK": json.dumps(slow_link), **env}, timeout=timeout)
     return events
 
 
-def check_switch_run(tmp: Path, max_steps: int) -> dict[str, Any]:
+def check_switch_run(tmp: Path, max_steps: int, accumulate: int = 1) -> dict[str, Any]:
     """Every group switched at the same committed steps; replicas identical after every committed every-step step
     and every committed outer sync, and at the end; inner steps without cross-group traffic; the data position
-    (committed steps) continues across switches. Returns the switches and counts."""
+    (committed steps) continues across switches; ``accumulate`` micro-batches per step, only the last of which
+    may send anything across groups. Returns the switches and counts."""
     out = tmp / "out"
     switches = []
     for g in (0, 1):
@@ -163,6 +165,9 @@ def check_switch_run(tmp: Path, max_steps: int) -> dict[str, Any]:
                 prev_inc, prev_syncs = r["incarnation"], None
             is_sync = prev_syncs is not None and r["syncs"] != prev_syncs
             prev_syncs = r["syncs"]
+            if (r["batch_idx"] + 1) % accumulate:  # a micro-batch inside a step, in either mode
+                assert r["allreduces"] == 0 and not is_sync and r["step_after"] == r["step_before"], (g, r)
+                continue
             if r["semi_before"] and not is_sync:  # an inner step: the group's own FSDP collectives only
                 if r["semi"]:
                     assert r["allreduces"] == 0, f"inner step with cross-group traffic: group {g} {r}"
@@ -200,8 +205,10 @@ def _covered(events: Path, group: int) -> list[int]:
 def test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps(tmp_path: Path) -> None:
     # group 1's link is slow (3 s/MB, ~1.3 s per step) in steps [0, 10): cost ~0.8 of the step time > 0.5 -> both
     # groups switch to DiLoCo rounds of 2 steps; from step 10 the syncs are fast (cost ~0.1 < 0.25) -> back.
-    _launch(tmp_path, {"groups": [1], "seconds_per_mb": 3.0, "start_step": 0, "end_step": 10}, 24, [], {})
-    res = check_switch_run(tmp_path, 24)
+    # Every step accumulates 2 micro-batches: the detector, the switch and the rounds count optimizer steps.
+    _launch(tmp_path, {"groups": [1], "seconds_per_mb": 3.0, "start_step": 0, "end_step": 10}, 24, [], {},
+            accumulate=2)
+    res = check_switch_run(tmp_path, 24, accumulate=2)
     (to_semi, s1), (to_sync, s2) = res["switches"]
     # the switch steps depend on measured cost ratios (wall time), so the bounds are the phases themselves, not a
     # tighter guess: into DiLoCo while the link is slow (before step 10), back once it is fast again

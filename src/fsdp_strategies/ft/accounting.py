@@ -77,6 +77,8 @@ class StepInFlight:
     grad_scale: float = 1.0
     #: a batch of the step was built from the dataset (the loader was not at its position)
     rebuilt: bool = False
+    #: the ``redistribute`` weights the step's micro-batches got so far (under accumulation)
+    micro_scales: list[float] = field(default_factory=list)
     #: the groups in the step, learnt by the first micro-batch's redistribution (``None``: not yet)
     live: list[int] | None = None
     #: ``NonFiniteGuard`` under accumulation: whether any micro-batch's loss was not finite (``None``: no
@@ -132,7 +134,7 @@ class StepInFlight:
         trained in this step; ``first``: the step's first micro-batch (the data fields start over)."""
         if first:
             self.position, self.own_samples, self.extra_samples, self.micro_batches = position, 0, 0, 0
-            self.live, self.rebuilt = None, False
+            self.live, self.rebuilt, self.micro_scales = None, False, []
         self.rebuilt = self.rebuilt or rebuilt
         self.own_samples += own_samples
         self.micro_batches += 1

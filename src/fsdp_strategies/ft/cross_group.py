@@ -94,6 +94,9 @@ class CrossGroupReduce:
         a ``NonFiniteGuard`` weight is applied here)."""
         step = self.step
         sum_scale = step.sum_scale
+        if sum_scale is not None and step.micro_scales:  # the hook weighted each micro-batch already: the
+            applied = sum(step.micro_scales) / len(step.micro_scales)  # step's weight replaces it (exact when
+            sum_scale = sum_scale / applied  # its micro-batches are alike, as all but an epoch's last are)
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:

@@ -88,5 +88,6 @@ def add_missing_groups(step: StepInFlight, batch: Any, *, data: StepAlignedData,
                         replica_group_id=replica_group_id, num_replica_groups=num_replica_groups, rank=rank,
                         world_size=world_size, device=device, prepare=prepare, live=step.live)
     step.grad_scale, step.live = more.grad_scale, more.live
+    step.micro_scales.append(more.grad_scale)
     step.extra_samples += more.extra_samples
     return more.batch
