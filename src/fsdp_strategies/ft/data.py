@@ -60,11 +60,10 @@ from torch.utils.data import (
 )
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies.ft.resume_width import Layout, Rest, rest_after
+from fsdp_strategies.ft.resume_width import Layout, Rest, locate, rest_after
 from fsdp_strategies.runtime.data_position import (
     DataPositionError,
     data_parallel_size,
-    epoch_order,
     split_remainder,
 )
 from fsdp_strategies.runtime.resume_position import _install, _SkipFirstIterationSampler
@@ -116,7 +115,7 @@ class _PositionBatches(Dataset[Any]):
         self.rest: Rest | None = None
         self._orders: dict[tuple[int, int | None], list[Any]] = {}
 
-    def layout(self, accumulate: int) -> Layout:
+    def layout(self, accumulate: int = 1) -> Layout:
         """This loader's :class:`~fsdp_strategies.ft.resume_width.Layout` (with its rest)."""
         s = self.sampler
         sharded = isinstance(s, DistributedSampler)
@@ -129,24 +128,17 @@ class _PositionBatches(Dataset[Any]):
         key = (-1 - rest.epoch, shard)  # (negative: not an epoch of the sampler's own)
         if key not in self._orders:
             s = self.sampler
-            sharded = isinstance(s, DistributedSampler)
-            kind, seed = ("distributed", int(s.seed)) if sharded else ("sequential", 0)
-            order = epoch_order({"kind": kind, "dataset_len": len(self.dataset), "seed": seed,
-                                 "shuffle": bool(s.shuffle) if sharded else False}, rest.epoch)
-            rank = (int(s.rank) if shard is None else shard) if sharded else 0
+            rank = (int(s.rank) if shard is None else shard) if isinstance(s, DistributedSampler) else 0
+            order = self.layout().order(rest.epoch)
             self._orders[key] = split_remainder(order[rest.trained:], rest.width, rank, rest.drop_last)
         return self._orders[key][j * self.batch_size:(j + 1) * self.batch_size]
 
     def indices(self, q: int, shard: int | None = None) -> list[Any]:
         """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a ``DistributedSampler``."""
-        rest = self.rest
-        if rest is not None and q >= rest.start:
-            if q - rest.start < rest.batches:
-                return self._rest_indices(rest, q - rest.start, shard)
-            epoch, i = divmod(q - rest.start - rest.batches, self.per_epoch)
-            epoch += rest.epoch + 1
-        else:
-            epoch, i = divmod(q, self.per_epoch)
+        epoch, i, in_rest = locate(q, self.per_epoch, self.rest)
+        if in_rest:
+            assert self.rest is not None
+            return self._rest_indices(self.rest, i, shard)
         key = (epoch, shard)
         if key not in self._orders:
             if len(self._orders) >= 8:

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fsdp_strategies.runtime.data_position import DataPositionError, split_remainder
+from fsdp_strategies.runtime.data_position import DataPositionError, epoch_order, split_remainder
 
-__all__ = ["KEY", "Layout", "Rest", "rest_after", "trained_before"]
+__all__ = ["KEY", "Layout", "Rest", "locate", "rest_after", "trained_before"]
 
 #: the checkpoint key of an ``ft_hsdp`` run's data layout
 KEY = "fsdp_strategies.ft_data_layout"
@@ -74,22 +74,36 @@ class Layout:
         rest = record.get("rest")
         return cls(**{**record, "rest": None if rest is None else Rest(**rest)})
 
+    def order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s global sample order (before its split over the shards)."""
+        return epoch_order({"kind": "distributed", "dataset_len": self.dataset_len, "shuffle": self.shuffle,
+                            "seed": self.seed}, epoch)
+
     def same_order(self, other: Layout) -> bool:
         """Whether both have the same epoch orders (the global order of every epoch)."""
         return (self.dataset_len, self.shuffle, self.seed) == (other.dataset_len, other.shuffle, other.seed)
 
 
-def trained_before(layout: Layout, position: int) -> tuple[int, int]:
-    """``(epoch, n)``: the data epoch of ``position`` under ``layout`` and the samples of its global order
-    trained before it (by all shards)."""
-    rest = layout.rest
+def locate(position: int, per_epoch: int, rest: Rest | None) -> tuple[int, int, bool]:
+    """``(epoch, i, in_rest)``: ``position`` is batch ``i`` of data epoch ``epoch`` -- of the resumed epoch's
+    rest when ``in_rest``, else of the sampler's own epoch."""
     if rest is not None and position >= rest.start:
         j = position - rest.start
         if j < rest.batches:
-            return rest.epoch, rest.trained + j * rest.batch_size * rest.width
-        epoch, i = divmod(j - rest.batches, layout.per_epoch)
-        return rest.epoch + 1 + epoch, i * layout.batch_size * layout.width
-    epoch, i = divmod(position, layout.per_epoch)
+            return rest.epoch, j, True
+        epoch, i = divmod(j - rest.batches, per_epoch)
+        return rest.epoch + 1 + epoch, i, False
+    epoch, i = divmod(position, per_epoch)
+    return epoch, i, False
+
+
+def trained_before(layout: Layout, position: int) -> tuple[int, int]:
+    """``(epoch, n)``: the data epoch of ``position`` under ``layout`` and the samples of its global order
+    trained before it (by all shards)."""
+    epoch, i, in_rest = locate(position, layout.per_epoch, layout.rest)
+    if in_rest:
+        assert layout.rest is not None
+        return epoch, layout.rest.trained + i * layout.rest.batch_size * layout.rest.width
     return epoch, i * layout.batch_size * layout.width
 
 
