@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import processes
-from fsdp_strategies.ft.process_tree import process_tree
+from fsdp_strategies.ft.launch.process_tree import process_tree
 
 RDZV_BACKEND = "c10d"
 

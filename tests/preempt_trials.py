@@ -46,7 +46,7 @@ sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
 import processes  # noqa: E402
 from fsdp_strategies.checkpoint.export import export_consolidated  # noqa: E402
-from fsdp_strategies.ft.process_tree import process_tree  # noqa: E402
+from fsdp_strategies.ft.launch.process_tree import process_tree  # noqa: E402
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")

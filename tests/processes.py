@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies.ft.process_tree import process_tree
+from fsdp_strategies.ft.launch.process_tree import process_tree
 
 __all__ = ["Job", "become_subreaper", "kill_tree", "leaked_processes", "run", "start"]
 

@@ -117,7 +117,7 @@ def test_bad_launcher_options_are_refused_before_anything_starts(argv: list[str]
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """``fsdp-strategies-ft``: argparse's usage error (status 2) naming the flag, its value and a fix; no lighthouse,
     no group, not even the events directory."""
-    from fsdp_strategies.ft.launcher import main
+    from fsdp_strategies.ft.launch.launcher import main
 
     events = tmp_path / "events"
     with pytest.raises(SystemExit) as info:
@@ -129,7 +129,7 @@ def test_bad_launcher_options_are_refused_before_anything_starts(argv: list[str]
 
 
 def test_launcher_options_from_python_are_checked_too() -> None:
-    from fsdp_strategies.ft.launch_options import LaunchOptionError, LaunchOptions
+    from fsdp_strategies.ft.launch.options import LaunchOptionError, LaunchOptions
 
     with pytest.raises(LaunchOptionError, match=r"--groups '2': not an integer\. Fix: give an integer\."):
         LaunchOptions(groups="2").validate(["train.py"])  # type: ignore[arg-type]

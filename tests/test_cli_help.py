@@ -80,8 +80,8 @@ FT_FLAGS: dict[str, Any] = {
 
 
 def test_ft_launcher_help_lists_every_flag_with_its_help_and_default(capsys: pytest.CaptureFixture[str]) -> None:
-    from fsdp_strategies.ft.launch_options import LaunchOptions
-    from fsdp_strategies.ft.launcher import main
+    from fsdp_strategies.ft.launch.launcher import main
+    from fsdp_strategies.ft.launch.options import LaunchOptions
 
     with pytest.raises(SystemExit) as info:
         main(["--help"])
@@ -97,7 +97,7 @@ def test_ft_launcher_help_lists_every_flag_with_its_help_and_default(capsys: pyt
 
 
 def test_ft_launcher_flags_reach_the_options_and_the_command_is_what_follows() -> None:
-    from fsdp_strategies.ft.launch_options import LaunchOptions, parse_args
+    from fsdp_strategies.ft.launch.options import LaunchOptions, parse_args
 
     options, command = parse_args(["--", "train.py", "fit", "--trainer.max_steps", "3"])
     assert options == LaunchOptions() and command == ["train.py", "fit", "--trainer.max_steps", "3"]

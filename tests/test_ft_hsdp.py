@@ -21,7 +21,7 @@ from conftest import WORKERS, free_port, run_python
 from fsdp_strategies import FTHSDPStrategy, verify_checkpoint
 from fsdp_strategies.callbacks.hang_watchdog import HANG_EXIT_CODE
 from fsdp_strategies.ft import LEAVE_EXIT_CODE, LighthouseUnreachableError
-from fsdp_strategies.ft.launch_options import parse_kill_at
+from fsdp_strategies.ft.launch.options import parse_kill_at
 
 WORKER = str(WORKERS / "ft_train.py")
 # val_check_interval 1.0: Lightning 2.6.0 (make test-lightning-range) refuses configs/ft_hsdp.yaml's 100 against a
@@ -275,7 +275,7 @@ def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path)
 def test_forkserver_group_fails_as_a_whole_like_torchrun(tmp_path: Path) -> None:
     # One rank exits 3 while the other would sleep a minute: the leader kills it and exits 3; each rank had
     # torchrun's environment, its argv, and the modules preloaded.
-    from fsdp_strategies.ft.forkserver import start_group
+    from fsdp_strategies.ft.launch.forkserver import start_group
 
     script = tmp_path / "rank.py"
     script.write_text(
@@ -308,7 +308,7 @@ def test_forkserver_group_fails_as_a_whole_like_torchrun(tmp_path: Path) -> None
 
 
 def test_forkserver_runner_rejects_warm_spares_and_another_python() -> None:
-    from fsdp_strategies.ft.launcher import LaunchOptions
+    from fsdp_strategies.ft.launch.launcher import LaunchOptions
 
     with pytest.raises(SystemExit, match="--runner forkserver with --warm-spares: pick one"):
         LaunchOptions(runner="forkserver", warm_spares=True).validate(["train.py"])

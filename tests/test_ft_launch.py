@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from conftest import WORKERS, run_python
-from fsdp_strategies.ft.group_exit import (
+from fsdp_strategies.ft.launch.group_exit import (
     GroupExit,
     classify_exit,
     last_error_line,
-    restart_cannot_fix,
     torchrun_worker_exit_code,
 )
-from fsdp_strategies.ft.launch_options import core_sets
+from fsdp_strategies.ft.launch.options import core_sets
+from fsdp_strategies.ft.leave import restart_cannot_fix
 from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE
 
 

@@ -86,7 +86,7 @@ def test_the_launchers_event_readers_keep_no_records_and_look_once_per_pass(tmp_
     # GiBs an hour at 1,024 groups) and looked at its file 2-3 times per launcher pass
     import tracemalloc
 
-    from fsdp_strategies.ft.launcher import LOOK_EVERY_S, LOOP_S
+    from fsdp_strategies.ft.launch.launcher import LOOK_EVERY_S, LOOP_S
     from fsdp_strategies.ft.protocol import EventLog
 
     assert 0 < LOOK_EVERY_S < LOOP_S  # every pass of the loop still sees what was appended before it

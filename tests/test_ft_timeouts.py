@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_strategies.ft import FTHSDPStrategy
-from fsdp_strategies.ft.launch_options import LaunchOptionError, LaunchOptions
+from fsdp_strategies.ft.launch.options import LaunchOptionError, LaunchOptions
 from fsdp_strategies.ft.timeouts import (
     LIGHTHOUSE_TIMEOUTS_ENV,
     TORCHFT_LIGHTHOUSE_DEFAULTS,

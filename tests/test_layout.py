@@ -117,6 +117,33 @@ def test_dependencies_point_one_way(module: str) -> None:
                        f"(see docs/architecture.md). Fix: move the shared code down a layer, or the importer up.")
 
 
+#: what the launcher's side of ft/ may import of the training side: the contract between the two
+CONTRACT = {"fsdp_strategies.ft.protocol", "fsdp_strategies.ft.timeouts"}
+
+
+def _ft_side(module: str) -> str | None:
+    if not module.startswith("fsdp_strategies.ft.") or module == "fsdp_strategies.ft.__main__":
+        return None  # ft's __init__ exports the strategy; __main__ is the launcher's entry point
+    return "launch" if module.startswith("fsdp_strategies.ft.launch") else "training"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _ft_side(m)))
+def test_ft_training_and_launch_meet_only_in_the_contract(module: str) -> None:
+    """ft/launch/ (the supervisor) and the rest of ft/ (training processes) import each other only through
+    ft.protocol and ft.timeouts: a training module never imports the launcher, the launcher nothing else."""
+    side = _ft_side(module)
+    other = sorted(d for d in GRAPH[module] if _ft_side(d) not in (None, side) and d not in CONTRACT)
+    assert not other, (f"{module} ({side} side of ft/) imports {other}. Fix: what both sides need belongs in "
+                       "ft/protocol.py (the contract); see docs/architecture.md.")
+
+
+def test_the_ft_side_check_sees_a_crossing() -> None:
+    """A guard for the guard: the launcher's import of the protocol is seen as a crossing into the contract."""
+    assert "fsdp_strategies.ft.protocol" in GRAPH["fsdp_strategies.ft.launch.launcher"]
+    assert _ft_side("fsdp_strategies.ft.strategy") == "training"
+    assert _ft_side("fsdp_strategies.ft.launch.launcher") == "launch"
+
+
 def test_nothing_in_the_package_imports_testing() -> None:
     users = sorted(m for m, deps in GRAPH.items() if "fsdp_strategies.testing" in deps)
     assert not users, f"production modules import fsdp_strategies.testing: {users}"

@@ -158,7 +158,7 @@ SELF_KILLING_GROUP = textwrap.dedent("""
     pids = sys.argv[1]
     sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     killer = subprocess.Popen([sys.executable, "-c",
-        "import os, sys, time; time.sleep(1); from fsdp_strategies.ft.process_tree import kill_tree; "
+        "import os, sys, time; time.sleep(1); from fsdp_strategies.ft.launch.process_tree import kill_tree; "
         "kill_tree(os.getppid()); time.sleep(600)"], start_new_session=True)
     with open(pids, "w") as fh:
         fh.write(f"{sibling.pid} {killer.pid}")

@@ -198,7 +198,7 @@ def client(args: list[str]) -> None:
 
 def _ask_for_stacks(conn: socket.socket) -> None:
     """SIGABRT to the client: the FT launcher's ``--timeout`` asks every process of a stuck group for its Python
-    stacks that way (``fsdp_strategies.ft.process_tree.dump_stacks``). The job's processes descend from the
+    stacks that way (``fsdp_strategies.ft.launch.process_tree.dump_stacks``). The job's processes descend from the
     server, not from this client, so the server does it for the job's tree; the job then ends of SIGABRT and
     so does this client."""
     try:
@@ -336,7 +336,7 @@ def _run_as_main(kind: str, target: str) -> None:
 def _job_tree(job: int, client_jobs: dict[int, int]) -> list[int]:
     """``job`` and its descendants, parents before children, where a descendant that is a client stands for its
     job's tree (a job's own ``python`` children -- torchrun's ranks -- are forked from the server too)."""
-    from fsdp_strategies.ft.process_tree import process_tree
+    from fsdp_strategies.ft.launch.process_tree import process_tree
 
     tree = []
     for pid in process_tree(job):
@@ -366,7 +366,7 @@ def serve(path: str, shim: str) -> None:
     import importlib
     import select
 
-    from fsdp_strategies.ft.process_tree import dump_stacks_of, kill_tree
+    from fsdp_strategies.ft.launch.process_tree import dump_stacks_of, kill_tree
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the pytest process
     parent = os.getppid()

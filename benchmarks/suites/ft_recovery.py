@@ -163,7 +163,7 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
             warm_spares: bool = False, runner: str = "torchrun", src: Path | None = None) -> dict[str, Any]:
     """``src``: the ranks import the package from this folder (another checkout's ``src``; default: this
     one's)."""
-    from fsdp_strategies.ft.launcher import run as ft_run
+    from fsdp_strategies.ft.launch.launcher import run as ft_run
 
     events = work / "events"
     config = {"every_step": "ft_hsdp.yaml", "diloco": "ft_hsdp_diloco.yaml"}[sync]
@@ -191,7 +191,7 @@ def _launcher_cores(events: Path) -> dict[str, Any]:
 
 def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
                       ckpt_every: int, timeout: float) -> dict[str, Any]:
-    from fsdp_strategies.ft.process_tree import kill_tree
+    from fsdp_strategies.ft.launch.process_tree import kill_tree
 
     ckpt, log = work / "ckpt", work / "steps.jsonl"
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,7 @@ import common
 
 ROOT = common.ROOT
 WORKER = common.WORKERS_DIR / "ft_scale_worker.py"
-#: fsdp-strategies-ft's lighthouse defaults (src/fsdp_strategies/ft/launch_options.py)
+#: fsdp-strategies-ft's lighthouse defaults (src/fsdp_strategies/ft/launch/options.py)
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 2000}
 HEARTBEAT_INTERVAL_MS = 100  # torchft.Manager's default heartbeat_interval
 GROUPS_PER_POOL = 128
@@ -583,8 +583,10 @@ def run(quick: bool, out_dir: Path, groups: list[int] | None = None, duration: f
         # the fsdp_strategies the launcher loop imports (another checkout's src/: a before/after comparison)
         "src": str(Path(src).resolve() if src else ROOT / "src"),
     }
-    if not (Path(cfg["src"]) / "fsdp_strategies" / "ft" / "launcher.py").exists():
-        raise ValueError(f"--src {cfg['src']}: no fsdp_strategies/ft/launcher.py in it. Fix: a checkout's src/ folder "
+    ft_dir = Path(cfg["src"]) / "fsdp_strategies" / "ft"
+    if not ((ft_dir / "launch" / "launcher.py").exists() or (ft_dir / "launcher.py").exists()):
+        raise ValueError(f"--src {cfg['src']}: no fsdp_strategies/ft/launch/launcher.py in it. Fix: a checkout's "
+                         "src/ folder "
                          "(e.g. `git archive <commit> src | tar -x -C /tmp/before`, then --src /tmp/before/src).")
     for n in cfg["groups"]:
         if n < 2:

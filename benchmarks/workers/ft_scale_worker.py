@@ -23,7 +23,7 @@ incarnation's replica id, and the ``--observer`` group's step records carry each
 the Rust calls release the GIL), so 1,024 fit on a small machine. The module loads ``torchft/_torchft*.so`` by
 itself, without ``import torchft`` (which imports torch): a restarted group costs a process start, not a torch import.
 
-``launcher``: the real :class:`fsdp_strategies.ft.launcher.FTLauncher` for N groups, whose supervision pass (the
+``launcher``: the real :class:`fsdp_strategies.ft.launch.launcher.FTLauncher` for N groups, whose supervision pass (the
 concerns of its ``run`` loop: finished? exits? spares? faults?) runs every 50 ms over the groups' events files as
 they grow. Writes per-pass wall and CPU seconds and its own RSS over time to ``--out`` when it gets SIGTERM.
 """
@@ -174,7 +174,10 @@ def _rss_bytes() -> int:
 
 
 def launcher_main(ns: argparse.Namespace) -> None:
-    from fsdp_strategies.ft.launcher import FTLauncher, LaunchOptions
+    try:
+        from fsdp_strategies.ft.launch.launcher import FTLauncher, LaunchOptions
+    except ImportError:  # a checkout before ft/launch/ (--src of an earlier commit)
+        from fsdp_strategies.ft.launcher import FTLauncher, LaunchOptions  # type: ignore[no-redef]
 
     launcher = FTLauncher([sys.executable, "-c", "pass"],
                           LaunchOptions(groups=ns.groups, events_dir=ns.events_dir, runner="lightning"))

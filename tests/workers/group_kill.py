@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from fsdp_strategies.ft.process_tree import kill_tree
+from fsdp_strategies.ft.launch.process_tree import kill_tree
 
 GROUP_ROOT = os.getppid()
 

@@ -14,14 +14,12 @@
   :mod:`~fsdp_strategies.ft.nonfinite` (a group with a non-finite loss leaves the step's average) and
   :mod:`~fsdp_strategies.ft.accounting` (``ft_stats``, ``ft/*`` metrics, events, data trained and missed).
 * :mod:`~fsdp_strategies.ft.data` -- the data position that follows the committed step.
-* :mod:`~fsdp_strategies.ft.handover` -- a group restarted with no live peer ahead resumes from the newest
-  checkpoint the groups recorded (the launcher and ``examples/slurm/ft_hsdp.sbatch``).
-* :mod:`~fsdp_strategies.ft.launcher` -- ``fsdp-strategies-ft``: a lighthouse plus N replica groups
-  on one machine, restarted on failure, with fault injection; its options are declared once in
-  :mod:`~fsdp_strategies.ft.launch_options`, a group's start is :mod:`~fsdp_strategies.ft.group_start`,
-  the reading of its exit (left, preempted, unfixable, failed) :mod:`~fsdp_strategies.ft.group_exit`, and
-  killing a whole group :mod:`~fsdp_strategies.ft.process_tree`; :mod:`~fsdp_strategies.ft.forkserver` forks
-  groups with their imports done.
+* :mod:`~fsdp_strategies.ft.leave` -- a group leaving the quorum on purpose, or exiting with the code that
+  tells the launcher not to restart it.
+* :mod:`~fsdp_strategies.ft.launch` -- the supervisor's side, never imported by a training process:
+  ``fsdp-strategies-ft`` (a lighthouse plus N replica groups on one machine, restarted on failure, with fault
+  injection), its options, a group's start and the reading of its exit, a group's process tree, the forkserver,
+  and the hand-over of checkpoints to a group restarted with no live peer ahead.
 """
 
 from fsdp_strategies.ft.protocol import (

@@ -14,7 +14,7 @@ Written once, here, and used by both sides:
   ``EX_TEMPFAIL``: stopped by SIGTERM, checkpoint written, requeue -- the launcher does not restart it, and
   exits with it once no group can finish), and :data:`UNFIXABLE_EXIT_CODE` (80: an error a restart would meet
   again -- not restarted). Distinct so the launcher can tell them apart
-  (:mod:`fsdp_strategies.ft.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
+  (:mod:`fsdp_strategies.ft.launch.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
 * **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
   ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
   of training -- and read by the launcher (fault injection at a committed step, "training finished",
@@ -73,7 +73,7 @@ LAUNCHER_PID_ENV = "FSDP_STRATEGIES_FT_LAUNCHER_PID"
 #: requeue), which the launcher treats differently.
 LEAVE_EXIT_CODE = 79
 #: exit status of a replica group stopped by an error that a restart would meet again -- a bad option, a full
-#: disk, a damaged or mismatched input file (:func:`fsdp_strategies.ft.group_exit.restart_cannot_fix`); the
+#: disk, a damaged or mismatched input file (:func:`fsdp_strategies.ft.leave.restart_cannot_fix`); the
 #: launcher does not restart it. 80: next after :data:`LEAVE_EXIT_CODE`, outside ``sysexits.h``'s range.
 UNFIXABLE_EXIT_CODE = 80
 

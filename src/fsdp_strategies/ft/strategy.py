@@ -45,8 +45,8 @@ from fsdp_strategies.ft import resume_width
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.cross_group import CrossGroupReduce
 from fsdp_strategies.ft.data import StepAlignedData
-from fsdp_strategies.ft.group_exit import exit_if_unfixable, leave_now
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState, resume_from_handed
+from fsdp_strategies.ft.leave import exit_if_unfixable, leave_now
 from fsdp_strategies.ft.manager import (
     CountedManager,
     LighthouseUnreachableError,

@@ -4,7 +4,7 @@ Each command-line flag is a dataclass field whose metadata holds its help text (
 ``metavar`` or ``choices``); :func:`build_parser` derives the argparse parser from those fields -- the
 flag is the field name with dashes, its type comes from the annotation (``int``, ``float``, ``str``;
 ``X | None`` for "unset"; ``bool`` becomes a switch) and its default is the field's default. A field
-without help text is an option of the Python API only (:func:`fsdp_strategies.ft.launcher.run`):
+without help text is an option of the Python API only (:func:`fsdp_strategies.ft.launch.launcher.run`):
 ``python`` and ``env``. Adding an option is adding a field; the parser, ``--help`` and the keyword
 arguments of ``run()`` follow.
 

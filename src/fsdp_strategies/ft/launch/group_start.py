@@ -7,15 +7,15 @@ spare. Every incarnation gets
   group count, events file, restart count; for a spare also its activation file and the launcher's pid),
   its own rendezvous (``MASTER_ADDR``/``MASTER_PORT`` on a free port) and none of a parent's rank variables;
 * its own OS session (``start_new_session``), so a fault kills exactly the group (see
-  :mod:`~fsdp_strategies.ft.process_tree`);
+  :mod:`~fsdp_strategies.ft.launch.process_tree`);
 * its CPUs (``--pin-cores``, inherited by ``torchrun`` and its ranks; a restart gets the same ones);
 * its output appended to ``group<G>.log`` after a ``===== <header>`` line (``start #N`` for each start:
-  :mod:`~fsdp_strategies.ft.group_exit` reads the latest start from there).
+  :mod:`~fsdp_strategies.ft.launch.group_exit` reads the latest start from there).
 
 A spare starts under ``SCHED_IDLE``: its start-up uses only CPU time the group's training leaves idle, and it
 returns to normal scheduling once activated (:func:`~fsdp_strategies.ft.protocol.restore_normal_scheduling`).
 With ``--runner forkserver`` the ranks are forked from the forkserver instead
-(:func:`~fsdp_strategies.ft.forkserver.start_group`), which does the same for them.
+(:func:`~fsdp_strategies.ft.launch.forkserver.start_group`), which does the same for them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies.ft.forkserver import ForkServerGroup, start_group
-from fsdp_strategies.ft.launch_options import LaunchOptions
+from fsdp_strategies.ft.launch.forkserver import ForkServerGroup, start_group
+from fsdp_strategies.ft.launch.options import LaunchOptions
 from fsdp_strategies.ft.protocol import FTEnvironment
 
 __all__ = ["GroupProcess", "GroupStarter", "free_port"]

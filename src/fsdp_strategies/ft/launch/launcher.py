@@ -7,10 +7,10 @@ Each replica group is one ``torchrun`` job (``--runner torchrun``, the default: 
 takes its group down, which is what fault tolerance needs), a plain ``python SCRIPT`` that lets
 Lightning's own launcher start the ranks (``--runner lightning``), or ranks forked from one server process that
 has imported torch, Lightning and torchft once, with torchrun's semantics (``--runner forkserver``, see
-:mod:`fsdp_strategies.ft.forkserver`: a restart skips the imports). Every group gets its own OS
-session (:mod:`~fsdp_strategies.ft.group_start`), so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``)
-is a SIGKILL of the whole group (:mod:`~fsdp_strategies.ft.process_tree`). A group that exits is restarted --
-unless it finished, was preempted, or exhausted ``--max-restarts`` (:mod:`~fsdp_strategies.ft.group_exit` tells
+:mod:`fsdp_strategies.ft.launch.forkserver`: a restart skips the imports). Every group gets its own OS
+session (:mod:`~fsdp_strategies.ft.launch.group_start`), so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``)
+is a SIGKILL of the whole group (:mod:`~fsdp_strategies.ft.launch.process_tree`). A group that exits is restarted --
+unless it finished, was preempted, or exhausted ``--max-restarts`` (:mod:`~fsdp_strategies.ft.launch.group_exit` tells
 the kinds of exit apart) -- and the restarted group heals from a live peer.
 With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has already
 started Python, imported everything and built its Trainer, and waits (no process group, no quorum seat) to
@@ -19,7 +19,7 @@ Groups learn their place from the environment (:class:`~fsdp_strategies.ft.proto
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``FSDP_STRATEGIES_FT_EVENTS`` -- a
 per-group JSON-lines step log (:class:`~fsdp_strategies.ft.protocol.EventLog`), which the launcher also
 reads for ``--kill-at-steps`` -- and ``FT_RESTART_COUNT``). The options are declared once, in
-:mod:`~fsdp_strategies.ft.launch_options`.
+:mod:`~fsdp_strategies.ft.launch.options`.
 
 On a cluster the same job is ``torchft_lighthouse --min_replicas 1 --bind [::]:29510`` on one host
 and one ``torchrun`` (or torchx / SLURM) job per replica group with those variables set.
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_strategies.ft.group_exit import GroupExit, classify_exit, last_error_line
-from fsdp_strategies.ft.group_start import GroupProcess, GroupStarter
-from fsdp_strategies.ft.handover import hand_checkpoints
-from fsdp_strategies.ft.launch_options import LaunchOptions, core_sets, parse_args, parse_kill_at
-from fsdp_strategies.ft.process_tree import dump_stacks, kill_tree
+from fsdp_strategies.ft.launch.group_exit import GroupExit, classify_exit, last_error_line
+from fsdp_strategies.ft.launch.group_start import GroupProcess, GroupStarter
+from fsdp_strategies.ft.launch.handover import hand_checkpoints
+from fsdp_strategies.ft.launch.options import LaunchOptions, core_sets, parse_args, parse_kill_at
+from fsdp_strategies.ft.launch.process_tree import dump_stacks, kill_tree
 from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, resume_file, standby_ready_file
 
 #: the supervision loop's period, and how old a group's events may be within one pass (less than the period, so
@@ -161,7 +161,7 @@ class FTLauncher:
     # ------------------------------------------------------------------ one group: start and kill
     def _spawn(self, g: _Group, header: str, restart_count: int | None = None,
                standby_file: Path | None = None) -> tuple[GroupProcess, Any]:
-        """Start one incarnation of the group (see :mod:`~fsdp_strategies.ft.group_start`)."""
+        """Start one incarnation of the group (see :mod:`~fsdp_strategies.ft.launch.group_start`)."""
         return self.starter.start(g.gid, header, g.restarts if restart_count is None else restart_count,
                                   self.events(g).path, standby_file)
 
@@ -319,7 +319,7 @@ class FTLauncher:
         return finished
 
     def _handle_exits(self, training_finished: bool) -> None:
-        """Record each group that exited and react to its kind of exit (:mod:`~fsdp_strategies.ft.group_exit`):
+        """Record each group that exited and react to its kind of exit (:mod:`~fsdp_strategies.ft.launch.group_exit`):
         finished (0): done; preempted: not restarted; unfixable: given up at once; left or failed: restarted,
         or given up after ``max_restarts``."""
         o = self.opts
@@ -468,7 +468,7 @@ class FTLauncher:
 
 def run(command: list[str], **options: Any) -> LauncherResult:
     """Start a lighthouse and ``groups`` replica groups running ``command``; restart and kill as asked
-    (keyword options: the fields of :class:`~fsdp_strategies.ft.launch_options.LaunchOptions`).
+    (keyword options: the fields of :class:`~fsdp_strategies.ft.launch.options.LaunchOptions`).
 
     SIGTERM (preemption) is forwarded to every group (its torchrun and its ranks), which stop at their next
     step and write their preemption checkpoints; groups still running ``grace`` seconds later are killed, and

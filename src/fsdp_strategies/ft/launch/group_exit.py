@@ -1,6 +1,6 @@
 """Why a replica group stopped -- finished, left the quorum, preempted or failed -- and its last error.
 
-The launcher reacts to each kind differently (:meth:`~fsdp_strategies.ft.launcher.FTLauncher.handle_exits`):
+The launcher reacts to each kind differently (:meth:`~fsdp_strategies.ft.launch.launcher.FTLauncher.handle_exits`):
 
 * ``finished`` (status 0): its training ended; it is not started again.
 * ``left`` (:data:`~fsdp_strategies.ft.protocol.LEAVE_EXIT_CODE`): it left the quorum on purpose, e.g.
@@ -11,9 +11,10 @@ The launcher reacts to each kind differently (:meth:`~fsdp_strategies.ft.launche
   restart would undo the stop -- and the other groups go on without it. If no group finishes training,
   the launcher exits with ``PREEMPT_EXIT_CODE`` itself, so the scheduler requeues the job.
 * ``unfixable`` (:data:`~fsdp_strategies.ft.protocol.UNFIXABLE_EXIT_CODE`): an error that a restart would meet
-  again -- a bad option, a full disk, a damaged or mismatched input file (:func:`restart_cannot_fix`). The group
-  exits with it from Lightning's ``on_exception`` (:func:`exit_if_unfixable`) and is not restarted; the
-  launcher gives up on it at once with its last error instead of retrying ``--max-restarts`` times.
+  again -- a bad option, a full disk, a damaged or mismatched input file
+  (:func:`~fsdp_strategies.ft.leave.restart_cannot_fix`). The group exits with it from Lightning's
+  ``on_exception`` (:func:`~fsdp_strategies.ft.leave.exit_if_unfixable`) and is not restarted; the launcher
+  gives up on it at once with its last error instead of retrying ``--max-restarts`` times.
 * ``failed`` (anything else: an exception, a rank killed by a fault): restarted until ``--max-restarts``.
 
 The status the launcher sees is the group's top process's. ``torchrun`` reports any failure of its workers as
@@ -27,30 +28,12 @@ start in its log (each start begins with a ``===== start #N`` line the launcher 
 from __future__ import annotations
 
 import enum
-import errno
 import re
-import sys
 from pathlib import Path
-from typing import Any
 
-from fsdp_strategies._options import is_option_error
-from fsdp_strategies.checkpoint.disk_full import CheckpointDiskFullError
-from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
-from fsdp_strategies.checkpoint.load_into_fsdp import CheckpointMismatchError
-from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError
-from fsdp_strategies.ft.manager import exit_now
-from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE, EventLog
-from fsdp_strategies.hf.pretrained import PretrainedFolderError
-from fsdp_strategies.parallel.blocks import BlockNotFoundError
+from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, PREEMPT_EXIT_CODE, UNFIXABLE_EXIT_CODE
 
-__all__ = ["GroupExit", "classify_exit", "exit_if_unfixable", "last_error_line", "leave_now",
-           "restart_cannot_fix", "torchrun_worker_exit_code"]
-
-#: errors a restart of the group meets again (option errors -- an unreachable ``memory_budget`` too -- are
-#: recognised by ``is_option_error``)
-_UNFIXABLE = (CheckpointDiskFullError, CheckpointIntegrityError, CheckpointMismatchError, UnsafeCheckpointError,
-              PretrainedFolderError, BlockNotFoundError)
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+__all__ = ["GroupExit", "classify_exit", "last_error_line", "torchrun_worker_exit_code"]
 
 #: the tail of a group's log that is read (a long run's log may be large; its latest start is at the end)
 LOG_TAIL_BYTES = 256 * 1024
@@ -84,45 +67,6 @@ def classify_exit(code: int, log: Path, *, left: bool) -> GroupExit:
     if UNFIXABLE_EXIT_CODE in codes:
         return GroupExit.UNFIXABLE
     return GroupExit.FAILED
-
-
-def restart_cannot_fix(error: BaseException) -> bool:
-    """Whether a restarted group would meet ``error`` (or an error it was raised from) again: a bad option, a full
-    disk (also a plain ``OSError`` with ``ENOSPC`` / ``EDQUOT``), a damaged or mismatched checkpoint or pretrained
-    folder, an unreachable memory budget, a block class that is not in the model."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if is_option_error(current) or isinstance(current, _UNFIXABLE) or \
-                (isinstance(current, OSError) and current.errno in _NO_SPACE):
-            return True
-        current = current.__cause__
-    return False
-
-
-def exit_if_unfixable(error: BaseException, manager: Any) -> None:
-    """If a restart cannot fix ``error``: print it once, say so, and exit with ``UNFIXABLE_EXIT_CODE`` now (the
-    manager stopped without waiting on peers), so that the launcher does not restart the group into it."""
-    if not restart_cannot_fix(error):
-        return
-    sys.excepthook(type(error), error, error.__traceback__)  # as if uncaught (torch's hook prefixes the rank)
-    print(f"ft_hsdp: a restart cannot fix this {type(error).__name__}: the replica group exits with "
-          f"{UNFIXABLE_EXIT_CODE} and the launcher does not restart it. Fix the cause, then resume from the last "
-          "checkpoint.", file=sys.stderr, flush=True)
-    exit_now(manager, UNFIXABLE_EXIT_CODE)
-
-
-def leave_now(manager: Any, events: EventLog | None, *, group: int, rank: int, step: int | None,
-              reason: str) -> None:
-    """This rank of replica group ``group`` leaves the quorum now: says why on stderr, writes the ``left``
-    record (``events``: rank 0's log, else ``None``) and exits with ``LEAVE_EXIT_CODE`` without waiting on
-    peers."""
-    print(f"ft_hsdp: replica group {group} rank {rank} leaves the quorum"
-          f"{'' if step is None else f' at committed step {step}'}: {reason}", file=sys.stderr, flush=True)
-    if events is not None:
-        events.write_left(group, reason, step)
-    exit_now(manager, LEAVE_EXIT_CODE)
 
 
 def _latest_start(log: Path, max_bytes: int = LOG_TAIL_BYTES) -> list[str] | None:
