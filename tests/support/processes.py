@@ -43,7 +43,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 LONG_LIVED_HELPERS = ("torch/_inductor/compile_worker", "torch._inductor.compile_worker",
                       "torch.distributed.checkpoint._async_process_executor", "multiprocessing.resource_tracker",
                       "multiprocessing.forkserver",
-                      "fsdp-tests-s3-server")  # tests/s3_server.py: one S3 server per test module, stopped by it
+                      "fsdp-tests-s3-server")  # tests/support/s3_server.py: one per test module
 
 
 def become_subreaper() -> bool:
