@@ -1,10 +1,10 @@
 """Where the checkout's parts are, and the one ``PYTHONPATH`` every job a test starts gets.
 
-Why one place: the tests' jobs (``tests/workers/*.py``, the matrix, the trial scripts) import the package from
-this checkout's ``src`` (not an installed copy), the example model from ``examples/`` (``llama``) and the test
-helpers from ``tests/`` (``support``, ``matrix``, ``workers``). pytest puts ``examples`` and ``tests`` on its own
-``sys.path`` (``pythonpath`` in pyproject.toml); a job gets the same folders through :func:`job_pythonpath`
-instead of each script inserting them itself.
+Why one place: the tests' jobs (``tests/workers/*.py``, the matrix, the trial scripts) import the package
+from this checkout's ``src`` (not an installed copy), the example model from ``examples/`` (``llama``) and
+the test helpers from ``tests/`` (``support``, ``matrix``, ``workers``). pytest puts ``examples`` and
+``tests`` on its own ``sys.path`` (``pythonpath`` in pyproject.toml); a job gets the same folders through
+:func:`job_pythonpath` instead of each script inserting them itself.
 """
 
 from __future__ import annotations
