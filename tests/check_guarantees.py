@@ -21,8 +21,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from guarantees import GUARANTEES
 
 

@@ -17,16 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import processes
-import zygote
+from support import processes, zygote
+from support.paths import ROOT, WORKERS, job_pythonpath  # noqa: F401  (WORKERS: tests import it from here)
 
-ROOT = Path(__file__).resolve().parents[1]
 #: how long a process may outlive the test that started it (a rank still in its exit path) before it is a leak
 LEAK_GRACE_S = 10.0
-EXAMPLES = ROOT / "examples"
-WORKERS = Path(__file__).resolve().parent / "workers"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
 
 
 #: Ports handed out by :func:`free_port` lie below the kernel's ephemeral range
@@ -89,15 +84,15 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
         env.pop(key, None)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
-                # an inherited PYTHONPATH stays behind ours (e.g. `make test-lightning-range`'s Lightning folder)
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(EXAMPLES), *filter(None, [env.get("PYTHONPATH")])])})
+                "PYTHONPATH": job_pythonpath(env.get("PYTHONPATH"))})
     if _ZYGOTE.get("shim"):
         env.update({zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable})
     env.update(extra or {})
     return env
 
 
-#: the pre-imported server that jobs are forked from (``tests/zygote.py``): its process, socket and client
+#: the pre-imported server that jobs are forked from (``tests/support/zygote.py``): its process, socket,
+#: client
 _ZYGOTE: dict = {}
 
 
@@ -125,7 +120,8 @@ def python_executable() -> str:
             time.sleep(0.1)
         if not os.path.exists(_ZYGOTE["socket"]):
             log = Path(_ZYGOTE["log"].name).read_text()[-3000:]
-            pytest.fail(f"the test zygote (tests/zygote.py) did not start (exit {server.poll()}):\n{log}\n"
+            pytest.fail(f"the test zygote (tests/support/zygote.py) did not start (exit {server.poll()}):\n"
+                        f"{log}\n"
                         f"Fix: the error above, or run with {zygote.SOCKET_ENV}=off")
         _ZYGOTE["shim"] = _ZYGOTE["wanted_shim"]
     return str(_ZYGOTE["shim"])
@@ -169,7 +165,8 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], *, timeout: fl
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind() -> Iterator[None]:
-    """Fail the test that leaves a process of its own running, and kill it (see ``tests/processes.py``).
+    """Fail the test that leaves a process of its own running, and kill it (see
+    ``tests/support/processes.py``).
 
     Orphans count too: :func:`pytest_configure` made this process a child subreaper, so a rank whose launcher
     died is re-parented here, not to init."""
@@ -185,7 +182,8 @@ def no_process_left_behind() -> Iterator[None]:
             processes.kill_tree(pid)
         pytest.fail(f"the test left {len(leaked)} process(es) running {LEAK_GRACE_S:.0f} s after it ended (now "
                     "killed):\n" + "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in leaked.items())
-                    + "\nFix: start jobs with tests/processes.py (run / start), which kill the whole tree.")
+                    + "\nFix: start jobs with tests/support/processes.py (run / start), which kill the whole "
+                    "tree.")
 
 
 #: node id -> the names of its markers, for the check below

@@ -533,7 +533,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
               "in the middle of a test leaves nothing running", _PROCESSES),
     Guarantee("docs/testing.md", "Markers say what a test starts, and every selection by marker relies on them: "
               "`multiprocess` (a distributed job: several ranks or replica groups), `subprocess` (one child process), "
-              "`slurm` (jobs on the SLURM test cluster). `tests/processes.py` calls a check before every start, and a "
+              "`slurm` (jobs on the SLURM test cluster). `tests/support/processes.py` calls a check before "
+              "every start, and a "
               "test that starts a process without one of these markers fails with the fix (`tests/test_processes.py` "
               "shows it)", _ids("test_processes.py", "test_a_test_that_starts_a_process_without_a_marker_fails")),
     Guarantee("docs/testing.md", "CI: `tests/test_preemption.py`", _PREEMPTION),

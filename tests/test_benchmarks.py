@@ -22,8 +22,6 @@ import pytest
 from conftest import ROOT, WORKERS, run_python
 
 BENCH = ROOT / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
 
 import common  # noqa: E402
 import gpu as gpu_harness  # noqa: E402

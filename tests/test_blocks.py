@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from torch import nn
 
@@ -14,9 +11,7 @@ from fsdp_strategies.parallel.blocks import (
     find_block_stacks,
     find_transformer_blocks,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
-from models import MODELS
+from matrix.models import MODELS
 
 pytest.importorskip("transformers")
 

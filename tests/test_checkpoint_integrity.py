@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 
-import processes
 from conftest import ROOT, WORKERS, _env, run_python
 from fsdp_strategies.checkpoint.atomic import atomic_save_full, commit_save, prepare_save
 from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, embed_digest
@@ -37,6 +36,7 @@ from fsdp_strategies.checkpoint.load_into_fsdp import (
 from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 from fsdp_strategies.checkpoint.verify import verify_checkpoint, verify_main
 from fsdp_strategies.hf.export import main as export_main
+from support import processes
 
 WORKER = str(WORKERS / "fsdp_train.py")
 COMMON = ["--devices", "2", "--batch", "4", "--num-train", "32", "--steps", "4"]

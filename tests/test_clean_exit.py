@@ -1,6 +1,7 @@
 """Jobs exit 0 after success: no ``terminate called without an active exception`` (SIGABRT) at interpreter exit.
 
-The CI cut of ``tests/exit_trials.py`` (the full check: ``python tests/exit_trials.py --runs 50``, and the
+The CI cut of ``tests/trials/exit_trials.py`` (the full check: ``python tests/trials/exit_trials.py
+--runs 50``, and the
 control ``--mode collectives --without-fix``): 5 jobs of the pattern that aborts without the fix (4-6 times in
 10 here) -- 200 gloo all-reduces, then the end of the script -- with ``import fsdp_strategies``, which installs
 the exit handling (see ``fsdp_strategies.runtime.clean_exit``).
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import python_executable, zygote_vars
-from exit_trials import run_once
 from fsdp_strategies.runtime.clean_exit import quiesce_collective_threads
+from trials.exit_trials import run_once
 
 
 @pytest.mark.multiprocess

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _reference import max_abs_diff, reference_run
 from conftest import WORKERS, run_python
+from support.reference import max_abs_diff, reference_run
 
 pytestmark = pytest.mark.multiprocess
 WORKER = str(WORKERS / "fsdp_train.py")

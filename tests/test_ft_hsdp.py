@@ -438,7 +438,7 @@ def checkpoint_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[t
     if request.param == "local":
         yield str(tmp_path / "ckpt"), {}
         return
-    from s3_server import S3Server
+    from support.s3_server import S3Server
 
     server = S3Server(tmp_path / "s3").start()
     try:

@@ -15,7 +15,6 @@ import pytest
 
 import fsdp_strategies
 import fsdp_strategies.ft
-import processes
 from fsdp_strategies.ft.protocol import (
     EVENTS_ENV,
     LAUNCHER_PID_ENV,
@@ -31,6 +30,7 @@ from fsdp_strategies.ft.protocol import (
     standby_ready_file,
     wait_for_activation,
 )
+from support import processes
 
 
 def test_leaving_and_preemption_have_distinct_exit_codes() -> None:

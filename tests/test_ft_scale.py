@@ -9,17 +9,14 @@ quorum, the survivors committed after the kill, the restarted group healed -- an
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-import zygote
 from conftest import ROOT, run_python
+from support import zygote
 
 BENCH = ROOT / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
 
 
 def _positive(value: object) -> bool:
@@ -28,7 +25,8 @@ def _positive(value: object) -> bool:
 
 @pytest.mark.multiprocess
 def test_quick_sweep_reaches_quorum_drops_the_killed_group_and_heals_it(tmp_path: Path) -> None:
-    # unforked (tests/zygote.py): the suite picks its victim by matching the pid its Popen returned with the pid
+    # unforked (tests/support/zygote.py): the suite picks its victim by matching the pid its Popen
+    # returned with the pid
     # the group's process records itself, which a forked job cannot share with its client
     proc = run_python(["benchmarks/suites/ft_scale.py", "--quick", "--out-dir", str(tmp_path)], timeout=240,
                       env={zygote.SOCKET_ENV: "off"})

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-import processes
 from check_guarantees import instances, not_passed, outcomes
 from guarantees import GUARANTEES, NOT_CLAIMS, ROOT, TEST_FILE, Guarantee, Item, NotAClaim, doc_files, items
+from support import processes
 
 #: markers whose tests CI does not run (the lead's ``soak``: the long FSDP_STRATEGIES_FULL-only variants)
 NOT_IN_CI = {"soak"}

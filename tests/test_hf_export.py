@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,8 @@ from fsdp_strategies.checkpoint.integrity import MANIFEST_FILE, CheckpointIntegr
 from fsdp_strategies.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 from fsdp_strategies.hf.export import HFExportError, export_hf, main, parse_size
 from fsdp_strategies.hf.metadata import HF_METADATA_KEY, hf_checkpoint_metadata
-
-sys.path.insert(0, str(WORKERS))
-sys.path.insert(0, str(ROOT / "tests" / "matrix"))
-from hf_export_train import RUNS, probe_batch
-from models import _gpt2, _llama, _t5
+from matrix.models import _gpt2, _llama, _t5
+from workers.hf_export_train import RUNS, probe_batch
 
 BUILDERS = {"llama": _llama, "gpt2": _gpt2, "t5": _t5}
 TOL = 1e-5

@@ -23,7 +23,6 @@ from conftest import ROOT, WORKERS, run_python
 from conftest import _env as suite_env
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(ROOT / "examples"))
 
 from finetune_hf import make_tiny  # noqa: E402
 from fsdp_strategies.hf.from_pretrained import defer_from_pretrained  # noqa: E402

@@ -21,8 +21,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from _multinode import start_lighthouse
 from conftest import ROOT, WORKERS, free_port, run_python
+from support.multinode import start_lighthouse
 
 RANGE_RUN = bool(os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING"))
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"

@@ -34,10 +34,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-import processes
 from conftest import free_port, run_python
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
+from support import processes
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -190,8 +189,7 @@ def test_option_errors_name_the_option_and_the_fix(kwargs: dict, match: str) -> 
 def test_lightning_fit_plans_logs_and_unwraps(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from torch.utils.data import DataLoader
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
-    from models import HFCausalLM, TokenSequences
+    from matrix.models import HFCausalLM, TokenSequences
 
     module = HFCausalLM(lambda: build("hf_qwen2"))
     plain_step = type(module).training_step

@@ -1,7 +1,7 @@
 """Multiple nodes, simulated on one machine: two ``torchrun`` agents (one per "node") on 127.0.0.1.
 
 Each agent joins a ``c10d`` rendezvous with ``--nnodes=2`` and starts its own ranks, exactly as one
-agent per node does on a cluster (the lines come from ``tests/_multinode.py``); ``MN_AGENT`` in an
+agent per node does on a cluster (the lines come from ``tests/support/multinode.py``); ``MN_AGENT`` in an
 agent's environment names its node, as a hostname would. Checked:
 
 * ``hsdp`` with both degrees ``auto`` (2 agents x 2 ranks): mesh replicate 2 x shard 2, every shard
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from _multinode import (
+from conftest import ROOT, WORKERS, _env, as_torchrun_rank0, free_port
+from fsdp_strategies.ft.protocol import EventLog
+from support.multinode import (
     ft_hsdp_script_args,
     hsdp_script_args,
     lighthouse_args,
@@ -42,8 +44,6 @@ from _multinode import (
     start_lighthouse,
     torchrun_args,
 )
-from conftest import ROOT, WORKERS, _env, as_torchrun_rank0, free_port
-from fsdp_strategies.ft.protocol import EventLog
 
 WORKER = str(WORKERS / "multinode_train.py")
 SLURM = ROOT / "examples" / "slurm"

@@ -1,4 +1,5 @@
-"""Separate hosts with their own addresses (network namespaces, ``tests/netns.py``): nothing on 127.0.0.1.
+"""Separate hosts with their own addresses (network namespaces, ``tests/support/netns.py``):
+nothing on 127.0.0.1.
 
 * ``hsdp`` across 2 hosts x 2 ranks: one ``torchrun`` agent per host, rendezvous at the first host's address,
   ``--local-addr`` = the host's address, gloo on the host's interface. The shard groups are the hosts, the
@@ -32,11 +33,10 @@ from typing import Any
 import pytest
 import torch
 
-import netns
-import processes
-from _multinode import hsdp_script_args, lighthouse_args, torchrun_args
 from conftest import ROOT, WORKERS, _env
 from fsdp_strategies.ft.protocol import EventLog
+from support import netns, processes
+from support.multinode import hsdp_script_args, lighthouse_args, torchrun_args
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 TINY = ["--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",

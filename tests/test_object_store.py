@@ -1,4 +1,5 @@
-"""Checkpoints on object storage, against a real S3 server (SeaweedFS, ``tests/s3_server.py``; no mocked S3).
+"""Checkpoints on object storage, against a real S3 server (SeaweedFS,
+``tests/support/s3_server.py``; no mocked S3).
 
 The chain (``tests/workers/object_store_train.py``, real torchrun jobs, the example Llama):
 
@@ -53,7 +54,7 @@ from fsdp_strategies.checkpoint.object_store import (
 )
 from fsdp_strategies.checkpoint.verify import verify_main
 from fsdp_strategies.hf.export import main as export_main
-from s3_server import KEY, S3Server
+from support.s3_server import KEY, S3Server
 
 BUCKET = "fsdp-tests"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_python, run_torchrun
+from conftest import WORKERS, run_python, run_torchrun
 
 pytest.importorskip("transformers")
 WORKER = WORKERS / "outside_calls.py"
@@ -24,9 +24,6 @@ EXPECTED = {"on_validation_epoch_end@0", "on_train_end", "after_fit"}
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import sys
-
-    sys.path.insert(0, str(ROOT / "examples"))
     from finetune_hf import make_tiny
 
     return Path(make_tiny(str(tmp_path_factory.mktemp("outside") / "tiny"), "llama"))

@@ -1,6 +1,7 @@
 """SIGTERM / preemption: every rank stops at the same step, the checkpoint is loadable, the resume is exact.
 
-The CI cut of ``tests/preempt_trials.py`` (the full run: ``python tests/preempt_trials.py --trials 10``,
+The CI cut of ``tests/trials/preempt_trials.py`` (the full run: ``python
+tests/trials/preempt_trials.py --trials 10``,
 10 trials per strategy): one Lightning-launcher trial of ``fsdp2`` (SIGTERM to the launcher only) with an
 exact resume, one ``torchrun`` trial of ``hsdp`` (SIGTERM to one rank), the ``fsdp-strategies-ft`` launcher
 forwarding SIGTERM to its groups, the watchdog that bounds the stop, and the option checks.
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import processes
 from conftest import ROOT, run_python
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE, Preempted
-from preempt_trials import job_env, ok, trial
+from support import processes
+from trials.preempt_trials import job_env, ok, trial
 
 # A stop must end within this bound. Generous on purpose: the machine is shared and slow. The stop itself takes
 # well under a second after the next step (exit_s); the rest is the interpreter's own teardown. Without the fix

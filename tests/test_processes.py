@@ -1,4 +1,4 @@
-"""tests/processes.py and the leak check in tests/conftest.py: no test leaves a process behind.
+"""tests/support/processes.py and the leak check in tests/conftest.py: no test leaves a process behind.
 
 The jobs here build the trees real tests make: a launcher whose worker moves to a session of its own (as
 torchrun's workers and the FT launcher's groups do) and outlives it. The inner pytest sessions load
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import processes
 from conftest import ROOT
+from support import processes
 
 TESTS = Path(__file__).resolve().parent
 
@@ -114,7 +114,7 @@ def test_a_test_that_starts_a_process_without_a_marker_fails(tmp_path: Path) -> 
     # `-m "not multiprocess"` (the Lightning-range run) must not pick up a test that starts processes unmarked
     inner = _inner_pytest(tmp_path, """
         import sys
-        import processes
+        from support import processes
         import pytest
 
         def test_unmarked():
@@ -135,7 +135,7 @@ def test_ctrl_c_in_the_middle_of_a_test_leaves_no_process(tmp_path: Path) -> Non
     pids_file = tmp_path / "pids"
     inner = _inner_pytest(tmp_path, f"""
         import sys
-        import processes
+        from support import processes
         import pytest
 
         @pytest.mark.subprocess

@@ -9,15 +9,21 @@ compared with Lightning's ``ddp`` on the same data. All cells of one world size 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
-from cells import check_cell, check_ft_cell, ci_cells, reference_for, replay_problems, run_cells, run_ft_cell
-from ft_replay import committed_steps
+from matrix.cells import (
+    check_cell,
+    check_ft_cell,
+    ci_cells,
+    reference_for,
+    replay_problems,
+    run_cells,
+    run_ft_cell,
+)
+from matrix.ft_replay import committed_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,7 +78,7 @@ def test_ft_hsdp_hf_llama_kill_and_heal(tmp_path: Path) -> None:
 
 def test_a_cell_whose_reference_is_missing_fails() -> None:
     """No silent pass: a cell compared with nothing is a problem (the reference cell itself is not)."""
-    from cells import STEPS, cell
+    from matrix.cells import STEPS, cell
 
     def result(c: dict[str, Any]) -> dict[str, Any]:
         return {"cell": c, "global_step": STEPS, "world": 2, "losses": [[2.0, 1.0]], "blocks": {},

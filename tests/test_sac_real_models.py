@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -18,9 +16,7 @@ from fsdp_strategies.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from fsdp_strategies.testing import KeptBytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "matrix"))
-from models import MODELS, TokenSequences
+from matrix.models import MODELS, TokenSequences
 
 pytest.importorskip("transformers")
 
@@ -43,7 +39,7 @@ class LlamaWithValidation(MODELS["hf_llama"].build().__class__):  # type: ignore
 
 
 def _fit(callbacks: list[pl.Callback]) -> tuple[Recorder, pl.LightningModule]:
-    from models import _llama
+    from matrix.models import _llama
 
     pl.seed_everything(0, verbose=False)
     model = LlamaWithValidation(_llama)

@@ -9,18 +9,12 @@ data-parallel rank d of the TP run reads what ddp rank d reads, so their losses 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
-from conftest import ROOT, WORKERS, run_python
-
-sys.path.insert(0, str(ROOT / "tests" / "matrix"))
-
-from models import MODELS
-
+from conftest import WORKERS, run_python
 from fsdp_strategies import FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.parallel.tensor_parallel import (
     TensorParallelPlanError,
@@ -29,6 +23,7 @@ from fsdp_strategies.parallel.tensor_parallel import (
     find_model_plan,
     resolve_plan,
 )
+from matrix.models import MODELS
 
 WORKER = str(WORKERS / "tp_train.py")
 TOL = 1e-4

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,7 @@ import torch
 
 from conftest import WORKERS, run_python
 from fsdp_strategies.hf.export import main as export_main
-
-sys.path.insert(0, str(WORKERS))
-
-from tp_train import LOGITS_BATCH  # the batch the worker computes the trained module's logits on
+from workers.tp_train import LOGITS_BATCH  # the batch the worker computes the trained module's logits on
 
 WORKER = str(WORKERS / "tp_train.py")
 TOL = 1e-4

@@ -1,4 +1,4 @@
-"""tests/zygote.py: a job forked from the pre-imported server is what ``python ARGS`` would have been.
+"""tests/support/zygote.py: a job forked from the pre-imported server is what ``python ARGS`` would have been.
 
 The whole suite's jobs run through it, so what it changes would change every multi-process test: each check here
 runs the same probe once forked and once as a fresh interpreter and wants the same answers, plus the part only the
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import processes
-import zygote
 from conftest import _env, python_executable
+from support import processes, zygote
 
 pytestmark = [pytest.mark.subprocess,
               pytest.mark.skipif(os.environ.get(zygote.SOCKET_ENV) == "off", reason=f"{zygote.SOCKET_ENV}=off")]

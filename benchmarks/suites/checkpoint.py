@@ -14,7 +14,8 @@ round by round:
            the same three to object storage (``s3://``: torch's fsspec writer, the manifest committed last,
            :mod:`fsdp_strategies.checkpoint.object_store`): a bucket of ``FSDP_BENCH_S3_URL``
            (``s3://bucket/prefix``, credentials and endpoint from the ``AWS_*`` variables), else a SeaweedFS
-           server started on this machine (``tests/s3_server.py``, the tests' real S3 server); without either
+           server started on this machine (``tests/support/s3_server.py``, the tests' real S3
+           server); without either
            they are skipped, named. Run only when asked (``--contenders none sync thread s3-sync s3-thread``).
 
 Each job trains ``warmup`` steps, saves once (a warm-up checkpoint: the first save allocates the staging
@@ -105,7 +106,7 @@ class Store:
             return
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
         try:
-            from s3_server import S3Server
+            from support.s3_server import S3Server
 
             self.server = S3Server(work, volumes=400).start()  # 25 GB: every save of a run (no reclaim)
         except Exception as err:  # no weed binary, or it did not start: the local contenders still run

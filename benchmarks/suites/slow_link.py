@@ -1,6 +1,6 @@
 """slow_link suite: ``ft_hsdp`` across separate hosts whose link is really slow -- ``tbf``-shaped to 10 Mbit/s --
 comparing every-step cross-group reduction with local SGD, DiLoCo and ``straggler_sync``. Needs root (network
-namespaces, ``tests/netns.py``).
+namespaces, ``tests/support/netns.py``).
 
     python benchmarks/suites/slow_link.py                 # 2 groups, 64 steps, 2 rounds (~8 min on 2 cores)
     python benchmarks/suites/slow_link.py --quick         # 32 steps, 1 round
@@ -39,8 +39,8 @@ import common
 
 ROOT = common.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
-import netns  # noqa: E402  (tests/netns.py: the namespace hosts)
 from fsdp_strategies.ft.protocol import EventLog  # noqa: E402
+from support import netns  # noqa: E402  (tests/support/netns.py: the namespace hosts)
 
 SUITE = "slow_link"
 CONTENDERS = ("every_step", "local_sgd", "diloco", "straggler_sync", "every_step_fast")
@@ -85,7 +85,7 @@ def run_job(hosts: netns.Hosts, work: Path, config: str, steps: int, rate_mbit: 
     """One ft_hsdp job: the lighthouse on host 0, group g (1 rank, ``configs/CONFIG``) on host g+1, the last
     group's host link shaped to ``rate_mbit`` (None: not shaped). Returns the run's measurements (see above);
     ``straggler_switch`` runs its 4-group jobs through here too."""
-    import processes
+    from support import processes
 
     if work.exists():
         shutil.rmtree(work)

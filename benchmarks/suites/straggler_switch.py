@@ -1,6 +1,6 @@
 """straggler_switch suite: ``ft_hsdp(straggler_sync: diloco)`` vs staying synchronous with one replica group behind a
 slow link. 4 replica groups x 1 rank on separate network-namespace hosts, a tiny Llama, contenders interleaved. Needs
-root (``tests/netns.py``).
+root (``tests/support/netns.py``).
 
     python benchmarks/suites/straggler_switch.py              # 4 groups, 160 steps, 2 rounds (~10 min, 2 cores)
     python benchmarks/suites/straggler_switch.py --quick      # 64 steps, 1 round

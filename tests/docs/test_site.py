@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 import fsdp_strategies
-import processes
 from fsdp_strategies import callbacks
+from support import processes
 
 # each check reads a built page through one headless Chromium process
 pytestmark = pytest.mark.subprocess

@@ -30,13 +30,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+if __name__ == "__main__":  # run as a script (`make matrix`): tests/, as pytest's `pythonpath` has it
+    sys.path.insert(0, str(HERE.parent))
 
-from ft_replay import replay  # noqa: E402
-from models import MODELS  # noqa: E402
-from worker import STEPS  # noqa: E402
-
-import processes  # noqa: E402
+from matrix.ft_replay import replay  # noqa: E402
+from matrix.models import MODELS  # noqa: E402
+from matrix.worker import STEPS  # noqa: E402
+from support import processes  # noqa: E402
+from support.paths import job_pythonpath  # noqa: E402
 
 #: relative tolerance of a cell's losses against its reference run, per precision. fp32: reduction
 #: order only. bf16-mixed: FSDP2's MixedPrecisionPolicy keeps norms and other non-matmul ops in bf16
@@ -117,7 +118,7 @@ def run_cells(cells: list[dict[str, Any]], world: int, work: Path, timeout: floa
     spec.write_text(json.dumps(cells))
     out.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])}
+           "PYTHONPATH": job_pythonpath()}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
@@ -141,7 +142,7 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
     """
     out, events = work / f"ft-{model}-{precision}", work / f"ft-{model}-{precision}-events"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])}
+           "PYTHONPATH": job_pythonpath()}
     cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1",
            "--min-replicas", "1", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "500",
            "--kill-at-steps", f"1@{kill_at}", "--max-restarts", "2", "--events-dir", str(events),

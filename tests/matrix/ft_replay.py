@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from models import MODELS
+
+from matrix.models import MODELS
 
 
 def _records(out: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from models import MODELS, provide_demo_text
-from worker import BATCH, LossRecorder, _block_fractions, _callbacks
-
 from fsdp_strategies import FTHSDPStrategy
+from matrix.models import MODELS, provide_demo_text
+from matrix.worker import BATCH, LossRecorder, _block_fractions, _callbacks
 
 
 class PaceWhenAlone(pl.Callback):

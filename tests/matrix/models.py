@@ -13,7 +13,6 @@ the analytic FLOP formula needs (where one exists).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,6 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
 VOCAB, SEQ, DIM, HEADS, FFN, LAYERS = 128, 16, 64, 4, 128, 2
 LR = 1e-2

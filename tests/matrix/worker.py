@@ -33,13 +33,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from models import MODELS, matmul_weight_params, provide_demo_text
-
 import fsdp_strategies  # noqa: F401  (registers the strategy names)
 from fsdp_strategies import ActivationCheckpointing, DDPHooksStrategy, FSDP2Strategy, HSDPStrategy, MFUMonitor
 from fsdp_strategies.callbacks.straggler import StragglerDetector
+from matrix.models import MODELS, matmul_weight_params, provide_demo_text
 
 STEPS = 4
 BATCH = 2

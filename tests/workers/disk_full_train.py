@@ -13,14 +13,11 @@ from PATH with no checkpointing and prints ``RESUMED <rank> global_step=<n>`` wh
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from llama import LlamaLM, MarkovDataModule
 

@@ -13,11 +13,9 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
 
 
 def collectives(with_fix: bool) -> None:

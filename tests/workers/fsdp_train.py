@@ -18,8 +18,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_strategies
 from fsdp_strategies import testing as _memory
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from llama import LlamaLM, MarkovDataModule
 
 MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}

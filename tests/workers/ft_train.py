@@ -55,12 +55,9 @@ PREIMPORTED = "lightning.pytorch" in sys.modules
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from group_kill import kill_own_group  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
-
-from group_kill import kill_own_group  # noqa: E402
 
 import fsdp_strategies  # noqa: F401, E402
 from fsdp_strategies.ft import FTHSDPStrategy  # noqa: E402

@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
 
 import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -25,7 +24,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from fsdp_strategies import FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.callbacks import HangWatchdog
 from llama import LlamaLM

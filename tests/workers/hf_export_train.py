@@ -10,8 +10,6 @@ shards) and rank 0 writes them next to the checkpoint.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +17,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "matrix"))
-from models import SEQ, Pairs, TokenSequences
-
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy
+from matrix.models import SEQ, Pairs, TokenSequences
 
 #: name -> (pretrained model, strategy, sharded checkpoint)
 RUNS: dict[str, tuple[str, str, bool]] = {

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "examples")]
 
 from fsdp_strategies.memory import BudgetPlanner, SavedBytes, apply_activation_offload  # noqa: E402
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402

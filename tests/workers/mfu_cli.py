@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import train_llama
 from fsdp_strategies.callbacks import ActivationCheckpointing, MFUMonitor
 from fsdp_strategies.parallel.activation_checkpointing import is_checkpointed

@@ -23,8 +23,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
-
 import fsdp_strategies
 from llama import LlamaLM, MarkovDataModule
 

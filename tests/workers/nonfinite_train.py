@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.callbacks import NonFiniteGuard
 from llama import LlamaLM, MarkovDataModule

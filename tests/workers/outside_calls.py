@@ -21,7 +21,6 @@ import torch
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
 
 import fsdp_strategies  # noqa: E402  (registers the strategies)
 from finetune_hf import CountingSequences, PretrainedCausalLM  # noqa: E402

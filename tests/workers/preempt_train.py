@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples")]
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402

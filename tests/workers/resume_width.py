@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "matrix")]
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from models import MODELS, TokenSequences  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy  # noqa: E402
+from matrix.models import MODELS, TokenSequences  # noqa: E402
 
 
 class LoggedSamples(Dataset):

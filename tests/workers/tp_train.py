@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "matrix")]
-
-from models import MODELS  # noqa: E402
-
-import fsdp_strategies  # noqa: E402,F401
-from fsdp_strategies import FSDP2Strategy, HSDPStrategy, _torch_seam  # noqa: E402
+import fsdp_strategies  # noqa: F401
+from fsdp_strategies import FSDP2Strategy, HSDPStrategy, _torch_seam
+from matrix.models import MODELS
 
 
 class Probe(pl.Callback):
@@ -102,7 +98,7 @@ class OwnPlanLM(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from models import _example_llama
+        from matrix.models import _example_llama
 
         self.inner = _example_llama()
         self.inner.configure_model()  # built and initialised here (same weights everywhere); configure_model shards
@@ -129,8 +125,9 @@ class OwnPlanLM(pl.LightningModule):
 
 def tied_llama() -> pl.LightningModule:
     """The matrix's HF Llama with its LM head tied to the embedding (one tensor, vocab-parallel in both roles)."""
-    from models import DIM, FFN, HEADS, LAYERS, VOCAB, HFCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from matrix.models import DIM, FFN, HEADS, LAYERS, VOCAB, HFCausalLM
 
     return HFCausalLM(lambda: LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,

@@ -3,11 +3,11 @@
 A replica group is a process tree -- ``torchrun`` (or a forkserver group leader, or rank 0 of Lightning's
 launcher) and its ranks. ``torchrun`` puts each worker in its own session, so signalling the group's
 session alone (``killpg``) would leave ranks running; :func:`process_tree` walks the parent links of
-every process in Linux's ``/proc`` instead, and :func:`kill_tree` signals what it finds and then the
-session as well, for a process the walk raced with. The launcher SIGKILLs a tree for a fault and
-SIGTERMs it to forward a preemption; tests and benchmarks use the same two functions. Before it kills a
-group that is stuck (its ``--timeout``), :func:`dump_stacks` makes each of its processes print its Python
-stacks.
+every process instead (``psutil``, which reads Linux's ``/proc``), and :func:`kill_tree` signals what it
+finds and then the session as well, for a process the walk raced with. The launcher SIGKILLs a tree for a
+fault and SIGTERMs it to forward a preemption; tests and benchmarks use the same two functions. Before it
+kills a group that is stuck (its ``--timeout``), :func:`dump_stacks` makes each of its processes print its
+Python stacks.
 """
 
 from __future__ import annotations
@@ -17,28 +17,18 @@ import resource
 import signal
 import time
 
+import psutil
+
 __all__ = ["dump_stacks", "dump_stacks_of", "kill_tree", "process_tree"]
 
 
 def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants, parents before children (read from Linux's ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:  # the process ended meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name in (...) may hold spaces
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+    """``root`` and all its descendants, parents before children (psutil walks the parent links)."""
+    try:
+        descendants = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:  # ended meanwhile: its children, if any, were re-parented away from it
+        return [root]
+    return [root, *(child.pid for child in descendants)]
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
@@ -46,7 +36,7 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> list[int]:
 
     A caller inside the tree (a rank that kills its own group) is signalled last: were it signalled in the
     middle, the rest of the list would never be, and those ranks would live on as orphans."""
-    pids = process_tree(root) if os.path.isdir("/proc") else [root]
+    pids = process_tree(root)
     me = os.getpid()
     if me in pids:
         pids = [pid for pid in pids if pid != me] + [me]
@@ -71,7 +61,7 @@ def dump_stacks(root: int, wait_s: float = 2.0) -> list[int]:
     end. A Python with :mod:`faulthandler` enabled (the launcher sets ``PYTHONFAULTHANDLER=1`` for its
     groups) answers SIGABRT by writing every thread's stack to its stderr -- the group's log. Returns the
     pids signalled."""
-    return dump_stacks_of(process_tree(root) if os.path.isdir("/proc") else [root], wait_s)
+    return dump_stacks_of(process_tree(root), wait_s)
 
 
 def dump_stacks_of(tree: list[int], wait_s: float = 2.0) -> list[int]:
@@ -103,7 +93,6 @@ def _signal(pid: int, sig: int) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import processes
 from conftest import free_port
+from support import processes
 
 MARK = "fsdp-tests-s3-server"
 KEY, SECRET = "fsdp-tests-key", "fsdp-tests-secret"

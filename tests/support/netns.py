@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import processes
+from support import processes
 
 PREFIX = "fsdpns"
 BRIDGE = f"{PREFIX}br"

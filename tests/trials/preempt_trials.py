@@ -16,7 +16,7 @@ fsdp-strategies-ft launcher, which forwards it to the group).
 
 Full run (10 trials per strategy, a table of the figures)::
 
-    python tests/preempt_trials.py --trials 10
+    python tests/trials/preempt_trials.py --trials 10
 
 ``tests/test_preemption.py`` runs a cut of it in CI.
 """
@@ -39,15 +39,17 @@ from typing import Any
 
 import torch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 WORKER = TESTS / "workers" / "preempt_train.py"
-sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
+if __name__ == "__main__":  # run as a script: src and tests/, as pytest's `pythonpath` has them
+    sys.path[:0] = [str(ROOT / "src"), str(TESTS)]
 
-import processes  # noqa: E402
 from fsdp_strategies.checkpoint.export import export_consolidated  # noqa: E402
 from fsdp_strategies.ft.launch.process_tree import process_tree  # noqa: E402
 from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE  # noqa: E402
+from support import processes  # noqa: E402
+from support.paths import job_pythonpath  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")
 MODES = ("all", "one", "launcher")
@@ -66,7 +68,7 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": job_pythonpath()})
     env.update(extra or {})
     return env
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import processes
 from fsdp_strategies.ft.launch.process_tree import process_tree
+from support import processes
 
 RDZV_BACKEND = "c10d"
 

@@ -1,9 +1,9 @@
 """Back-to-back short 2-rank jobs; every one must exit 0 (no ``terminate called without an active exception``).
 
-    python tests/exit_trials.py --runs 50                       # the strategies: fit/validate/test/predict
-    python tests/exit_trials.py --runs 50 --mode collectives    # plain gloo collectives + import fsdp_strategies
-    python tests/exit_trials.py --runs 20 --mode torch_loop     # the benchmarks' plain-torch FSDP2 worker
-    python tests/exit_trials.py --runs 20 --mode collectives --without-fix   # the control: aborts
+    python tests/trials/exit_trials.py --runs 50                    # the strategies: fit/validate/test/...
+    python tests/trials/exit_trials.py --runs 50 --mode collectives # plain gloo collectives + fsdp_strategies
+    python tests/trials/exit_trials.py --runs 20 --mode torch_loop  # the benchmarks' plain-torch FSDP2 worker
+    python tests/trials/exit_trials.py --runs 20 --mode collectives --without-fix   # the control: aborts
 
 Modes ``lightning`` (tests/workers/exit_job.py under Lightning's launcher, ``--strategy`` fsdp2 by
 default), ``collectives`` (both ranks started directly with RANK/WORLD_SIZE set) and
@@ -21,13 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 JOB = TESTS / "workers" / "exit_job.py"
-sys.path.insert(0, str(TESTS))
+if __name__ == "__main__":  # run as a script: tests/, as pytest's `pythonpath` has it (support, trials)
+    sys.path.insert(0, str(TESTS))
 
-import processes  # noqa: E402
-from preempt_trials import job_env  # noqa: E402
+from support import processes  # noqa: E402
+from trials.preempt_trials import job_env  # noqa: E402
 
 
 def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: bool = False,

@@ -6,8 +6,8 @@ and those stay blocked in gloo for up to the collective timeout (30 min), slowin
 
 * :func:`start` starts the command in a new session (``start_new_session=True``); :class:`Job` is a
   ``Popen`` that, when it is closed (``with`` block, :meth:`Job.kill_tree`) while anything of it is alive,
-  SIGKILLs the command's whole tree: every descendant found through ``/proc`` (whatever session it moved
-  to) and every process of the command's session.
+  SIGKILLs the command's whole tree: every descendant (``fsdp_strategies.ft.process_tree``, psutil; whatever
+  session it moved to) and every process of the command's session.
 * :func:`run` is ``subprocess.run`` on top of it: on a timeout, a failure of the caller or a ``KeyboardInterrupt``
   the whole tree goes, then the error is raised as before.
 * :func:`leaked_processes` lists the live descendants of this process. ``tests/conftest.py`` makes the
@@ -28,8 +28,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from fsdp_strategies.ft.launch.process_tree import process_tree
 
@@ -43,7 +44,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 LONG_LIVED_HELPERS = ("torch/_inductor/compile_worker", "torch._inductor.compile_worker",
                       "torch.distributed.checkpoint._async_process_executor", "multiprocessing.resource_tracker",
                       "multiprocessing.forkserver",
-                      "fsdp-tests-s3-server")  # tests/s3_server.py: one S3 server per test module, stopped by it
+                      "fsdp-tests-s3-server")  # tests/support/s3_server.py: one per test module
 
 
 def become_subreaper() -> bool:
@@ -54,35 +55,27 @@ def become_subreaper() -> bool:
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, session id) of ``pid``; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[3])
-
-
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def _alive(pid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _session_members(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (psutil has no session id; ``os.getsid`` reads it)."""
     members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None and stat[1] == sid and stat[0] != "Z":
-                members.append(int(entry))
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid and _alive(pid):
+                members.append(pid)
     return members
 
 
