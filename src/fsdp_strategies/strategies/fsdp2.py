@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
-from fsdp_strategies._options import OptionError, check_choice, check_int
+from fsdp_strategies._options import OptionError, check_choice, check_dtype, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
     atomic_save_full_agreed,
@@ -77,16 +77,6 @@ __all__ = ["AccumulationMode", "FSDP2Strategy"]
 AccumulationMode = Literal["sharded", "no_sync"]  # non-final micro-batches of accumulate_grad_batches
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]  # the Trainer's precision flags this strategy takes
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def _dtype_option(name: str, value: str | None) -> torch.dtype | None:
-    if value is None:
-        return None
-    if value not in _DTYPES:
-        raise OptionError(f"{name}={value!r} is not a dtype this strategy knows. Fix: use one of {sorted(_DTYPES)}.")
-    return _DTYPES[value]
 
 
 class _ShardedMixedPrecision(Precision):
@@ -243,9 +233,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         self.meta_init = meta_init
         self.autocast = autocast
         self._explicit_dtypes = {
-            "param_dtype": _dtype_option("param_dtype", param_dtype),
-            "reduce_dtype": _dtype_option("reduce_dtype", reduce_dtype),
-            "output_dtype": _dtype_option("output_dtype", output_dtype),
+            "param_dtype": check_dtype("param_dtype", param_dtype),
+            "reduce_dtype": check_dtype("reduce_dtype", reduce_dtype),
+            "output_dtype": check_dtype("output_dtype", output_dtype),
         }
         self._mp_policy = MixedPrecisionPolicy()
         self._step_calls_root: dict[str, bool] = {}
