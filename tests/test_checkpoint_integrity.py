@@ -148,9 +148,11 @@ def test_every_loader_reports_a_key_mismatch_alike_and_one_except_catches_them()
     from fsdp_strategies.hf.export import HFExportError, HFExportMismatchError
     from fsdp_strategies.hf.pretrained import PretrainedMismatchError
 
-    for error in (CheckpointMismatchError, PretrainedMismatchError, HFExportMismatchError, HealStateMismatchError):
+    for error in (CheckpointMismatchError, PretrainedMismatchError, HFExportMismatchError,
+                  HealStateMismatchError):
         assert issubclass(error, StateMismatchError) and issubclass(error, ValueError), error
-    assert issubclass(HFExportMismatchError, HFExportError) and issubclass(HealStateMismatchError, RuntimeError)
+    assert issubclass(HFExportMismatchError, HFExportError)
+    assert issubclass(HealStateMismatchError, RuntimeError)
     keys = [f"layers.{i}.weight" for i in range(10)]
     mismatch = KeyMismatch.between(keys, [keys[0], "head.weight"])
     assert not KeyMismatch.between(keys, keys) and mismatch

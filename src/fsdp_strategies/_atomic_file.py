@@ -19,9 +19,10 @@ __all__ = ["write_atomically", "write_text_atomically"]
 
 
 def write_atomically(path: Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
-    """Call ``write(temp)`` (``temp`` = ``<path><suffix>``), then rename the temp over ``path``; returns ``path``.
+    """Call ``write(temp)`` (``temp`` = ``<path><suffix>``), then rename the temp over ``path``.
 
-    On any error the temp is removed and the error raised; ``path`` keeps its old content (or stays absent)."""
+    Returns ``path``. On any error the temp is removed and the error raised; ``path`` keeps its old content
+    (or stays absent)."""
     tmp = path.with_name(path.name + suffix)
     try:
         write(tmp)

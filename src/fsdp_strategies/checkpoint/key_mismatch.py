@@ -1,13 +1,14 @@
 """Missing, unexpected and reshaped keys between a state dict and the model it goes into: one diagnosis.
 
-Four loaders compare keys before they copy anything: a resume (:mod:`~fsdp_strategies.checkpoint.load_into_fsdp`),
-a pretrained folder (:mod:`fsdp_strategies.hf.pretrained`), an export as a Hugging Face model
-(:mod:`fsdp_strategies.hf.export`) and a healed state (:mod:`fsdp_strategies.ft.heal_state`). Why one
-implementation: the same difference should read the same wherever it is found -- what is missing from the
-source, what the source has that the target lacks, which shapes differ (source vs target), each list cut to its
-first names and a count (:func:`fsdp_strategies._options.listing`) -- and one ``except StateMismatchError``
-should catch all four. Each loader keeps its own error class (a subclass of :class:`StateMismatchError`), since
-tests, the CLI and users catch those; each adds its own fix to the message, since only it knows the option.
+Four loaders compare keys before they copy anything: a resume
+(:mod:`~fsdp_strategies.checkpoint.load_into_fsdp`), a pretrained folder
+(:mod:`fsdp_strategies.hf.pretrained`), an export as a Hugging Face model (:mod:`fsdp_strategies.hf.export`)
+and a healed state (:mod:`fsdp_strategies.ft.heal_state`). Why one implementation: the same difference should read the same
+wherever it is found -- what is missing from the source, what the source has that the target lacks, which
+shapes differ (source vs target), each list cut to its first names and a count
+(:func:`fsdp_strategies._options.listing`) -- and one ``except StateMismatchError`` should catch all four.
+Each loader keeps its own error class (a subclass of :class:`StateMismatchError`), since tests, the CLI and
+users catch those; each adds its own fix to the message, since only it knows the option.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ Shape = tuple[int, ...]
 
 
 class StateMismatchError(ValueError):
-    """A state dict's keys or shapes do not match the model it is loaded into: the message names them and the fix.
+    """A state dict's keys or shapes do not match the model it is loaded into: the message names them and
+    the fix.
 
-    The base of every loader's mismatch error (``CheckpointMismatchError``, ``PretrainedMismatchError``, the HF
-    export's and the heal's); a ``ValueError``, as each of them was."""
+    The base of every loader's mismatch error (``CheckpointMismatchError``, ``PretrainedMismatchError``, the
+    HF export's and the heal's); a ``ValueError``, as each of them was."""
 
 
 def _shapes(keys: Mapping[str, Shape | None] | Iterable[str]) -> Mapping[str, Shape | None]:
@@ -37,8 +39,8 @@ def _shapes(keys: Mapping[str, Shape | None] | Iterable[str]) -> Mapping[str, Sh
 class KeyMismatch:
     """What differs between a source (a checkpoint, a file, a peer's state) and the target it is loaded into.
 
-    ``reshaped`` holds ``(key, shape in the source, shape in the target)``. Lists keep the order they are given
-    in (:meth:`between` sorts them), so a caller may list keys in the model's own order."""
+    ``reshaped`` holds ``(key, shape in the source, shape in the target)``. Lists keep the order they are
+    given in (:meth:`between` sorts them), so a caller may list keys in the model's own order."""
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
