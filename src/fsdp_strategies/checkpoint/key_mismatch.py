@@ -3,9 +3,9 @@
 Four loaders compare keys before they copy anything: a resume
 (:mod:`~fsdp_strategies.checkpoint.load_into_fsdp`), a pretrained folder
 (:mod:`fsdp_strategies.hf.pretrained`), an export as a Hugging Face model (:mod:`fsdp_strategies.hf.export`)
-and a healed state (:mod:`fsdp_strategies.ft.heal_state`). Why one implementation: the same difference should read the same
-wherever it is found -- what is missing from the source, what the source has that the target lacks, which
-shapes differ (source vs target), each list cut to its first names and a count
+and a healed state (:mod:`fsdp_strategies.ft.heal_state`). Why one implementation: the same difference should
+read the same wherever it is found -- what is missing from the source, what the source has that the target
+lacks, which shapes differ (source vs target), each list cut to its first names and a count
 (:func:`fsdp_strategies._options.listing`) -- and one ``except StateMismatchError`` should catch all four.
 Each loader keeps its own error class (a subclass of :class:`StateMismatchError`), since tests, the CLI and
 users catch those; each adds its own fix to the message, since only it knows the option.
