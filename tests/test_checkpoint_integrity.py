@@ -141,6 +141,43 @@ def test_optimizer_and_model_mismatches_are_named() -> None:
     assert model_mismatch({"a": (4,)}, {"a": (4,), "extra": (1,)}, strict=False) == []
 
 
+def test_every_loader_reports_a_key_mismatch_alike_and_one_except_catches_them() -> None:
+    from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, StateMismatchError
+    from fsdp_strategies.checkpoint.load_into_fsdp import CheckpointMismatchError
+    from fsdp_strategies.ft.heal_state import HealStateMismatchError
+    from fsdp_strategies.hf.export import HFExportError, HFExportMismatchError
+    from fsdp_strategies.hf.pretrained import PretrainedMismatchError
+
+    for error in (CheckpointMismatchError, PretrainedMismatchError, HFExportMismatchError,
+                  HealStateMismatchError):
+        assert issubclass(error, StateMismatchError) and issubclass(error, ValueError), error
+    assert issubclass(HFExportMismatchError, HFExportError)
+    assert issubclass(HealStateMismatchError, RuntimeError)
+    keys = [f"layers.{i}.weight" for i in range(10)]
+    mismatch = KeyMismatch.between(keys, [keys[0], "head.weight"])
+    assert not KeyMismatch.between(keys, keys) and mismatch
+    assert mismatch.describe("healed state", shown=3) == (
+        "missing in the healed state: layers.1.weight, layers.2.weight, layers.3.weight, ... and 6 more; "
+        "in the healed state but not in the model: head.weight")
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    from fsdp_strategies._atomic_file import write_atomically, write_text_atomically
+
+    target = tmp_path / "report.json"
+    write_text_atomically(target, "old")
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        write_atomically(target, half_then_fail)
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    write_text_atomically(target, "new")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
 # ------------------------------------------------------------------------------------------- corruptions
 def _flip(path: Path, rng: random.Random, n: int = 64) -> None:
     data = bytearray(path.read_bytes())

@@ -193,7 +193,7 @@ def test__setup_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     (world size 1 here, the strategy's backend), but no device mesh -- the strategy builds its own right after."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp_strategies.parallel.mesh import build_mesh
+    from fsdp_strategies.parallel.mesh import ParallelDims, build_mesh
 
     meshes: list[Any] = []
     original_init = DeviceMesh.__init__
@@ -211,7 +211,8 @@ def test__setup_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
         assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
         assert dist.get_backend() == "gloo" and (strategy.global_rank, strategy.world_size) == (0, 1)
         assert meshes == [] and strategy._device_mesh is None  # no mesh: Lightning's own would be dp x tp
-        mesh = build_mesh(strategy.root_device, None, strategy.world_size)  # what fsdp2 builds next
+        # what fsdp2 builds next
+        mesh = build_mesh(strategy.root_device, ParallelDims.fsdp(strategy.world_size, strategy.world_size))
         assert meshes and mesh.size() == 1  # (the counter sees a mesh being built)
     assert not dist.is_initialized()
 

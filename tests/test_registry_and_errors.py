@@ -15,7 +15,7 @@ import fsdp_strategies
 from conftest import as_torchrun_rank0
 from fsdp_strategies import FSDP2Strategy, HSDPStrategy
 from fsdp_strategies.parallel.blocks import BlockNotFoundError, find_transformer_blocks
-from fsdp_strategies.parallel.mesh import resolve_hsdp_degrees
+from fsdp_strategies.parallel.mesh import ParallelDims, resolve_hsdp_degrees
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BUILT_IN = {"ddp", "ddp_spawn", "fsdp", "deepspeed", "single_device", "xla"}
@@ -59,6 +59,30 @@ def test_auto_degrees_shard_within_node_replicate_across_nodes() -> None:
     assert (d.replicate, d.shard) == (2, 8)
     d = resolve_hsdp_degrees(4, 4, 2, "auto")
     assert (d.replicate, d.shard) == (2, 2)
+
+
+def test_one_degrees_object_derives_the_mesh_and_the_data_layout() -> None:
+    # HSDP over 2 nodes x 4 devices with TP 2 inside a node: 2 replicas x 2 shards x 2 TP ranks
+    dims = ParallelDims.hsdp(8, 4, "auto", "auto", tensor_parallel=2)
+    assert (dims.replicate, dims.shard, dims.tensor_parallel, dims.world_size) == (2, 2, 2, 8)
+    assert dims.mesh_shape == (2, 2, 2) and dims.mesh_dim_names == ("replicate", "shard", "tensor_parallel")
+    assert dims.data_parallel_size == 4 and [dims.data_parallel_rank(r) for r in (0, 1, 5)] == [0, 0, 2]
+    # ft_hsdp: a 4-rank group with TP 2 among 3 replica groups; rank 3 of group 2 trains shard 1 + 2 * 2
+    group = ParallelDims.fsdp(4, 4, 2, replica_groups=3)
+    assert group.mesh_shape == (2, 2) and group.mesh_dim_names == ("shard", "tensor_parallel")
+    assert group.sampler_kwargs(3, replica_group_id=2) == {"num_replicas": 6, "rank": 5}
+    assert ParallelDims.fsdp(4, 4).sampler_kwargs(3) == {"num_replicas": 4, "rank": 3}
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=3 does not divide the 4 devices"):
+        ParallelDims.fsdp(4, 4, 3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=0 is invalid\. Fix: 1 \(no tensor"):
+        ParallelDims.hsdp(4, 4, tensor_parallel=0)
+    # the strategies read it: their sampler layout is the object's
+    trainer = pl.Trainer(accelerator="cpu", devices=4, logger=False,
+                         strategy=HSDPStrategy(shard_degree=1, tensor_parallel_degree=2))
+    strategy = trainer.strategy
+    assert isinstance(strategy, HSDPStrategy) and strategy.distributed_sampler_kwargs == {"num_replicas": 2,
+                                                                                            "rank": 0}
+    assert strategy._mesh_degrees() == ParallelDims(2, 1, 2)
 
 
 def test_unsupported_precision_is_rejected_early() -> None:

@@ -9,10 +9,19 @@ that LightningCLI also reads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, get_args
 
-__all__ = ["OptionError", "check_bool", "check_choice", "check_degree", "check_int", "check_number", "choices",
-           "is_option_error"]
+import torch
+
+__all__ = ["DTYPE_NAMES", "OptionError", "check_bool", "check_choice", "check_degree", "check_dtype",
+           "check_int", "check_number", "choices", "is_option_error", "listing"]
+
+#: The dtype names options take (``param_dtype: bf16``, ``--dtype fp16``), the long and the short spelling.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
 
 
 class OptionError(ValueError):
@@ -40,6 +49,14 @@ def choices(literal: Any) -> tuple[Any, ...]:
         nested = get_args(arg)
         out += [v for v in nested if v not in out] if nested and not isinstance(arg, str) else [arg]
     return tuple(out)
+
+
+def listing(names: Iterable[object], shown: int = 8, sep: str = ", ") -> str:
+    """The first ``shown`` of ``names``, then how many more: an error names what is wrong (keys, files,
+    styles) without printing all of a large model's thousand keys. One spelling for every such list."""
+    items = [str(n) for n in names]
+    more = f"{sep}... and {len(items) - shown} more" if len(items) > shown else ""
+    return sep.join(items[:shown]) + more
 
 
 def _fail(name: str, value: Any, fix: str, prefix: str = "") -> OptionError:
@@ -85,6 +102,17 @@ def check_choice(name: str, value: Any, literal: Any, *, optional: bool = False,
     if (value is None and optional) or value in allowed:
         return value
     raise _fail(name, value, f"one of {list(allowed)}{' or unset' if optional else ''}.", prefix)
+
+
+def check_dtype(name: str, value: str | None, allowed: Iterable[str] = DTYPE_NAMES) -> torch.dtype | None:
+    """The dtype a name in ``allowed`` (of :data:`DTYPE_NAMES`) stands for; ``None`` passes (the default)."""
+    names = list(allowed)
+    if value is None:
+        return None
+    if value not in names:
+        raise OptionError(f"{name}={value!r} is not a dtype this option takes. Fix: use one of "
+                          f"{sorted(names)}.")
+    return DTYPE_NAMES[value]
 
 
 def check_degree(name: str, value: Any, prefix: str = "") -> Any:

@@ -61,6 +61,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
+from fsdp_strategies._atomic_file import write_text_atomically
 from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._options import OptionError, check_choice, check_int
 from fsdp_strategies.callbacks.straggler_scoring import HEADER, StragglerScorer
@@ -533,9 +534,7 @@ class StragglerDetector(Callback):
     def _write_report(self, trainer: pl.Trainer) -> None:
         path = self._report_file or Path("straggler_report.json")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.report(), indent=1, default=float))
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(self.report(), indent=1, default=float), f".tmp{os.getpid()}")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -24,12 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from fsdp_strategies.checkpoint.atomic import (
-    LIGHTNING_META_FILE,
-    remove_path,
-    resolve_checkpoint_path,
-    temp_path,
-)
+from fsdp_strategies._atomic_file import write_atomically
+from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE, TMP_SUFFIX, resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import verify_folder, verify_loaded
 from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
 from fsdp_strategies.checkpoint.safe_load import (
@@ -223,10 +219,4 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
         return url
     assert out is not None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(out)
-    try:
-        torch.save(plain, tmp)
-        os.replace(tmp, out)
-    finally:
-        remove_path(tmp)
-    return out
+    return write_atomically(out, lambda tmp: torch.save(plain, tmp), TMP_SUFFIX)

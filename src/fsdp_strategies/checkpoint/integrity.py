@@ -19,7 +19,8 @@ Checkpoints without either (older ones, Lightning's own strategies) load with a 
 (bit rot, torn copies, truncation), not an attacker who rewrites the manifest too: see the
 trust model in docs/checkpoints.md.
 
-This module imports nothing from the package (it only hashes bytes and compares records); reading
+This module imports nothing from the package but the base layer's one-file atomic write (it only hashes
+bytes and compares records); reading
 files with the restricted loader and the ``fsdp-strategies-verify`` command are in
 :mod:`fsdp_strategies.checkpoint.verify`. What a verification found is a :class:`VerifyResult`; every
 caller decides what to do with it through :meth:`VerifyResult.require_intact` (load / export) or
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from fsdp_strategies._atomic_file import write_text_atomically
 
 __all__ = [
     "INTEGRITY_KEY",
@@ -148,9 +151,7 @@ def write_manifest(folder: pathlib.Path, hashed: Mapping[str, tuple[int, str]]) 
     gone = sorted(set(hashed) - set(present))
     if gone:
         raise CheckpointIntegrityError(f"{folder}: files vanished while the checkpoint was written: {gone}")
-    tmp = folder / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(manifest_text(entries))
-    os.replace(tmp, folder / MANIFEST_FILE)
+    write_text_atomically(folder / MANIFEST_FILE, manifest_text(entries))
 
 
 class CheckpointFiles(Protocol):

@@ -39,9 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from fsdp_strategies._distributed import rank_and_world
+from fsdp_strategies._options import listing
 from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
+from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, StateMismatchError
 from fsdp_strategies.checkpoint.object_store import (
     RemoteCheckpoint,
     read_remote_meta,
@@ -76,7 +78,7 @@ _PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "mom
                                  "grad_avg", "acc_delta", "sum", "prev", "ax", "exp_inf"})
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(StateMismatchError):
     """The checkpoint was written for a different model or optimizer layout than the one resuming."""
 
 
@@ -97,27 +99,10 @@ def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
-def _listing(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_SHOW])
-    return shown + (f", ... ({len(items) - _SHOW} more)" if len(items) > _SHOW else "")
-
-
 def model_mismatch(expected: Mapping[str, tuple[int, ...] | None], found: Mapping[str, tuple[int, ...] | None],
                    *, strict: bool) -> list[str]:
     """What differs between the model's state (name -> global shape) and the checkpoint's."""
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing in the checkpoint: {_listing(missing)}")
-    if unexpected and strict:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
-    shapes = [f"{k} checkpoint {list(found[k])} vs model {list(expected[k])}"  # type: ignore[arg-type]
-              for k in sorted(set(expected) & set(found))
-              if expected[k] is not None and found[k] is not None and expected[k] != found[k]]
-    if shapes:
-        problems.append(f"shape differs: {_listing(shapes)}")
-    return problems
+    return KeyMismatch.between(expected, found, strict=strict).problems(shown=_SHOW)
 
 
 def _mismatch(source: Path | str, source_format: str, target: str, what: str, problems: list[str], fix: str) -> Exception:
@@ -160,11 +145,11 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
                     if clean_name(str(a)) != clean_name(str(b))]
             if len(saved_labels) != len(now_labels) or diff:
                 problems.append(f"group {g} maps its state to other parameters than the checkpoint did "
-                                f"(checkpoint vs now: {_listing(diff) or 'different lengths'})")
+                                f"(checkpoint vs now: {listing(diff, _SHOW) or 'different lengths'})")
         by_id.update(zip(ids, names))
     unknown = [str(k) for k in state if k not in by_id]
     if unknown:
-        problems.append(f"state for parameter id(s) that no group lists: {_listing(unknown)}")
+        problems.append(f"state for parameter id(s) that no group lists: {listing(unknown, _SHOW)}")
     converted: dict[str, Any] = {}
     bad_shapes = []
     for key, entry in state.items():
@@ -177,7 +162,7 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
                 bad_shapes.append(f"'{field}' of {name} is {list(shape)}, the parameter {list(shapes[name])}")
         converted[name] = entry
     if bad_shapes:
-        problems.append(f"state shapes differ from their parameters: {_listing(bad_shapes)}")
+        problems.append(f"state shapes differ from their parameters: {listing(bad_shapes, _SHOW)}")
     out_groups = []
     for saved_group, names, live in zip(groups, current_names, optimizer.param_groups):
         group = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}

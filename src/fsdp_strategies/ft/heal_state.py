@@ -31,18 +31,24 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, StateMismatchError
 from fsdp_strategies.checkpoint.verify import verify_checkpoint
 from fsdp_strategies.ft.protocol import resume_file
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-__all__ = ["HealState", "SchedulerRollback", "TrainingState", "local", "resume_from_handed"]
+__all__ = ["HealState", "HealStateMismatchError", "SchedulerRollback", "TrainingState", "local",
+           "resume_from_handed"]
 
 
 def local(value: Any) -> Any:
     """This rank's shard of a DTensor; other values unchanged (the heal transfer sends plain tensors)."""
     return _torch_seam.local_shard(value) if isinstance(value, DTensor) else value
+
+
+class HealStateMismatchError(StateMismatchError, RuntimeError):
+    """A live peer's state has other keys than this rank's model (a ``RuntimeError``, as it was before)."""
 
 
 class TrainingState(NamedTuple):
@@ -87,9 +93,12 @@ class HealState:
         """Apply a live peer's state to this rank's shards, optimizers and LR schedulers."""
         model, optimizers, schedulers = self._parts()
         own = model.state_dict()
-        missing = set(own) ^ set(state["model"])
-        if missing:
-            raise RuntimeError(f"ft_hsdp: healed state does not match this model (keys differ: {sorted(missing)[:5]})")
+        mismatch = KeyMismatch.between(list(own), list(state["model"]))  # keys: shapes are local shards
+        if mismatch:
+            raise HealStateMismatchError(
+                "ft_hsdp: the healed state does not match this model: "
+                f"{mismatch.describe('healed state', shown=5)}. Fix: every replica group of a job must build "
+                "the same model (same code and config).")
         for key, value in own.items():
             local(value).copy_(state["model"][key])
         for opt, received in zip(optimizers, state["optimizers"]):

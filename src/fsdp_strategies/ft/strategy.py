@@ -68,7 +68,7 @@ from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, EventLog, FTEnvironment
 from fsdp_strategies.ft.redistribute import add_missing_groups, warn_unless_sharded
 from fsdp_strategies.ft.semi_sync import SemiSync
 from fsdp_strategies.ft.straggler_switch import StragglerSync
-from fsdp_strategies.parallel.mesh import HSDPDegrees
+from fsdp_strategies.parallel.mesh import ParallelDims
 from fsdp_strategies.parallel.replicated_params import set_all_reduce_hook
 from fsdp_strategies.strategies.hsdp import HSDPStrategy
 
@@ -211,9 +211,10 @@ class FTHSDPStrategy(HSDPStrategy):
 
     # ------------------------------------------------------------------ validation (no process group yet)
     @override
-    def _mesh_degrees(self) -> HSDPDegrees | None:
+    def _mesh_degrees(self) -> ParallelDims:
         """A 1-D mesh over the group's ranks: the replication is torchft's, across groups (jobs)."""
-        return None
+        return ParallelDims.fsdp(self.num_nodes * self.num_processes, self.num_processes,
+                                 self.tensor_parallel_degree, replica_groups=self.num_replica_groups)
 
     @override
     def validate_options(self) -> None:
@@ -254,8 +255,7 @@ class FTHSDPStrategy(HSDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # torchft.data.DistributedSampler's layout: shard = group_rank + group_size * replica_group_id.
-        return {"num_replicas": self.data_parallel_size * self.num_replica_groups,
-                "rank": self.data_parallel_rank + self.data_parallel_size * self.replica_group_id}
+        return self._mesh_degrees().sampler_kwargs(self.global_rank, self.replica_group_id)
 
     @override
     def shard_module(self, module: nn.Module) -> nn.Module:

@@ -37,25 +37,31 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from fsdp_strategies._options import DTYPE_NAMES, listing
 from fsdp_strategies.checkpoint.atomic import abandon_save, commit_save, prepare_save
 from fsdp_strategies.checkpoint.export import VerifiedCheckpoint, export_consolidated, open_checkpoint
+from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, Shape, StateMismatchError
 from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
 from fsdp_strategies.checkpoint.object_store import check_writable, require_empty, upload_folder
 from fsdp_strategies.hf.metadata import hf_model_records
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "HFExportError", "export_hf", "main", "parse_size"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "HFExportError", "HFExportMismatchError", "export_hf", "main",
+           "parse_size"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # what transformers' save_pretrained uses
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {name: DTYPE_NAMES[name] for name in ("bf16", "fp16", "fp32")}  # the short names of the one map
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_LISTED = 8  # names shown per list in an error
 
 
 class HFExportError(ValueError):
     """The checkpoint cannot be written as the chosen Hugging Face model (which one, keys, options)."""
+
+
+class HFExportMismatchError(HFExportError, StateMismatchError):
+    """The checkpoint's keys or shapes are not the chosen Hugging Face model's."""
 
 
 def parse_size(value: int | str, option: str = "max_shard_size") -> int:
@@ -68,11 +74,6 @@ def parse_size(value: int | str, option: str = "max_shard_size") -> int:
         raise HFExportError(f"{option}={value!r} is not a size. Fix: give a positive size such as 5GB, 500MB, "
                             "2GiB or a number of bytes.")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _listing(names: list[str]) -> str:
-    more = f", ... and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
-    return ", ".join(names[:_LISTED]) + more
 
 
 # ----------------------------------------------------------------------------------- which model, which config
@@ -172,7 +173,10 @@ def _select(state: dict[str, torch.Tensor], prefix: str, expected: dict[str, tor
             groups: list[list[str]], cls: type, source: Path) -> dict[str, torch.Tensor]:
     """The tensors to write, by HF name, in the model's order; tied names once; any mismatch raises."""
     found = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    missing, reshaped, untied, out = [], [], [], {}
+    missing: list[str] = []
+    reshaped: list[tuple[str, Shape, Shape]] = []
+    untied: list[str] = []
+    out: dict[str, torch.Tensor] = {}
     for group in groups:
         present = [n for n in group if n in found]
         if not present:
@@ -182,20 +186,19 @@ def _select(state: dict[str, torch.Tensor], prefix: str, expected: dict[str, tor
         if any(not torch.equal(found[n], value) for n in present[1:]):
             untied.append("=".join(present))
         if tuple(value.shape) != tuple(expected[group[0]].shape):
-            reshaped.append(f"{group[0]} {list(value.shape)} vs {list(expected[group[0]].shape)}")
+            reshaped.append((group[0], tuple(value.shape), tuple(expected[group[0]].shape)))
         out[group[0]] = value
-    unexpected = [k for k in found if k not in expected]
-    if missing or unexpected or reshaped:
-        parts = [f"{len(names)} {what} ({_listing(names)})" for what, names in
-                 (("missing", missing), ("unexpected", unexpected), ("with another shape (checkpoint vs model)", reshaped))
-                 if names]
-        raise HFExportError(f"{source} does not hold the weights of {cls.__name__} under the prefix {prefix!r}: "
-                            f"{'; '.join(parts)}. Fix: pass --prefix with the attribute path that holds the model "
-                            "(e.g. 'model.'), and --hf-config with the config of the model that was trained.")
+    mismatch = KeyMismatch(tuple(missing), tuple(k for k in found if k not in expected), tuple(reshaped))
+    if mismatch:
+        raise HFExportMismatchError(
+            f"{source} does not hold the weights of {cls.__name__} under the prefix {prefix!r}: "
+            f"{mismatch.describe()}. Fix: pass --prefix with the attribute path that holds the model "
+            "(e.g. 'model.'), and --hf-config with the config of the model that was trained.")
     if untied:
-        raise HFExportError(f"{source}: {cls.__name__} ties {_listing(untied)}, but the checkpoint holds different "
-                            "values under these names (the tie was broken during training). Fix: export with "
-                            "--hf-config DIR whose config.json unties them (e.g. \"tie_word_embeddings\": false).")
+        raise HFExportError(f"{source}: {cls.__name__} ties {listing(untied)}, but the checkpoint holds "
+                            "different values under these names (the tie was broken during training). Fix: "
+                            "export with --hf-config DIR whose config.json unties them (e.g. "
+                            "\"tie_word_embeddings\": false).")
     return out
 
 

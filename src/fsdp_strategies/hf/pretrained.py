@@ -35,6 +35,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from fsdp_strategies._options import listing
+from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, StateMismatchError
 from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
 from fsdp_strategies.checkpoint.location import is_url
 from fsdp_strategies.hf.materialize import hf_models
@@ -46,7 +48,7 @@ _SHOW = 8
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class PretrainedMismatchError(ValueError):
+class PretrainedMismatchError(StateMismatchError):
     """The pretrained folder's tensors do not match the model they are loaded into (names or shapes). An option
     error: one line from the CLI."""
 
@@ -241,8 +243,7 @@ def _align(file_keys: set[str], wanted: Iterable[str], base: str) -> dict[str, s
 
 
 def _show(keys: Iterable[str]) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:_SHOW]) + (f" ... ({len(keys)} in all)" if len(keys) > _SHOW else "")
+    return listing(sorted(keys), _SHOW)
 
 
 def _ignored(module: nn.Module, prefix: str, attr: str) -> list[re.Pattern[str]]:
@@ -285,13 +286,12 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str
             f"prefix {prefix!r} (file: {_show(file_keys)}; module: {_show(ours)}). Fix: point it at the folder of "
             "this architecture, or set pretrained_prefix to the attribute that holds the HF model.")
     if (missing_params or unexpected) and source.strict:
+        mismatch = KeyMismatch(missing=tuple(sorted(missing_params)), unexpected=tuple(sorted(unexpected)))
         raise PretrainedMismatchError(
             f"{source.origin}: {folder} does not match the module under prefix {prefix!r}: "
-            + (f"parameters missing from the file: {_show(missing_params)}; " if missing_params else "")
-            + (f"tensors of the file the module lacks: {_show(unexpected)}; " if unexpected else "")
-            + "Fix: check pretrained_prefix and that the folder holds this architecture; to start the missing "
-            "parameters (e.g. a new head) from their fresh initialisation and ignore the extra tensors, set "
-            "pretrained_strict: false.")
+            f"{mismatch.describe('file', 'module', _SHOW)}. Fix: check pretrained_prefix and that the folder "
+            "holds this architecture; to start the missing parameters (e.g. a new head) from their fresh "
+            "initialisation and ignore the extra tensors, set pretrained_strict: false.")
     if missing_params:
         rank_zero_warn(f"{log_prefix}{source.origin}: these parameters are not in {folder} and keep their fresh "
                        f"initialisation (train them): {_show(missing_params)}")

@@ -1,4 +1,10 @@
-"""Device-mesh degrees: validated before any process group exists, built after.
+"""Device-mesh degrees (:class:`ParallelDims`): validated before any process group exists, built after.
+
+One object holds every degree of a run -- replicate x shard x tensor-parallel over the ranks of a job (or
+of one ``ft_hsdp`` replica group), and the torchft replica groups above them -- and derives what the
+strategies need from it: the mesh's shape and dim names, a rank's data-parallel index, the data shards a
+sampler splits over. Why one object: each of these was computed where it was used (the TP degree divided
+out in three places), and a layout two strategies disagreed on would split the data wrongly, silently.
 
 Named dims: ``("shard",)`` for FSDP and ``("replicate", "shard")`` for HSDP, each followed by
 ``"tensor_parallel"`` when the tensor-parallel degree is above 1. Ranks are laid out row-major with the
@@ -15,15 +21,15 @@ replicate x shard mesh, so such a ``configure_model`` gets hybrid sharding uncha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_strategies._options import OptionError
+from fsdp_strategies._options import OptionError, check_int
 
-__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "build_mesh", "check_tensor_parallel_degree",
-           "check_torchrun_layout", "resolve_hsdp_degrees"]
+__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "ParallelDims", "build_mesh",
+           "check_tensor_parallel_degree", "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
@@ -49,9 +55,95 @@ class _DataParallelNamedMesh(DeviceMesh):
 
 
 @dataclass(frozen=True)
-class HSDPDegrees:
+class ParallelDims:
+    """The degrees of a run: ``replicate x shard x tensor_parallel`` ranks, and ``replica_groups`` above them.
+
+    Made by :meth:`fsdp` or :meth:`hsdp`, which check the options against the layout (errors name the option,
+    its value and the fix) at Trainer construction, before any process group. Ranks are row-major with the
+    tensor-parallel dim last (see the module docstring).
+
+    Args:
+        replicate: copies of the model inside the job (HSDP's replicate dim; 1 for FSDP).
+        shard: ranks that shard one copy (within one tensor-parallel rank).
+        tensor_parallel: ranks that split each planned layer (1: no tensor parallelism).
+        hybrid: the data-parallel mesh is 2-D ``("replicate", "shard")`` (HSDP, even at ``replicate=1``), or
+            1-D ``("shard",)``.
+        replica_groups: torchft's replica groups (``ft_hsdp``: separate jobs, each with these degrees); each
+            trains its own shards of the data.
+    """
+
     replicate: int
     shard: int
+    tensor_parallel: int = 1
+    hybrid: bool = True
+    replica_groups: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("replicate", "shard", "tensor_parallel", "replica_groups"):
+            check_int(name, getattr(self, name), 1)
+        if not self.hybrid and self.replicate != 1:
+            raise OptionError(f"replicate={self.replicate} on a 1-D mesh is invalid. Fix: hybrid=True "
+                              "(HSDP).")
+
+    @classmethod
+    def fsdp(cls, world_size: int, devices_per_node: int, tensor_parallel: int = 1,
+             replica_groups: int = 1) -> ParallelDims:
+        """FSDP over ``world_size`` ranks (of a job, or of one replica group), TP inside a node."""
+        check_tensor_parallel_degree(tensor_parallel, world_size, devices_per_node)
+        return cls(1, world_size // tensor_parallel, tensor_parallel, hybrid=False,
+                   replica_groups=replica_groups)
+
+    @classmethod
+    def hsdp(cls, world_size: int, devices_per_node: int, replicate_degree: int | str | None = "auto",
+             shard_degree: int | str | None = "auto", tensor_parallel: int = 1) -> ParallelDims:
+        """HSDP: ``"auto"`` degrees filled in (:func:`resolve_hsdp_degrees`) over the ranks of one TP rank."""
+        check_tensor_parallel_degree(tensor_parallel, world_size, devices_per_node)
+        degrees = resolve_hsdp_degrees(world_size // tensor_parallel, devices_per_node // tensor_parallel,
+                                       replicate_degree, shard_degree)
+        return replace(degrees, tensor_parallel=tensor_parallel)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job (of one replica group under ``ft_hsdp``)."""
+        return self.replicate * self.shard * self.tensor_parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Distinct batches the job's ranks train per step: the ranks of one TP group share theirs."""
+        return self.replicate * self.shard
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """``global_rank``'s data-parallel index in its job (row-major mesh, tensor-parallel dim last)."""
+        return global_rank // self.tensor_parallel
+
+    @property
+    def data_shards(self) -> int:
+        """Shards the data is split into: every replica group's data-parallel ranks."""
+        return self.data_parallel_size * self.replica_groups
+
+    def data_shard(self, global_rank: int, replica_group_id: int = 0) -> int:
+        """The shard ``global_rank`` of replica group ``replica_group_id`` trains (torchft's sampler layout:
+        ``group_rank + group_size * replica_group_id``)."""
+        return self.data_parallel_rank(global_rank) + self.data_parallel_size * replica_group_id
+
+    def sampler_kwargs(self, global_rank: int, replica_group_id: int = 0) -> dict[str, int]:
+        """``DistributedSampler``'s ``num_replicas`` and ``rank`` for ``global_rank``: one layout of the
+        data for every strategy (the ranks of a TP group share a shard)."""
+        return {"num_replicas": self.data_shards, "rank": self.data_shard(global_rank, replica_group_id)}
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        tp = (self.tensor_parallel,) if self.tensor_parallel > 1 else ()
+        return (self.replicate, self.shard, *tp) if self.hybrid else (self.shard, *tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        tp = (TENSOR_PARALLEL,) if self.tensor_parallel > 1 else ()
+        return ("replicate", "shard", *tp) if self.hybrid else ("shard", *tp)
+
+
+#: The HSDP degrees' former name (``replicate``, ``shard``), kept for code that imports it.
+HSDPDegrees = ParallelDims
 
 
 def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:
@@ -103,14 +195,17 @@ def resolve_hsdp_degrees(
             f"replicate_degree = {world_size} // shard_degree, or leave both 'auto' "
             f"(shard within a node of {devices_per_node} devices, replicate across nodes)."
         )
-    return HSDPDegrees(replicate=replicate, shard=shard)
+    return ParallelDims(replicate=replicate, shard=shard)
 
 
-def check_tensor_parallel_degree(degree: int, world_size: int, devices_per_node: int) -> None:
-    """The tensor-parallel degree divides the ranks of a node (TP stays inside a node) and the world size."""
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise OptionError(f"tensor_parallel_degree={degree!r} is not a positive integer. Fix: 1 (no tensor "
-                         "parallelism) or the number of ranks of a node that split each layer, e.g. 2.")
+def check_tensor_parallel_degree(degree: int, world_size: int | None = None,
+                                 devices_per_node: int | None = None) -> None:
+    """The tensor-parallel degree is a positive integer (checked alone at the strategy's ``__init__``) that
+    divides the ranks of a node (TP stays inside a node) and the world size, once they are known."""
+    check_int("tensor_parallel_degree", degree, 1,
+              fix="1 (no tensor parallelism) or the number of ranks of a node that split each layer, e.g. 2.")
+    if world_size is None or devices_per_node is None:
+        return
     if degree > 1 and (devices_per_node % degree or world_size % degree):
         choices = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
         raise OptionError(
@@ -119,17 +214,10 @@ def check_tensor_parallel_degree(degree: int, world_size: int, devices_per_node:
             f"on the fast links. Fix: choose tensor_parallel_degree from {choices}.")
 
 
-def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: int,
-               tensor_parallel: int = 1) -> DeviceMesh:
-    """The FSDP (1-D) or HSDP (2-D) mesh, plus a last ``tensor_parallel`` dim when ``tensor_parallel > 1``.
+def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
+    """The FSDP (1-D) or HSDP (2-D) mesh of ``dims``, plus a last ``tensor_parallel`` dim when TP is on.
 
     Every mesh answers to ``"data_parallel"``; see the module docstring."""
-    tp = (tensor_parallel,) if tensor_parallel > 1 else ()
-    tp_names = (TENSOR_PARALLEL,) if tensor_parallel > 1 else ()
-    if degrees is None:
-        mesh = init_device_mesh(device.type, (world_size // tensor_parallel, *tp), mesh_dim_names=("shard", *tp_names))
-    else:
-        mesh = init_device_mesh(device.type, (degrees.replicate, degrees.shard, *tp),
-                                mesh_dim_names=("replicate", "shard", *tp_names))
+    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
     mesh.__class__ = _DataParallelNamedMesh  # same object and state, one more name it answers to
     return mesh

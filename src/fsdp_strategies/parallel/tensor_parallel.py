@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_strategies._options import OptionError
+from fsdp_strategies._options import OptionError, listing
 from fsdp_strategies.parallel.ties import retie, tied_slots
 
 __all__ = ["STYLES", "TensorParallelPlanError", "apply_tensor_parallel", "clip_grad_norm", "find_model_plan",
@@ -70,9 +70,8 @@ def _style(name: str, style: str) -> Any:
 
 
 def _unsupported(entries: Mapping[str, str]) -> str:
-    listed = "; ".join(f"{style!r} for {name!r}" for name, style in list(entries.items())[:6])
-    more = f" ... ({len(entries)} in all)" if len(entries) > 6 else ""
-    return (f"tp_plan: styles this package does not apply: {listed}{more} (supported: {', '.join(STYLES)}; MoE "
+    listed = listing((f"{style!r} for {name!r}" for name, style in entries.items()), 6, sep="; ")
+    return (f"tp_plan: styles this package does not apply: {listed} (supported: {', '.join(STYLES)}; MoE "
             "experts, packed projections and per-head norms that need a gradient all-reduce are not). Fix: pass a "
             "dict plan with the supported styles for the dense attention and MLP projections, or "
             "tensor_parallel_degree: 1. Leave a module out of the plan only if its input is the same on every "

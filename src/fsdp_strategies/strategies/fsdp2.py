@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
-from fsdp_strategies._options import OptionError, check_choice, check_int
+from fsdp_strategies._options import OptionError, check_choice, check_dtype, check_int
 from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
     atomic_save_full_agreed,
@@ -61,7 +61,7 @@ from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder, load_pretrained
 from fsdp_strategies.parallel import buffers_to, parallelize, parameter_device
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
-from fsdp_strategies.parallel.mesh import HSDPDegrees, build_mesh, check_tensor_parallel_degree
+from fsdp_strategies.parallel.mesh import ParallelDims, build_mesh, check_tensor_parallel_degree
 from fsdp_strategies.parallel.outside_calls import GatherOnOutsideCall
 from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
 from fsdp_strategies.runtime import data_position
@@ -77,16 +77,6 @@ __all__ = ["AccumulationMode", "FSDP2Strategy"]
 AccumulationMode = Literal["sharded", "no_sync"]  # non-final micro-batches of accumulate_grad_batches
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]  # the Trainer's precision flags this strategy takes
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def _dtype_option(name: str, value: str | None) -> torch.dtype | None:
-    if value is None:
-        return None
-    if value not in _DTYPES:
-        raise OptionError(f"{name}={value!r} is not a dtype this strategy knows. Fix: use one of {sorted(_DTYPES)}.")
-    return _DTYPES[value]
 
 
 class _ShardedMixedPrecision(Precision):
@@ -243,9 +233,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         self.meta_init = meta_init
         self.autocast = autocast
         self._explicit_dtypes = {
-            "param_dtype": _dtype_option("param_dtype", param_dtype),
-            "reduce_dtype": _dtype_option("reduce_dtype", reduce_dtype),
-            "output_dtype": _dtype_option("output_dtype", output_dtype),
+            "param_dtype": check_dtype("param_dtype", param_dtype),
+            "reduce_dtype": check_dtype("reduce_dtype", reduce_dtype),
+            "output_dtype": check_dtype("output_dtype", output_dtype),
         }
         self._mp_policy = MixedPrecisionPolicy()
         self._step_calls_root: dict[str, bool] = {}
@@ -254,8 +244,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         elif pretrained_prefix is not None:
             raise OptionError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
                              "save_pretrained folder, or drop pretrained_prefix.")
-        check_int("tensor_parallel_degree", tensor_parallel_degree, 1, fix="1 (no tensor parallelism) or the number "
-                  "of ranks of a node that split each layer, e.g. 2.")
+        check_tensor_parallel_degree(tensor_parallel_degree)
         if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
             raise OptionError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
         self.tensor_parallel_degree = tensor_parallel_degree
@@ -267,9 +256,10 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         self._deferred_pretrained: list[PretrainedSource] = []  # from_pretrained calls seen in configure_model
 
     # ------------------------------------------------------------------ validation (no process group yet)
-    def _mesh_degrees(self) -> HSDPDegrees | None:
-        """None: a 1-D shard mesh over the world. Subclasses return 2-D degrees."""
-        return None
+    def _mesh_degrees(self) -> ParallelDims:
+        """A 1-D shard mesh over the world (x tensor parallel). Subclasses return 2-D degrees."""
+        return ParallelDims.fsdp(self.num_nodes * self.num_processes, self.num_processes,
+                                 self.tensor_parallel_degree)
 
     def _precision_flag(self) -> str:
         return str(getattr(self.precision_plugin, "precision", "32-true"))
@@ -310,8 +300,6 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     def validate_options(self) -> None:
         """Checks that need devices, nodes and precision: precision, mesh degrees (subclasses add theirs)."""
         self._validate_precision()
-        check_tensor_parallel_degree(self.tensor_parallel_degree, self.num_nodes * self.num_processes,
-                                     self.num_processes)
         self._mesh_degrees()
 
     @override
@@ -327,7 +315,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @override
     def setup_environment(self) -> None:
         seam.init_process_group(self)
-        mesh = build_mesh(self.root_device, self._mesh_degrees(), self.world_size, self.tensor_parallel_degree)
+        mesh = build_mesh(self.root_device, self._mesh_degrees())
         if isinstance(self.precision_plugin, _ShardedMixedPrecision):
             self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
@@ -341,17 +329,17 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
     @property
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their batch)."""
-        return self.global_rank // self.tensor_parallel_degree  # row-major mesh, tensor-parallel dim last
+        return self._mesh_degrees().data_parallel_rank(self.global_rank)
 
     @property
     def data_parallel_size(self) -> int:
         """How many distinct batches the ranks of this job train per step (world size / TP degree)."""
-        return self.world_size // self.tensor_parallel_degree
+        return self._mesh_degrees().data_parallel_size
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+        return self._mesh_degrees().sampler_kwargs(self.global_rank)
 
     # ------------------------------------------------------------------ meta-device construction
     @contextmanager

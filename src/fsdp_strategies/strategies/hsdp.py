@@ -12,7 +12,7 @@ from typing import Any
 from typing_extensions import override
 
 from fsdp_strategies._options import check_degree
-from fsdp_strategies.parallel.mesh import HSDPDegrees, check_torchrun_layout, resolve_hsdp_degrees
+from fsdp_strategies.parallel.mesh import ParallelDims, check_torchrun_layout
 from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
 __all__ = ["HSDPStrategy"]
@@ -37,12 +37,7 @@ class HSDPStrategy(FSDP2Strategy):
         self.shard_degree = shard_degree
 
     @override
-    def _mesh_degrees(self) -> HSDPDegrees:
+    def _mesh_degrees(self) -> ParallelDims:
         check_torchrun_layout(self.num_nodes, self.num_processes, "hsdp's shard and replicate groups")
-        tp = self.tensor_parallel_degree  # the data-parallel dims span the ranks of one TP rank
-        return resolve_hsdp_degrees(
-            world_size=self.num_nodes * self.num_processes // tp,
-            devices_per_node=self.num_processes // tp,
-            replicate_degree=self.replicate_degree,
-            shard_degree=self.shard_degree,
-        )
+        return ParallelDims.hsdp(self.num_nodes * self.num_processes, self.num_processes,
+                                 self.replicate_degree, self.shard_degree, self.tensor_parallel_degree)
