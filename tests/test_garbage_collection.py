@@ -19,9 +19,8 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger
 
 from conftest import ROOT, WORKERS, run_python
-from fsdp_strategies.callbacks import GarbageCollection, StragglerDetector
+from fsdp_strategies.callbacks import GarbageCollection, StragglerDetector, straggler_timing
 from fsdp_strategies.callbacks import garbage_collection as gc_module
-from fsdp_strategies.callbacks import straggler_timing
 from fsdp_strategies.callbacks.straggler_gather import WindowGather
 from fsdp_strategies.protocols import HostPauseSource
 from llama import LlamaLM, MarkovDataModule

@@ -38,6 +38,13 @@ the same gathered window with :class:`~fsdp_strategies.callbacks.straggler_scori
 same decisions and the actions (``warn``, ``hierarchical_sgd``, ``semi_sync``, ``evict``, ``stop``)
 happen in lock-step without a further collective.
 
+The callback composes its parts, each in a module named after what it does: the measurement
+(:mod:`~fsdp_strategies.callbacks.straggler_timing`), the window's gather
+(:mod:`~fsdp_strategies.callbacks.straggler_gather`), the scores
+(:mod:`~fsdp_strategies.callbacks.straggler_scoring`), one object per ``action``
+(:mod:`~fsdp_strategies.callbacks.straggler_actions`, chosen once at construction) and the record and report
+(:mod:`~fsdp_strategies.callbacks.straggler_report`).
+
 Tests and demos make a rank slow with :class:`fsdp_strategies.testing.StallInjector`, a separate callback
 listed before this one; the detector itself only measures.
 """

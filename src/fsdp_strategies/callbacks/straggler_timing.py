@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -163,7 +163,7 @@ class OwnCost:
         self._t_train_start: float | None = None
 
     @contextmanager
-    def charged(self, part: str) -> Iterator[None]:
+    def charged(self, part: Literal["hook", "gather"]) -> Iterator[None]:
         """Charge the block's wall time to ``part`` (``hook`` or ``gather``) and its CPU time to ``cpu_s``."""
         cpu0, t0 = time.thread_time(), time.perf_counter()
         yield
