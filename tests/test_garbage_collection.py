@@ -19,9 +19,9 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger
 
 from conftest import ROOT, WORKERS, run_python
-from fsdp_strategies.callbacks import GarbageCollection, StragglerDetector
+from fsdp_strategies.callbacks import GarbageCollection, StragglerDetector, straggler_timing
 from fsdp_strategies.callbacks import garbage_collection as gc_module
-from fsdp_strategies.callbacks import straggler as straggler_module
+from fsdp_strategies.callbacks.straggler_gather import WindowGather
 from fsdp_strategies.protocols import HostPauseSource
 from llama import LlamaLM, MarkovDataModule
 
@@ -202,17 +202,29 @@ class FakeClock:
     process_time = thread_time = perf_counter
 
 
+class ExchangeGather(WindowGather):
+    """The window all_gather replaced by an in-process exchange between simulated ranks."""
+
+    def __init__(self, rank: int, exchange: dict[int, dict[int, np.ndarray]]) -> None:
+        super().__init__()
+        self.rank, self.exchange = rank, exchange
+
+    def _all_gather(self, local: np.ndarray, step: int) -> Any:
+        rows = self.exchange.setdefault(step, {})
+        rows[self.rank] = local
+        return lambda: np.stack([rows[0], rows[1]])
+
+
 class ExchangingDetector(StragglerDetector):
-    """The detector with its window all_gather replaced by an in-process exchange between simulated ranks."""
+    """The detector with its window gather exchanging between simulated ranks."""
 
     def __init__(self, rank: int, exchange: dict[int, dict[int, np.ndarray]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rank, self.exchange = rank, exchange
 
-    def _start_gather(self, trainer: Any, local: np.ndarray) -> Any:
-        rows = self.exchange.setdefault(trainer.global_step, {})
-        rows[self.rank] = local
-        return lambda: np.stack([rows[0], rows[1]])
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.gather = ExchangeGather(self.rank, self.exchange)
 
 
 class UnreportedPause(pl.Callback):
@@ -232,7 +244,7 @@ def _simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order
     """Two ranks' hooks driven step by step on fake clocks; rank 1 pauses ``PAUSE_S`` after every optimizer step,
     in a collection it reports (``pause="gc"``) or in a callback that does not (``pause="other"``)."""
     clock, exchange = FakeClock(), {}
-    monkeypatch.setattr(straggler_module, "time", clock)
+    monkeypatch.setattr(straggler_timing, "time", clock)
     monkeypatch.setattr(gc_module, "time", clock)
     real_collect = gc.collect
 

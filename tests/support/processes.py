@@ -6,7 +6,7 @@ and those stay blocked in gloo for up to the collective timeout (30 min), slowin
 
 * :func:`start` starts the command in a new session (``start_new_session=True``); :class:`Job` is a
   ``Popen`` that, when it is closed (``with`` block, :meth:`Job.kill_tree`) while anything of it is alive,
-  SIGKILLs the command's whole tree: every descendant (``fsdp_strategies.ft.process_tree``, psutil; whatever
+  SIGKILLs the command's whole tree: every descendant (``fsdp_strategies.ft.launch.process_tree``, psutil; whatever
   session it moved to) and every process of the command's session.
 * :func:`run` is ``subprocess.run`` on top of it: on a timeout, a failure of the caller or a ``KeyboardInterrupt``
   the whole tree goes, then the error is raised as before.
