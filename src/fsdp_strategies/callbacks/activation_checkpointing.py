@@ -22,11 +22,11 @@ needs:
   validation, test, predict and after ``fit``. Any other forward/recompute mismatch raised in
   backward is re-raised as
   :class:`~fsdp_strategies.parallel.activation_checkpointing.RecomputationMismatchError` naming the block and
-  the fix (the module's ``backward`` is wrapped: an exception leaves ``fit`` unchanged through every callback
-  hook).
+  the fix (the module's ``backward`` is wrapped: a callback hook, ``on_exception``, sees the error but cannot
+  replace the one ``fit`` raises).
 * ``mode: budget`` (:mod:`fsdp_strategies.memory.budget`): the module's ``training_step`` is wrapped (on the
-  instance, removed again at the end of ``fit``; callback hooks around the step would nest with other
-  callbacks' dispatch modes in list order) so that a
+  instance, removed again at the end of ``fit``; a mode opened from callback hooks instead would nest among
+  the other callbacks' modes in the order of the callback list, not inside them) so that a
   :class:`~fsdp_strategies.memory.BudgetPlanner` sees the first two training forwards whole, inside any
   dispatch mode another callback opened for the step: the first profiles and chooses (rank 0's choice
   broadcast by the strategy, so every rank recomputes alike), the second measures. The choice, the
