@@ -1,11 +1,14 @@
 """ActivationCheckpointing: same gradients, less memory kept for backward, real recomputation, and the
-Lightning wiring (applied after configure_model, before the strategy wraps; once; FSDP2 on 2 ranks)."""
+Lightning wiring (applied after configure_model, before the strategy wraps, or handed to a strategy that
+applies it in its parallelize(); once; FSDP2 on 2 ranks)."""
 
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -187,6 +190,31 @@ def test_lightning_single_device_applies_once_before_strategy(lm_class: type, tm
     assert seen.checkpointed == [False, True, False, True]
     for block in model.model.layers[1::2]:
         assert block._fsdp_strategies_ac_inner.__func__.__qualname__ == "TransformerBlock.forward"
+    assert len(sac.checkpointed) == 2
+
+
+class TakesCheckpointing:
+    """A strategy that checkpoints in its parallelize() (protocols.ActivationCheckpointingTarget)."""
+
+    def __init__(self) -> None:
+        self.apply: Any = None
+
+    def set_activation_checkpointing(self, apply: Any) -> None:
+        self.apply = apply
+
+
+def test_a_strategy_that_checkpoints_itself_is_handed_the_choice_and_configure_model_is_left_alone() -> None:
+    sac, strategy = ActivationCheckpointing(mode="selective_layer", layer_interval=2), TakesCheckpointing()
+    model = LlamaLM(vocab_size=V, dim=D, n_layers=4, n_heads=H, max_seq_len=S)
+    for stage in ("fit", "validate"):  # setup runs again for validate
+        sac.setup(SimpleNamespace(strategy=strategy), model, stage)
+    assert "configure_model" not in vars(model)  # not wrapped: the strategy's parallelize() applies it
+    assert strategy.apply == sac.apply
+    model.configure_model()
+    assert not any(is_checkpointed(b) for b in model.model.layers)
+    strategy.apply(model)
+    strategy.apply(model)  # a later set-up: nothing checkpointed twice
+    assert [is_checkpointed(b) for b in model.model.layers] == [False, True, False, True]
     assert len(sac.checkpointed) == 2
 
 

@@ -582,6 +582,51 @@ def test__broadcast_sigterm_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loop._broadcast_sigterm_tensor.__func__ is method
 
 
+# ------------------------------------------------------------------------------ hooks of one LightningModule
+def test_wrap_module_method_hooks_are_looked_up_on_the_instance() -> None:
+    """Lightning calls a module's hooks through the instance (``getattr`` in ``_call_lightning_module_hook``,
+    ``model.backward`` in the precision plugin) and ``is_overridden`` follows ``__wrapped__``: the wrappers
+    run in fit, each once per owner, and unwrapping gives back the method wrapped (the class's own)."""
+    import functools
+
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    calls: list[str] = []
+
+    class Built(BoringModel):
+        def configure_model(self) -> None:
+            calls.append("configure_model")
+
+    def recording(label: str, current: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append(label)
+            return current(*args, **kwargs)
+
+        return wrapper
+
+    hooks = ("configure_model", "training_step", "backward")
+    model, owner, other = Built(), object(), object()
+    for name in hooks:
+        assert seam.wrap_module_method(model, name, owner, functools.partial(recording, f"wrapped {name}"))
+        assert not seam.wrap_module_method(model, name, owner, functools.partial(recording, "twice"))
+    assert seam.wrap_module_method(model, "training_step", other, functools.partial(recording, "other"))
+    plain = BoringModel()
+    assert seam.wrap_module_method(plain, "configure_model", owner, functools.partial(recording, "plain"))
+    assert is_overridden("configure_model", model) and not is_overridden("configure_model", plain)
+    _trainer(max_steps=1, limit_val_batches=0).fit(model)
+    assert calls == ["wrapped configure_model", "configure_model", "other", "wrapped training_step",
+                     "wrapped backward"]
+    outer = vars(model)["training_step"]
+    seam.unwrap_module_method(model, "training_step", owner)  # not the outermost wrap: left as it is
+    assert vars(model)["training_step"] is outer
+    seam.unwrap_module_method(model, "training_step", other)
+    assert vars(model)["training_step"] is not outer  # owner's wrap again
+    for name in hooks:
+        assert name in vars(model)
+        seam.unwrap_module_method(model, name, owner)
+        assert name not in vars(model) and getattr(model, name).__func__ is getattr(Built, name)
+
+
 # ------------------------------------------------------------------------------ jsonargparse
 def test_subcommand_parser() -> None:
     from jsonargparse import ArgumentParser, Namespace

@@ -1,8 +1,10 @@
-"""``fsdp_strategies.parallel.parallelize`` outside Lightning: checkpoint -> compile -> shard on one module.
+"""``fsdp_strategies.parallel.parallelize`` outside Lightning: tensor parallelism -> checkpoint -> compile ->
+shard on one module.
 
 One process (gloo, world size 1, a file store): the composed model must compute exactly what the plain
-model computes (loss and gradients), with every transform applied once and ``state_dict`` keys unchanged.
-The multi-rank behaviour is covered through the strategies (tests/test_fsdp_hsdp.py) and the benchmarks'
+model computes (loss and gradients), with every transform applied once and ``state_dict`` keys unchanged;
+tensor parallelism also on two ranks (the planned layers split across them). The multi-rank behaviour is
+covered through the strategies (tests/test_fsdp_hsdp.py, tests/test_tensor_parallel.py) and the benchmarks'
 plain-torch FSDP2 loop (tests/test_benchmarks.py), which call the same function.
 """
 
@@ -133,3 +135,72 @@ def test_cpu_offload_placement_keeps_parameters_on_cpu_and_moves_buffers() -> No
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(b.device == accel for b in model.buffers()) and len(list(model.buffers())) == 4
     assert set(model.state_dict()) == keys and "0.rope" not in keys  # registrations (persistence) unchanged
+
+
+PLAN = {"layers.*.a": "colwise", "layers.*.b": "rowwise"}
+
+
+def _tp_ac_fsdp_step(rank: int, world: int, store_path: str) -> None:
+    """One rank of a plain torch loop: ``parallelize(model, mesh, tp_plan=..., ac=...)`` on a
+    (1, ``world``) ("shard", "tensor_parallel") mesh, then a step compared with the plain model's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        plain = Net()
+        model = copy.deepcopy(plain)
+        keys = list(model.state_dict())
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "tensor_parallel"))
+        seen_by_ac: list[bool] = []
+
+        def ac(module: nn.Module) -> None:  # checkpointing sees the tensor-parallel model (the order)
+            seen_by_ac.append(isinstance(module.layers[0].a.weight, DTensor))
+            apply_activation_checkpointing(module, "full")
+
+        lines: list[str] = []
+        stacks = parallelize(model, mesh, tp_plan=PLAN, ac=ac, log=lines.append)
+        assert seen_by_ac == [True] and [len(s.blocks) for s in stacks] == [2]
+        assert "tensor parallel over" in lines[0] and "4 modules (colwise, rowwise)" in lines[0], lines
+        for block in model.layers:
+            assert is_checkpointed(block) and isinstance(block, FSDPModule)
+            for p in (block.a.weight, block.b.weight):  # split on the TP dim, sharded by FSDP on the other
+                assert p.device_mesh.mesh_dim_names == ("shard", "tensor_parallel")
+                assert isinstance(p.placements[-1], Shard)
+        assert model.inp.weight.device_mesh.mesh_dim_names == ("shard",)  # not planned: FSDP only
+        assert isinstance(model, FSDPModule)
+        parallelize(model, mesh, tp_plan=PLAN, ac=ac, log=lines.append)  # idempotent: nothing applied twice
+        assert seen_by_ac == [True, True] and "not applied on top" in lines[-1]
+
+        x = torch.randn(3, 4)
+        plain(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+        assert list(model.state_dict()) == keys
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.allclose(p.grad, q.grad.full_tensor(), atol=1e-6), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_plain_torch_loop_gets_tensor_parallel_then_checkpointing_then_fsdp(tmp_path: Path) -> None:
+    _tp_ac_fsdp_step(0, 1, str(tmp_path / "store"))
+
+
+@pytest.mark.multiprocess
+def test_a_plain_torch_loop_on_two_ranks_splits_the_planned_layers(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_tp_ac_fsdp_step, args=(2, str(tmp_path / "store")), nprocs=2, start_method="spawn")
+
+
+def test_a_tp_plan_needs_a_tensor_parallel_dim() -> None:
+    from types import SimpleNamespace
+
+    from fsdp_strategies.parallel.tensor_parallel import TensorParallelPlanError
+
+    with pytest.raises(TensorParallelPlanError, match=r"has no 'tensor_parallel' dim\. Fix: add one"):
+        parallelize(Net(), SimpleNamespace(mesh_dim_names=("shard",)), tp_plan=PLAN)
+    with pytest.raises(TensorParallelPlanError, match="no data-parallel dim for FSDP"):
+        parallelize(Net(), SimpleNamespace(mesh_dim_names=("tensor_parallel",)), tp_plan=PLAN)

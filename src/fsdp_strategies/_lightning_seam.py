@@ -23,6 +23,7 @@ too: LightningCLI is the only user of jsonargparse in this package.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Union
@@ -71,6 +72,8 @@ __all__ = [
     "set_training_fetcher_length",
     "subcommand_parser",
     "training_combined_loader",
+    "unwrap_module_method",
+    "wrap_module_method",
 ]
 
 #: A checkpoint path (what Lightning's private ``_PATH`` alias means; own spelling, no import).
@@ -241,6 +244,50 @@ def forward_signal_to_launched_ranks(strategy: Any, signum: int) -> bool:
         return False
     launcher.kill(signum)
     return True
+
+
+# ------------------------------------------------------------------------------ hooks of one LightningModule
+_WRAPPED_BY = "_fsdp_strategies_wrapped_by"  # on a wrapper: the owner of every wrap in its chain
+_WRAPS = "_fsdp_strategies_wraps"  # on a wrapper: (its owner, the method it wraps)
+
+
+def wrap_module_method(module: pl.LightningModule, name: str, owner: object,
+                       wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Make this one module instance's hook ``name`` ``wrapper(current)``, once per ``owner``; ``False`` when
+    ``owner`` has wrapped it already (``setup`` runs again for validate / test).
+
+    Why: a callback that must act where Lightning gives it no hook (the ``ActivationCheckpointing`` callback:
+    right after ``configure_model`` under a strategy that does not apply checkpointing itself, around
+    ``backward`` to restate a recomputation error, around ``training_step`` to see the whole forward inside
+    any dispatch mode another callback opened) wraps the module's own method. This relies on how Lightning
+    calls a module's hooks, which it does not document: it looks each one up on the instance
+    (``getattr(pl_module, hook_name)`` in ``trainer.call._call_lightning_module_hook``, ``model.backward`` in
+    the precision plugin), so an instance attribute shadows the class's method; and ``is_overridden`` follows
+    ``__wrapped__`` (``functools.wraps``) to the user's own method, so ``configure_model`` still counts as
+    overridden. The class, and every other instance, are left alone.
+    """
+    current = getattr(module, name)
+    if owner in getattr(current, _WRAPPED_BY, ()):
+        return False
+    wrapped = functools.wraps(current)(wrapper(current))
+    setattr(wrapped, _WRAPPED_BY, (*getattr(current, _WRAPPED_BY, ()), owner))
+    setattr(wrapped, _WRAPS, (owner, current))
+    object.__setattr__(module, name, wrapped)
+    return True
+
+
+def unwrap_module_method(module: pl.LightningModule, name: str, owner: object) -> None:
+    """Undo :func:`wrap_module_method` by ``owner`` when its wrap is the outermost one: the method it wrapped
+    applies again (the class's own method: the instance attribute is removed)."""
+    current = vars(module).get(name)
+    by, previous = getattr(current, _WRAPS, (None, None))
+    if current is None or by is not owner:
+        return
+    own = getattr(type(module), name, None)
+    if getattr(previous, "__self__", None) is module and previous.__func__ is own:
+        del vars(module)[name]
+    else:
+        object.__setattr__(module, name, previous)
 
 
 # ------------------------------------------------------------------------------ jsonargparse (LightningCLI)

@@ -5,10 +5,34 @@ the methods qualifies.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["HostPauseSource", "LocalAveragingSwitch", "NonFiniteLossSink", "PeerWaitSource", "QuorumMember",
-           "SyncModeSwitch"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["ActivationCheckpointingTarget", "HostPauseSource", "LocalAveragingSwitch", "NonFiniteLossSink",
+           "PeerWaitSource", "QuorumMember", "SyncModeSwitch"]
+
+
+@runtime_checkable
+class ActivationCheckpointingTarget(Protocol):
+    """A strategy that applies activation checkpointing itself, in its place in the order of the transforms
+    (``fsdp2``, ``hsdp``, ``ft_hsdp``: :func:`fsdp_strategies.parallel.parallelize` runs tensor
+    parallelism -> checkpointing -> compile -> FSDP).
+    :class:`~fsdp_strategies.callbacks.ActivationCheckpointing` hands it its checkpointing instead of applying
+    it right after ``configure_model`` (what it does for other strategies, which have no such place: Lightning
+    calls no callback hook between ``configure_model`` and ``strategy.setup``).
+
+    Protocol: the callback calls :meth:`set_activation_checkpointing` in ``Callback.setup`` on every rank,
+    before ``strategy.setup``; the strategy calls ``apply(module)`` on the LightningModule in its set-up,
+    after tensor parallelism and before compile and sharding. ``apply`` is idempotent (checkpointed blocks are
+    marked), so a later set-up (validate, test) does not checkpoint a block twice.
+    """
+
+    def set_activation_checkpointing(self, apply: Callable[[nn.Module], object]) -> None:
+        """Checkpoint the model with ``apply`` when the strategy parallelizes it."""
+        ...
 
 
 @runtime_checkable

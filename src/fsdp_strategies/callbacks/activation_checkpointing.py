@@ -1,17 +1,19 @@
 """Activation checkpointing as a callback: Lightning glue over :mod:`fsdp_strategies.parallel.activation_checkpointing`.
 
-What the transform does (full, selective-op, selective-layer; nothing replaced; order checkpoint ->
-compile -> shard) is described there. This callback adds what Lightning needs:
+What the transform does (full, selective-op, selective-layer; nothing replaced; its place in the order
+tensor parallelism -> checkpoint -> compile -> shard) is described there. This callback adds what Lightning
+needs:
 
 * When: Lightning calls ``Callback.setup`` -> ``LightningModule.configure_model`` ->
   ``strategy.setup`` (which wraps/shards) with no callback hook in between, and models that
-  build their layers in ``configure_model`` have no blocks at ``Callback.setup`` yet. So
-  ``setup`` wraps the module's ``configure_model`` (instance attribute, ``functools.wraps``
-  keeps Lightning's ``is_overridden`` check true) to apply checkpointing right after it runs --
-  before any strategy touches the model, whether the blocks live on the meta device (fsdp2
-  ``meta_init``) or on the CPU/GPU (single-device, ddp). Models without ``configure_model`` get
-  it applied directly in ``setup``. Each block is marked, so later ``setup`` calls (validate,
-  test) do not checkpoint it twice.
+  build their layers in ``configure_model`` have no blocks at ``Callback.setup`` yet. A strategy that
+  applies checkpointing itself (:class:`~fsdp_strategies.protocols.ActivationCheckpointingTarget`:
+  ``fsdp2``, ``hsdp``, ``ft_hsdp``) is handed :meth:`ActivationCheckpointing.apply` in ``setup`` and calls
+  it in :func:`fsdp_strategies.parallel.parallelize`, after tensor parallelism and before compile and
+  sharding. For other strategies (single-device, ``ddp``) ``setup`` wraps the module's ``configure_model``
+  (:func:`fsdp_strategies._lightning_seam.wrap_module_method`) to apply checkpointing right after it runs,
+  before the strategy touches the model; models without ``configure_model`` get it applied directly in
+  ``setup``. Each block is marked, so later ``setup`` calls (validate, test) do not checkpoint it twice.
 * Recomputation must see the same global state as the forward did. Hugging Face models keep a
   KV cache when ``config.use_cache`` is on (their default): the cache grows between forward and
   recomputation, and selective checkpointing then fails ("invocation index N ... not found in
@@ -19,9 +21,12 @@ compile -> shard) is described there. This callback adds what Lightning needs:
   training steps (as HF's own ``gradient_checkpointing_enable()`` does) and restores it for
   validation, test, predict and after ``fit``. Any other forward/recompute mismatch raised in
   backward is re-raised as
-  :class:`~fsdp_strategies.parallel.activation_checkpointing.RecomputationMismatchError` naming the block and the fix.
-* ``mode: budget`` (:mod:`fsdp_strategies.memory.budget`): the module's ``training_step`` is wrapped (an
-  instance attribute, removed again at the end of ``fit``) so that a
+  :class:`~fsdp_strategies.parallel.activation_checkpointing.RecomputationMismatchError` naming the block and
+  the fix (the module's ``backward`` is wrapped: a callback hook, ``on_exception``, sees the error but cannot
+  replace the one ``fit`` raises).
+* ``mode: budget`` (:mod:`fsdp_strategies.memory.budget`): the module's ``training_step`` is wrapped (on the
+  instance, removed again at the end of ``fit``; a mode opened from callback hooks instead would nest among
+  the other callbacks' modes in the order of the callback list, not inside them) so that a
   :class:`~fsdp_strategies.memory.BudgetPlanner` sees the first two training forwards whole, inside any
   dispatch mode another callback opened for the step: the first profiles and chooses (rank 0's choice
   broadcast by the strategy, so every rank recomputes alike), the second measures. The choice, the
@@ -42,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies._options import OptionError, check_bool, check_int, check_number
 from fsdp_strategies.memory.budget import BudgetChoice, BudgetPlanner
 from fsdp_strategies.memory.offload import OffloadStats, apply_activation_offload
@@ -57,14 +63,12 @@ from fsdp_strategies.parallel.activation_checkpointing import (
 )
 from fsdp_strategies.parallel.blocks import class_names
 from fsdp_strategies.parallel.ops import resolve_ops, resolve_or_none
+from fsdp_strategies.protocols import ActivationCheckpointingTarget
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["ActivationCheckpointing"]
-
-_HOOKED = "_fsdp_strategies_ac_configure_model"  # on a LightningModule's wrapped configure_model
-_PLANNED = "_fsdp_strategies_ac_budget"  # on a LightningModule's training_step wrapped for the budget planner
 
 
 class ActivationCheckpointing(Callback):
@@ -198,22 +202,31 @@ class ActivationCheckpointing(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if is_overridden("configure_model", pl_module):
-            self._apply_after_configure_model(pl_module)
+        if isinstance(trainer.strategy, ActivationCheckpointingTarget):
+            trainer.strategy.set_activation_checkpointing(self.apply)  # applied in its parallelize()
+        elif is_overridden("configure_model", pl_module):
+            then_checkpoint = functools.partial(self._apply_after, pl_module)
+            seam.wrap_module_method(pl_module, "configure_model", self, then_checkpoint)
         else:
             self.apply(pl_module)
-        self._explain_mismatches_in_backward(pl_module)
+        seam.wrap_module_method(pl_module, "backward", self, self._explain_mismatches)
 
-    def _explain_mismatches_in_backward(self, pl_module: pl.LightningModule) -> None:
-        """Re-raise torch's recompute-mismatch errors from ``LightningModule.backward`` as RecomputationMismatchError."""
-        current: Callable[..., None] = pl_module.backward
-        if self in getattr(current, _HOOKED, ()):
-            return
+    def _apply_after(self, pl_module: pl.LightningModule,
+                     configure_model: Callable[[], None]) -> Callable[[], None]:
+        """``configure_model``, then checkpointing (a strategy that does not apply it itself)."""
 
-        @functools.wraps(current)
-        def backward(*args: Any, **kwargs: Any) -> None:
+        def configure_then_checkpoint() -> None:
+            configure_model()
+            self.apply(pl_module)
+
+        return configure_then_checkpoint
+
+    def _explain_mismatches(self, backward: Callable[..., None]) -> Callable[..., None]:
+        """``LightningModule.backward`` with recompute mismatches re-raised as RecomputationMismatchError."""
+
+        def explaining_backward(*args: Any, **kwargs: Any) -> None:
             try:
-                current(*args, **kwargs)
+                backward(*args, **kwargs)
             except RecomputationMismatchError:
                 raise
             except RuntimeError as err:
@@ -221,8 +234,7 @@ class ActivationCheckpointing(Callback):
                     raise mismatch_error(err, self.mode) from err
                 raise
 
-        setattr(backward, _HOOKED, (*getattr(current, _HOOKED, ()), self))
-        object.__setattr__(pl_module, "backward", backward)
+        return explaining_backward
 
     # ------------------------------------------------------------------ caches (global state) off in training
     def _disable_caches(self, pl_module: pl.LightningModule) -> None:
@@ -272,20 +284,7 @@ class ActivationCheckpointing(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_caches()
-        self._unwrap_training_step(pl_module)
-
-    def _apply_after_configure_model(self, pl_module: pl.LightningModule) -> None:
-        current: Callable[[], None] = pl_module.configure_model
-        if self in getattr(current, _HOOKED, ()):
-            return
-
-        @functools.wraps(current)
-        def configure_model() -> None:
-            current()
-            self.apply(pl_module)
-
-        setattr(configure_model, _HOOKED, (*getattr(current, _HOOKED, ()), self))
-        object.__setattr__(pl_module, "configure_model", configure_model)
+        seam.unwrap_module_method(pl_module, "training_step", self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -308,32 +307,24 @@ class ActivationCheckpointing(Callback):
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
 
-        self._planner = BudgetPlanner(pl_module, self.memory_budget, agree=agree, log=log)
-        current: Callable[..., Any] = pl_module.training_step
-        planner = self._planner
+        planner = self._planner = BudgetPlanner(pl_module, self.memory_budget, agree=agree, log=log)
 
-        @functools.wraps(current)
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            with planner.forward():
-                out = current(*args, **kwargs)
-            self.budget_report = planner.report()
-            return out
+        def planned(training_step: Callable[..., Any]) -> Callable[..., Any]:
+            def planned_training_step(*args: Any, **kwargs: Any) -> Any:
+                with planner.forward():
+                    out = training_step(*args, **kwargs)
+                self.budget_report = planner.report()
+                return out
 
-        setattr(training_step, _PLANNED, current)
-        object.__setattr__(pl_module, "training_step", training_step)
+            return planned_training_step
 
-    def _unwrap_training_step(self, pl_module: pl.LightningModule) -> None:
-        original = getattr(pl_module.__dict__.get("training_step"), _PLANNED, None)
-        if original is not None:
-            if getattr(original, "__self__", None) is pl_module and original.__func__ is type(pl_module).training_step:
-                del pl_module.__dict__["training_step"]
-            else:
-                object.__setattr__(pl_module, "training_step", original)
+        seam.unwrap_module_method(pl_module, "training_step", self)  # a fit before this one that did not end
+        seam.wrap_module_method(pl_module, "training_step", self, planned)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._unwrap_training_step(pl_module)
+        seam.unwrap_module_method(pl_module, "training_step", self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._unwrap_training_step(pl_module)
+        seam.unwrap_module_method(pl_module, "training_step", self)

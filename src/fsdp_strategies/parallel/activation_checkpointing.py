@@ -4,7 +4,7 @@ Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the
 ``selective_layer`` (every n-th block), ``budget`` (keep the outputs of the op calls a planner chose,
 :mod:`fsdp_strategies.memory.budget`; until it has chosen, nothing is kept, as ``full``) and ``none``. :class:`fsdp_strategies.callbacks.ActivationCheckpointing`
 is the Lightning glue over :func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize`
-applies it first in the order checkpoint -> compile -> shard.
+applies it in the order tensor parallelism -> checkpoint -> compile -> shard.
 
 * Blocks are found with :func:`fsdp_strategies.parallel.blocks.find_transformer_blocks`, the same rule the
   sharding strategies use, so checkpoint regions and FSDP units coincide.

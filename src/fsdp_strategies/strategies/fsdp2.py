@@ -16,7 +16,7 @@ reduce-scatters and releasing their input buffers, which a deferred finalisation
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -63,7 +63,7 @@ from fsdp_strategies.parallel import buffers_to, parallelize, parameter_device
 from fsdp_strategies.parallel.blocks import describe_stacks, find_block_stacks
 from fsdp_strategies.parallel.mesh import ParallelDims, build_mesh, check_tensor_parallel_degree
 from fsdp_strategies.parallel.outside_calls import GatherOnOutsideCall
-from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm, is_tensor_parallel
+from fsdp_strategies.parallel.tensor_parallel import clip_grad_norm
 from fsdp_strategies.runtime import data_position
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
@@ -254,6 +254,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         self.pretrained_prefix = pretrained_prefix
         self.pretrained_strict = pretrained_strict
         self._deferred_pretrained: list[PretrainedSource] = []  # from_pretrained calls seen in configure_model
+        self._activation_checkpointing: Callable[[nn.Module], object] | None = None  # from the callback
 
     # ------------------------------------------------------------------ validation (no process group yet)
     def _mesh_degrees(self) -> ParallelDims:
@@ -368,24 +369,29 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             load_pretrained(self.model, source, log_prefix=f"{self.strategy_name}: ")
 
     # ------------------------------------------------------------------ wrapping
-    def shard_module(self, module: nn.Module) -> nn.Module:
-        """:func:`fsdp_strategies.parallel.parallelize` with this strategy's options (compile -> shard). Idempotent.
+    def set_activation_checkpointing(self, apply: Callable[[nn.Module], object]) -> None:
+        """protocols.ActivationCheckpointingTarget (the ``ActivationCheckpointing`` callback, in ``setup``):
+        :meth:`shard_module` checkpoints the model with ``apply``, in its place in the transforms' order."""
+        self._activation_checkpointing = apply
 
-        Activation checkpointing, the transform that comes first, was applied by the
-        ``ActivationCheckpointing`` callback right after ``configure_model``.
-        """
+    def shard_module(self, module: nn.Module) -> nn.Module:
+        """:func:`fsdp_strategies.parallel.parallelize` with this strategy's options: tensor parallelism
+        (``tp_plan``), the callback's activation checkpointing, compile, shard. Idempotent."""
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError(
                 f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
                 "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
             )
         if self.tensor_parallel_degree > 1:
-            self._apply_tensor_parallel(module)
+            self._clip_per_mesh()
         stacks = parallelize(
-            module, self.shard_mesh, block_class_names=self.block_class_names, compile_blocks=self.compile_blocks,
-            compile_options=self.compile_options, mp_policy=self._mp_policy, cpu_offload=self.cpu_offload,
+            module, self.device_mesh, tp_plan=self.tp_plan if self.tensor_parallel_degree > 1 else None,
+            ac=self._activation_checkpointing, block_class_names=self.block_class_names,
+            compile_blocks=self.compile_blocks, compile_options=self.compile_options,
+            mp_policy=self._mp_policy, cpu_offload=self.cpu_offload,
             reshard_after_forward=self.reshard_after_forward, forward_prefetch=self.forward_prefetch,
             backward_prefetch=self.backward_prefetch,
+            log=lambda line: rank_zero_info(f"{self.strategy_name}: {line}"),
         )
         blocks = [block for stack in stacks for block in stack.blocks]
         if not blocks:
@@ -401,20 +407,11 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         )
         return module
 
-    def _apply_tensor_parallel(self, module: nn.Module) -> None:
+    def _clip_per_mesh(self) -> None:
         # gradients will live on two meshes (TP-planned and data-parallel-only): clip them per mesh
         plugin = self.precision_plugin
         if not isinstance(plugin, _MeshAwareClipping):
             plugin.__class__ = type(f"MeshAware{type(plugin).__name__}", (_MeshAwareClipping, type(plugin)), {})
-        if is_tensor_parallel(module):
-            rank_zero_info(f"{self.strategy_name}: configure_model applied a tensor-parallel plan itself; tp_plan is "
-                           "not applied on top of it.")
-            return
-        applied = apply_tensor_parallel(module, self.device_mesh["tensor_parallel"], self.tp_plan)
-        styles = sorted({style for style in applied.values()})
-        rank_zero_info(f"{self.strategy_name}: tensor parallel over {self.tensor_parallel_degree} ranks: "
-                       f"{len(applied)} modules ({', '.join(styles)}) from tp_plan="
-                       f"{self.tp_plan if isinstance(self.tp_plan, str) else 'dict'}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -442,6 +439,8 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
                 # outside the steps (self.model(...) in a hook, generate() in a callback) gather the root's part
                 tseam.fsdp_lazy_init(self.model)
                 GatherOnOutsideCall(self.model)
+        elif self._activation_checkpointing is not None:  # configure_model sharded the model itself
+            self._activation_checkpointing(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
