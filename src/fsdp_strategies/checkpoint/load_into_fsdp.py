@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategies._distributed import rank_and_world
-from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies._distributed import all_gather_object, rank_and_world
 from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
 from fsdp_strategies.checkpoint.object_store import (
