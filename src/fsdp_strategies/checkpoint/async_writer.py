@@ -2,7 +2,9 @@
 
 ``async_checkpoint="thread"`` or ``"process"``: a save copies ("stages") this rank's part of the
 checkpoint into CPU memory on the training thread and returns; the write runs in the background
-and training goes on. ``"off"`` (the default) keeps the synchronous save.
+and training goes on. ``"off"`` (the default) keeps the synchronous save. This module writes the files and
+knows no Lightning strategy; when a run's save goes to it, and its per-step check, are decided by the part the
+strategy holds (:mod:`fsdp_strategies.runtime.async_checkpointing`).
 
 How each guarantee of the synchronous save is kept:
 
