@@ -165,7 +165,9 @@ _CONFIGS = (*_CONFIG_RUNS,
           "test_fsdp2_weights_named_in_the_yaml_from_a_bf16_folder"))  # finetune_hf_yaml_weights.yaml
 _LAYOUT = _ids("test_layout.py", "test_the_scan_sees_the_package", "test_dependencies_point_one_way", "test_nothing_in_the_package_imports_testing",
                "test_no_import_cycles", "test_the_cycle_finder_finds_a_cycle",
-               "test_modules_stay_small_and_the_root_stays_short", "test_the_architecture_page_maps_every_module")
+               "test_modules_stay_small_and_the_root_stays_short", "test_the_architecture_page_maps_every_module",
+               "test_no_private_attribute_is_read_by_string_across_modules",
+               "test_the_string_read_check_flags_the_old_mixins")
 _CORRUPTIONS = _ids("test_checkpoint_integrity.py", "test_every_corruption_is_detected",
                     "test_single_file_corruption_is_detected", "test_resuming_a_corrupted_checkpoint_stops_before_training")
 _DISK_FULL = _ids("test_disk_full.py", "test_full_disk_gives_one_clear_error_on_every_rank",

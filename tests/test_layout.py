@@ -198,3 +198,73 @@ def test_the_architecture_page_maps_every_module() -> None:
                      if p.name != "__main__.py" and p.name not in tree
                      and not (p.name == "__init__.py" and f"{p.parent.name}/" in tree))
     assert not missing, f"docs/architecture.md's tree does not name: {missing}"
+
+
+# the two seams read Lightning's and torch's private names by design (each with its own test)
+SEAMS = {"fsdp_strategies._lightning_seam", "fsdp_strategies._torch_seam"}
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """Names a module defines itself: functions, classes, assigned names, attributes it assigns (``x._a = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def private_string_reads(source: str, package_names: set[str]) -> list[str]:
+    """``getattr`` / ``hasattr`` of a private name given as a string: on ``self`` always (a mixin reaching into
+    its siblings, or a lazily-created attribute probed), on anything else when another module of the package
+    defines the name and this one does not (another module's private attribute). A foreign library's private
+    name is the seams' business (tests/test_lightning_seam.py)."""
+    tree = ast.parse(source)
+    own = defined_names(tree)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+            continue
+        target, name = node.args[0], node.args[1]
+        if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+            continue
+        if not name.value.startswith("_") or name.value.startswith("__"):
+            continue
+        on_self = isinstance(target, ast.Name) and target.id in ("self", "cls")
+        if on_self or (name.value in package_names and name.value not in own):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def package_defined_names() -> set[str]:
+    return set().union(*(defined_names(ast.parse(p.read_text())) for p in source_modules().values()))
+
+
+def test_no_private_attribute_is_read_by_string_across_modules() -> None:
+    """Coupling the import scan cannot see: ``getattr(self, "_x")`` in one mixin for an attribute another
+    module's mixin sets. A part that needs something from another is handed that part and asks it through a
+    method (the strategy's preemption guard and async checkpointing, see docs/architecture.md)."""
+    names = package_defined_names()
+    found = {m: reads for m, p in source_modules().items()
+             if m not in SEAMS and (reads := private_string_reads(p.read_text(), names))}
+    assert not found, f"private attributes read by string (hand the object, ask it through a method): {found}"
+
+
+def test_the_string_read_check_flags_the_old_mixins() -> None:
+    """Mutation check: the coupling this layout had (an async-checkpoint mixin reading the preemption mixin's
+    and Lightning's attributes by string) is flagged; a module's own private names on other objects, and a
+    foreign library's, are not."""
+    old = ('class AsyncCheckpointMixin:\n'
+           '    def due(self):\n'
+           '        return getattr(self, "_preempt_check_due", None), hasattr(self, "_timeout")\n'
+           'class Guard:\n'
+           '    _saving = False\n'
+           'def saving(guard, module):\n'
+           '    return getattr(guard, "_saving"), getattr(guard, "_other"), getattr(module, "_tp_plan", None)\n')
+    reads = private_string_reads(old, {"_preempt_check_due", "_saving", "_other"})
+    assert sorted(reads) == ["3: getattr(self, '_preempt_check_due', None)", "3: hasattr(self, '_timeout')",
+                             "7: getattr(guard, '_other')"], reads

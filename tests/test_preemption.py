@@ -73,7 +73,7 @@ _WATCHDOG = textwrap.dedent("""
         num_processes = 2
 
     strategy = Armed(preempt_grace_s=float(sys.argv[1]))
-    strategy._arm_preemption()
+    strategy._preemption.arm()
     os.kill(os.getpid(), signal.SIGTERM)   # recorded, not fatal: the run would stop at its next step
     print("alive after SIGTERM", flush=True)
     time.sleep(60)                          # ... but this one never reaches a step: the watchdog ends it

@@ -9,7 +9,6 @@
 * :mod:`~fsdp_strategies.checkpoint.verify` -- verification before a resume (every rank) and the
   ``fsdp-strategies-verify`` command.
 * :mod:`~fsdp_strategies.checkpoint.load_into_fsdp` -- a sharded folder or a full file into an FSDP2 model.
-* :mod:`~fsdp_strategies.checkpoint.agreement` -- the gloo side groups on which ranks agree (shared with preemption).
 * :mod:`~fsdp_strategies.checkpoint.async_writer` -- the background writer, committing through the same code.
 * :mod:`~fsdp_strategies.checkpoint.export` -- one plain ``state_dict`` file (``fsdp-strategies-export --format torch``; the command is :mod:`fsdp_strategies.hf.export`).
 """

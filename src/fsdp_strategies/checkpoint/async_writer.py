@@ -2,7 +2,9 @@
 
 ``async_checkpoint="thread"`` or ``"process"``: a save copies ("stages") this rank's part of the
 checkpoint into CPU memory on the training thread and returns; the write runs in the background
-and training goes on. ``"off"`` (the default) keeps the synchronous save.
+and training goes on. ``"off"`` (the default) keeps the synchronous save. This module writes the files and
+knows no Lightning strategy; when a run's save goes to it, and its per-step check, are decided by the part the
+strategy holds (:mod:`fsdp_strategies.runtime.async_checkpointing`).
 
 How each guarantee of the synchronous save is kept:
 
@@ -10,7 +12,7 @@ How each guarantee of the synchronous save is kept:
   with DCP's own ``DefaultStager`` (kept for the run, so the CPU copies are allocated once; pinned
   memory on CUDA, shared memory for ``"process"``) writes every rank's shards into ``<name>.tmp``.
   Its collectives (planning, and the coordinator's ``.metadata`` write) run on the writer's own gloo
-  group (:mod:`~fsdp_strategies.checkpoint.agreement`: the background group), never on the training group,
+  group (:mod:`~fsdp_strategies._distributed`: the background group), never on the training group,
   so they cannot interleave with the training collectives.
   ``"thread"`` writes from a thread of the training process; ``"process"`` hands the staged copy to
   DCP's checkpoint daemon process (started at the first save, it lives as long as the process).
@@ -33,10 +35,10 @@ How each guarantee of the synchronous save is kept:
 * At most one write in flight: a save that finds one still running waits for it (and says so once).
 * Errors: at one fixed point of every training step (the strategy's ``on_train_batch_start``) while a
   write is in flight, one all-reduce on the strategy's training-thread agreement group (shared with
-  preemption's per-step check, see :mod:`~fsdp_strategies.checkpoint.agreement`) tells every rank whether every
+  preemption's per-step check, see :mod:`~fsdp_strategies._distributed`) tells every rank whether every
   rank's job has finished and whether any failed. A failure raises :class:`AsyncCheckpointError` on
   every rank at that same step; nothing is lost silently. With ``ddp_hooks`` under local SGD the check
-  runs only on the steps where the ranks meet anyway (``_preempt_check_due``).
+  runs only on the steps where the ranks meet anyway (the preemption guard's ``check_due``).
 * End of fit: ``on_train_end`` waits for the write (and raises its error); ``teardown`` and an ``atexit``
   hook wait for a write still running after an exception, so the process does not exit before the job
   has committed or failed (bounded by the process-group timeout; a failure is printed to stderr).
@@ -67,8 +69,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from fsdp_strategies import _torch_seam
-from fsdp_strategies._distributed import is_multi_rank, rank_and_world
-from fsdp_strategies.checkpoint.agreement import AgreementGroup, AgreementMixin
+from fsdp_strategies._distributed import AgreementGroup, is_multi_rank, rank_and_world
 from fsdp_strategies.checkpoint.atomic import (
     LIGHTNING_META_FILE,
     SAVE_ERRORS,
@@ -98,7 +99,6 @@ __all__ = [
     "ASYNC_CHECKPOINT_MODES",
     "AsyncCheckpointDiskFullError",
     "AsyncCheckpointError",
-    "AsyncCheckpointMixin",
     "AsyncCheckpointMode",
     "AsyncCheckpointer",
     "validate_async_checkpoint",
@@ -452,78 +452,3 @@ class AsyncCheckpointer:
             self._stager.close()
             self._stager = None
 
-
-class AsyncCheckpointMixin(AgreementMixin):
-    """Strategy mixin: the ``async_checkpoint`` option's hooks (listed before the Lightning base class).
-
-    The strategy calls :meth:`_init_async_checkpoint` from ``__init__`` and routes its save through
-    :attr:`async_checkpointer` when :attr:`async_checkpoint` is not ``"off"``.
-    """
-
-    async_checkpoint: str = "off"
-    _async_full_file: bool = False
-    _async_checkpointer: AsyncCheckpointer | None = None
-
-    def _init_async_checkpoint(self, mode: Any, *, full_file: bool = False) -> None:
-        self.async_checkpoint = validate_async_checkpoint(mode, full_file=full_file,
-                                                          strategy=getattr(self, "strategy_name", ""))
-        self._async_full_file = full_file
-
-    @property
-    def async_checkpointer(self) -> AsyncCheckpointer:
-        """The engine of this strategy (created on first use)."""
-        if self._async_checkpointer is None:
-            self._async_checkpointer = AsyncCheckpointer(self.async_checkpoint, getattr(self, "strategy_name", ""),
-                                                         getattr(self, "_timeout", None), agreement=self.agreement)
-        return self._async_checkpointer
-
-    def _async_check_due(self) -> bool:
-        due = getattr(self, "_preempt_check_due", None)
-        return bool(due()) if callable(due) else True
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        remove_now = super().remove_checkpoint  # type: ignore[misc]
-        self._remove_after_write(filepath, lambda: remove_now(filepath))
-
-    def _remove_after_write(self, filepath: Any, remove: Callable[[], None]) -> None:
-        """``remove`` now, or (rank 0) once the write in flight has committed (dropped if it fails)."""
-        if self._async_checkpointer is None or not self._async_checkpointer.defer_removal(filepath, remove):
-            remove()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self._async_checkpointer is not None and self._async_checkpointer.in_flight and self._async_check_due():
-            self._async_checkpointer.poll()
-
-    def on_train_end(self) -> None:
-        if self._async_checkpointer is not None:
-            self._async_checkpointer.finish()
-        super().on_train_end()  # type: ignore[misc]
-
-    def teardown(self) -> None:
-        if self._async_checkpointer is not None:
-            self._async_checkpointer.close()
-        super().teardown()  # type: ignore[misc]
-
-    def _use_async_save(self) -> bool:
-        """Whether this save goes to the background (called on every rank at the start of a save). A
-        preemption checkpoint is written synchronously, after the write in flight (if any) has finished."""
-        if self.async_checkpoint == "off":
-            return False
-        if getattr(self, "_preempt_saving", False):
-            self.async_checkpointer.finish()
-            return False
-        return True
-
-    def connect(self, model: Any) -> None:
-        if self.async_checkpoint != "off" and getattr(self, "_async_full_file", False):
-            from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-            io = getattr(self, "checkpoint_io", None)
-            if io is not None and type(io) is not TorchCheckpointIO:
-                raise ValueError(
-                    f"async_checkpoint={self.async_checkpoint!r} writes the checkpoint file itself (torch.save to a temp "
-                    f"file, then an atomic rename) and would bypass the CheckpointIO plugin {type(io).__name__}. Fix: "
-                    "remove the plugin, or set async_checkpoint: off."
-                )
-        super().connect(model)  # type: ignore[misc]

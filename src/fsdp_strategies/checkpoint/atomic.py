@@ -47,8 +47,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._distributed import is_multi_rank, rank_and_world
-from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies._distributed import all_gather_object, is_multi_rank, rank_and_world
 from fsdp_strategies.checkpoint.disk_full import (
     CheckpointDiskFullError,
     describe_error,

@@ -38,9 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from fsdp_strategies._distributed import rank_and_world
+from fsdp_strategies._distributed import all_gather_object, rank_and_world
 from fsdp_strategies._options import listing
-from fsdp_strategies.checkpoint.agreement import all_gather_object
 from fsdp_strategies.checkpoint.atomic import LIGHTNING_META_FILE
 from fsdp_strategies.checkpoint.integrity import CheckpointIntegrityError
 from fsdp_strategies.checkpoint.key_mismatch import KeyMismatch, StateMismatchError

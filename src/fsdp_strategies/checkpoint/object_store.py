@@ -56,8 +56,7 @@ import torch.distributed as dist
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
-from fsdp_strategies._distributed import is_multi_rank
-from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies._distributed import all_gather_object, is_multi_rank
 from fsdp_strategies.checkpoint.atomic import SAVE_ERRORS
 from fsdp_strategies.checkpoint.integrity import (
     MANIFEST_FILE,

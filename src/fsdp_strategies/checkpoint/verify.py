@@ -22,8 +22,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from fsdp_strategies._distributed import rank_and_world
-from fsdp_strategies.checkpoint.agreement import all_gather_object
+from fsdp_strategies._distributed import all_gather_object, rank_and_world
 from fsdp_strategies.checkpoint.atomic import resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import (
     FIX_CORRUPT,

@@ -36,7 +36,7 @@ What this module adds around it (torchft#171 -- DiLoCo with several ranks in a g
   optimizer's moments are not rolled back (as in torchft).
 * **Preemption.** The per-step SIGTERM agreement of :mod:`fsdp_strategies.runtime.preemption` is an all-reduce on
   the group's *own* gloo group (each replica group is its own ``torch.distributed`` world), not cross-group
-  traffic, so it keeps running every inner step (no ``_preempt_check_due`` override): every rank of a group
+  traffic, so it keeps running every inner step (no ``check_due`` given to its guard): every rank of a group
   stops at the same inner step; for the other groups that group is then absent, as after a kill.
 * **Counting.** The strategy hands in its :class:`fsdp_strategies.ft.manager.CountedManager`, so every
   cross-group all-reduce of DiLoCo is counted (``cross_group_allreduces`` / ``cross_group_bytes`` in ``ft_stats``)

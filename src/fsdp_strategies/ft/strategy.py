@@ -169,6 +169,7 @@ class FTHSDPStrategy(HSDPStrategy):
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.lighthouse_addr, self.replica_group_id = where.lighthouse_addr, where.replica_group_id
         self.num_replica_groups = where.num_replica_groups
+        self._preemption.checkpoint_name = f"last-preempt-group{self.replica_group_id}.ckpt"  # one per group
         self.min_replica_size, self.checkpoint_transport = min_replica_size, checkpoint_transport
         self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = limits.timeout_s, limits.quorum_timeout_s, limits.connect_timeout_s
         self.init_sync, self.max_retries, self.hostname = init_sync, max_retries, hostname
@@ -568,16 +569,11 @@ class FTHSDPStrategy(HSDPStrategy):
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:
         """The group ranked 0 in the quorum writes (all hold the same state); at a preemption, every group."""
-        if self._preempt_saving:
+        if self._preemption.is_saving():
             return True
         if self._manager is None or not _torch_seam.quorum_started(self._manager):
             return self.replica_group_id == 0
         return self._manager.participating_rank() == 0
-
-    @override
-    def _preempt_checkpoint_path(self, trainer: Any) -> str:
-        stem, _, suffix = super()._preempt_checkpoint_path(trainer).rpartition(".")
-        return f"{stem}-group{self.replica_group_id}.{suffix}"
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:

@@ -16,7 +16,7 @@ The mechanism here:
   torn down.
 * Agreement: at one fixed point of every training step on every rank -- before the next batch,
   after the previous optimizer step; Lightning's per-step SIGTERM broadcast, replaced -- one
-  all-reduce on the strategy's gloo agreement group (:mod:`fsdp_strategies.checkpoint.agreement`, shared
+  all-reduce on the strategy's gloo agreement group (:mod:`fsdp_strategies._distributed`, shared
   with the async checkpoint writer's per-step check) tells every rank whether any rank got the signal, so every
   rank stops at the same step and a rank that got no signal learns it there. Validation and test
   batches have the same agreement point (Lightning's samplers give every rank the same number of
@@ -45,30 +45,30 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fsdp_strategies import _lightning_seam as seam
-from fsdp_strategies._distributed import rank_and_world
+from fsdp_strategies._distributed import AgreementGroup, rank_and_world
 from fsdp_strategies._options import check_bool, check_number
-from fsdp_strategies.checkpoint.agreement import AgreementMixin
 from fsdp_strategies.checkpoint.location import local_checkpoint_path, url_or_none
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE, register_clean_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ParallelStrategy
 
 __all__ = [
     "DEFAULT_PREEMPT_GRACE_S",
     "PREEMPT_CHECKPOINT_NAME",
     "PREEMPT_EXIT_CODE",
     "Preempted",
-    "PreemptionMixin",
+    "PreemptionGuard",
     "validate_preempt_options",
 ]
 
@@ -112,55 +112,81 @@ _STATE = _SignalState()
 
 
 def _is_ours(handler: Any) -> bool:
-    return isinstance(getattr(handler, "__self__", None), PreemptionMixin)
+    return isinstance(getattr(handler, "__self__", None), PreemptionGuard)
 
 
-class PreemptionMixin(AgreementMixin):
-    """Strategy mixin: SIGTERM agreement, preemption checkpoint, requeue exit status.
+class PreemptionGuard:
+    """SIGTERM agreement, preemption checkpoint, requeue exit status: a part one strategy instance holds.
 
-    Protocol with the strategy class: it lists the mixin before its Lightning base, calls
-    :meth:`_init_preemption` from ``__init__``, and its own overrides of the hooks below (``connect``,
-    ``barrier``, ``on_*_start``, ``batch_to_device``, ``on_exception``, ``teardown``) call ``super()``. A
-    strategy that must skip the per-step agreement on some steps (local SGD) overrides
-    :meth:`_preempt_check_due` -- it must answer the same on every rank.
+    The strategy creates it in ``__init__`` (the options are checked there, before any process group) and
+    calls it from its Lightning hooks: :meth:`arm` after ``connect``; :meth:`install` from ``barrier`` and the
+    ``on_*_start`` hooks; :meth:`on_train_start`; :meth:`agree_before_batch` from ``batch_to_device``;
+    :meth:`on_exception`; :meth:`restore_epoch_loop` from ``on_train_end`` and ``teardown``; :meth:`disarm`
+    after ``teardown``. What it uses of the strategy is Lightning's public surface: ``num_nodes``,
+    ``num_processes``, ``lightning_module``, ``broadcast`` (and its launcher, through the seam).
+
+    Args:
+        strategy: the strategy that holds it.
+        checkpoint_on_preempt, preempt_grace_s: the strategy's options of these names.
+        agreement: the strategy's training-thread agreement group (shared with its async checkpointing).
+        check_due: whether the per-step agreement runs before this training step; it must answer the same
+            on every rank (local SGD: only where the ranks meet anyway). ``None``: every step.
+        checkpoint_name: the file name of the preemption checkpoint.
     """
 
-    checkpoint_on_preempt: bool = False
-    preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S
-    _preempt_armed: bool = False
-    _preempt_loop: Any = None
-    _preempt_decided: Preempted | None = None
-    _preempt_saving: bool = False
-
-    def _init_preemption(self, checkpoint_on_preempt: bool, preempt_grace_s: float) -> None:
+    def __init__(self, strategy: ParallelStrategy, checkpoint_on_preempt: bool, preempt_grace_s: float, *,
+                 agreement: AgreementGroup, check_due: Callable[[], bool] | None = None,
+                 checkpoint_name: str = PREEMPT_CHECKPOINT_NAME) -> None:
         validate_preempt_options(checkpoint_on_preempt, preempt_grace_s)
         self.checkpoint_on_preempt = checkpoint_on_preempt
         self.preempt_grace_s = float(preempt_grace_s)
+        self.checkpoint_name = checkpoint_name
+        self._strategy = strategy
+        self._agreement = agreement
+        self._check_due = check_due
+        self._armed = False
+        self._loop: Any = None
+        self._decided: Preempted | None = None
+        self._saving = False
+
+    # ------------------------------------------------------------------ what the other parts ask
+    def is_saving(self) -> bool:
+        """Whether the preemption checkpoint is being written now (a save must then be synchronous)."""
+        return self._saving
+
+    def check_due(self) -> bool:
+        """Whether the per-step agreement runs before this training step (the same answer on every rank)."""
+        return self._check_due() if self._check_due is not None else True
 
     # ------------------------------------------------------------------ the signal handler
-    def _preempt_multiprocess(self) -> bool:
+    def _multiprocess(self) -> bool:
         """More than one rank. A single process keeps Lightning's own handler: it broadcasts nothing there."""
         try:
-            return int(getattr(self, "num_nodes", 1) or 1) * int(getattr(self, "num_processes", 1) or 1) > 1
+            nodes = getattr(self._strategy, "num_nodes", 1) or 1
+            return int(nodes) * int(getattr(self._strategy, "num_processes", 1) or 1) > 1
         except TypeError:  # devices not set yet
             return False
 
-    def _arm_preemption(self) -> None:
+    def arm(self) -> None:
         """Start handling SIGTERM for a run (called when a stage starts)."""
-        if not self._preempt_armed:
-            self._preempt_armed = True
-            self._preempt_decided = None
-            self._install_sigterm_handler(capture_previous=True)
+        if not self._armed:
+            self._armed = True
+            self._decided = None
+            self.install(capture_previous=True)
         register_clean_exit()
 
-    def _install_sigterm_handler(self, capture_previous: bool = False) -> None:
-        """Make this strategy's handler the active SIGTERM handler (idempotent; main thread only).
+    def disarm(self) -> None:
+        """The run is over: a later SIGTERM goes to the handler ours replaced."""
+        self._armed = False
+
+    def install(self, capture_previous: bool = False) -> None:
+        """Make this guard's handler the active SIGTERM handler (idempotent; main thread only).
 
         ``capture_previous``: remember the handler being replaced (the user's, or the default), to call
         it from ours and to fall back to after the run. Only when arming: later calls replace Lightning's
         handler, which must never run (its broadcast is what hangs).
         """
-        if threading.current_thread() is not threading.main_thread() or not self._preempt_multiprocess():
+        if threading.current_thread() is not threading.main_thread() or not self._multiprocess():
             return
         current = signal.getsignal(signal.SIGTERM)
         if current == self._on_sigterm:
@@ -169,12 +195,17 @@ class PreemptionMixin(AgreementMixin):
             _STATE.previous = signal.SIG_DFL if current is None else current
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    def install_if_armed(self) -> None:
+        """At a barrier: the first of a stage follows Lightning's own handler registration; replace it."""
+        if self._armed:
+            self.install()
+
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         first = _STATE.requested_at is None
         if first:
             _STATE.requested_at = time.monotonic()
             self._forward_to_launched_ranks(signum)
-        if not self._preempt_armed:
+        if not self._armed:
             self._delegate_sigterm(signum, frame)
             return
         if first:
@@ -182,16 +213,16 @@ class PreemptionMixin(AgreementMixin):
         previous = _STATE.previous
         if callable(previous) and not _is_ours(previous):
             previous(signum, frame)
-        trainer = self._preempt_trainer()
-        if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING and self._preempt_decided is None:
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING and self._decided is None:
             # prediction may give ranks different batch counts: no agreement point, this rank stops now
-            self._preempt_decided = Preempted("SIGTERM during predict: this rank stops now.")
-            raise self._preempt_decided
+            self._decided = Preempted("SIGTERM during predict: this rank stops now.")
+            raise self._decided
 
     def _forward_to_launched_ranks(self, signum: int) -> None:
         """A SIGTERM to Lightning's launcher process (rank 0) reaches the ranks it started."""
         try:
-            seam.forward_signal_to_launched_ranks(self, signum)
+            seam.forward_signal_to_launched_ranks(self._strategy, signum)
         except Exception as err:  # a rank already gone: nothing to forward to
             print(f"fsdp_strategies: could not forward SIGTERM to the launched ranks ({err})", file=sys.stderr)
 
@@ -225,82 +256,51 @@ class PreemptionMixin(AgreementMixin):
         _STATE.watchdog = threading.Thread(target=watch, name="fsdp_strategies-preempt-watchdog", daemon=True)
         _STATE.watchdog.start()
 
-    def _preempt_trainer(self) -> pl.Trainer | None:
-        module = getattr(self, "lightning_module", None)
+    def _trainer(self) -> pl.Trainer | None:
+        module = getattr(self._strategy, "lightning_module", None)
         try:
             return module.trainer if module is not None else None
         except RuntimeError:  # not attached to a Trainer
             return None
 
     # ------------------------------------------------------------------ agreement
-    def _preempt_check_due(self) -> bool:
-        """Whether the per-step agreement runs before this training step (every step by default)."""
-        return True
-
-    def _preempt_agreement(self, where: str) -> None:
+    def _agree(self, where: str) -> None:
         """The agreement point: raise :class:`Preempted` on every rank if any rank got SIGTERM."""
-        self._install_sigterm_handler()
-        (signalled,) = self.agreement.agree_sum(int(_STATE.requested_at is not None))
+        self.install()
+        (signalled,) = self._agreement.agree_sum(int(_STATE.requested_at is not None))
         if not signalled:
             return
         if _STATE.requested_at is None:  # this rank got no signal: the same bound on its stop
             _STATE.requested_at = time.monotonic()
             self._start_watchdog()
         world = rank_and_world()[1]
-        self._preempt_decided = Preempted(f"SIGTERM reached {signalled} of {world} ranks; every rank stops {where}.")
-        rank_zero_info(f"fsdp_strategies: {self._preempt_decided}")
-        raise self._preempt_decided
+        self._decided = Preempted(f"SIGTERM reached {signalled} of {world} ranks; every rank stops {where}.")
+        rank_zero_info(f"fsdp_strategies: {self._decided}")
+        raise self._decided
 
-    def _preempt_step_check(self) -> None:
+    def _step_check(self) -> None:
         """Stands in for Lightning's per-step SIGTERM broadcast (see :func:`~fsdp_strategies._lightning_seam.replace_sigterm_broadcast`)."""
-        if self._preempt_armed and self._preempt_check_due():
-            trainer = self._preempt_trainer()
-            self._preempt_agreement(f"after step {trainer.global_step if trainer is not None else '?'}")
+        if self._armed and self.check_due():
+            trainer = self._trainer()
+            self._agree(f"after step {trainer.global_step if trainer is not None else '?'}")
 
-    # ------------------------------------------------------------------ strategy hooks
-    def connect(self, model: Any) -> None:
-        super().connect(model)  # type: ignore[misc]
-        # the start of every fit/validate/test/predict on every rank, before any process group exists
-        self._arm_preemption()
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        # the first barrier of a stage follows Lightning's own handler registration: replace it at once
-        if self._preempt_armed:
-            self._install_sigterm_handler()
-        super().barrier(*args, **kwargs)  # type: ignore[misc]
-
+    # ------------------------------------------------------------------ called from the strategy's hooks
     def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        self._install_sigterm_handler()
-        trainer = self._preempt_trainer()
+        """After Lightning's ``on_train_start``: our handler; our check for the loop's broadcast."""
+        self.install()
+        trainer = self._trainer()
         if trainer is not None:
-            self._preempt_loop = seam.replace_sigterm_broadcast(trainer, self._preempt_step_check)
+            self._loop = seam.replace_sigterm_broadcast(trainer, self._step_check)
 
-    def on_train_end(self) -> None:
-        self._restore_epoch_loop()
-        super().on_train_end()  # type: ignore[misc]
-
-    def on_validation_start(self) -> None:
-        super().on_validation_start()  # type: ignore[misc]
-        self._install_sigterm_handler()
-
-    def on_test_start(self) -> None:
-        super().on_test_start()  # type: ignore[misc]
-        self._install_sigterm_handler()
-
-    def on_predict_start(self) -> None:
-        super().on_predict_start()  # type: ignore[misc]
-        self._install_sigterm_handler()
-
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        trainer = self._preempt_trainer()
-        if self._preempt_armed and trainer is not None and trainer.state.stage in _STOP_STAGES:
-            self._preempt_agreement(f"before the next {trainer.state.stage.value} batch")
-        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+    def agree_before_batch(self) -> None:
+        """``batch_to_device``: the agreement point of validation, test and sanity-check batches."""
+        trainer = self._trainer()
+        if self._armed and trainer is not None and trainer.state.stage in _STOP_STAGES:
+            self._agree(f"before the next {trainer.state.stage.value} batch")
 
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)  # type: ignore[misc]
-        trainer = self._preempt_trainer()
+        """After Lightning's ``on_exception``: the requeue status, and the checkpoint when asked for."""
+        trainer = self._trainer()
         ours = isinstance(exception, Preempted)
         lightnings = isinstance(exception, SIGTERMException) and trainer is not None and trainer.received_sigterm
         if not (ours or lightnings):
@@ -311,37 +311,32 @@ class PreemptionMixin(AgreementMixin):
         if trainer.sanity_checking:
             rank_zero_info("fsdp_strategies: preempted during the sanity check; the checkpoint on disk is current.")
             return
-        self._write_preempt_checkpoint(trainer)
+        self._write_checkpoint(trainer)
 
-    def teardown(self) -> None:
-        self._restore_epoch_loop()
-        super().teardown()  # type: ignore[misc]
-        self._preempt_armed = False
-
-    def _restore_epoch_loop(self) -> None:
-        seam.restore_sigterm_broadcast(self._preempt_loop)  # back to Lightning's own method
-        self._preempt_loop = None
+    def restore_epoch_loop(self) -> None:
+        seam.restore_sigterm_broadcast(self._loop)  # back to Lightning's own method
+        self._loop = None
 
     # ------------------------------------------------------------------ the checkpoint
-    def _preempt_checkpoint_path(self, trainer: pl.Trainer) -> str:
-        """``<ModelCheckpoint dirpath>/last-preempt.ckpt``, else ``<default_root_dir>/last-preempt.ckpt`` (a URL
-        stays a URL: the strategy's save decides whether it writes object storage)."""
+    def checkpoint_path(self, trainer: pl.Trainer) -> str:
+        """``<ModelCheckpoint dirpath>/<checkpoint_name>``, else ``<default_root_dir>/<checkpoint_name>``
+        (a URL stays a URL: the strategy's save decides whether it writes object storage)."""
         folder = str(getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir)
         if url_or_none(folder) is not None:
-            return f"{folder.rstrip('/')}/{PREEMPT_CHECKPOINT_NAME}"
-        return str(local_checkpoint_path(folder, "the preemption checkpoint folder") / PREEMPT_CHECKPOINT_NAME)
+            return f"{folder.rstrip('/')}/{self.checkpoint_name}"
+        return str(local_checkpoint_path(folder, "the preemption checkpoint folder") / self.checkpoint_name)
 
-    def _write_preempt_checkpoint(self, trainer: pl.Trainer) -> None:
+    def _write_checkpoint(self, trainer: pl.Trainer) -> None:
         """All ranks together: agree that there is time left, then the strategy's atomic save."""
         started = _STATE.requested_at if _STATE.requested_at is not None else time.monotonic()
-        (late,) = self.agreement.agree_any(time.monotonic() - started >= self.preempt_grace_s)
+        (late,) = self._agreement.agree_any(time.monotonic() - started >= self.preempt_grace_s)
         if late:
             rank_zero_warn(f"fsdp_strategies: preempt_grace_s={self.preempt_grace_s:g}s already passed on some rank; "
                            "no preemption checkpoint (the last complete checkpoint stays the resume point).")
             return
-        path = self.broadcast(self._preempt_checkpoint_path(trainer))  # type: ignore[attr-defined]
+        path = self._strategy.broadcast(self.checkpoint_path(trainer))
         t0 = time.monotonic()
-        self._preempt_saving = True
+        self._saving = True
         try:
             trainer.save_checkpoint(path)
         except Exception as err:  # the stop goes on (status 75); the atomic save left the previous checkpoint
@@ -349,7 +344,7 @@ class PreemptionMixin(AgreementMixin):
                            "last complete checkpoint stays the resume point.")
             return
         finally:
-            self._preempt_saving = False
+            self._saving = False
         rank_zero_info(f"fsdp_strategies: preemption checkpoint of step {trainer.global_step} written to {path} in "
                        f"{time.monotonic() - t0:.1f}s; exiting with status {PREEMPT_EXIT_CODE} (requeue). Resume with "
                        f"ckpt_path={path!r} or ckpt_path='last'.")

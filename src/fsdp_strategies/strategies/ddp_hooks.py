@@ -40,7 +40,7 @@ from typing_extensions import override
 from fsdp_strategies._distributed import in_process_group
 from fsdp_strategies._lightning_seam import PATH
 from fsdp_strategies._options import OptionError, check_choice, check_int, check_number
-from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
+from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import atomic_save_full_agreed, resolve_checkpoint_path
 from fsdp_strategies.checkpoint.integrity import embed_digest
 from fsdp_strategies.checkpoint.load_into_fsdp import (
@@ -60,9 +60,10 @@ from fsdp_strategies.checkpoint.verify import load_full_file
 from fsdp_strategies.hf.metadata import hf_checkpoint_metadata
 from fsdp_strategies.parallel.mesh import check_torchrun_layout
 from fsdp_strategies.runtime import data_position
-from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
+from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 from fsdp_strategies.strategies.comm_hook_state import LOCAL_SGD_HOOKS, CommHookStateMixin
+from fsdp_strategies.strategies.lifecycle import LifecycleHooks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -128,7 +129,7 @@ def in_bucket_order(hook: Callable[[Any, dist.GradBucket], torch.futures.Future]
     return ordered
 
 
-class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, DDPStrategy):
+class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, DDPStrategy):
     """DDP with a communication hook chosen by name, working on CPU/gloo and CUDA/NCCL.
 
     Args:
@@ -216,8 +217,9 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **ddp_kwargs)
-        self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
-        self._init_async_checkpoint(async_checkpoint, full_file=True)
+        self._init_parts(checkpoint_on_preempt=checkpoint_on_preempt, preempt_grace_s=preempt_grace_s,
+                         async_checkpoint=async_checkpoint, full_file=True, name=self.strategy_name,
+                         timeout=timeout, check_due=self._ranks_meet_this_step)
         self.comm_hook = comm_hook
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
@@ -452,11 +454,11 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
         assert self.hierarchy_levels is not None
         return step % max(self.hierarchy_levels) == 0
 
-    @override
-    def _preempt_check_due(self) -> bool:
-        """The per-step SIGTERM agreement is a collective that makes every rank wait for the slowest, which
-        local SGD exists to avoid: during local steps it runs only right after a global averaging, where the
-        ranks have just met. A SIGTERM then stops every rank within one global period instead of one step.
+    def _ranks_meet_this_step(self) -> bool:
+        """The preemption guard's ``check_due``. The per-step SIGTERM agreement is a collective that makes
+        every rank wait for the slowest, which local SGD exists to avoid: during local steps it runs only
+        right after a global averaging, where the ranks have just met. A SIGTERM then stops every rank within
+        one global period instead of one step.
         """
         averager = self._averager
         return averager is None or not self._local_step_now() or self._averaged_globally_at(averager.step - 1)
@@ -469,7 +471,7 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, PreemptionMixin,
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
-        background = self._use_async_save()
+        background = self._async.use_background()
         checkpoint = self._with_comm_state(checkpoint)
         if self.is_global_zero:
             assert self.lightning_module is not None

@@ -34,7 +34,7 @@ from typing_extensions import override
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam as tseam
 from fsdp_strategies._options import OptionError, check_choice, check_dtype, check_int
-from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMixin, AsyncCheckpointMode
+from fsdp_strategies.checkpoint.async_writer import AsyncCheckpointMode
 from fsdp_strategies.checkpoint.atomic import (
     atomic_save_full_agreed,
     atomic_save_sharded,
@@ -65,8 +65,9 @@ from fsdp_strategies.parallel.mesh import ParallelDims, build_mesh, check_tensor
 from fsdp_strategies.parallel.outside_calls import GatherOnOutsideCall
 from fsdp_strategies.parallel.tensor_parallel import clip_grad_norm
 from fsdp_strategies.runtime import data_position
-from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S, PreemptionMixin
+from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
+from fsdp_strategies.strategies.lifecycle import LifecycleHooks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,7 +114,7 @@ class _MeshAwareClipping:
         clip_grad_norm(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
 
 
-class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
+class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
     Args:
@@ -214,8 +215,9 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_preemption(checkpoint_on_preempt, preempt_grace_s)
-        self._init_async_checkpoint(async_checkpoint, full_file=not save_distributed_checkpoint)
+        self._init_parts(checkpoint_on_preempt=checkpoint_on_preempt, preempt_grace_s=preempt_grace_s,
+                         async_checkpoint=async_checkpoint, full_file=not save_distributed_checkpoint,
+                         name=self.strategy_name, timeout=timeout)
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if not isinstance(reshard_after_forward, bool):
@@ -532,7 +534,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
             checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
             # for a resume at any width
             checkpoint.update(data_position.record(self.lightning_module.trainer))
-        background = self._use_async_save()
+        background = self._async.use_background()
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
@@ -563,7 +565,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
         if url is None:
             super().remove_checkpoint(filepath)
         else:  # rank 0, after a write in flight; manifest first: it stops being valid before its objects go
-            self._remove_after_write(url, lambda: remove_remote(self._remote(url, "the old checkpoint")))
+            self._async.remove_when_safe(url, lambda: remove_remote(self._remote(url, "the old checkpoint")))
 
     @override
     def load_checkpoint(self, checkpoint_path: seam.PATH, weights_only: bool | None = None) -> dict[str, Any]:
