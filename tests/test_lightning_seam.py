@@ -581,6 +581,41 @@ def test__broadcast_sigterm_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loop._broadcast_sigterm_tensor.__func__ is method
 
 
+# ------------------------------------------------------------------------------ precision plugin
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_precision_clip_grad_by_norm_on_the_instance(algorithm: str) -> None:
+    """Through a Trainer run: ``gradient_clip_val`` -> ``LightningModule.clip_gradients`` ->
+    ``trainer.precision_plugin.clip_gradients`` reaches the instance's ``clip_grad_by_norm`` when clipping by
+    norm (with the plugin's main parameters and the value), not when clipping by value; the plugin keeps its
+    object and class."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    calls: list[tuple[list[torch.Tensor], float]] = []
+
+    def clip(parameters: Any, max_norm: float) -> None:
+        params = list(parameters)
+        calls.append((params, max_norm))
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    for plugin in (pl.plugins.precision.Precision(), HalfPrecision("bf16-true")):
+        kind, method = type(plugin), type(plugin).clip_grad_by_norm
+        seam.route_norm_clipping(plugin, clip)
+        assert type(plugin) is kind and kind.clip_grad_by_norm is method  # the class is untouched
+    trainer = _trainer(max_steps=2, limit_val_batches=0, gradient_clip_val=0.25,
+                       gradient_clip_algorithm=algorithm)
+    plugin = trainer.precision_plugin
+    kind = type(plugin)
+    seam.route_norm_clipping(plugin, clip)
+    model = BoringModel()
+    trainer.fit(model)
+    assert trainer.precision_plugin is plugin and type(plugin) is kind
+    if algorithm == "value":
+        assert calls == []
+        return
+    assert len(calls) == 2 and all(max_norm == 0.25 for _, max_norm in calls)
+    assert [id(p) for p in calls[0][0]] == [id(p) for p in model.parameters()]
+
+
 # ------------------------------------------------------------------------------ jsonargparse
 def test_subcommand_parser() -> None:
     from jsonargparse import ArgumentParser, Namespace

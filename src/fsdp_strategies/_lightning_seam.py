@@ -64,6 +64,7 @@ __all__ = [
     "replace_sigterm_broadcast",
     "restart_training_iterators",
     "restore_sigterm_broadcast",
+    "route_norm_clipping",
     "saves_distributed_checkpoint",
     "set_device_mesh",
     "set_optimizer_step_count",
@@ -241,6 +242,29 @@ def forward_signal_to_launched_ranks(strategy: Any, signum: int) -> bool:
         return False
     launcher.kill(signum)
     return True
+
+
+# ------------------------------------------------------------------------------ precision plugin
+class _NormClipping:
+    """The plugin's ``clip_grad_by_norm(optimizer, clip_val)``: ``clip(main_params(optimizer), clip_val)``."""
+
+    def __init__(self, plugin: Any, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+        self.plugin, self.clip = plugin, clip
+
+    def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.clip(self.plugin.main_params(optimizer), clip_val)
+
+
+def route_norm_clipping(plugin: Any, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+    """Make a precision plugin's clipping by norm call ``clip(parameters, max_norm)``; same object and type.
+
+    Lightning gives a strategy no say in how gradients are clipped: ``LightningModule.clip_gradients`` calls
+    ``trainer.precision_plugin.clip_gradients``, which calls the plugin's ``clip_grad_by_norm``. The plugin
+    is the user's (or the accelerator connector's) object, and its class is what Lightning sees (a checkpoint
+    keys the plugin's state by it), so neither a swapped class nor a wrapping object will do: the one method
+    is set on the instance. Relies on Lightning looking ``clip_grad_by_norm`` up on the instance when it
+    clips by norm (and not when it clips by value); the seam test checks both through a Trainer run."""
+    plugin.clip_grad_by_norm = _NormClipping(plugin, clip)
 
 
 # ------------------------------------------------------------------------------ jsonargparse (LightningCLI)

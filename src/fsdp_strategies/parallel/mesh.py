@@ -10,6 +10,10 @@ Lightning's ``ModelParallelStrategy`` names its dims ``"data_parallel"`` and ``"
 (after ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``). The meshes built here answer
 to both names: ``mesh["data_parallel"]`` is the whole data-parallel mesh (1-D for FSDP; for HSDP the 2-D
 replicate x shard mesh, so such a ``configure_model`` gets hybrid sharding unchanged).
+
+The mesh is built as a :class:`DataParallelNamedMesh` (a ``DeviceMesh`` subclass made with DeviceMesh's public
+constructor, as ``init_device_mesh`` makes its meshes) rather than renamed afterwards: torch names a flattened
+dim only as a 1-D mesh (``DeviceMesh._flatten``, private), and for HSDP ``"data_parallel"`` must be 2-D.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_strategies._options import OptionError
 
-__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "build_mesh", "check_tensor_parallel_degree",
-           "check_torchrun_layout", "resolve_hsdp_degrees"]
+__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "DataParallelNamedMesh", "HSDPDegrees", "build_mesh",
+           "check_tensor_parallel_degree", "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
@@ -31,7 +35,7 @@ DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 
 
-class _DataParallelNamedMesh(DeviceMesh):
+class DataParallelNamedMesh(DeviceMesh):
     """A DeviceMesh that also answers to Lightning's dim names (see the module docstring)."""
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:  # type: ignore[override]
@@ -127,9 +131,10 @@ def build_mesh(device: torch.device, degrees: HSDPDegrees | None, world_size: in
     tp = (tensor_parallel,) if tensor_parallel > 1 else ()
     tp_names = (TENSOR_PARALLEL,) if tensor_parallel > 1 else ()
     if degrees is None:
-        mesh = init_device_mesh(device.type, (world_size // tensor_parallel, *tp), mesh_dim_names=("shard", *tp_names))
+        shape, names = (world_size // tensor_parallel, *tp), ("shard", *tp_names)
     else:
-        mesh = init_device_mesh(device.type, (degrees.replicate, degrees.shard, *tp),
-                                mesh_dim_names=("replicate", "shard", *tp_names))
-    mesh.__class__ = _DataParallelNamedMesh  # same object and state, one more name it answers to
-    return mesh
+        shape, names = (degrees.replicate, degrees.shard, *tp), ("replicate", "shard", *tp_names)
+    # what init_device_mesh does (ranks row-major over the shape), with the class that also answers to
+    # "data_parallel"; the mesh tensor is built on the CPU whatever the default device is
+    ranks = torch.arange(world_size, dtype=torch.int, device="cpu").view(shape)
+    return DataParallelNamedMesh(device.type, ranks, mesh_dim_names=names)

@@ -116,13 +116,6 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
-class _MeshAwareClipping:
-    """Gradient clipping by norm for gradients on several meshes (tensor parallelism); see ``clip_grad_norm``."""
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
-
-
 class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
@@ -415,9 +408,7 @@ class FSDP2Strategy(ResumePositionMixin, PreemptionMixin, AsyncCheckpointMixin, 
 
     def _apply_tensor_parallel(self, module: nn.Module) -> None:
         # gradients will live on two meshes (TP-planned and data-parallel-only): clip them per mesh
-        plugin = self.precision_plugin
-        if not isinstance(plugin, _MeshAwareClipping):
-            plugin.__class__ = type(f"MeshAware{type(plugin).__name__}", (_MeshAwareClipping, type(plugin)), {})
+        seam.route_norm_clipping(self.precision_plugin, clip_grad_norm)
         if is_tensor_parallel(module):
             rank_zero_info(f"{self.strategy_name}: configure_model applied a tensor-parallel plan itself; tp_plan is "
                            "not applied on top of it.")
