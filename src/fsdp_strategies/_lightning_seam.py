@@ -18,12 +18,16 @@ Where a public API does the job it is used instead (and is not here):
 * The checkpoint path type: :data:`PATH` (own alias) instead of ``lightning.fabric.utilities.types._PATH``.
 
 jsonargparse's undocumented ``subcommand_parser`` attribute (used by the CLI's error summary) is here
-too: LightningCLI is the only user of jsonargparse in this package.
+too, and so are the patterns that read its error messages (:class:`JsonargparseMessage`; jsonargparse has no
+structured errors, a union's error quotes each member's as text): LightningCLI is the only user of
+jsonargparse in this package, and a message reworded in a jsonargparse release fails the test named after
+the pattern instead of silently dropping the CLI's one-line summary.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Union
 
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LIGHTNING_META_FILE",
     "PATH",
+    "JsonargparseMessage",
     "before_batch_transfer",
     "combined_loader_iterator",
     "combined_loader_mode",
@@ -273,3 +278,36 @@ def subcommand_parser(error: BaseException | None) -> Any:
     ``subcommand_parser`` attribute of its ``ArgumentError``; ``None`` when absent."""
     return getattr(error, "subcommand_parser", None)
 
+
+class JsonargparseMessage:
+    """Patterns for the lines of jsonargparse's error messages that ``cli.explain_error`` reads.
+
+    jsonargparse reports a bad value inside a union (a strategy is ``str | Strategy``, callbacks
+    ``list[Callback] | Callback | None``) as text quoting every member's attempt, indented one level per
+    union; it has no error objects to read instead. Each pattern has a test in ``tests/test_lightning_seam.py``
+    (``test_jsonargparse_message[<name>]``) that raises the real error and matches it."""
+
+    #: ``- Problem with given class_path 'pkg.Class':`` (a union member tried with the user's class);
+    #: groups: the indent, the class path
+    CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+    #: ``Parser key "trainer.strategy":`` (the option the lines below are about); group: the key
+    PARSER_KEY = re.compile(r'^\s*Parser key "([^"]+)":\s*$')
+    #: ``Expected a typing.Literal['a', 'b']. Got value: c``; groups: the values (Python literals), the value
+    LITERAL_GOT = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
+    #: ``Subtypes: [typing.Literal['a', 'b'], <class 'NoneType'>]`` (an optional Literal); group: the values
+    LITERAL_IN_UNION = re.compile(r"Subtypes: \[typing\.Literal\[(.*?)\]")
+    #: ``Given value: c`` (after a union's errors); group: the value
+    GIVEN = re.compile(r"^\s*Given value: (.*)$")
+    #: ``Option 'mod' is not accepted`` (an init argument the class does not have); group: the option
+    NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+    #: ``Group 'trainer' does not accept option 'max_stepz'`` (a config file's key); groups: group, option
+    GROUP_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'")
+    #: ``unrecognized arguments: --trainer.max_stepz 5`` (the command line's); group: the arguments
+    UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.IGNORECASE)
+    #: ``Expected a dot import path string: ddp`` (a name given options as if a class); group: the name
+    DOT_PATH = re.compile(r"Expected a dot import path string: (\S+)")
+    #: ``Given value: Namespace(class_path='pkg.Class', ...)`` (a union member's class that raised while
+    #: instantiated); group: the class name
+    UNION_CLASS = re.compile(r"class_path='(?:[\w.]+\.)?(\w+)'")
+    #: ``  - <message>`` (one union member's error, as quoted in the union's); group: the message
+    UNION_MEMBER_ERROR = re.compile(r"^\s*- (.*)$")
