@@ -673,6 +673,7 @@ def _jsonargparse_error(argv: list[str], config: str | None = None, instantiate:
 
 
 _WIDGET = f"{__name__}._Widget"
+_RAISING = ["--trainer.strategy", _WIDGET, "--trainer.strategy.every", "0"]  # _Widget.__init__ raises
 # pattern name -> (the real error's message, a line or all of it to match, the groups the CLI reads)
 _MESSAGES: dict[str, tuple[Callable[[], str], Callable[[str], list[str]], tuple[str, ...]]] = {
     "CLASS_PATH": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.mode", "ful"]),
@@ -691,19 +692,19 @@ _MESSAGES: dict[str, tuple[Callable[[], str], Callable[[str], list[str]], tuple[
                      lambda text: [text], ("trainer", "max_stepz")),
     "UNRECOGNIZED": (lambda: _jsonargparse_error(["--trainer.max_stepz", "5"]),
                      lambda text: text.splitlines()[:1], ("--trainer.max_stepz 5",)),
-    "DOT_PATH": (lambda: _jsonargparse_error(["--trainer.strategy", "ddp", "--trainer.strategy.mode", "full"]),
+    "DOT_PATH": (lambda: _jsonargparse_error(["--trainer.strategy", "ddp", "--trainer.strategy.mode", "x"]),
                  lambda text: [text], ("ddp",)),
-    "UNION_CLASS": (lambda: _jsonargparse_error(["--trainer.strategy", _WIDGET, "--trainer.strategy.every", "0"],
-                                                instantiate=True), lambda text: [text], ("_Widget",)),
-    "UNION_MEMBER_ERROR": (lambda: _jsonargparse_error(["--trainer.strategy", _WIDGET,
-                                                        "--trainer.strategy.every", "0"], instantiate=True),
+    "UNION_CLASS": (lambda: _jsonargparse_error(_RAISING, instantiate=True), lambda text: [text],
+                    ("_Widget",)),
+    "UNION_MEMBER_ERROR": (lambda: _jsonargparse_error(_RAISING, instantiate=True),
                            lambda text: [line for line in text.splitlines() if "Fix: " in line],
                            ("every=0 is not positive. Fix: every: 1 or more.",)),
 }
 
 
 def test_jsonargparse_message_patterns_each_have_a_case() -> None:
-    patterns = {name for name, value in vars(seam.JsonargparseMessage).items() if isinstance(value, re.Pattern)}
+    patterns = {name for name, value in vars(seam.JsonargparseMessage).items()
+                if isinstance(value, re.Pattern)}
     assert patterns == set(_MESSAGES)
 
 

@@ -284,8 +284,9 @@ class JsonargparseMessage:
 
     jsonargparse reports a bad value inside a union (a strategy is ``str | Strategy``, callbacks
     ``list[Callback] | Callback | None``) as text quoting every member's attempt, indented one level per
-    union; it has no error objects to read instead. Each pattern has a test in ``tests/test_lightning_seam.py``
-    (``test_jsonargparse_message[<name>]``) that raises the real error and matches it."""
+    union; it has no error objects to read instead. Each pattern has a test in
+    ``tests/test_lightning_seam.py`` (``test_jsonargparse_message[<name>]``) that raises the real error and
+    matches it."""
 
     #: ``- Problem with given class_path 'pkg.Class':`` (a union member tried with the user's class);
     #: groups: the indent, the class path
