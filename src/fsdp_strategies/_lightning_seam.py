@@ -46,6 +46,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
     from torch.optim import Optimizer
     from torch.utils.data import DataLoader, Sampler
 
@@ -253,14 +254,14 @@ def forward_signal_to_launched_ranks(strategy: Any, signum: int) -> bool:
 class _NormClipping:
     """The plugin's ``clip_grad_by_norm(optimizer, clip_val)``: ``clip(main_params(optimizer), clip_val)``."""
 
-    def __init__(self, plugin: Any, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+    def __init__(self, plugin: Precision, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
         self.plugin, self.clip = plugin, clip
 
     def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
         self.clip(self.plugin.main_params(optimizer), clip_val)
 
 
-def route_norm_clipping(plugin: Any, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+def route_norm_clipping(plugin: Precision, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
     """Make a precision plugin's clipping by norm call ``clip(parameters, max_norm)``; same object and type.
 
     Lightning gives a strategy no say in how gradients are clipped: ``LightningModule.clip_gradients`` calls
@@ -269,7 +270,7 @@ def route_norm_clipping(plugin: Any, clip: Callable[[Iterable[torch.Tensor], flo
     keys the plugin's state by it), so neither a swapped class nor a wrapping object will do: the one method
     is set on the instance. Relies on Lightning looking ``clip_grad_by_norm`` up on the instance when it
     clips by norm (and not when it clips by value); the seam test checks both through a Trainer run."""
-    plugin.clip_grad_by_norm = _NormClipping(plugin, clip)
+    plugin.clip_grad_by_norm = _NormClipping(plugin, clip)  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------ jsonargparse (LightningCLI)

@@ -12,8 +12,9 @@ to both names: ``mesh["data_parallel"]`` is the whole data-parallel mesh (1-D fo
 replicate x shard mesh, so such a ``configure_model`` gets hybrid sharding unchanged).
 
 The mesh is built as a :class:`DataParallelNamedMesh` (a ``DeviceMesh`` subclass made with DeviceMesh's public
-constructor, as ``init_device_mesh`` makes its meshes) rather than renamed afterwards: torch names a flattened
-dim only as a 1-D mesh (``DeviceMesh._flatten``, private), and for HSDP ``"data_parallel"`` must be 2-D.
+constructor, as ``init_device_mesh`` makes its meshes) rather than given a new class afterwards. torch can
+name merged dims only as one flattened 1-D dim (and not publicly), and for HSDP ``"data_parallel"`` must stay
+the 2-D replicate x shard mesh.
 """
 
 from __future__ import annotations
