@@ -150,6 +150,8 @@ _SEAM = _ids("test_lightning_seam.py",
              "test__metadata_fn_and_dcp_metadata_classes", "test_numpy__reconstruct", "test_torchft_DiLoCo__fragments",
              "test_torchft_Manager__quorum_id_and__quorum_future", "test_atexit__run_exitfuncs")
 _SEAM_GUARD = _ids("test_lightning_seam.py", "test_no_private_name_outside_the_seams")
+_JSONARGPARSE_MESSAGES = _ids("test_lightning_seam.py", "test_jsonargparse_message",
+                              "test_jsonargparse_message_patterns_each_have_a_case")
 _PIN = _ids("test_lightning_range.py", "test_imported_lightning_is_within_the_pin_and_the_oldest_is_its_lower_bound")
 _REGISTRY_NAMES = _ids("test_registry_and_errors.py", "test_names_registered_without_shadowing_and_documented")
 #: every YAML of configs/: the ones test_configs.py runs, and the test that runs each of the others
@@ -277,6 +279,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("docs/architecture.md", "`tests/test_layout.py` checks the table above", _LAYOUT),
     Guarantee("docs/architecture.md", "Each name has a test in `tests/test_lightning_seam.py`", (*_SEAM, *_SEAM_GUARD)),
     Guarantee("docs/architecture.md", "breaks one test with the name in it", _SEAM),
+    Guarantee("docs/architecture.md", "one test per pattern against the", _JSONARGPARSE_MESSAGES),
     Guarantee("docs/architecture.md", "exercised by `tests/test_configs.py`", _CONFIG_RUNS),
     # docs/callbacks
     Guarantee("docs/callbacks/activation_checkpointing.md", "What the tests show (`tests/test_memory_budget.py`",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
-from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState
+from fsdp_strategies.ft.heal_state import HealState, HealStateMismatchError, SchedulerRollback, TrainingState
 from fsdp_strategies.ft.options import (
     check_ft_options,
     check_group_size,
@@ -259,8 +259,9 @@ def test_heal_state_refuses_another_model_and_a_request_before_the_first_capture
         sent.state_dict()
     sent.capture()
     other = TrainingState(nn.Linear(3, 2), [], [])
-    with pytest.raises(RuntimeError, match="keys differ"):
+    with pytest.raises(RuntimeError, match="missing in the healed state: bias, weight") as refused:
         HealState(lambda: other).load(sent.state_dict())
+    assert isinstance(refused.value, HealStateMismatchError) and "Fix:" in str(refused.value)
 
 
 def test_a_discarded_step_rolls_the_lr_scheduler_back_and_a_heal_inside_a_round_resteps_it() -> None:

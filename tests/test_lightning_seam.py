@@ -14,11 +14,13 @@ from __future__ import annotations
 import inspect
 import json
 import pickle
-from collections.abc import Iterator
+import re
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -627,6 +629,41 @@ def test_wrap_module_method_hooks_are_looked_up_on_the_instance() -> None:
         assert name not in vars(model) and getattr(model, name).__func__ is getattr(Built, name)
 
 
+# ------------------------------------------------------------------------------ precision plugin
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_precision_clip_grad_by_norm_on_the_instance(algorithm: str) -> None:
+    """Through a Trainer run: ``gradient_clip_val`` -> ``LightningModule.clip_gradients`` ->
+    ``trainer.precision_plugin.clip_gradients`` reaches the instance's ``clip_grad_by_norm`` when clipping by
+    norm (with the plugin's main parameters and the value), not when clipping by value; the plugin keeps its
+    object and class."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    calls: list[tuple[list[torch.Tensor], float]] = []
+
+    def clip(parameters: Any, max_norm: float) -> None:
+        params = list(parameters)
+        calls.append((params, max_norm))
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    for plugin in (pl.plugins.precision.Precision(), HalfPrecision("bf16-true")):
+        kind, method = type(plugin), type(plugin).clip_grad_by_norm
+        seam.route_norm_clipping(plugin, clip)
+        assert type(plugin) is kind and kind.clip_grad_by_norm is method  # the class is untouched
+    trainer = _trainer(max_steps=2, limit_val_batches=0, gradient_clip_val=0.25,
+                       gradient_clip_algorithm=algorithm)
+    plugin = trainer.precision_plugin
+    kind = type(plugin)
+    seam.route_norm_clipping(plugin, clip)
+    model = BoringModel()
+    trainer.fit(model)
+    assert trainer.precision_plugin is plugin and type(plugin) is kind
+    if algorithm == "value":
+        assert calls == []
+        return
+    assert len(calls) == 2 and all(max_norm == 0.25 for _, max_norm in calls)
+    assert [id(p) for p in calls[0][0]] == [id(p) for p in model.parameters()]
+
+
 # ------------------------------------------------------------------------------ jsonargparse
 def test_subcommand_parser() -> None:
     from jsonargparse import ArgumentParser, Namespace
@@ -646,6 +683,87 @@ def test_subcommand_parser() -> None:
     # our parser's error() receives the exception (jsonargparse's signature)
     assert list(inspect.signature(ArgumentParser.error).parameters)[:3] == ["self", "message", "ex"]
     assert "ex" in inspect.signature(OurParser.error).parameters
+
+
+class _Widget(pl.Callback):
+    """A callback with a Literal, an optional Literal and an option error (for jsonargparse's messages)."""
+
+    def __init__(self, mode: Literal["full", "none"] = "full", dtype: Literal["bf16", "fp32"] | None = None,
+                 every: int = 1) -> None:
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every={every} is not positive. Fix: every: 1 or more.")
+
+
+class _Trainer:
+    def __init__(self, max_steps: int = 1, strategy: str | pl.Callback = "auto") -> None:
+        pass
+
+
+def _jsonargparse_error(argv: list[str], config: str | None = None, instantiate: bool = False) -> str:
+    """The message of the error the installed jsonargparse raises for ``argv`` (and a YAML ``config``)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--callbacks", type=list[pl.Callback] | pl.Callback | None)
+    parser.add_class_arguments(_Trainer, "trainer")
+    parser.add_argument("--config", action="config")
+    with tempfile.TemporaryDirectory() as folder, pytest.raises(Exception) as info:
+        if config is not None:
+            (Path(folder) / "config.yaml").write_text(config)
+            argv = ["--config", str(Path(folder) / "config.yaml"), *argv]
+        cfg = parser.parse_args(argv)
+        if instantiate:
+            parser.instantiate(cfg)
+    return str(info.value)
+
+
+_WIDGET = f"{__name__}._Widget"
+_RAISING = ["--trainer.strategy", _WIDGET, "--trainer.strategy.every", "0"]  # _Widget.__init__ raises
+# pattern name -> (the real error's message, a line or all of it to match, the groups the CLI reads)
+_MESSAGES: dict[str, tuple[Callable[[], str], Callable[[str], list[str]], tuple[str, ...]]] = {
+    "CLASS_PATH": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.mode", "ful"]),
+                   lambda text: text.splitlines(), ("    ", _WIDGET)),
+    "PARSER_KEY": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.mode", "ful"]),
+                   lambda text: text.splitlines()[:1], ("callbacks",)),
+    "LITERAL_GOT": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.mode", "ful"]),
+                    lambda text: text.splitlines(), ("'full', 'none'", "ful")),
+    "LITERAL_IN_UNION": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.dtype", "bf61"]),
+                         lambda text: text.splitlines()[3:], ("'bf16', 'fp32'",)),
+    "GIVEN": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.dtype", "bf61"]),
+              lambda text: text.splitlines(), ("bf61",)),
+    "NOT_ACCEPTED": (lambda: _jsonargparse_error([f"--callbacks={_WIDGET}", "--callbacks.mod", "full"]),
+                     lambda text: text.splitlines(), ("mod",)),
+    "GROUP_OPTION": (lambda: _jsonargparse_error([], config="trainer:\n  max_stepz: 3\n"),
+                     lambda text: [text], ("trainer", "max_stepz")),
+    "UNRECOGNIZED": (lambda: _jsonargparse_error(["--trainer.max_stepz", "5"]),
+                     lambda text: text.splitlines()[:1], ("--trainer.max_stepz 5",)),
+    "DOT_PATH": (lambda: _jsonargparse_error(["--trainer.strategy", "ddp", "--trainer.strategy.mode", "x"]),
+                 lambda text: [text], ("ddp",)),
+    "UNION_CLASS": (lambda: _jsonargparse_error(_RAISING, instantiate=True), lambda text: [text],
+                    ("_Widget",)),
+    "UNION_MEMBER_ERROR": (lambda: _jsonargparse_error(_RAISING, instantiate=True),
+                           lambda text: [line for line in text.splitlines() if "Fix: " in line],
+                           ("every=0 is not positive. Fix: every: 1 or more.",)),
+}
+
+
+def test_jsonargparse_message_patterns_each_have_a_case() -> None:
+    patterns = {name for name, value in vars(seam.JsonargparseMessage).items()
+                if isinstance(value, re.Pattern)}
+    assert patterns == set(_MESSAGES)
+
+
+@pytest.mark.parametrize("name", sorted(_MESSAGES))
+def test_jsonargparse_message(name: str) -> None:
+    """The installed jsonargparse's real message still has the line ``JsonargparseMessage.<name>`` reads,
+    with the groups the CLI's summary is built from."""
+    make, lines, groups = _MESSAGES[name]
+    pattern: re.Pattern[str] = getattr(seam.JsonargparseMessage, name)
+    text = make()
+    found = [m.groups() for m in map(pattern.search, lines(text)) if m]
+    assert found, f"jsonargparse's message no longer matches JsonargparseMessage.{name}:\n{text}"
+    assert found[0] == groups, (found, text)
 
 
 # ------------------------------------------------------------------------------ torch

@@ -132,6 +132,36 @@ def test_the_example_with_an_explicit_plan_trains(tmp_path: Path) -> None:
     assert run[0]["losses"] == run[1]["losses"]  # the two ranks of a TP group see one loss
 
 
+# ---------------------------------------------------------------------------------------------- the mesh
+def test_the_mesh_is_init_device_meshs_and_answers_to_lightnings_dim_names(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build_mesh`` makes the mesh ``init_device_mesh`` would (same ranks, names, equality) as a
+    ``DataParallelNamedMesh`` from the start, which also answers to ``"data_parallel"`` (1-D: itself; HSDP:
+    the 2-D replicate x shard mesh) and names the fix for a missing ``"tensor_parallel"`` dim."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from conftest import free_port
+    from fsdp_strategies.parallel.mesh import DataParallelNamedMesh, HSDPDegrees, build_mesh
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        fsdp, hsdp = build_mesh(cpu, None, 1), build_mesh(cpu, HSDPDegrees(replicate=1, shard=1), 1)
+        assert type(fsdp) is DataParallelNamedMesh and type(hsdp) is DataParallelNamedMesh
+        assert fsdp == init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        assert hsdp == init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        assert fsdp["data_parallel"] is fsdp and hsdp["data_parallel"] is hsdp
+        assert hsdp["shard"].mesh_dim_names == ("shard",) and type(hsdp["shard"]) is not DataParallelNamedMesh
+        with pytest.raises(KeyError, match=r"no tensor-parallel dim .*Fix: set the strategy's tensor_par"):
+            hsdp["tensor_parallel"]
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def test_degree_must_divide_the_devices_of_a_node() -> None:
     import lightning.pytorch as pl

@@ -18,13 +18,17 @@ Where a public API does the job it is used instead (and is not here):
 * The checkpoint path type: :data:`PATH` (own alias) instead of ``lightning.fabric.utilities.types._PATH``.
 
 jsonargparse's undocumented ``subcommand_parser`` attribute (used by the CLI's error summary) is here
-too: LightningCLI is the only user of jsonargparse in this package.
+too, and so are the patterns that read its error messages (:class:`JsonargparseMessage`; jsonargparse has no
+structured errors, a union's error quotes each member's as text): LightningCLI is the only user of
+jsonargparse in this package, and a message reworded in a jsonargparse release fails the test named after
+the pattern instead of silently dropping the CLI's one-line summary.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Union
 
@@ -43,12 +47,14 @@ from torch import nn
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
     from torch.optim import Optimizer
     from torch.utils.data import DataLoader, Sampler
 
 __all__ = [
     "LIGHTNING_META_FILE",
     "PATH",
+    "JsonargparseMessage",
     "before_batch_transfer",
     "combined_loader_iterator",
     "combined_loader_mode",
@@ -65,6 +71,7 @@ __all__ = [
     "replace_sigterm_broadcast",
     "restart_training_iterators",
     "restore_sigterm_broadcast",
+    "route_norm_clipping",
     "saves_distributed_checkpoint",
     "set_device_mesh",
     "set_optimizer_step_count",
@@ -290,9 +297,66 @@ def unwrap_module_method(module: pl.LightningModule, name: str, owner: object) -
         object.__setattr__(module, name, previous)
 
 
+# ------------------------------------------------------------------------------ precision plugin
+class _NormClipping:
+    """The plugin's ``clip_grad_by_norm(optimizer, clip_val)``: ``clip(main_params(optimizer), clip_val)``."""
+
+    def __init__(self, plugin: Precision, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+        self.plugin, self.clip = plugin, clip
+
+    def __call__(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.clip(self.plugin.main_params(optimizer), clip_val)
+
+
+def route_norm_clipping(plugin: Precision, clip: Callable[[Iterable[torch.Tensor], float], Any]) -> None:
+    """Make a precision plugin's clipping by norm call ``clip(parameters, max_norm)``; same object and type.
+
+    Lightning gives a strategy no say in how gradients are clipped: ``LightningModule.clip_gradients`` calls
+    ``trainer.precision_plugin.clip_gradients``, which calls the plugin's ``clip_grad_by_norm``. The plugin
+    is the user's (or the accelerator connector's) object, and its class is what Lightning sees (a checkpoint
+    keys the plugin's state by it), so neither a swapped class nor a wrapping object will do: the one method
+    is set on the instance. Relies on Lightning looking ``clip_grad_by_norm`` up on the instance when it
+    clips by norm (and not when it clips by value); the seam test checks both through a Trainer run."""
+    plugin.clip_grad_by_norm = _NormClipping(plugin, clip)  # type: ignore[method-assign]
+
+
 # ------------------------------------------------------------------------------ jsonargparse (LightningCLI)
 def subcommand_parser(error: BaseException | None) -> Any:
     """The parser of the subcommand (``fit``...) an error was raised in: jsonargparse's undocumented
     ``subcommand_parser`` attribute of its ``ArgumentError``; ``None`` when absent."""
     return getattr(error, "subcommand_parser", None)
 
+
+class JsonargparseMessage:
+    """Patterns for the lines of jsonargparse's error messages that ``cli.explain_error`` reads.
+
+    jsonargparse reports a bad value inside a union (a strategy is ``str | Strategy``, callbacks
+    ``list[Callback] | Callback | None``) as text quoting every member's attempt, indented one level per
+    union; it has no error objects to read instead. Each pattern has a test in
+    ``tests/test_lightning_seam.py`` (``test_jsonargparse_message[<name>]``) that raises the real error and
+    matches it."""
+
+    #: ``- Problem with given class_path 'pkg.Class':`` (a union member tried with the user's class);
+    #: groups: the indent, the class path
+    CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+    #: ``Parser key "trainer.strategy":`` (the option the lines below are about); group: the key
+    PARSER_KEY = re.compile(r'^\s*Parser key "([^"]+)":\s*$')
+    #: ``Expected a typing.Literal['a', 'b']. Got value: c``; groups: the values (Python literals), the value
+    LITERAL_GOT = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
+    #: ``Subtypes: [typing.Literal['a', 'b'], <class 'NoneType'>]`` (an optional Literal); group: the values
+    LITERAL_IN_UNION = re.compile(r"Subtypes: \[typing\.Literal\[(.*?)\]")
+    #: ``Given value: c`` (after a union's errors); group: the value
+    GIVEN = re.compile(r"^\s*Given value: (.*)$")
+    #: ``Option 'mod' is not accepted`` (an init argument the class does not have); group: the option
+    NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+    #: ``Group 'trainer' does not accept option 'max_stepz'`` (a config file's key); groups: group, option
+    GROUP_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'")
+    #: ``unrecognized arguments: --trainer.max_stepz 5`` (the command line's); group: the arguments
+    UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.IGNORECASE)
+    #: ``Expected a dot import path string: ddp`` (a name given options as if a class); group: the name
+    DOT_PATH = re.compile(r"Expected a dot import path string: (\S+)")
+    #: ``Given value: Namespace(class_path='pkg.Class', ...)`` (a union member's class that raised while
+    #: instantiated); group: the class name
+    UNION_CLASS = re.compile(r"class_path='(?:[\w.]+\.)?(\w+)'")
+    #: ``  - <message>`` (one union member's error, as quoted in the union's); group: the message
+    UNION_MEMBER_ERROR = re.compile(r"^\s*- (.*)$")

@@ -27,7 +27,6 @@ import difflib
 import importlib
 import inspect
 import os
-import re
 import sys
 import types
 import weakref
@@ -35,20 +34,12 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from fsdp_strategies._lightning_seam import JsonargparseMessage as MESSAGE
 from fsdp_strategies._lightning_seam import subcommand_parser
 from fsdp_strategies._options import is_option_error
 
 __all__ = ["ArgumentParser", "explain_error", "option_error_line"]
 
-_CLASS_PATH = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
-_PARSER_KEY = re.compile(r'^\s*Parser key "([^"]+)":\s*$')
-_LITERAL_GOT = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
-_LITERAL_IN_UNION = re.compile(r"Subtypes: \[typing\.Literal\[(.*?)\]")
-_GIVEN = re.compile(r"^\s*Given value: (.*)$")
-_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
-_GROUP_OPTION = re.compile(r"Group '([^']+)' does not accept option '([^']+)'")
-_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.IGNORECASE)
-_DOT_PATH = re.compile(r"Expected a dot import path string: (\S+)")
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _BASES = ("lightning.Callback", "lightning.pytorch.Callback", "lightning.pytorch.callbacks.Callback",
           "lightning.pytorch.callbacks.callback.Callback", "lightning.pytorch.strategies.Strategy",
@@ -113,7 +104,7 @@ def _class_findings(lines: list[str], where: str) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(lines):
-        match = _CLASS_PATH.match(lines[i])
+        match = MESSAGE.CLASS_PATH.match(lines[i])
         if not match:
             i += 1
             continue
@@ -129,16 +120,16 @@ def _class_findings(lines: list[str], where: str) -> list[str]:
         name = f"{where} ({class_path})" if where else class_path
         key = None
         for j, line in enumerate(block):
-            if m := _PARSER_KEY.match(line):
+            if m := MESSAGE.PARSER_KEY.match(line):
                 key = m.group(1)
-            elif (m := _LITERAL_GOT.search(line)) and key:
+            elif (m := MESSAGE.LITERAL_GOT.search(line)) and key:
                 out.append(_bad_value(name, key, _unquote(m.group(2)), _literal_values(m.group(1))))
                 key = None
-            elif (m := _LITERAL_IN_UNION.search(line)) and key:
-                given = next((g.group(1) for g in map(_GIVEN.match, block[j:]) if g), "?")
+            elif (m := MESSAGE.LITERAL_IN_UNION.search(line)) and key:
+                given = next((g.group(1) for g in map(MESSAGE.GIVEN.match, block[j:]) if g), "?")
                 out.append(_bad_value(name, key, _unquote(given), _literal_values(m.group(1)), optional=True))
                 key = None
-            elif m := _NOT_ACCEPTED.search(line):
+            elif m := MESSAGE.NOT_ACCEPTED.search(line):
                 out.append(_bad_option(name, m.group(1), _init_options(cls)))
     return out
 
@@ -191,19 +182,19 @@ def _strategy_name_with_options(name: str) -> str | None:
 def explain_error(message: str, parser: Any = None) -> str | None:
     """A short explanation (with ``Fix:``) of a jsonargparse error message, or ``None`` if it has none."""
     lines = message.splitlines()
-    first = _PARSER_KEY.match(lines[0]) if lines else None
+    first = MESSAGE.PARSER_KEY.match(lines[0]) if lines else None
     where = first.group(1) if first else ""
     found = _class_findings(lines, where)
-    if not found and where == "trainer.strategy" and (m := _DOT_PATH.search(message)):
+    if not found and where == "trainer.strategy" and (m := MESSAGE.DOT_PATH.search(message)):
         hint = _strategy_name_with_options(m.group(1))
         found = [hint] if hint else []
-    if not found and (m := _GROUP_OPTION.search(message)):
+    if not found and (m := MESSAGE.GROUP_OPTION.search(message)):
         group, option = m.groups()
         keys = [k.split(".")[-1] for k in _parser_keys(parser) if k.rsplit(".", 1)[0] == group]
         closest = _closest(option, keys)
         found = [f"{group} has no option {option!r}. Fix: " + (f"did you mean {closest!r}?" if closest
                                                                 else f"see --help for the options of {group}.")]
-    if not found and (m := _UNRECOGNIZED.search(lines[0] if lines else "")):
+    if not found and (m := MESSAGE.UNRECOGNIZED.search(lines[0] if lines else "")):
         keys = _parser_keys(parser)
         for arg in m.group(1).split():
             if not arg.startswith("--"):
@@ -257,17 +248,15 @@ def _led_by(message: str, owner: str | None) -> str:
     return message
 
 
-_UNION_CLASS = re.compile(r"class_path='(?:[\w.]+\.)?(\w+)'")
-
-
 def _union_option_error(exc: BaseException) -> str | None:
     """jsonargparse tries each member of a union (a strategy is ``str | Strategy``) and raises a new error that
     quotes each member's message, so the class's own exception is not in the chain: take the quoted message
     that has this package's ``Fix:`` (jsonargparse's own messages never do), and the class from ``class_path``."""
-    found = [line.strip()[2:] for line in str(exc).splitlines() if line.strip().startswith("- ") and "Fix: " in line]
+    members = (MESSAGE.UNION_MEMBER_ERROR.match(line) for line in str(exc).splitlines())
+    found = [m.group(1).rstrip() for m in members if m and "Fix: " in m.group(1)]
     if not found:
         return None
-    owner = _UNION_CLASS.search(str(exc))
+    owner = MESSAGE.UNION_CLASS.search(str(exc))
     return _led_by(found[0], owner[1] if owner else None)
 
 

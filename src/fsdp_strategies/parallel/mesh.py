@@ -16,19 +16,25 @@ Lightning's ``ModelParallelStrategy`` names its dims ``"data_parallel"`` and ``"
 (after ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``). The meshes built here answer
 to both names: ``mesh["data_parallel"]`` is the whole data-parallel mesh (1-D for FSDP; for HSDP the 2-D
 replicate x shard mesh, so such a ``configure_model`` gets hybrid sharding unchanged).
+
+The mesh is built as a :class:`DataParallelNamedMesh` (a ``DeviceMesh`` subclass made with DeviceMesh's public
+constructor, as ``init_device_mesh`` makes its meshes) rather than given a new class afterwards. torch can
+name merged dims only as one flattened 1-D dim (and not publicly), and for HSDP ``"data_parallel"`` must stay
+the 2-D replicate x shard mesh.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_strategies._options import OptionError, check_int
 
-__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "HSDPDegrees", "ParallelDims", "build_mesh",
+__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "DataParallelNamedMesh", "HSDPDegrees", "ParallelDims", "build_mesh",
            "check_tensor_parallel_degree", "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
@@ -37,7 +43,7 @@ DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 
 
-class _DataParallelNamedMesh(DeviceMesh):
+class DataParallelNamedMesh(DeviceMesh):
     """A DeviceMesh that also answers to Lightning's dim names (see the module docstring)."""
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:  # type: ignore[override]
@@ -218,6 +224,8 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
     """The FSDP (1-D) or HSDP (2-D) mesh of ``dims``, plus a last ``tensor_parallel`` dim when TP is on.
 
     Every mesh answers to ``"data_parallel"``; see the module docstring."""
-    mesh = init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
-    mesh.__class__ = _DataParallelNamedMesh  # same object and state, one more name it answers to
-    return mesh
+    # what init_device_mesh does (ranks row-major over the shape), with the class that also answers to
+    # "data_parallel"; the mesh tensor is built on the CPU whatever the default device is
+    shape = dims.mesh_shape
+    ranks = torch.arange(math.prod(shape), dtype=torch.int, device="cpu").view(shape)
+    return DataParallelNamedMesh(device.type, ranks, mesh_dim_names=dims.mesh_dim_names)

@@ -107,13 +107,6 @@ class _ShardedMixedPrecision(Precision):
             yield
 
 
-class _MeshAwareClipping:
-    """Gradient clipping by norm for gradients on several meshes (tensor parallelism); see ``clip_grad_norm``."""
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
-
-
 class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
     """Fully sharded data parallel on FSDP2, one FSDP unit per transformer block plus the root.
 
@@ -411,9 +404,7 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
 
     def _clip_per_mesh(self) -> None:
         # gradients will live on two meshes (TP-planned and data-parallel-only): clip them per mesh
-        plugin = self.precision_plugin
-        if not isinstance(plugin, _MeshAwareClipping):
-            plugin.__class__ = type(f"MeshAware{type(plugin).__name__}", (_MeshAwareClipping, type(plugin)), {})
+        seam.route_norm_clipping(self.precision_plugin, clip_grad_norm)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
