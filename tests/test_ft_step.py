@@ -79,17 +79,18 @@ class FakeRounds:
         return True
 
 
-def _protocol(tmp_path: Path, *, sync: str = "every_step", commit: bool = True) -> tuple[FTStep, FakeManager, Any]:
-    """The step object over a real heal state, rollback, accounting (events in ``tmp_path``) and semi-sync part;
-    returns it, its fake manager and ``(model, progress)``: the model and the ``progress`` calls made."""
+def _protocol(tmp_path: Path, *, sync: str = "every_step",
+              commit: bool = True) -> tuple[FTStep, FakeManager, Any]:
+    """The step object over a real heal state, rollback, accounting (events in ``tmp_path``) and semi-sync
+    part; returns it, its fake manager and ``(model, progress)``: the model and the ``progress`` calls."""
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def state() -> TrainingState:
         return TrainingState(model, [optimizer], [])
 
-    semi = SemiSync(sync=sync, straggler_sync="off", sync_every=2, outer_lr=1.0, outer_momentum=0.0, num_fragments=1,
-                    replica_group_id=0, num_replica_groups=2)
+    semi = SemiSync(sync=sync, straggler_sync="off", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
+                    num_fragments=1, replica_group_id=0, num_replica_groups=2)
     accounting = StepAccounting(0, 2, "skip", EventLog(tmp_path / "events.jsonl"))
     progress: list[tuple[int, int]] = []
     step = FTStep(semi, HealState(state), SchedulerRollback(state), accounting, group_id=0, groups=2,
@@ -180,8 +181,8 @@ def test_calls_out_of_order_raise(tmp_path: Path) -> None:
 
 
 def test_the_rounds_object_is_the_sync_mode_switch() -> None:
-    semi = SemiSync(sync="every_step", straggler_sync="diloco", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
-                    num_fragments=1, replica_group_id=0, num_replica_groups=2)
+    semi = SemiSync(sync="every_step", straggler_sync="diloco", sync_every=2, outer_lr=1.0,
+                    outer_momentum=0.0, num_fragments=1, replica_group_id=0, num_replica_groups=2)
     assert isinstance(semi, SyncModeSwitch) and semi.sync_switch_available and not semi.semi_sync_active
     semi.configure_sync_switch(0.4, 3)
     semi.report_sync_cost(0.5)

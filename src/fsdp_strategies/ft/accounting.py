@@ -208,7 +208,8 @@ class StepAccounting:
 
     def close_step(self, step: StepInFlight, *, committed: bool, commit_s: float, manager: Any,
                    committed_step: int, data: StepAlignedData | None, round_of: OuterSync | None,
-                   round_samples: int, world_size: int, write_event: bool, module: Any = None) -> dict[str, float]:
+                   round_samples: int, world_size: int, write_event: bool,
+                   module: Any = None) -> dict[str, float]:
         """Account a committed / discarded step or outer sync (:meth:`data_record`, then :meth:`finish`) with
         the quorum's view from ``manager``, :meth:`log` its ``ft/*`` metrics through ``module`` (unless
         ``None``) and return them.

@@ -147,7 +147,8 @@ class SemiSync(SyncModeSwitch):
             self.apply_vote(committed)
 
     def inner_step_ended(self, committed: bool | None, sync_s: float) -> None:
-        """An inner step ended; ``committed``: of the outer sync it ended with (``None``: none), in ``sync_s``."""
+        """An inner step ended; ``committed``: that of the outer sync it ended with, in ``sync_s`` (``None``:
+        no sync)."""
         if not self.switchable:
             return
         if committed is None:

@@ -45,6 +45,9 @@ from fsdp_strategies.ft.semi_sync import SemiSync
 
 __all__ = ["FTStep", "StepOrderError"]
 
+#: the optimizer step proper, given the closure it runs (the strategy's parent's ``optimizer_step``)
+OptimizerStep = Callable[[Callable[[], Any]], Any]
+
 
 class StepOrderError(RuntimeError):
     """A method of :class:`FTStep` called out of the protocol's order: a bug in the caller, not a fault."""
@@ -59,13 +62,15 @@ class FTStep:
         schedulers: the LR schedulers' rollback on a discarded step or round.
         accounting: counters, ``ft/*`` metrics and the events line of each finished step.
         group_id: this replica group's id; ``groups``: the most groups (``num_replica_groups``).
-        progress: ``progress(step, pending)`` sets Lightning's optimizer-step count to ``step`` (``pending``: 1
-            inside ``optimizer_step``, where Lightning increments after it returns; 0 outside a step).
+        progress: ``progress(step, pending)`` sets Lightning's optimizer-step count to ``step``
+            (``pending``: 1 inside ``optimizer_step``, where Lightning increments after it returns; 0
+            outside a step).
         module: the LightningModule the ``ft/*`` metrics are logged through (``None`` outside a fit).
     """
 
-    def __init__(self, semi: SemiSync, heal: HealState, schedulers: SchedulerRollback, accounting: StepAccounting,
-                 *, group_id: int, groups: int, progress: Callable[[int, int], None],
+    def __init__(self, semi: SemiSync, heal: HealState, schedulers: SchedulerRollback,
+                 accounting: StepAccounting, *, group_id: int, groups: int,
+                 progress: Callable[[int, int], None],
                  module: Callable[[], Any]) -> None:
         self.semi, self.heal, self.schedulers, self.accounting = semi, heal, schedulers, accounting
         self.group_id, self.groups = group_id, groups
@@ -86,10 +91,11 @@ class FTStep:
         self._quorum_waited = False  # ... and waited for
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, manager: Any, link: Any, *, device: torch.device, world_size: int, writes_events: bool) -> None:
-        """This fit's manager (``link``: it with its all-reduces counted), at ``setup_environment``, before any
-        step. ``world_size``: the group's data-parallel ranks; ``writes_events``: this rank writes the events
-        file (rank 0 of the group)."""
+    def bind(self, manager: Any, link: Any, *, device: torch.device, world_size: int,
+             writes_events: bool) -> None:
+        """This fit's manager (``link``: it with its all-reduces counted), at ``setup_environment``, before
+        any step. ``world_size``: the group's data-parallel ranks; ``writes_events``: this rank writes the
+        events file (rank 0 of the group)."""
         self.manager, self.link = manager, link
         self.cross.link = link
         self._device, self._world_size, self._writes_events = device, world_size, writes_events
@@ -106,8 +112,8 @@ class FTStep:
 
     # ------------------------------------------------------------------ 1. begin
     def begin(self) -> None:
-        """Begin the step in flight; call before every micro-batch's forward (the first call of a step begins it,
-        the later calls of the same step do nothing). See the module docstring for what it starts.
+        """Begin the step in flight; call before every micro-batch's forward (the first call of a step
+        begins it, the later calls of the same step do nothing). See the module docstring for what it starts.
 
         Raises :class:`StepOrderError` before :meth:`bind`.
         """
@@ -120,8 +126,8 @@ class FTStep:
             self._start_quorum()
             if not self.semi.active:
                 break
-            # healed (straggler_sync's synchronous quorum) from groups in a semi-synchronous phase: finish their
-            # outer sync with them; if that sync switched back to every step, this step is an every-step one
+            # healed (straggler_sync's synchronous quorum) from groups in a semi-synchronous phase: finish
+            # their outer sync with them; if that sync switched back to every step, this step is one
             self._join_outer_sync()
         self._rounds = self.semi.active
         if self._rounds:  # an inner step: no quorum
@@ -151,8 +157,8 @@ class FTStep:
         have none: nothing crosses the groups in an inner step).
         """
         if not self._quorum_started:
-            raise StepOrderError("ft_hsdp step protocol: wait_quorum() with no quorum started in this step (call "
-                                 "begin() first; an inner step of a round has no quorum)")
+            raise StepOrderError("ft_hsdp step protocol: wait_quorum() with no quorum started in this step "
+                                 "(call begin() first; an inner step of a round has no quorum)")
         if self._quorum_waited:
             return
         t0 = time.perf_counter()
@@ -177,26 +183,27 @@ class FTStep:
                                 group_id=self.group_id, groups=self.groups, step_number=self.committed_step())
 
     # ------------------------------------------------------------------ 3. finish
-    def finish(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any],
-               model: nn.Module) -> Any:
-        """End the step inside Lightning's ``optimizer_step``; return what that returns (the loss if discarded).
+    def finish(self, closure: Callable[[], Any], optimizer_step: OptimizerStep, model: nn.Module) -> Any:
+        """End the step inside Lightning's ``optimizer_step``; return what that returns (the loss if
+        discarded).
 
-        ``closure``: Lightning's (forward + backward of the step's last micro-batch); ``optimizer_step(closure)``:
-        the optimizer step proper; ``model``: the sharded model (the deferred reduction's gradients).
+        ``closure``: Lightning's (forward + backward of the step's last micro-batch);
+        ``optimizer_step(closure)``: the optimizer step proper; ``model``: the sharded model (the deferred
+        reduction's gradients).
 
         Raises :class:`StepOrderError` unless :meth:`begin` ran in this step, or if the mode changed since.
         """
         if not self._begun:
-            raise StepOrderError("ft_hsdp step protocol: finish() with no step begun (call begin() before the "
-                                 "step's first forward)")
+            raise StepOrderError("ft_hsdp step protocol: finish() with no step begun (call begin() before "
+                                 "the step's first forward)")
         if self._rounds != self.semi.active:
-            raise StepOrderError("ft_hsdp step protocol: the sync mode changed inside a step (a switch applies "
-                                 "only when a step or outer sync ends)")
+            raise StepOrderError("ft_hsdp step protocol: the sync mode changed inside a step (a switch "
+                                 "applies only when a step or outer sync ends)")
         if self._rounds:
             return self._finish_inner(closure, optimizer_step)
         return self._finish_synchronous(closure, optimizer_step, model)
 
-    def _finish_synchronous(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any],
+    def _finish_synchronous(self, closure: Callable[[], Any], optimizer_step: OptimizerStep,
                             model: nn.Module) -> Any:
         step, manager = self.inflight, self.manager
         loss = closure()  # forward + backward; the all-reduce hook reduces across groups
@@ -224,7 +231,7 @@ class FTStep:
         self.semi.synchronous_step_ended(committed, step.cross_s + commit_s)
         return out
 
-    def _finish_inner(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
+    def _finish_inner(self, closure: Callable[[], Any], optimizer_step: OptimizerStep) -> Any:
         """Rounds: a local optimizer step, then the outer sync when the round ends."""
         outer, step = self.semi.outer, self.inflight
         assert outer is not None
@@ -246,7 +253,7 @@ class FTStep:
         return out
 
     def _close(self, committed: bool, commit_s: float, log: bool = True) -> None:
-        """Account a committed / discarded step or outer sync (``log``: its ``ft/*`` metrics, inside a step)."""
+        """Account a committed / discarded step or outer sync (``log``: its ``ft/*`` metrics, in a step)."""
         self.cross.end_step()  # the next step starts undeferred
         self.accounting.close_step(
             self.inflight, committed=committed, commit_s=commit_s, manager=self.manager,
@@ -264,13 +271,13 @@ class FTStep:
         return self._outer_sync_between_steps(join=False)
 
     def _join_outer_sync(self) -> None:
-        """Healed, in the every-step quorum, from groups in a semi-synchronous phase: join their outer sync, then
-        continue in rounds (or every step, if that sync switched back)."""
+        """Healed, in the every-step quorum, from groups in a semi-synchronous phase: join their outer sync,
+        then continue in rounds (or every step, if that sync switched back)."""
         self._quorum_started = self._quorum_waited = False
         committed = self._outer_sync_between_steps(join=True)
-        rank_zero_info(f"ft_hsdp: replica group {self.group_id} healed into a {self.semi.mode} phase and joined its "
-                       f"outer sync ({'committed' if committed else 'discarded'}); continuing at step "
-                       f"{self.committed_step()}")
+        rank_zero_info(f"ft_hsdp: replica group {self.group_id} healed into a {self.semi.mode} phase and "
+                       f"joined its outer sync ({'committed' if committed else 'discarded'}); continuing at "
+                       f"step {self.committed_step()}")
 
     def _outer_sync_between_steps(self, join: bool) -> bool:
         """An outer sync outside Lightning's step: the first (train start), or (``join``) the sync of the
@@ -279,7 +286,7 @@ class FTStep:
         assert outer is not None
         t0 = time.perf_counter()
         committed = outer.sync(quorum=False) if join else outer.initial_sync()
-        # an events line (the launcher sees the group live from here); no ft/* metrics outside Lightning's step
+        # an events line (the launcher sees the group live from here); no ft/* metrics outside a step
         self._close(committed, time.perf_counter() - t0, log=False)
         self.semi.apply_vote(committed)
         if outer.healed:

@@ -313,7 +313,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             return
         assert self.model is not None
         self._semi.start(manager=self._step.link, model=self.model, optimizers=self.optimizers,
-                         device=self.root_device, max_steps=trainer.max_steps, global_step=trainer.global_step,
+                         device=self.root_device, max_steps=trainer.max_steps,
+                         global_step=trainer.global_step,
                          before_quorum=self._heal.capture, stats=self.ft_stats,
                          events=self._events if self.global_rank == 0 else None)
         if self.sync == "every_step":
