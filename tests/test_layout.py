@@ -105,7 +105,7 @@ def test_the_scan_sees_the_package() -> None:
     """A guard for the guard: the graph holds the edges everybody knows exist."""
     assert "fsdp_strategies.strategies.fsdp2" in GRAPH["fsdp_strategies.strategies"]
     assert "fsdp_strategies.parallel" in GRAPH["fsdp_strategies.strategies.fsdp2"]
-    assert "fsdp_strategies.strategies.hsdp" in GRAPH["fsdp_strategies.ft.strategy"]
+    assert "fsdp_strategies.strategies.fsdp2" in GRAPH["fsdp_strategies.ft.strategy"]
     assert len(GRAPH) > 30
 
 

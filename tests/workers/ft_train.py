@@ -151,7 +151,7 @@ class FTProbe(pl.Callback):
             return
         # every cross-group gradient all-reduce goes through CrossGroupReduce._all_reduce (one per FSDP unit,
         # or one per dtype after the last micro-batch under accumulation)
-        original = strategy._cross._all_reduce
+        original = strategy._step.cross._all_reduce
         calls = {"n": 0}
 
         def killing_all_reduce(reduce_output: torch.Tensor, op: Any) -> None:
@@ -163,7 +163,7 @@ class FTProbe(pl.Callback):
                     time.sleep(60)
             original(reduce_output, op)
 
-        strategy._cross._all_reduce = killing_all_reduce  # type: ignore[method-assign]
+        strategy._step.cross._all_reduce = killing_all_reduce  # type: ignore[method-assign]
 
     def _break_write(self, trainer: pl.Trainer) -> None:
         """FT_TEST_BREAK_WRITE="GROUP:N": the first incarnation of GROUP dies (torchrun + every rank) right

@@ -1,8 +1,8 @@
 """What each ``ft_hsdp`` step (or outer sync) did: counters, ``ft/*`` metrics, the events line, trained/missed data.
 
-The strategy fills a :class:`StepInFlight` while a step runs (timings, whether this group healed in it,
-the data position of its batch) and hands it to :meth:`StepAccounting.finish` when the step is committed or
-discarded. :class:`StepAccounting` then
+The step protocol (:mod:`fsdp_strategies.ft.step`) fills a :class:`StepInFlight` while a step runs (timings,
+whether this group healed in it, the data position of its batch) and hands it to
+:meth:`StepAccounting.close_step` when the step is committed or discarded. :class:`StepAccounting` then
 
 * updates the cumulative counters of this process (``ft_stats``: committed/discarded steps, heals, seconds
   in quorums and in recovery -- a discarded step, a heal and the step after a discard --, missed samples;
@@ -92,7 +92,8 @@ class StepInFlight:
     #: groups of this step's quorum that left its average because their loss was not finite
     excluded_groups: int = 0
     #: seconds of this step's fault-tolerance work by part (:meth:`timed`), written with its events line as
-    #: ``cost_<part>_s`` and emptied there: where ``ft_hsdp``'s fault-free cost goes (see ``COST_PARTS``)
+    #: ``cost_<part>_s`` and replaced there by the accounting's own (:meth:`StepAccounting.close_step`):
+    #: where ``ft_hsdp``'s fault-free cost goes (see ``COST_PARTS``)
     costs: dict[str, float] = field(default_factory=dict)
 
     @contextmanager
@@ -198,7 +199,6 @@ class StepAccounting:
         calls, sent = stats["cross_group_allreduces"], stats["cross_group_bytes"]
         costs.update(allreduces=int(calls - self._counted[0]), allreduce_bytes=int(sent - self._counted[1]))
         self._counted = (calls, sent)
-        step.costs = {}
         if self.events is not None and write_event:
             self.events.write_step(
                 self.replica_group_id, committed_step, committed, participants=participants, quorum_id=quorum_id,
@@ -208,16 +208,27 @@ class StepAccounting:
 
     def close_step(self, step: StepInFlight, *, committed: bool, commit_s: float, manager: Any,
                    committed_step: int, data: StepAlignedData | None, round_of: OuterSync | None,
-                   round_samples: int, world_size: int, write_event: bool) -> dict[str, float]:
+                   round_samples: int, world_size: int, write_event: bool,
+                   module: Any = None) -> dict[str, float]:
         """Account a committed / discarded step or outer sync (:meth:`data_record`, then :meth:`finish`) with
-        the quorum's view from ``manager``; return its ``ft/*`` metrics."""
+        the quorum's view from ``manager``, :meth:`log` its ``ft/*`` metrics through ``module`` (unless
+        ``None``) and return them.
+
+        ``step.costs`` (the parts of the step's fault-tolerance work) went into this step's events line; they
+        are replaced by this accounting's own seconds, which go into the next step's line.
+        """
+        t0 = time.perf_counter()
         participants = int(manager.num_participants())
         record = self.data_record(step, committed=committed, participants=participants, data=data,
                                   round_of=round_of, round_samples=round_samples,
                                   quorum_step=committed_step - int(committed), world_size=world_size)
-        return self.finish(step, committed=committed, committed_step=committed_step,
-                           participants=participants, quorum_id=_torch_seam.quorum_id(manager),
-                           commit_s=commit_s, data=record, write_event=write_event)
+        metrics = self.finish(step, committed=committed, committed_step=committed_step,
+                              participants=participants, quorum_id=_torch_seam.quorum_id(manager),
+                              commit_s=commit_s, data=record, write_event=write_event)
+        if module is not None:
+            self.log(module, metrics)
+        step.costs = {"account": time.perf_counter() - t0}
+        return metrics
 
     def log(self, module: Any, metrics: dict[str, float]) -> None:
         """Hand ``metrics`` to ``module.log_dict`` when :meth:`log_due` and inside a Lightning hook."""

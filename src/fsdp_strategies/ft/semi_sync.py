@@ -38,6 +38,7 @@ from fsdp_strategies.ft.outer_sync import OuterSync
 from fsdp_strategies.ft.protocol import EventLog
 from fsdp_strategies.ft.straggler_switch import STATE_KEY as SWITCH_STATE_KEY
 from fsdp_strategies.ft.straggler_switch import CostClock, SwitchState, decide
+from fsdp_strategies.protocols import SyncModeSwitch
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -67,8 +68,9 @@ def check_rounds(option: str, value: str, *, max_steps: int, sync_every: int, nu
                          "optimizer from configure_optimizers.")
 
 
-class SemiSync:
-    """This group's rounds: the outer sync, and with ``straggler_sync`` the switch (see the module docstring).
+class SemiSync(SyncModeSwitch):
+    """This group's rounds: the outer sync, and with ``straggler_sync`` the switch (see the module docstring);
+    the :class:`~fsdp_strategies.protocols.SyncModeSwitch` that ``StragglerDetector`` drives.
 
     ``manager`` is the counted manager (:class:`fsdp_strategies.ft.manager.CountedManager`); ``stats`` the
     strategy's ``ft_stats``.
@@ -87,12 +89,12 @@ class SemiSync:
         #: group's detector reported, the vote of the step in flight (applied only if it commits)
         self.switch: SwitchState | None = SwitchState() if self.switchable else None
         self._vote_cfg: tuple[float, int] | None = None
-        self.reported_cost = 0.0
+        self._reported_cost = 0.0
         self._pending_vote: dict[str, Any] | None = None
         self._pending_opt_avg: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.cost = CostClock()
         #: every switch of this process: ``{"step", "event": "switch", "to", "cost", "costs"}``
-        self.switch_events: list[dict[str, Any]] = []
+        self._switch_events: list[dict[str, Any]] = []
         #: this group's samples (all ranks) in the round in progress
         self.round_samples = 0
         self._manager: Any = None
@@ -114,8 +116,47 @@ class SemiSync:
             return self.outer.step
         return manager_step + (self.switch.offset if self.switch is not None else 0)
 
-    def configure_vote(self, threshold: float, patience: int) -> None:
+    # ------------------------------------------------------------------ the SyncModeSwitch protocol
+    # (fsdp_strategies.protocols.SyncModeSwitch documents it; the strategy forwards it to this object)
+    @property
+    def sync_switch_available(self) -> bool:
+        return self.switchable
+
+    @property
+    def semi_sync_active(self) -> bool:
+        return self.switch is not None and self.switch.semi
+
+    @property
+    def sync_switch_events(self) -> list[dict[str, Any]]:
+        return self._switch_events
+
+    def configure_sync_switch(self, threshold: float, patience: int) -> None:
         self._vote_cfg = (float(threshold), int(patience))
+
+    def sync_cost_counters(self) -> tuple[float, float]:
+        return self.cost.counters()
+
+    def report_sync_cost(self, cost: float) -> None:
+        self._reported_cost = float(cost)
+
+    # ------------------------------------------------------------------ the cost clock and the vote, per step
+    def synchronous_step_ended(self, committed: bool, cross_s: float) -> None:
+        """An every-step step ended (``cross_s``: its cross-group seconds, quorum and commit included)."""
+        if self.switchable:
+            self.cost.synchronous_step(cross_s)
+            self.apply_vote(committed)
+
+    def inner_step_ended(self, committed: bool | None, sync_s: float) -> None:
+        """An inner step ended; ``committed``: that of the outer sync it ended with, in ``sync_s`` (``None``:
+        no sync)."""
+        if not self.switchable:
+            return
+        if committed is None:
+            self.cost.inner_step()
+            return
+        assert self.outer is not None
+        self.cost.sync_step(sync_s, self.outer.last_quorum_s, self.sync_every)
+        self.apply_vote(committed)
 
     # ------------------------------------------------------------------ start
     def start(self, *, manager: Any, model: nn.Module, optimizers: list[Optimizer], device: torch.device,
@@ -169,7 +210,7 @@ class SemiSync:
         """One boundary's vote, inside a step or sync; applied by :meth:`apply_vote` only when that commits."""
         assert self.switch is not None and self._vote_cfg is not None
         costs = torch.zeros(self.num_replica_groups, dtype=torch.float32, device=self._device)
-        costs[self.replica_group_id] = self.reported_cost
+        costs[self.replica_group_id] = self._reported_cost
         self._manager.allreduce(costs, reduce_op=ReduceOp.SUM).wait()
         self._stats["switch_votes"] += 1
         values = [float(c) for c in costs.cpu()]
@@ -201,7 +242,7 @@ class SemiSync:
 
     def apply_vote(self, committed: bool) -> None:
         """Apply the vote of the step/sync that just ended, if it committed (identical on every member); a switch
-        is kept in :attr:`switch_events` and written to the events file."""
+        is kept in :attr:`sync_switch_events` and written to the events file."""
         vote, self._pending_vote = self._pending_vote, None
         averaged, self._pending_opt_avg = self._pending_opt_avg, None
         if vote is None or not committed:
@@ -223,7 +264,7 @@ class SemiSync:
         self._stats["switches"] += 1
         to = self.mode if vote["semi"] else "every_step"
         event = {"step": step, "event": "switch", "to": to, "cost": vote["cost"], "costs": vote["costs"]}
-        self.switch_events.append(event)
+        self._switch_events.append(event)
         rank_zero_info(f"ft_hsdp: switch to {to} at committed step {step}: cross-group cost {vote['cost']:.0%} of the "
                        f"step time (max over groups; threshold {self._vote_cfg[0]:.0%})")
         if self._events is not None:

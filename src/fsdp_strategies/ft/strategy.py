@@ -7,7 +7,8 @@ after the last micro-batch under gradient accumulation), whose membership is re-
 ``torchft.Manager`` talking to a lighthouse. When a group dies the others go on; the restarted group heals
 from a live peer (the manager's checkpoint transport), not from a checkpoint.
 
-Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes):
+Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes; the order is
+:class:`~fsdp_strategies.ft.step.FTStep`'s, each hook below one call into it):
 
 * ``on_train_batch_start``: snapshot this rank's shards (a healer fetches them), ``Manager.start_quorum()``.
 * forward + backward: the all-reduce hook waits for the quorum and reduces across groups (errors recorded);
@@ -23,8 +24,8 @@ batches are missed (``data_on_failure="skip"``) or trained by the others (``"red
 (``sync="local_sgd"|"diloco"``) and the straggler switch: :mod:`~fsdp_strategies.ft.semi_sync`.
 
 This class is the Lightning glue (options, the hooks above, leaving, checkpoint writing); the parts live in
-their own modules: ``options``, ``manager``, ``heal_state``, ``semi_sync``, ``redistribute``, ``nonfinite``
-(a group with a non-finite loss leaves the step's average), ``accounting``.
+their own modules: ``options``, ``manager``, ``step`` (the step protocol), ``heal_state``, ``semi_sync``,
+``redistribute``, ``nonfinite`` (a group with a non-finite loss leaves the step's average), ``accounting``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from typing_extensions import override
 
 from fsdp_strategies import _lightning_seam as seam
 from fsdp_strategies import _torch_seam
+from fsdp_strategies._options import check_degree
 from fsdp_strategies.ft import resume_width
-from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
-from fsdp_strategies.ft.cross_group import CrossGroupReduce
+from fsdp_strategies.ft.accounting import StepAccounting
 from fsdp_strategies.ft.data import StepAlignedData
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback, TrainingState, resume_from_handed
 from fsdp_strategies.ft.leave import exit_if_unfixable, leave_now
@@ -54,7 +55,6 @@ from fsdp_strategies.ft.manager import (
     create_manager,
     release_manager,
 )
-from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
 from fsdp_strategies.ft.options import (
     DataOnFailure,
     Transport,
@@ -67,17 +67,19 @@ from fsdp_strategies.ft.outer_sync import SyncMode
 from fsdp_strategies.ft.protocol import LEAVE_EXIT_CODE, EventLog, FTEnvironment, wait_for_activation
 from fsdp_strategies.ft.redistribute import add_missing_groups, warn_unless_sharded
 from fsdp_strategies.ft.semi_sync import SemiSync
+from fsdp_strategies.ft.step import FTStep
 from fsdp_strategies.ft.straggler_switch import StragglerSync
 from fsdp_strategies.parallel.mesh import ParallelDims
 from fsdp_strategies.parallel.replicated_params import set_all_reduce_hook
-from fsdp_strategies.strategies.hsdp import HSDPStrategy
+from fsdp_strategies.strategies.fsdp2 import FSDP2Strategy
 
 __all__ = ["LEAVE_EXIT_CODE", "FTHSDPStrategy", "LighthouseUnreachableError"]
 
 
-class FTHSDPStrategy(HSDPStrategy):
+class FTHSDPStrategy(FSDP2Strategy):
     """HSDP whose replication runs across jobs: FSDP2 inside a replica group, torchft's fault-tolerant
-    all-reduce across replica groups (``replicate_degree`` is 1 inside each group's job).
+    all-reduce across replica groups. Inside each group's job the mesh is ``fsdp2``'s 1-D one over the
+    group's ranks (no ``replicate_degree``: the replication is torchft's, across jobs), hence the parent.
 
     Args:
         lighthouse_addr: ``http://host:port`` of the torchft lighthouse; default ``$TORCHFT_LIGHTHOUSE``.
@@ -156,7 +158,9 @@ class FTHSDPStrategy(HSDPStrategy):
         accumulation: Literal["sharded", "no_sync"] = "sharded",
         **kwargs: Any,
     ) -> None:
-        super().__init__(replicate_degree=1, shard_degree=shard_degree, accumulation=accumulation, **kwargs)
+        check_degree("shard_degree", shard_degree)
+        super().__init__(accumulation=accumulation, **kwargs)
+        self.shard_degree = shard_degree  # checked against the group's ranks in validate_options
         where = resolve_placement(lighthouse_addr, replica_group_id, num_replica_groups, events_file)
         limits = check_ft_options(
             num_replica_groups=where.num_replica_groups, min_replica_size=min_replica_size, sync=sync,
@@ -184,15 +188,16 @@ class FTHSDPStrategy(HSDPStrategy):
                               outer_momentum=self.outer_momentum, num_fragments=num_fragments,
                               replica_group_id=self.replica_group_id, num_replica_groups=self.num_replica_groups)
         state = self._training_state
-        self._heal, self._schedulers = HealState(state), SchedulerRollback(state)
-        self._step = StepInFlight()
-        self._cross = CrossGroupReduce(self._step, self._wait_quorum, lambda: self._semi.active)
-        self.peer_wait_s = self._step.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
+        self._heal = HealState(state)
+        #: the step protocol: the quorum / commit state of the step in flight (see ft/step.py)
+        self._step = FTStep(self._semi, self._heal, SchedulerRollback(state), self._accounting,
+                            group_id=self.replica_group_id, groups=self.num_replica_groups,
+                            progress=self._set_global_step, module=lambda: self.lightning_module)
+        self.peer_wait_s = self._step.inflight.peer_wait_s  # protocols.PeerWaitSource (HangWatchdog reads it)
         self._data: StepAlignedData | None = None
         self._saved_layout: dict[str, Any] | None = None  # the resumed checkpoint's data layout
         self._manager: Any = None
-        self._link: CountedManager | None = None  # the manager, its all-reduces counted
-        self._lighthouse_checked = self._quorum_started = self._waited_quorum = False  # quorum started/waited
+        self._lighthouse_checked = False
 
     # ------------------------------------------------------------------ what callers read
     @property
@@ -245,7 +250,8 @@ class FTHSDPStrategy(HSDPStrategy):
             # torchft's DiLoCo needs the synchronous quorum (straggler_sync builds it in every mode)
             use_async_quorum=self.sync == "every_step" and not self._semi.switchable,
             state_dict=self._heal.state_dict, load_state_dict=self._load_heal_state)
-        self._link = self._cross.link = CountedManager(self._manager, self.ft_stats)
+        self._step.bind(self._manager, CountedManager(self._manager, self.ft_stats), device=self.root_device,
+                        world_size=self.data_parallel_size, writes_events=self.global_rank == 0)
         rank_zero_info(
             f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} ({self.world_size} ranks), "
             f"lighthouse {self.lighthouse_addr}, min_replica_size={self.min_replica_size}, "
@@ -263,30 +269,19 @@ class FTHSDPStrategy(HSDPStrategy):
         module = super().shard_module(module)
         if self.sync != "every_step":  # inner steps: only the group's own FSDP collectives
             return module
-        set_all_reduce_hook(module, self._cross.hook)  # every FSDP unit and the replicated 0-d params
+        set_all_reduce_hook(module, self._step.cross.hook)  # every FSDP unit and the replicated 0-d params
         return module
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """A non-final micro-batch: accumulated in the group (``accumulation``); groups reduce after."""
-        with self._cross.micro_batch(), super().block_backward_sync():
+        with self._step.cross.micro_batch(), super().block_backward_sync():
             yield None
 
     def leave_step_if_nonfinite(self, loss_nonfinite: bool) -> None:
         """protocols.NonFiniteLossSink (NonFiniteGuard, before each backward): see ``ft/nonfinite.py``."""
-        if self._manager is None or self._semi.active:  # rounds: a group's inner steps are its own
-            return
-        if self._cross.deferred:  # accumulation: the group's verdict is agreed once, after the last backward
-            self._step.nonfinite = bool(self._step.nonfinite) or loss_nonfinite
-        else:
-            self._agree_nonfinite(loss_nonfinite)
-
-    def _agree_nonfinite(self, loss_nonfinite: bool) -> None:
-        self._wait_quorum()
-        leave_step_if_nonfinite(loss_nonfinite, step=self._step, link=self._link, device=self.root_device,
-                                group_id=self.replica_group_id, groups=self.num_replica_groups,
-                                step_number=self._committed_step())
+        self._step.record_nonfinite(loss_nonfinite)
 
     # ------------------------------------------------------------------ heal state
     def _training_state(self) -> TrainingState:
@@ -297,7 +292,7 @@ class FTHSDPStrategy(HSDPStrategy):
         """Apply a live peer's state (torchft calls it in ``should_commit``, or in the synchronous quorum)."""
         t0 = time.perf_counter()
         self._heal.load(state)
-        self._step.healed = True
+        self._step.inflight.healed = True
         self.ft_stats["heals"] += 1
         rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed from a live peer "
                        f"in {time.perf_counter() - t0:.3f}s (apply)")
@@ -318,77 +313,52 @@ class FTHSDPStrategy(HSDPStrategy):
         # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
         trainer = self.lightning_module.trainer
         self._manager.load_state_dict({"step": trainer.global_step, "batches_committed": self._manager.batches_committed()})
-        self._data = StepAlignedData.install(trainer, self._saved_layout)
+        self._data = self._step.data = StepAlignedData.install(trainer, self._saved_layout)
         if self.data_on_failure == "redistribute":
             warn_unless_sharded(self._data)
         if self.sync == "every_step" and not self._semi.switchable:
             return
         assert self.model is not None
-        self._semi.start(manager=self._link, model=self.model, optimizers=self.optimizers, device=self.root_device,
-                         max_steps=trainer.max_steps, global_step=trainer.global_step, before_quorum=self._heal.capture,
-                         stats=self.ft_stats, events=self._events if self.global_rank == 0 else None)
+        self._semi.start(manager=self._step.link, model=self.model, optimizers=self.optimizers,
+                         device=self.root_device, max_steps=trainer.max_steps,
+                         global_step=trainer.global_step,
+                         before_quorum=self._heal.capture, stats=self.ft_stats,
+                         events=self._events if self.global_rank == 0 else None)
         if self.sync == "every_step":
             return
-        # local_sgd/diloco: sync once before the first inner step (a restarted group heals here from a peer)
-        self._step.begin()
-        self._outer_sync_between_steps(join=False)
+        self._step.first_sync()  # before the first inner step (a restarted group heals here from a peer)
         outer = self._semi.outer
         assert outer is not None
         rank_zero_info(f"ft_hsdp: sync={self.sync!r} every {self.sync_every} inner steps"
                        f"{f' ({self.num_fragments} fragments)' if self.num_fragments > 1 else ''}; starting at "
                        f"step {outer.step} ({outer.last_participants} groups in the first sync)")
 
-    def _outer_sync_between_steps(self, join: bool) -> bool:
-        """An outer sync outside Lightning's step: the first (train start), or (``join``) the sync of the
-        semi-synchronous groups this group healed from in its every-step quorum (it finishes it with them)."""
-        outer = self._semi.outer
-        assert outer is not None
-        t0 = time.perf_counter()
-        committed = outer.sync(quorum=False) if join else outer.initial_sync()
-        # an events line (the launcher sees the group live from here); no ft/* metrics outside Lightning's step
-        self._after_step(committed, time.perf_counter() - t0, log=False)
-        self._semi.apply_vote(committed)
-        if outer.healed:
-            self._schedulers.restep_after_heal()
-        self._sync_lightning_progress(self._committed_step(), pending=0)
-        return committed
-
     def _committed_step(self) -> int:
-        """The step every group agrees on: the quorum's (``every_step``; plus the inner steps of earlier
-        ``straggler_sync`` phases) or the inner-step position (semi-sync)."""
-        return self._semi.committed_step(int(self._manager.current_step()))
+        """The step every group agrees on (see :meth:`fsdp_strategies.ft.step.FTStep.committed_step`)."""
+        return self._step.committed_step()
 
     # ------------------------------------------------------------------ straggler_sync: the SyncModeSwitch protocol
-    # (documented by fsdp_strategies.protocols.SyncModeSwitch; the switch itself is fsdp_strategies.ft.semi_sync's)
+    # (fsdp_strategies.protocols.SyncModeSwitch): implemented by the rounds' object, SemiSync; forwarded to it
     @property
     def sync_switch_available(self) -> bool:
-        return self._semi.switchable
+        return self._semi.sync_switch_available
 
     @property
     def semi_sync_active(self) -> bool:
-        return self._semi.switch is not None and self._semi.switch.semi
+        return self._semi.semi_sync_active
 
     @property
     def sync_switch_events(self) -> list[dict[str, Any]]:
-        return self._semi.switch_events
+        return self._semi.sync_switch_events
 
     def configure_sync_switch(self, threshold: float, patience: int) -> None:
-        self._semi.configure_vote(threshold, patience)
+        self._semi.configure_sync_switch(threshold, patience)
 
     def sync_cost_counters(self) -> tuple[float, float]:
-        return self._semi.cost.counters()
+        return self._semi.sync_cost_counters()
 
     def report_sync_cost(self, cost: float) -> None:
-        self._semi.reported_cost = float(cost)
-
-    def _join_outer_sync(self) -> None:
-        """Healed, in the every-step quorum, from groups in a semi-synchronous phase: join their outer sync, then
-        continue in rounds (or every-step, if that sync switched back)."""
-        self._quorum_started = self._waited_quorum = False
-        committed = self._outer_sync_between_steps(join=True)
-        rank_zero_info(f"ft_hsdp: replica group {self.replica_group_id} healed into a {self.straggler_sync} phase and "
-                       f"joined its outer sync ({'committed' if committed else 'discarded'}); continuing at step "
-                       f"{self._committed_step()}")
+        self._semi.report_sync_cost(cost)
 
     # ------------------------------------------------------------------ the step protocol
     @override
@@ -397,20 +367,21 @@ class FTHSDPStrategy(HSDPStrategy):
         module = self.lightning_module
         if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
             if self._semi.switchable:  # synchronous quorum: heal (and learn the mode) before picking the batch
-                self._begin_step()
+                self._step.begin()
             data, trainer = self._data, module.trainer
 
             def prepare(raw: Any) -> Any:  # what Lightning's loop did to the loader's batch before this hook
                 raw = trainer.precision_plugin.convert_input(raw)
                 return seam.before_batch_transfer(module, raw, dataloader_idx)
 
-            batch = data.take_for(self._step, batch, self._committed_step(), prepare)
-            self._accounting.last_step_data = {"position": self._step.position, "rebuilt": self._step.rebuilt}
+            step = self._step.inflight
+            batch = data.take_for(step, batch, self._committed_step(), prepare)
+            self._accounting.last_step_data = {"position": step.position, "rebuilt": step.rebuilt}
             if self.data_on_failure == "redistribute" and data.sharded:
-                self._begin_step()  # the quorum decides which groups are missing
-                self._wait_quorum()
+                self._step.begin()  # the quorum decides which groups are missing
+                self._step.wait_quorum()
                 batch = add_missing_groups(
-                    self._step, batch, data=data, manager=self._manager, prepare=prepare,
+                    step, batch, data=data, manager=self._manager, prepare=prepare,
                     replica_group_id=self.replica_group_id, num_replica_groups=self.num_replica_groups,
                     rank=self.data_parallel_rank, world_size=self.data_parallel_size, device=self.root_device)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -419,123 +390,26 @@ class FTHSDPStrategy(HSDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._manager is not None:
-            self._begin_step()
-
-    def _begin_step(self) -> None:
-        """Snapshot the heal state and start the quorum, once per step (at batch start, or earlier when the batch
-        depends on the quorum: ``redistribute``, ``straggler_sync``)."""
-        self._schedulers.restore_pending()
-        if not self._semi.active and not self._quorum_started:
-            self._step.begin()
-            with self._step.timed("capture"):
-                self._heal.capture()
-            self._waited_quorum = False
-            with self._step.timed("quorum_start"):  # synchronous with straggler_sync (heals here)
-                self._manager.start_quorum()
-            self._quorum_started = True
-            if self._semi.switchable:
-                self._step.cross_s += time.perf_counter() - self._step.t0
-                if self._semi.active:  # healed from groups in a semi-synchronous phase: at their outer sync
-                    self._join_outer_sync()
-                    if not self._semi.active:  # that sync switched back to every-step: this step is one
-                        self._begin_step()
-                        return
-        if self._semi.active:  # semi-sync: no quorum in inner steps
-            assert self._semi.outer is not None
-            if self._semi.outer.pending == 0:
-                self._schedulers.mark_round_start()
-            self._step.begin()
-
-    def _wait_quorum(self) -> None:
-        """Wait for this step's quorum (once), timing the wait."""
-        if self._waited_quorum:
-            return
-        t0 = time.perf_counter()
-        self._manager.wait_quorum()
-        self._step.quorum_wait_s += time.perf_counter() - t0
-        self._waited_quorum = True
+            self._step.begin()  # once per step: the step's other micro-batches share its quorum
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._semi.active:
-            return self._inner_step(optimizer, closure, model, **kwargs)
-        if not self._quorum_started:  # e.g. a loop that skipped on_train_batch_start
-            self.on_train_batch_start(None, -1)
-        loss = closure()  # forward + backward; the all-reduce hook reduces across groups
-        if self._cross.deferred:  # accumulation: the step's one cross-group reduction, after its backward
-            if self._step.nonfinite is not None:  # NonFiniteGuard's verdict over the step's micro-batches
-                self._agree_nonfinite(self._step.nonfinite)
-            self._cross.reduce_accumulated(self.model)
-        self._wait_quorum()
-        self._step.participating = bool(self._manager.is_participating())  # False while healing: zeros contributed
-        if self._semi.vote_due(self._committed_step()):  # between the quorum and should_commit: commits with the step
-            t0 = time.perf_counter()
-            self._semi.vote()
-            self._step.cross_s += time.perf_counter() - t0
-        t1 = time.perf_counter()
-        committed = bool(self._manager.should_commit())  # applies a healed state first
-        commit_s = time.perf_counter() - t1
-        self._quorum_started = False
-        self._sync_lightning_progress()
-        if committed:
-            out = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
-        else:
-            self._schedulers.discard_step()
-            out = loss
-        self._after_step(committed, commit_s)
-        if self._semi.switchable:
-            self._semi.cost.synchronous_step(self._step.cross_s + commit_s)
-            self._semi.apply_vote(committed)
-        return out
 
-    def _inner_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """``local_sgd``/``diloco``: a local optimizer step, then the outer sync when the round ends."""
-        outer = self._semi.outer
-        assert outer is not None
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._data is not None and self._step.position is not None:
-            self._semi.round_samples += self._step.own_samples * self.data_parallel_size
-        t0 = time.perf_counter()
-        committed = outer.after_inner_step()
-        sync_s = time.perf_counter() - t0
-        self._sync_lightning_progress(outer.step)
-        if committed is not None:
-            if not committed:  # the round's inner steps are rolled back: so are the LR schedulers
-                self._schedulers.discard_round()
-            self._after_step(committed, time.perf_counter() - t0)
-            self._semi.round_samples = 0
-        self._step.position = None
-        if self._semi.switchable:
-            if committed is None:
-                self._semi.cost.inner_step()
-            else:
-                self._semi.cost.sync_step(sync_s, outer.last_quorum_s, self.sync_every)
-                self._semi.apply_vote(committed)
-        return out
+        def step(closure: Callable[[], Any]) -> Any:  # the optimizer step proper (commit, or an inner step)
+            return super(FTHSDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
-    def _sync_lightning_progress(self, target: int | None = None, pending: int = 1) -> None:
+        assert self.model is not None
+        return self._step.finish(closure, step, self.model)
+
+    def _set_global_step(self, target: int, pending: int) -> None:
         """Make Lightning's optimizer-step counter (``global_step``) equal the quorum's committed step.
 
         ``pending``: 1 inside ``optimizer_step`` (Lightning increments after it returns), 0 outside a step.
         """
         assert self.lightning_module is not None
-        target = self._committed_step() if target is None else target
         seam.set_optimizer_step_count(self.lightning_module.trainer, target, pending=pending)
-
-    def _after_step(self, committed: bool, commit_s: float, log: bool = True) -> None:
-        """Account a committed/discarded step or outer sync: counters, data, ``ft/*`` metrics, events line."""
-        t0 = time.perf_counter()
-        metrics = self._accounting.close_step(
-            self._step, committed=committed, commit_s=commit_s, manager=self._manager,
-            committed_step=self._committed_step(), data=self._data, world_size=self.data_parallel_size,
-            round_of=self._semi.outer if self._semi.active else None, round_samples=self._semi.round_samples,
-            write_event=self.global_rank == 0)
-        self._cross.end_step()  # the next step starts undeferred
-        if log:
-            self._accounting.log(self.lightning_module, metrics)
-        self._step.costs["account"] = time.perf_counter() - t0  # in the next step's line
 
     # ------------------------------------------------------------------ leaving and shutting down
     def leave_quorum(self, reason: str) -> None:
@@ -564,7 +438,8 @@ class FTHSDPStrategy(HSDPStrategy):
         self._semi.outer = None  # bound to this fit's manager
         if self._manager is not None:
             release_manager(self._manager, self.global_rank)
-            self._manager = self._link = None
+            self._manager = None
+            self._step.unbind()
 
     # ------------------------------------------------------------------ checkpoints: one group writes
     def _is_checkpoint_writer(self) -> bool:
