@@ -55,10 +55,14 @@ LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 # Example model sizes (LlamaLM keyword arguments) and the sequence length / global batch they run with.
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"model": {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4}, "seq_len": 32, "global_batch": 8},
-    "small": {"model": {"vocab_size": 128, "dim": 128, "n_layers": 2, "n_heads": 4}, "seq_len": 64, "global_batch": 16},
-    "medium": {"model": {"vocab_size": 128, "dim": 256, "n_layers": 4, "n_heads": 8}, "seq_len": 64, "global_batch": 16},
-    "large": {"model": {"vocab_size": 256, "dim": 384, "n_layers": 6, "n_heads": 8}, "seq_len": 64, "global_batch": 16},
+    "tiny": {"model": {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4}, "seq_len": 32,
+             "global_batch": 8},
+    "small": {"model": {"vocab_size": 128, "dim": 128, "n_layers": 2, "n_heads": 4}, "seq_len": 64,
+              "global_batch": 16},
+    "medium": {"model": {"vocab_size": 128, "dim": 256, "n_layers": 4, "n_heads": 8}, "seq_len": 64,
+               "global_batch": 16},
+    "large": {"model": {"vocab_size": 256, "dim": 384, "n_layers": 6, "n_heads": 8}, "seq_len": 64,
+              "global_batch": 16},
     # GPU sizes (pass --sizes gpu-350m gpu-1b on a GPU machine; bf16-mixed recommended there)
     "gpu-350m": {"model": {"vocab_size": 2048, "dim": 1024, "n_layers": 24, "n_heads": 16}, "seq_len": 1024,
                  "global_batch": 16},
@@ -115,8 +119,8 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     try:
-        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         out["git_commit"] = None
     return out
@@ -174,12 +178,14 @@ def free_port() -> int:
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "examples"), env.get("PYTHONPATH", "")]
+    )
     env.update(extra or {})
     return env
 
@@ -203,7 +209,9 @@ def run_worker(script: str | Path, nproc: int, args: Sequence[str], *, timeout: 
         out = Path(tmp) / "result.json"
         cmd = worker_command(script, nproc, args, out)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(env), cwd=ROOT)
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(env), cwd=ROOT
+            )
         except subprocess.TimeoutExpired as exc:
             raise WorkerError(f"timed out after {timeout}s: {shlex.join(cmd)}", None,
                               _tail(exc.stderr, 20) or _tail(exc.stdout, 20)) from exc
@@ -272,7 +280,9 @@ def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int
             got: dict[str, Any] = {}
             for name in order:
                 if bar is not None:
-                    bar.set_postfix_str(f"{name} rep {rep + 1}/{reps}" + (f" try {attempt + 1}" if attempt else ""))
+                    bar.set_postfix_str(
+                        f"{name} rep {rep + 1}/{reps}" + (f" try {attempt + 1}" if attempt else "")
+                    )
                 try:
                     got[name] = run_one(name, rep)
                 except Exception as exc:  # recorded in the result file, shown in the summary
@@ -366,8 +376,8 @@ def summarise(runs: list[Any]) -> dict[str, Any]:
     }
 
 
-def suite_config(contenders: Sequence[Contender], sizes: Sequence[str], ranks: Sequence[int], reps: int, steps: int,
-                 warmup: int, precision: str, quick: bool) -> dict[str, Any]:
+def suite_config(contenders: Sequence[Contender], sizes: Sequence[str], ranks: Sequence[int], reps: int,
+                 steps: int, warmup: int, precision: str, quick: bool) -> dict[str, Any]:
     return {"sizes": {s: size_config(s) for s in sizes}, "ranks": list(ranks), "reps": reps, "steps": steps,
             "warmup": warmup, "precision": precision, "quick": quick,
             "contenders": {c.name: {"role": c.role, "description": c.description, "worker": c.script}
@@ -557,7 +567,8 @@ def plot_timing(result: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("step-time ratio (dotted: target)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{result['suite']} on {result['device_name']} "
-                 f"(torch {result['versions'].get('torch')}, lightning {result['versions'].get('lightning')})",
+                 f"(torch {result['versions'].get('torch')}, "
+                 f"lightning {result['versions'].get('lightning')})",
                  fontsize=9)
     return save_figure(fig, path)
 
@@ -588,7 +599,8 @@ def format_summary(result: dict[str, Any]) -> str:
         keys = " ".join(f"{k}={row[k]}" for k in ("size", "ranks") if k in row)
         rounds = f"  [{row['rounds']} rounds]" if row.get("rounds") else ""
         lines.append(f"  {keys:<22} {row.get('ratio', ''):<42} {shown:>7}"
-                     + (f"  (target <= {target:.3f})" if isinstance(target, (int, float)) else "") + verdict + rounds)
+                     + (f"  (target <= {target:.3f})" if isinstance(target,
+                                                                    (int, float)) else "") + verdict + rounds)
     for case in result.get("cases") or []:
         if not isinstance(case, dict):
             continue
@@ -605,8 +617,10 @@ def format_summary(result: dict[str, Any]) -> str:
             where = f"size={case.get('size')} ranks={case.get('ranks')} {fail.get('contender')}"
             kind = "ERROR" if fail.get("outcome") == "round incomplete" else "FAILED, round re-run:"
             error = str(fail.get("error"))
-            lines.append(f"  {kind} {where} round {fail.get('round', 0) + 1} try {fail.get('attempt', 0) + 1}: "
-                         f"{error if len(error) <= 100 else error[:97] + '...'}")
+            lines.append(
+                f"  {kind} {where} round {fail.get('round', 0) + 1} try {fail.get('attempt', 0) + 1}: "
+                f"{error if len(error) <= 100 else error[:97] + '...'}"
+            )
             lines.extend(f"      | {line}" for line in (fail.get("stderr_tail") or [])[-6:])
     return "\n".join(lines)
 
@@ -625,7 +639,8 @@ def add_common_options(parser: Any) -> None:
                         help="run only these contenders (each suite keeps the ones it has)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--retries", type=int, default=None,
-                        help=f"extra attempts of a round in which a contender failed (default {ROUND_RETRIES})")
+                        help="extra attempts of a round in which a "
+                             f"contender failed (default {ROUND_RETRIES})")
 
 
 def apply_common_options(ns: Any) -> None:
@@ -638,7 +653,8 @@ def apply_common_options(ns: Any) -> None:
 
 
 def suite_options(ns: Any) -> dict[str, Any]:
-    return {k: getattr(ns, k) for k in ("sizes", "ranks", "reps", "steps", "warmup", "precision", "contenders")
+    return {k: getattr(ns, k) for k in ("sizes", "ranks", "reps", "steps", "warmup", "precision",
+                                        "contenders")
             if getattr(ns, k, None) is not None}
 
 
@@ -650,7 +666,9 @@ def suite_main(run: Callable[..., dict[str, Any]], description: str,
     """
     import argparse
 
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_options(parser)
     shared = set(vars(parser.parse_args([])))  # the common options' names
     if add_options is not None:
@@ -742,23 +760,28 @@ def contender(name: str) -> Contender:
                            "Trainer(strategy=FSDP2Strategy(block_class_names=['TransformerBlock']))"),
         "fsdp2_no_autocast": Contender(
             "fsdp2_no_autocast", "lightning_fit.py", "ours",
-            "FSDP2Strategy(autocast=False): bf16-mixed by the MixedPrecisionPolicy alone (the autocast cost)"),
+            "FSDP2Strategy(autocast=False): bf16-mixed by the MixedPrecisionPolicy alone "
+            "(the autocast cost)"),
         "fsdp2_hang_watchdog": Contender(
             "fsdp2_hang_watchdog", "lightning_fit.py", "ours",
             "fsdp2 + callbacks=[HangWatchdog(timeout_s=300, poll_s=1)] (its cost while nothing hangs)"),
         "hsdp": Contender("hsdp", "lightning_fit.py", "ours",
                           "Trainer(strategy=HSDPStrategy(replicate_degree=2, shard_degree=ranks/2))",
                           skip_reason=_hsdp_needs_4, replicate=_hsdp_replicate),
-        "ddp_hooks": Contender("ddp_hooks", "lightning_fit.py", "ours", "Trainer(strategy='ddp_hooks') (default hook)",
+        "ddp_hooks": Contender("ddp_hooks", "lightning_fit.py", "ours",
+                               "Trainer(strategy='ddp_hooks') (default hook)",
                                skip_reason=_ddp_hooks_missing),
-        "lightning_ddp": Contender("lightning_ddp", "lightning_fit.py", "lightning", "Trainer(strategy='ddp')"),
+        "lightning_ddp": Contender("lightning_ddp", "lightning_fit.py", "lightning",
+                                   "Trainer(strategy='ddp')"),
         "lightning_fsdp": Contender("lightning_fsdp", "lightning_fit.py", "lightning",
-                                    "Trainer(strategy=FSDPStrategy(auto_wrap_policy={TransformerBlock})) (FSDP1)",
+                                    "Trainer(strategy=FSDPStrategy(auto_wrap_policy={TransformerBlock})) "
+                                    "(FSDP1)",
                                     skip_reason=_lightning_fsdp_needs_gpu),
         "lightning_model_parallel": Contender(
             "lightning_model_parallel", "lightning_fit.py", "lightning",
             "Trainer(strategy=ModelParallelStrategy()) + fully_shard written by hand in configure_model"),
-        "torch_ddp": Contender("torch_ddp", "torch_loop.py", "torch", "plain torch loop, DistributedDataParallel"),
+        "torch_ddp": Contender("torch_ddp", "torch_loop.py", "torch",
+                               "plain torch loop, DistributedDataParallel"),
         "torch_fsdp2": Contender("torch_fsdp2", "torch_loop.py", "torch",
                                  "plain torch loop, fully_shard per block + root, 1-D mesh"),
         "torch_hsdp": Contender("torch_hsdp", "torch_loop.py", "torch",
@@ -776,7 +799,9 @@ def has_case_table(result: dict[str, Any]) -> bool:
     if not isinstance(cases, list) or not cases or "contenders" not in cases[0]:
         return False
     records = [rec for c in cases for rec in c["contenders"].values()]
-    return result.get("suite") == "memory" or any(isinstance(rec, dict) and "median_s" in rec for rec in records)
+    return result.get("suite") == "memory" or any(
+        isinstance(rec, dict) and "median_s" in rec for rec in records
+    )
 
 
 def case_table(result: dict[str, Any]) -> list[str]:
@@ -793,7 +818,10 @@ def case_table(result: dict[str, Any]) -> list[str]:
     head = ["size (params)", "ranks", *[f"`{n}` ({unit})" for n in names], *ratio_names]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
-        row = [f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else str(c["size"]), str(c["ranks"])]
+        row = [
+            f"{c['size']} ({c['params'] / 1e6:.2f}M)" if c.get("params") else str(c["size"]),
+            str(c["ranks"]),
+        ]
         for n in names:
             rec = c["contenders"].get(n, {})
             if memory:
@@ -837,9 +865,12 @@ def markdown_report(paths: Sequence[Path]) -> str:
         v = result.get("versions", {})
         out.append(f"### {result['suite']} -- {result['device_name']}")
         out.append("")
-        out.append(f"`{result.get('command', '')}` -- torch {v.get('torch')}, lightning {v.get('lightning')}, "
-                   f"{cfg.get('reps')} interleaved rounds x {cfg.get('steps')} steps (+{cfg.get('warmup')} warm-up), "
-                   f"{cfg.get('precision')}, {result.get('created_utc')}")
+        out.append(
+            f"`{result.get('command', '')}` -- torch {v.get('torch')}, lightning {v.get('lightning')}, "
+            f"{cfg.get('reps')} interleaved rounds x "
+            f"{cfg.get('steps')} steps (+{cfg.get('warmup')} warm-up), "
+            f"{cfg.get('precision')}, {result.get('created_utc')}"
+        )
         out.append("")
         out.extend(case_table(result))
         out.append("")

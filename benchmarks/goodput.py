@@ -1,12 +1,12 @@
-"""Goodput model: the effective training time of a job vs cluster size and failure rate, for three ways to survive
-a failure, with its inputs read from this repository's measurements and from published figures.
+"""Goodput model: the effective training time of a job vs cluster size and failure rate, for three ways to
+survive a failure, with its inputs read from this repository's measurements and from published figures.
 
     python benchmarks/goodput.py                       # writes benchmarks/results/goodput-cpu.json + .png
     python benchmarks/goodput.py --group-size 64 --step-s 10 --out-dir /tmp/goodput
 
 Nothing is measured here: the script re-reads the result files it names each time it runs, so a rerun after a
-benchmark was rerun (or after ``benchmarks/results/ft_scale-cpu.json`` appeared) picks the new figures up. Every
-input in the JSON carries its source (a file and key, or a paper).
+benchmark was rerun (or after ``benchmarks/results/ft_scale-cpu.json`` appeared) picks the new figures up.
+Every input in the JSON carries its source (a file and key, or a paper).
 
 The model (``M`` = the cluster's mean time between failures = 3600 / (GPUs x failures per GPU-hour) seconds;
 ``N`` = GPUs / group size replica groups):
@@ -17,12 +17,12 @@ The model (``M`` = the cluster's mean time between failures = 3600 / (GPUs x fai
   ``tau / (M e^(R/M) (e^((tau+C)/M) - 1))`` (-> ``tau / (tau + C)`` without failures), at Daly's optimal
   interval ``tau = sqrt(2CM) (1 + sqrt(C/2M)/3 + (C/2M)/9) - C`` (``M`` when ``C >= 2M``).
 * ``ft_every_step`` -- ``ft_hsdp`` with ``sync="every_step"``: a failure stalls the ``N-1`` surviving groups
-  ``S`` (the lighthouse drops the dead group; the step in flight is discarded) and takes the failed group out for
-  ``D`` (its restart and heal from a live peer; its shard is skipped meanwhile). Lost fraction per second
-  ``(S (N-1)/N + D/N) / M``; the per-step quorum's growth with N (``ft_scale``, when measured) is an overhead on
-  every step.
-* ``ft_diloco`` -- the same groups syncing every ``H`` steps: the failed group also loses its work since the last
-  outer sync and waits for the next one to rejoin, on average one round ``H x step`` in all:
+  ``S`` (the lighthouse drops the dead group; the step in flight is discarded) and takes the failed group out
+  for ``D`` (its restart and heal from a live peer; its shard is skipped meanwhile). Lost fraction per second
+  ``(S (N-1)/N + D/N) / M``; the per-step quorum's growth with N (``ft_scale``, when measured) is an overhead
+  on every step.
+* ``ft_diloco`` -- the same groups syncing every ``H`` steps: the failed group also loses its work since the
+  last outer sync and waits for the next one to rejoin, on average one round ``H x step`` in all:
   ``(S (N-1)/N + (D + H step)/N) / M``; the quorum's growth costs once per round.
 
 No mode is charged for the checkpoints ``ft_hsdp`` may still write (one an hour with the measured asynchronous
@@ -54,11 +54,14 @@ TABLE_GPUS = (1_000, 10_000, 100_000)
 LLAMA3 = {"interruptions": 419, "gpus": 16_384, "days": 54,
           "source": "Llama 3 paper (arXiv:2407.21783), sec. 3.3.4: 419 unexpected interruptions in a 54-day "
                     "snapshot of pre-training on 16,384 H100 GPUs"}
-FT_HSDP_PAPER = {"gpus": 100_000, "sync_stall_s": 600.0, "ft_stall_s": 180.0, "sync_goodput": 0.44, "ft_goodput": 0.80,
-                 "source": "FT-HSDP paper (arXiv:2602.00277), abstract: at O(100K) GPUs the stall per failure goes "
+FT_HSDP_PAPER = {"gpus": 100_000, "sync_stall_s": 600.0, "ft_stall_s": 180.0, "sync_goodput": 0.44,
+                 "ft_goodput": 0.80,
+                 "source": "FT-HSDP paper (arXiv:2602.00277), abstract: "
+                           "at O(100K) GPUs the stall per failure goes "
                            "from 10 to 3 minutes and effective training time from 44% to 80%"}
 TORCHFT_RUN = {"gpus": 300, "failures": 1100, "hours": 19.0, "step_efficiency": 0.82,
-               "source": "torchft's Fault Tolerant Llama run on Crusoe L40S (PyTorch blog, 2025), as quoted in "
+               "source": "torchft's Fault Tolerant Llama run on Crusoe "
+                         "L40S (PyTorch blog, 2025), as quoted in "
                          "issue 29: ~1,100 failures in 19 h on 300 GPUs at 82% step efficiency"}
 
 
@@ -85,7 +88,8 @@ def daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
 
 
 def restart_goodput(mtbf_s: float, restart_s: float, checkpoint_s: float, interval_s: float) -> float:
-    """Daly's complete model: useful time / wall time with a checkpoint of cost ``C`` every ``interval_s`` of work."""
+    """Daly's complete model: useful time / wall time with a checkpoint of cost ``C`` every ``interval_s`` of
+    work."""
     if math.isinf(interval_s):
         return 1.0
     if math.isinf(mtbf_s):
@@ -93,16 +97,22 @@ def restart_goodput(mtbf_s: float, restart_s: float, checkpoint_s: float, interv
     exponent = (interval_s + checkpoint_s) / mtbf_s + restart_s / mtbf_s
     if exponent > 700:
         return 0.0
-    return interval_s / (mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + checkpoint_s) / mtbf_s))
+    return interval_s / (
+        mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + checkpoint_s) / mtbf_s)
+    )
 
 
 def ft_goodput(mtbf_s: float, groups: int, stall_s: float, down_s: float, *, lost_work_s: float = 0.0,
                overhead: float = 0.0) -> float:
-    """Replica groups as the unit of failure: survivors stall ``stall_s``, the failed group is out ``down_s`` and
-    loses ``lost_work_s`` of work; ``overhead`` is a fraction added to every fault-free second."""
+    """Replica groups as the unit of failure: survivors stall ``stall_s``, the failed group is out ``down_s``
+    and loses ``lost_work_s`` of work; ``overhead`` is a fraction added to every fault-free second."""
     if groups < 2:
         raise ValueError(f"groups={groups}: a fault-tolerant job needs at least 2 replica groups")
-    lost = 0.0 if math.isinf(mtbf_s) else (stall_s * (groups - 1) / groups + (down_s + lost_work_s) / groups) / mtbf_s
+    lost = (
+        0.0
+        if math.isinf(mtbf_s)
+        else (stall_s * (groups - 1) / groups + (down_s + lost_work_s) / groups) / mtbf_s
+    )
     return max(0.0, 1.0 - lost) / (1.0 + overhead)
 
 
@@ -117,10 +127,12 @@ def _inp(value: Any, unit: str, source: str, what: str) -> dict[str, Any]:
 
 
 def _restart_decomposition(run: dict[str, Any]) -> tuple[list[float], list[int], float]:
-    """Per kill of ``hsdp_restart``: restart + reload seconds (kill to the first step after it, minus one step)
-    and the steps redone (kill step - resumed checkpoint step); and the run's median step time."""
+    """Per kill of ``hsdp_restart``: restart + reload seconds (kill to the first step after it, minus one
+    step) and the steps redone (kill step - resumed checkpoint step); and the run's median step time."""
     timeline = [r for r in run["timelines"]["0"] if r.get("committed")]
-    step_s = statistics.median(b["t"] - a["t"] for a, b in itertools.pairwise(timeline) if b["step"] == a["step"] + 1)
+    step_s = statistics.median(
+        b["t"] - a["t"] for a, b in itertools.pairwise(timeline) if b["step"] == a["step"] + 1
+    )
     restarts, redone = [], []
     for kill in run["kills"]:
         # records within 0.5 s of the kill are the killed incarnation's last writes
@@ -146,9 +158,10 @@ def _ft_scale(path: Path) -> dict[str, Any] | None:
         return float(value) if isinstance(value, (int, float)) else None
 
     return {"path": str(path), "usable": len(rows) >= 2, "n": [r["n"] for r in rows],
-            "quorum_p50_s": [p50(r, "quorum_s") for r in rows], "stall_s": [p50(r, "survivor_stall_s") for r in rows],
-            "heal_s": [p50(r, "heal_s") for r in rows],
-            "source": f"{path.name}: sweep[].quorum_s.p50, sweep[].survivor_stall_s.p50, sweep[].heal_s.p50 (status ok)"}
+            "quorum_p50_s": [p50(r, "quorum_s") for r in rows],
+            "stall_s": [p50(r, "survivor_stall_s") for r in rows], "heal_s": [p50(r, "heal_s") for r in rows],
+            "source": f"{path.name}: sweep[].quorum_s.p50, "
+                      "sweep[].survivor_stall_s.p50, sweep[].heal_s.p50 (status ok)"}
 
 
 #: ft_overhead's per-step parts that a faster device does not shrink (host work and RPCs, every step)
@@ -198,7 +211,8 @@ def fault_free_overhead(fixed_s: float, shard_bytes: float, step_s: float) -> di
 
 def growth(scale: dict[str, Any] | None, key: str, n: float) -> float:
     """How much ``key`` grew from the smallest measured N to ``n``: interpolated in log N inside the sweep,
-    continued linearly in N past its largest N (the last two points' slope, never negative); 0 without data."""
+    continued linearly in N past its largest N (the last two points' slope, never negative); 0 without
+    data."""
     if not scale or not scale.get("usable"):
         return 0.0
     pts = [(x, y) for x, y in zip(scale["n"], scale[key]) if y is not None]
@@ -226,30 +240,39 @@ def read_inputs(results: Path, step_s: float, sync_every: int, group_size: int) 
     llama_rate = LLAMA3["interruptions"] / (LLAMA3["gpus"] * LLAMA3["days"] * 24)
     torchft_rate = TORCHFT_RUN["failures"] / (TORCHFT_RUN["gpus"] * TORCHFT_RUN["hours"])
     return {
-        "restart_s": _inp(statistics.median(restarts), "s", f"{rn}: runs.hsdp_restart (kills, timelines['0']): median "
+        "restart_s": _inp(statistics.median(restarts), "s",
+                          f"{rn}: runs.hsdp_restart (kills, timelines['0']): median "
                           "of kill -> first committed step after the restart, minus one step",
                           "whole-job restart + checkpoint reload (2 x 2 ranks, torchrun, hsdp)"),
-        "restart_redone_steps": _inp(statistics.mean(redone), "steps", f"{rn}: runs.hsdp_restart, kill step - resumed "
+        "restart_redone_steps": _inp(statistics.mean(redone), "steps",
+                                     f"{rn}: runs.hsdp_restart, kill step - resumed "
                                      f"step (checkpoint every {rec['config']['hsdp_ckpt_every']} steps)",
-                                     "work redone per restart in that run (the model uses Daly's interval instead)"),
+                                     "work redone per restart in that run "
+                                     "(the model uses Daly's interval instead)"),
         "hsdp_step_s": _inp(hsdp_step, "s", f"{rn}: runs.hsdp_restart, median step", "that run's step time"),
         "checkpoint_s": _inp(ck["contenders"]["thread"]["stall_s"], "s", f"{cn}: contenders.thread.stall_s",
                              "training stall per asynchronous checkpoint (85M params, 2 ranks)"),
         "checkpoint_sync_s": _inp(ck["contenders"]["sync"]["stall_s"], "s", f"{cn}: contenders.sync.stall_s",
                                   "stall per synchronous checkpoint (not used: the async one is)"),
         "stall_s": _inp(fig["ft_faults"]["stall_s"]["median"], "s", f"{rn}: figures.ft_faults.stall_s.median",
-                        f"survivors' stall per fault (heartbeat timeout {rec['config']['heartbeat_timeout_ms']} ms)"),
-        "down_s": _inp(fig["ft_faults"]["downtime_s"]["median"], "s", f"{rn}: figures.ft_faults.downtime_s.median",
+                        "survivors' stall per fault (heartbeat timeout "
+                        f"{rec['config']['heartbeat_timeout_ms']} ms)"),
+        "down_s": _inp(fig["ft_faults"]["downtime_s"]["median"], "s",
+                       f"{rn}: figures.ft_faults.downtime_s.median",
                        "killed group's SIGKILL -> its first committed step (cold restart + heal)"),
         "diloco_down_s": _inp(fig["diloco_faults"]["downtime_s"]["median"], "s",
                               f"{rn}: figures.diloco_faults.downtime_s.median", "the same with sync: diloco"),
-        "measured_groups": _inp(rec["config"]["groups"], "groups", f"{rn}: config.groups", "replica groups measured"),
-        "kill_every_s": _inp(rec["config"]["kill_every_s"], "s", f"{rn}: config.kill_every_s", "fault interval measured"),
-        "step_s": _inp(step_s, "s", "stated (--step-s): ~ a Llama 3 405B step on 16K GPUs, 6 x 405e9 x 16M tokens / "
+        "measured_groups": _inp(rec["config"]["groups"], "groups", f"{rn}: config.groups",
+                                "replica groups measured"),
+        "kill_every_s": _inp(rec["config"]["kill_every_s"], "s", f"{rn}: config.kill_every_s",
+                             "fault interval measured"),
+        "step_s": _inp(step_s, "s",
+                       "stated (--step-s): ~ a Llama 3 405B step on 16K GPUs, 6 x 405e9 x 16M tokens / "
                        "(16,384 x 400 TFLOP/s)", "step time at scale"),
         "sync_every": _inp(sync_every, "steps", "stated (--sync-every; ft_recovery's diloco runs use 8)",
                            "inner steps per DiLoCo round"),
-        "group_size": _inp(group_size, "GPUs", "stated (--group-size): one 8-GPU host per replica group, the finest "
+        "group_size": _inp(group_size, "GPUs",
+                           "stated (--group-size): one 8-GPU host per replica group, the finest "
                            "failure domain and the most groups", "GPUs per replica group"),
         "failures_per_gpu_hour": _inp(llama_rate, "1/(GPU h)", LLAMA3["source"], "failure rate (Llama 3)"),
         "torchft_failures_per_gpu_hour": _inp(torchft_rate, "1/(GPU h)", TORCHFT_RUN["source"],
@@ -268,8 +291,8 @@ def read_inputs(results: Path, step_s: float, sync_every: int, group_size: int) 
 # ---------------------------------------------------------------------------------------------- predictions
 def predict(inputs: dict[str, dict[str, Any]], gpus: float, rate: float, scale: dict[str, Any] | None,
             published: bool = False) -> dict[str, float]:
-    """Goodput of the three modes at ``gpus`` GPUs and ``rate`` failures per GPU-hour; ``published``: the per-failure
-    costs are the FT-HSDP paper's stalls instead of this repository's measurements."""
+    """Goodput of the three modes at ``gpus`` GPUs and ``rate`` failures per GPU-hour; ``published``: the
+    per-failure costs are the FT-HSDP paper's stalls instead of this repository's measurements."""
     v = {k: i["value"] for k, i in inputs.items()}
     m = cluster_mtbf_s(gpus, rate)
     groups = max(2, round(gpus / v["group_size"]))
@@ -277,7 +300,8 @@ def predict(inputs: dict[str, dict[str, Any]], gpus: float, rate: float, scale: 
     if published:
         return {"restart": max(0.0, 1 - v["paper_sync_stall_s"] / m),
                 "ft_every_step": max(0.0, 1 - v["paper_ft_stall_s"] / m),
-                "ft_diloco": ft_goodput(m, groups, v["paper_ft_stall_s"], v["paper_ft_stall_s"], lost_work_s=round_s)}
+                "ft_diloco": ft_goodput(m, groups, v["paper_ft_stall_s"], v["paper_ft_stall_s"],
+                                        lost_work_s=round_s)}
     tau = daly_interval_s(v["checkpoint_s"], m)
     extra_stall, extra_heal = growth(scale, "stall_s", groups), growth(scale, "heal_s", groups)
     quorum = growth(scale, "quorum_p50_s", groups)
@@ -292,7 +316,8 @@ def predict(inputs: dict[str, dict[str, Any]], gpus: float, rate: float, scale: 
 
 
 def validation(inputs: dict[str, dict[str, Any]], results: Path) -> list[dict[str, Any]]:
-    """The model at the measured conditions (2 groups, one fault per kill_every_s) against ft_recovery's figures."""
+    """The model at the measured conditions (2 groups, one fault per kill_every_s) against ft_recovery's
+    figures."""
     v = {k: i["value"] for k, i in inputs.items()}
     rec = json.loads((results / "ft_recovery-cpu.json").read_text())["figures"]
     m, n = v["kill_every_s"], v["measured_groups"]
@@ -307,7 +332,9 @@ def validation(inputs: dict[str, dict[str, Any]], results: Path) -> list[dict[st
             for name, value in model.items()]
 
 
-def build(results: Path, step_s: float, sync_every: int, group_size: int, alt_group_size: int) -> dict[str, Any]:
+def build(
+    results: Path, step_s: float, sync_every: int, group_size: int, alt_group_size: int
+) -> dict[str, Any]:
     inputs = read_inputs(results, step_s, sync_every, group_size)
     scale = _ft_scale(results / "ft_scale-cpu.json")
     rate = inputs["failures_per_gpu_hour"]["value"]
@@ -316,21 +343,26 @@ def build(results: Path, step_s: float, sync_every: int, group_size: int, alt_gr
                       "measured": predict(inputs, g, rate, scale),
                       f"measured, {alt_group_size}-GPU groups ({max(2, round(g / alt_group_size)):,} groups)":
                           predict(alt, g, rate, scale),
-                      "published_stalls": predict(inputs, g, rate, scale, published=True)} for g in TABLE_GPUS}
+                      "published_stalls": predict(inputs, g, rate, scale,
+                                                  published=True)} for g in TABLE_GPUS}
     paper_mtbf = {"sync": implied_mtbf_s(FT_HSDP_PAPER["sync_stall_s"], FT_HSDP_PAPER["sync_goodput"]),
                   "ft": implied_mtbf_s(FT_HSDP_PAPER["ft_stall_s"], FT_HSDP_PAPER["ft_goodput"])}
     paper_rate = {k: HOUR / (FT_HSDP_PAPER["gpus"] * mt) for k, mt in paper_mtbf.items()}
     tf_m = cluster_mtbf_s(TORCHFT_RUN["gpus"], inputs["torchft_failures_per_gpu_hour"]["value"])
     comparison = {
-        "ft_hsdp_paper": {"gpus": FT_HSDP_PAPER["gpus"], "published": {"restart": FT_HSDP_PAPER["sync_goodput"],
-                                                                      "ft_every_step": FT_HSDP_PAPER["ft_goodput"]},
+        "ft_hsdp_paper": {"gpus": FT_HSDP_PAPER["gpus"],
+                          "published": {"restart": FT_HSDP_PAPER["sync_goodput"],
+                                        "ft_every_step": FT_HSDP_PAPER["ft_goodput"]},
                           "implied_mtbf_min": {k: x / 60 for k, x in paper_mtbf.items()},
                           "implied_failures_per_gpu_hour": paper_rate,
-                          "model_measured_at_llama3_rate": predict(inputs, FT_HSDP_PAPER["gpus"], rate, scale),
+                          "model_measured_at_llama3_rate": predict(inputs, FT_HSDP_PAPER["gpus"], rate,
+                                                                   scale),
                           "model_measured_at_implied_rate": predict(inputs, FT_HSDP_PAPER["gpus"],
-                                                                    statistics.mean(paper_rate.values()), scale)},
-        "torchft_run": {"gpus": TORCHFT_RUN["gpus"], "published_step_efficiency": TORCHFT_RUN["step_efficiency"],
-                        "mtbf_s": tf_m, "implied_lost_s_per_failure": (1 - TORCHFT_RUN["step_efficiency"]) * tf_m,
+                                                                    statistics.mean(paper_rate.values()),
+                                                                    scale)},
+        "torchft_run": {"gpus": TORCHFT_RUN["gpus"],
+                        "published_step_efficiency": TORCHFT_RUN["step_efficiency"], "mtbf_s": tf_m,
+                        "implied_lost_s_per_failure": (1 - TORCHFT_RUN["step_efficiency"]) * tf_m,
                         "model_measured": predict(inputs, TORCHFT_RUN["gpus"],
                                                   inputs["torchft_failures_per_gpu_hour"]["value"], scale)},
     }
@@ -349,14 +381,17 @@ def build(results: Path, step_s: float, sync_every: int, group_size: int, alt_gr
     }
     return {"inputs": inputs, "fault_free": fault_free,
             "ft_scale": scale or {"path": str(results / "ft_scale-cpu.json"), "usable": False,
-                                                     "why": "not written yet: the stall, heal and quorum are held at "
+                                                     "why": "not written yet: the stall, "
+                                                            "heal and quorum are held at "
                                                             "their 2-group values (ft_recovery) for every N"},
             "table": table, "comparison": comparison, "validation": validation(inputs, results)}
 
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows the docs render (``{{ benchmark goodput-cpu.json }}``): inputs, the table, the paper, validation."""
-    rows = [{"ratio": f"input `{k}` [{i['unit']}]: {i['what']} -- {i['source']}", "value": i["value"], "met": None}
+    """The rows the docs render (``{{ benchmark goodput-cpu.json }}``): inputs, the table, the paper,
+    validation."""
+    rows = [{"ratio": f"input `{k}` [{i['unit']}]: {i['what']} -- {i['source']}", "value": i["value"],
+             "met": None}
             for k, i in result["inputs"].items()]
     for g, t in result["table"].items():
         for scenario in (k for k in t if k not in ("groups", "mtbf_min")):
@@ -366,11 +401,16 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
                              "value": t[scenario][mode], "met": None})
     paper = result["comparison"]["ft_hsdp_paper"]
     for mode, value in paper["published"].items():
-        rows.append({"ratio": f"FT-HSDP paper at O(100K) GPUs, `{mode}` (published)", "value": value, "met": None})
-        rows.append({"ratio": f"model with measured inputs at 100,000 GPUs, `{mode}`, at the paper's implied failure "
+        rows.append(
+            {"ratio": f"FT-HSDP paper at O(100K) GPUs, `{mode}` (published)", "value": value, "met": None}
+        )
+        rows.append({"ratio": "model with measured inputs at 100,000 GPUs, "
+                              f"`{mode}`, at the paper's implied failure "
                               "rate", "value": paper["model_measured_at_implied_rate"][mode], "met": None})
     for k, x in paper["implied_mtbf_min"].items():
-        rows.append({"ratio": f"failure interval the paper's {k} point implies [min]", "value": x, "met": None})
+        rows.append(
+            {"ratio": f"failure interval the paper's {k} point implies [min]", "value": x, "met": None}
+        )
     tf = result["comparison"]["torchft_run"]
     rows.append({"ratio": "torchft 300-GPU run: cluster-seconds lost per failure its 82% implies [s]",
                  "value": tf["implied_lost_s_per_failure"], "met": None})
@@ -407,9 +447,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     paper = result["comparison"]["ft_hsdp_paper"]
     for mode, value in paper["published"].items():
         a.plot([paper["gpus"]], [value], "o", color=colors[mode], markersize=9, markeredgecolor="k")
-    a.annotate("FT-HSDP paper (44% sync, 80% FT)", (paper["gpus"], 0.44), textcoords="offset points", xytext=(-190, -5))
+    a.annotate("FT-HSDP paper (44% sync, 80% FT)", (paper["gpus"], 0.44), textcoords="offset points",
+               xytext=(-190, -5))
     a.set(xscale="log", xlabel="GPUs", ylabel="goodput (effective training time)", ylim=(0, 1.02),
-          title=f"at Llama 3's failure rate ({rate:.2e} per GPU-hour), {inputs['group_size']['value']} GPUs per group")
+          title=f"at Llama 3's failure rate ({rate:.2e} per GPU-hour), "
+                f"{inputs['group_size']['value']} GPUs per group")
     a.legend(fontsize=7, loc="lower left")
     rates = [10 ** (-6 + i / 20) for i in range(0, 100)]
     for published, style in ((False, "-"), (True, "--")):
@@ -417,15 +459,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for mode in MODES:
             b.plot(rates, [c[mode] for c in curves], style, color=colors[mode], lw=width[mode], alpha=0.8)
     for k, mode in (("sync", "restart"), ("ft", "ft_every_step")):
-        b.plot([paper["implied_failures_per_gpu_hour"][k]], [paper["published"][mode]], "o", color=colors[mode],
-               markersize=9, markeredgecolor="k")
+        b.plot([paper["implied_failures_per_gpu_hour"][k]], [paper["published"][mode]], "o",
+               color=colors[mode], markersize=9, markeredgecolor="k")
     if scale:
         reach = scale["n"][-1] * inputs["group_size"]["value"]
         a.axvline(reach, color="grey", lw=0.8, ls=":")
         a.text(reach, 0.03, " ft_scale's largest N", fontsize=8)
     b.axvline(rate, color="grey", lw=0.8)
     b.text(rate, 0.03, " Llama 3", fontsize=8)
-    b.set(xscale="log", xlabel="failures per GPU-hour", ylim=(0, 1.02), title="at 100,000 GPUs (paper's points at the "
+    b.set(xscale="log", xlabel="failures per GPU-hour", ylim=(0, 1.02),
+          title="at 100,000 GPUs (paper's points at the "
           "rate they imply)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -445,9 +488,12 @@ def main(argv: list[str] | None = None) -> Path:
     result = {"suite": "goodput", "device": rec["device"], "device_name": rec["device_name"],
               "versions": common.versions(),
               "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/goodput.py", *(argv or sys.argv[1:])]),
-              "note": "A model, not a measurement: its inputs are the measured figures and published numbers listed "
-                      "below (each with its source); docs/goodput.md explains the model and the difference from "
+              "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/goodput.py",
+                                                           *(argv or sys.argv[1:])]),
+              "note": "A model, not a measurement: its inputs are the "
+                      "measured figures and published numbers listed "
+                      "below (each with its source); docs/goodput.md "
+                      "explains the model and the difference from "
                       "the FT-HSDP paper's points.",
               "config": {"step_s": args.step_s, "sync_every": args.sync_every, "group_size": args.group_size,
                          "alt_group_size": args.alt_group_size}}

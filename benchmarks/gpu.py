@@ -1,6 +1,6 @@
 """GPU harness: one command that measures this package on whatever single CUDA device it finds.
 
-    python benchmarks/gpu.py                       # every section, on cuda:0 (an estimated 20-30 min on an H100)
+    python benchmarks/gpu.py                       # every section, on cuda:0 (about 20-30 min on an H100)
     python benchmarks/gpu.py --sections contenders # a subset; the other sections of an existing result stay
     python benchmarks/gpu.py --quick               # CPU smoke mode (tiny model, gloo), ~70 s CPU time
     python benchmarks/gpu.py --report FILE.json    # markdown tables of a result
@@ -91,7 +91,8 @@ OPTIONAL_CONTENDERS = ("lightning_fsdp",)  # FSDP1: only with --contenders (a bu
 # Seconds a section is expected to take before anything was measured (GPU, the 1B example; --quick on a CPU).
 # Once jobs have run, the measured median wall time of a job replaces JOB_S. See section_estimate.
 JOB_S = {"gpu": 45.0, "quick": 25.0}
-FIXED_S = {"smoke": (150.0, 150.0), "sac": (90.0, 40.0), "pretrained": (150.0, 60.0), "compile_extra": (90.0, 30.0)}
+FIXED_S = {"smoke": (150.0, 150.0), "sac": (90.0, 40.0), "pretrained": (150.0, 60.0),
+           "compile_extra": (90.0, 30.0)}
 BISECT_PROBE_S = 90.0
 SMOKE_CAP = 1.5  # the smoke section stops after this many times its estimate (a hung run is killed there)
 COMPILED = {"fsdp2+compile": "fsdp2", "torch_fsdp2+compile": "torch_fsdp2"}
@@ -136,7 +137,10 @@ def llama_params(model: dict[str, Any]) -> dict[str, int]:
 def torchtitan_flops_per_token(model: dict[str, Any], seq_len: int) -> int:
     """torchtitan's estimate: ``6 * N + 12 * L * H * Q * T`` (N without the embedding, Q the head dim)."""
     heads = model["n_heads"]
-    return 6 * llama_params(model)["non_embedding"] + 12 * model["n_layers"] * heads * (model["dim"] // heads) * seq_len
+    return (
+        6 * llama_params(model)["non_embedding"]
+        + 12 * model["n_layers"] * heads * (model["dim"] // heads) * seq_len
+    )
 
 
 def mfu_ratio_target(model: dict[str, Any], seq_len: int) -> float:
@@ -177,7 +181,8 @@ def host_bytes_offloaded(params: int) -> int:
 
 
 def device_bytes_unoffloaded(params: int) -> int:
-    """Device memory ``fsdp2`` without offload needs at least (world size 1): the same 16 bytes per parameter."""
+    """Device memory ``fsdp2`` without offload needs at least (world size 1): the same 16 bytes per
+    parameter."""
     return 16 * params
 
 
@@ -202,7 +207,8 @@ def error_tail(exc: BaseException, lines: int = 30) -> list[str]:
 
 
 def fit_reps(planned: int, jobs: int, job_s: float, left_s: float) -> int:
-    """Rounds of ``jobs`` jobs of ``job_s`` seconds each that fit in ``left_s`` (at least 1, at most ``planned``).
+    """Rounds of ``jobs`` jobs of ``job_s`` seconds each that fit in ``left_s`` (at least 1, at most
+    ``planned``).
 
     Interleaved ratios need paired rounds, so rounds are cut, not jobs; one round is always tried (a section
     is only started when its estimate, one round at least, fits)."""
@@ -212,8 +218,10 @@ def fit_reps(planned: int, jobs: int, job_s: float, left_s: float) -> int:
 
 
 def budget_reason(estimate_s: float, plan: Any) -> str:
-    return (f"--budget-s {plan.budget_s:g}: estimated {estimate_s:.0f}s, {max(0.0, plan.left_s()):.0f}s left; "
-            "not started (a run cut off half-way would measure nothing)")
+    return (
+        f"--budget-s {plan.budget_s:g}: estimated {estimate_s:.0f}s, {max(0.0, plan.left_s()):.0f}s left; "
+        "not started (a run cut off half-way would measure nothing)"
+    )
 
 
 def section_estimate(name: str, plan: Any) -> float:
@@ -253,7 +261,8 @@ class Plan:
         self.steps = ns.steps or (2 if self.quick else 10)
         self.warmup = ns.warmup if ns.warmup is not None else (1 if self.quick else 3)
         self.compile_reps = ns.reps or (1 if self.quick else 2)
-        self.compile_warmup = ns.warmup if ns.warmup is not None else (1 if self.quick else 5)  # compiling settles
+        # compiling settles
+        self.compile_warmup = ns.warmup if ns.warmup is not None else (1 if self.quick else 5)
         self.compile_backend = "aot_eager" if self.quick else None
         self.timeout = ns.job_timeout or (300 if self.quick else 480)
         self.ladder = list(ns.ladder or LADDER)
@@ -288,36 +297,43 @@ class Plan:
     def config(self) -> dict[str, Any]:
         ex = self.example
         return {
-            "quick": self.quick, "device_name": self.device_name, "device_total_bytes": self.total_device_bytes,
+            "quick": self.quick, "device_name": self.device_name,
+            "device_total_bytes": self.total_device_bytes,
             "visible_devices": self.device_count, "model": ex["model"], "model_source": ex["config"],
             "params": llama_params(ex["model"]), "seq_len": ex["seq_len"], "batch_per_device": ex["batch"],
-            "world_size": 1, "precision": self.precision, "reps": self.reps, "steps": self.steps, "warmup": self.warmup,
-            "compile": {"reps": self.compile_reps, "warmup": self.compile_warmup,
+            "world_size": 1, "precision": self.precision, "reps": self.reps, "steps": self.steps,
+            "warmup": self.warmup, "compile": {"reps": self.compile_reps, "warmup": self.compile_warmup,
                         "backend": self.compile_backend or "inductor (torch.compile default)"},
             "job_timeout_s": self.timeout, "worker_env": self.env, "budget_s": self.budget_s,
             "contenders": self.contenders,
-            "peak_flops_note": (f"--quick: nominal {QUICK_PEAK_FLOPS:g} FLOP/s via FSDP_STRATEGIES_PEAK_FLOPS, not "
+            "peak_flops_note": (f"--quick: nominal {QUICK_PEAK_FLOPS:g} "
+                                "FLOP/s via FSDP_STRATEGIES_PEAK_FLOPS, not "
                                 "this CPU's peak; the MFU figures only show that the arithmetic runs")
             if self.quick else "dense bf16 peak from fsdp_strategies.flops.peaks by device name",
-            "step_time": "wall time between consecutive optimizer-step ends (CUDA-synchronised), warm-up excluded",
+            "step_time": "wall time between consecutive optimizer-step "
+                         "ends (CUDA-synchronised), warm-up excluded",
         }
 
-    def worker_args(self, contender: str, *, steps: int, warmup: int, seed: int = 0, model: dict[str, Any] | None = None,
-                    extra: Sequence[str] = ()) -> list[str]:
+    def worker_args(self, contender: str, *, steps: int, warmup: int, seed: int = 0,
+                    model: dict[str, Any] | None = None, extra: Sequence[str] = ()) -> list[str]:
         ex = self.example
-        return ["--contender", contender, "--model", json.dumps(model or ex["model"]), "--seq-len", str(ex["seq_len"]),
+        return ["--contender", contender, "--model", json.dumps(model or ex["model"]), "--seq-len",
+                str(ex["seq_len"]),
                 "--global-batch", str(ex["batch"]), "--steps", str(steps), "--warmup", str(warmup),
                 "--precision", self.precision, "--seed", str(seed), *extra]
 
 
-# ---------------------------------------------------------------------------------------------- timing sections
+# ---------------------------------------------------------------------------------------------- timing
+# sections
 def _job(plan: Plan, base: str, args: list[str]) -> dict[str, Any]:
     """One single-device job of the contender ``base``'s worker (torchrun, 1 process), its JSON result."""
     import common
 
     t0 = time.perf_counter()
     try:
-        return common.run_worker(common.contender(base).script, 1, args, timeout=plan.job_timeout(), env=plan.env)
+        return common.run_worker(
+            common.contender(base).script, 1, args, timeout=plan.job_timeout(), env=plan.env
+        )
     finally:
         plan.job_walls.append(time.perf_counter() - t0)
 
@@ -356,7 +372,9 @@ def _contender_record(plan: Plan, runs: list[Any]) -> dict[str, Any]:
         if mon_tokens and peak:
             tt["mfu_at_mfu_monitor_timing"] = mon_tokens * per_token / peak
             if rec["mfu_monitor"].get("mfu"):
-                rec["mfu_monitor"]["mfu_over_torchtitan"] = rec["mfu_monitor"]["mfu"] / tt["mfu_at_mfu_monitor_timing"]
+                rec["mfu_monitor"]["mfu_over_torchtitan"] = (
+                    rec["mfu_monitor"]["mfu"] / tt["mfu_at_mfu_monitor_timing"]
+                )
     mem = (rec.get("memory_per_rank") or [{}])[0]
     rec["peak_memory_bytes"] = mem.get("peak_cuda_bytes") if plan.gpu else mem.get("max_rss_bytes")
     rec["variant"] = ok[0].get("variant") if ok else None
@@ -374,7 +392,9 @@ def _ratios(per: dict[str, Any], specs: Sequence[Any]) -> dict[str, Any]:
             continue
         ratio = common.paired_ratio(a["rep_medians_s"], b["rep_medians_s"])
         ratio.update({"target": spec.target, "meaning": spec.meaning,
-                      "met": None if spec.target is None or ratio["value"] is None else ratio["value"] <= spec.target})
+                      "met": None
+                          if spec.target is None or ratio["value"] is None
+                              else ratio["value"] <= spec.target})
         out[spec.name] = ratio
     return out
 
@@ -427,9 +447,12 @@ def section_contenders(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         out["ratios"]["fsdp2 MFU: MFUMonitor / torchtitan formula"] = {
             "value": mon["mfu_over_torchtitan"], "target": target, "direction": ">=",
             "met": mon["mfu_over_torchtitan"] >= target,
-            "meaning": "MFUMonitor's MFU (FLOPs counted on the first batch) over torchtitan's formula-based MFU, both on "
-                       "MFUMonitor's timing of the same run (the issue's target: at or above). The formula's 6N also "
-                       "counts the RMSNorm weights, which no matmul multiplies: the target is 1 minus their share "
+            "meaning": "MFUMonitor's MFU (FLOPs counted on the first "
+                       "batch) over torchtitan's formula-based MFU, both on "
+                       "MFUMonitor's timing of the same run (the issue's "
+                       "target: at or above). The formula's 6N also "
+                       "counts the RMSNorm weights, which no matmul "
+                       "multiplies: the target is 1 minus their share "
                        "minus 0.05% (mfu_ratio_target)"}
     return out
 
@@ -442,11 +465,17 @@ def section_compile(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             "torch_fsdp2+compile": ("torch_fsdp2", ["--compile-blocks", *backend])}
     skipped = {}
     if plan.quick:  # saves a job in CI; the uncompiled path ran in the contenders section
-        skipped["fsdp2"] = "--quick: the uncompiled baseline runs here in the full mode only (it ran in contenders)"
+        skipped["fsdp2"] = (
+            "--quick: the uncompiled baseline runs here in the full mode only (it ran in contenders)"
+        )
     else:
         jobs["fsdp2"] = ("fsdp2", ["--mfu"])
-    specs = (common.RatioSpec("fsdp2+compile", "torch_fsdp2+compile", 1.03, "ours / plain torch, both compiled per block"),
-             common.RatioSpec("fsdp2+compile", "fsdp2", None, "what compile_blocks gives ours (below 1: faster)"))
+    specs = (
+        common.RatioSpec(
+            "fsdp2+compile", "torch_fsdp2+compile", 1.03, "ours / plain torch, both compiled per block"
+        ),
+        common.RatioSpec("fsdp2+compile", "fsdp2", None, "what compile_blocks gives ours (below 1: faster)"),
+    )
     per_job = plan.job_s() + FIXED_S["compile_extra"][plan.quick]
     reps = fit_reps(plan.compile_reps, len(jobs), per_job, plan.left_s())
     out = _timing_section(plan, jobs, skipped, reps, specs, "compile")
@@ -460,20 +489,25 @@ def _run_section_worker(plan: Plan, args: list[str], timeout: float) -> subproce
     import common
 
     cmd = [sys.executable, str(common.WORKERS_DIR / "single_device.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=common.worker_env(plan.env),
-                          cwd=common.ROOT)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=common.worker_env(plan.env), cwd=common.ROOT
+    )
 
 
 def section_sac(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     ex = plan.example
     with tempfile.TemporaryDirectory(prefix="gpu-sac-") as tmp:
         out = Path(tmp) / "sac.json"
-        args = ["sac", "--model", json.dumps(ex["model"]), "--seq-len", str(ex["seq_len"]), "--batch", str(ex["batch"]),
+        args = ["sac", "--model", json.dumps(ex["model"]), "--seq-len", str(ex["seq_len"]), "--batch",
+                str(ex["batch"]),
                 "--reps", str(1 if plan.quick else 2), "--steps", str(2 if plan.quick else 5),
                 "--warmup", str(1 if plan.quick else 2), "--precision", plan.precision, "--out", str(out)]
         proc = _run_section_worker(plan, args, timeout=min(plan.timeout * 2, max(1.0, plan.left_s())))
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"sac worker exit {proc.returncode}\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
+            raise RuntimeError(
+                f"sac worker exit {proc.returncode}\n"
+                + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            )
         data = json.loads(out.read_text())
     case = data["case"]
     tokens = case["batch"] * case["seq_len"]
@@ -502,14 +536,17 @@ def section_sac(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
               "measured": "forward + backward of one batch on the bare model (sac suite), modes interleaved; "
                           "peak CUDA memory over the weights on a GPU, bytes kept for backward everywhere"}
     if not plan.gpu:
-        result["peak_cuda"] = {"skipped": "no CUDA device: peak CUDA memory is measured on GPUs only (kept bytes "
-                                          "for backward are measured on the CPU instead)"}
+        result["peak_cuda"] = {
+            "skipped": "no CUDA device: peak CUDA memory is measured on GPUs only (kept bytes "
+            "for backward are measured on the CPU instead)"
+        }
     return result
 
 
 # ---------------------------------------------------------------------------------------------- memory
 def _probe(plan: Plan, size: str, offload: bool) -> dict[str, Any]:
-    """One 1-step fsdp2 run of a ladder size; ``fits`` True/False, or None when it failed for another reason."""
+    """One 1-step fsdp2 run of a ladder size; ``fits`` True/False, or None when it failed for another
+    reason."""
     import common
 
     model = {**plan.example["model"], **LADDER[size]}
@@ -520,12 +557,16 @@ def _probe(plan: Plan, size: str, offload: bool) -> dict[str, Any]:
         return {**rec, "fits": False, "not_started": f"offloaded fp32 state needs >= "
                 f"{host_bytes_offloaded(params) / 2**30:.0f} GiB host RAM, {host / 2**30:.0f} GiB available"}
     total = plan.total_device_bytes or 0
-    need = 4 * params if offload else device_bytes_unoffloaded(params)  # offload: fp32 shards materialise first
+    # offload: fp32 shards materialise first
+    need = 4 * params if offload else device_bytes_unoffloaded(params)
     if total and need > total:
+        held = "fp32 parameters before offloading" if offload else "parameters, gradients, AdamW state"
         return {**rec, "fits": False, "not_started": f"needs >= {need / 2**30:.0f} GiB on the device "
-                f"({'fp32 parameters before offloading' if offload else 'parameters, gradients, AdamW state'}), "
+                f"({held}), "
                 f"{total / 2**30:.0f} GiB there"}
-    args = plan.worker_args("fsdp2", steps=1, warmup=1, model=model, extra=["--cpu-offload"] if offload else [])
+    args = plan.worker_args(
+        "fsdp2", steps=1, warmup=1, model=model, extra=["--cpu-offload"] if offload else []
+    )
     t0 = time.perf_counter()
     try:
         out = common.run_worker("lightning_fit.py", 1, args, timeout=plan.job_timeout(), env=plan.env)
@@ -536,9 +577,10 @@ def _probe(plan: Plan, size: str, offload: bool) -> dict[str, Any]:
             return {**rec, "fits": False, "why": "out of memory"}
         return {**rec, "fits": None, "why": "failed without an out-of-memory error (see error_tail)"}
     mem = out["per_rank"][0]["memory"]
-    return {**rec, "fits": True, "wall_s": time.perf_counter() - t0, "peak_cuda_bytes": mem.get("peak_cuda_bytes"),
-            "peak_cuda_reserved_bytes": mem.get("peak_cuda_reserved_bytes"), "max_rss_bytes": mem.get("max_rss_bytes"),
-            "step_s": out["step_times_s"] or out["warmup_times_s"]}
+    return {**rec, "fits": True, "wall_s": time.perf_counter() - t0,
+            "peak_cuda_bytes": mem.get("peak_cuda_bytes"),
+            "peak_cuda_reserved_bytes": mem.get("peak_cuda_reserved_bytes"),
+            "max_rss_bytes": mem.get("max_rss_bytes"), "step_s": out["step_times_s"] or out["warmup_times_s"]}
 
 
 def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
@@ -557,7 +599,11 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         if reason:
             rows[name] = {"skipped": reason}
         elif reused.get(name, {}).get("memory_per_rank"):
-            rows[name] = {"from_section": "contenders", "cpu_offload": False, **_memory_row(plan, reused[name])}
+            rows[name] = {
+                "from_section": "contenders",
+                "cpu_offload": False,
+                **_memory_row(plan, reused[name]),
+            }
         else:
             jobs[name] = (name, [])
     jobs["fsdp2+accumulate4"] = ("fsdp2", ["--accumulate", str(ACCUMULATE)])
@@ -565,13 +611,18 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         if "skipped" in rows.get(name, {}):
             continue
         if name not in OFFLOADABLE:
-            rows[f"{name}+offload"] = {"skipped": "ModelParallelStrategy has no offload option (a user passes "
-                                                  "offload_policy to fully_shard by hand); not measured"}
+            rows[f"{name}+offload"] = {
+                "skipped": "ModelParallelStrategy has no offload option (a user passes "
+                "offload_policy to fully_shard by hand); not measured"
+            }
         elif plan.quick and name != "fsdp2":
-            rows[f"{name}+offload"] = {"skipped": "--quick: only fsdp2's offload run (the others run in the full mode)"}
+            rows[f"{name}+offload"] = {
+                "skipped": "--quick: only fsdp2's offload run (the others run in the full mode)"
+            }
         else:
             jobs[f"{name}+offload"] = (name, ["--cpu-offload"])
-    # the checklist's order: offload on vs off and accumulation 1 vs 4 first, then what the contenders did not run
+    # the checklist's order: offload on vs off and accumulation 1 vs 4 first, then what the contenders did not
+    # run
     order = sorted(jobs, key=lambda k: 0 if k == "fsdp2+offload" else 1 if "accumulate" in k else 2)
     for key in order:
         base, extra = jobs[key]
@@ -580,20 +631,24 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
             rows[key] = {"skipped": budget_reason(estimate, plan)}
             continue
         try:
-            run: Any = _job(plan, base, plan.worker_args(base, steps=4 if "accumulate" in key else 2, warmup=1,
+            run: Any = _job(plan, base,
+                            plan.worker_args(base, steps=4 if "accumulate" in key else 2, warmup=1,
                                                          extra=extra))
         except Exception as exc:  # recorded in the row
             run = exc
         rec = _contender_record(plan, [run])
         rows[key] = {"from_section": "memory", "cpu_offload": "+offload" in key, **_memory_row(plan, rec)}
         if isinstance(run, dict) and "accumulate" in key:  # the worker's rank 0 writes these at the top level
-            rows[key].update({k: run.get(k) for k in ("accumulate_grad_batches", "grad_bytes_held_after_backward",
+            rows[key].update({k: run.get(k) for k in ("accumulate_grad_batches",
+                                                      "grad_bytes_held_after_backward",
                                                       "fsdp_grad_bytes_after_backward", "accumulation",
                                                       "cuda_allocated_after_backward")})
     result: dict[str, Any] = {"status": "ok", "measure": measure, "strategies": rows}
     if not plan.gpu:
-        result["largest_fitting"] = {"skipped": "no CUDA device: out-of-memory probes would exhaust the host's RAM, "
-                                                "which other work shares, not a device limit"}
+        result["largest_fitting"] = {
+            "skipped": "no CUDA device: out-of-memory probes would exhaust the host's RAM, "
+            "which other work shares, not a device limit"
+        }
     elif plan.left_s() < 2 * BISECT_PROBE_S:
         result["largest_fitting"] = {"skipped": budget_reason(2 * BISECT_PROBE_S, plan)}
     else:
@@ -607,7 +662,8 @@ def section_memory(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
 def _memory_row(plan: Plan, rec: dict[str, Any]) -> dict[str, Any]:
     mem = (rec.get("memory_per_rank") or [{}])[0]
     return {"peak_memory_bytes": rec.get("peak_memory_bytes"), "peak_cuda_bytes": mem.get("peak_cuda_bytes"),
-            "peak_cuda_reserved_bytes": mem.get("peak_cuda_reserved_bytes"), "max_rss_bytes": mem.get("max_rss_bytes"),
+            "peak_cuda_reserved_bytes": mem.get("peak_cuda_reserved_bytes"),
+            "max_rss_bytes": mem.get("max_rss_bytes"),
             "param_bytes": mem.get("param_bytes"), "grad_bytes": mem.get("grad_bytes"),
             "optimizer_state_bytes": mem.get("optimizer_state_bytes"), "median_step_s": rec.get("median_s"),
             "errors": rec.get("errors")}
@@ -615,8 +671,10 @@ def _memory_row(plan: Plan, rec: dict[str, Any]) -> dict[str, Any]:
 
 def _bisect_ladder(plan: Plan, fsdp2_record: dict[str, Any]) -> dict[str, Any]:
     names = [n for n in LADDER if n in plan.ladder]
-    out: dict[str, Any] = {"ladder": {n: llama_params({**plan.example["model"], **LADDER[n]})["total"] for n in names},
-                           "probe": "fsdp2, 1 step after 1 warm-up step, the example's batch and sequence length"}
+    out: dict[str, Any] = {
+        "ladder": {n: llama_params({**plan.example["model"], **LADDER[n]})["total"] for n in names},
+        "probe": "fsdp2, 1 step after 1 warm-up step, the example's batch and sequence length",
+    }
     known = names.index("1b") if "1b" in names and fsdp2_record.get("median_s") else -1  # ran in contenders
     for offload in (False, True):
         probes: list[dict[str, Any]] = []
@@ -652,7 +710,8 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     def launch(names: list[str] | None) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as tmp:
             out = Path(tmp) / "smoke.jsonl"
-            args = ["smoke", *(["--runs", *names] if names else []), "--out", str(out), "--precision", plan.precision]
+            args = ["smoke", *(["--runs", *names] if names else []), "--out", str(out), "--precision",
+                    plan.precision]
             if plan.quick:
                 args.append("--quick")
             try:
@@ -668,8 +727,8 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         started = [r["name"] for r in lines if r.get("event") == "started"]
         for name in started:
             if name not in got:  # the process died during this run
-                got[name] = {"name": name, "status": "failed", "reason": f"the smoke process died (exit {code})",
-                             "error_tail": tail}
+                got[name] = {"name": name, "status": "failed",
+                             "reason": f"the smoke process died (exit {code})", "error_tail": tail}
         return got
 
     pending: list[str] | None = None  # the worker's own list first (its plan line names it)
@@ -683,7 +742,11 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
         remaining = [n for n in pending if n not in got]
         if len(remaining) == len(pending):  # nothing started: give up on the rest, recorded
             for name in remaining:
-                results[name] = {"name": name, "status": "failed", "reason": "the smoke process did not start it"}
+                results[name] = {
+                    "name": name,
+                    "status": "failed",
+                    "reason": "the smoke process did not start it",
+                }
             break
         pending = remaining
     for name, rec in list(results.items()):
@@ -698,9 +761,10 @@ def section_smoke(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- pretrained
 # ~1B LlamaForCausalLM (Llama 3's vocabulary, the suite's 8 layers); --quick: the suite's own quick size
-PRETRAINED_SIZE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8, "num_attention_heads": 16,
-                   "num_key_value_heads": 8, "vocab_size": 128256}
-PRETRAINED_GPU_TOLERANCE = 1e-4  # fp32 reference loss on the CPU vs the loaded model on the GPU (other kernels)
+PRETRAINED_SIZE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 128256}
+# fp32 reference loss on the CPU vs the loaded model on the GPU (other kernels)
+PRETRAINED_GPU_TOLERANCE = 1e-4
 
 
 def section_pretrained(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
@@ -732,7 +796,8 @@ def section_pretrained(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok" if run["weights_ok"] else "failed", "size": size,
             "model": {k: v for k, v in model.items() if k != "config"}, "config": model["config"],
             "route": "fsdp2_configure_model (from_pretrained in configure_model under fsdp2, world size 1)",
-            "weights_ok": run["weights_ok"], "ref_loss": rank["ref_loss"], "expected_ref_loss": run["ref_loss"],
+            "weights_ok": run["weights_ok"], "ref_loss": rank["ref_loss"],
+            "expected_ref_loss": run["ref_loss"],
             "tolerance": PRETRAINED_GPU_TOLERANCE if plan.gpu else pretrained_load.TOLERANCE,
             "load_s": mem["load_s"], "job_wall_s": job_s, "save_pretrained_s": save_s,
             "peak_host_growth_bytes": mem["peak_growth_bytes"], "peak_host_anon_growth_bytes":
@@ -744,8 +809,8 @@ def section_pretrained(plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- orchestration
 SECTION_FUNCS: dict[str, Callable[[Plan, dict[str, Any]], dict[str, Any]]] = {
-    "contenders": section_contenders, "compile": section_compile, "sac": section_sac, "memory": section_memory,
-    "smoke": section_smoke, "pretrained": section_pretrained,
+    "contenders": section_contenders, "compile": section_compile, "sac": section_sac,
+    "memory": section_memory, "smoke": section_smoke, "pretrained": section_pretrained,
 }
 
 
@@ -766,21 +831,29 @@ def run_section(name: str, plan: Plan, done: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The short plain-text table printed at the end (:func:`gpu_report.table` over this harness's sections)."""
+    """The short plain-text table printed at the end (:func:`gpu_report.table` over this harness's
+    sections)."""
     return gpu_report.table(result, SECTIONS)
 
 
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="CPU smoke mode: tiny model, gloo, CUDA-only parts skipped")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU smoke mode: tiny model, gloo, CUDA-only parts skipped"
+    )
     parser.add_argument("--sections", nargs="+", default=None, metavar="SECTION",
-                        help=f"run only these ({' '.join(SECTIONS)}); the others of an existing result file stay")
+                        help=f"run only these ({' '.join(SECTIONS)}); "
+                             "the others of an existing result file stay")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where gpu-<device>.json and the PNGs go (default: benchmarks/results, "
                              "--quick: outputs/gpu-quick)")
-    parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG, help="the example's YAML (model, data)")
+    parser.add_argument(
+        "--config", type=Path, default=EXAMPLE_CONFIG, help="the example's YAML (model, data)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (contenders 3, compile 2)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per job (10)")
     parser.add_argument("--warmup", type=int, default=None, help="excluded steps per job (3; compile 5)")
@@ -788,10 +861,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"sizes the memory bisection may probe ({' '.join(LADDER)})")
     parser.add_argument("--job-timeout", type=float, default=None, help="seconds per job (480; --quick 300)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget in seconds: sections run in priority order, one whose estimate "
+                        help="wall-clock budget in seconds: sections "
+                             "run in priority order, one whose estimate "
                              "exceeds what is left is skipped (recorded), no job runs past the end")
     parser.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
-                        help=f"contenders ({' '.join(CONTENDERS)} by default; also {' '.join(OPTIONAL_CONTENDERS)})")
+                        help=f"contenders ({' '.join(CONTENDERS)} by "
+                             f"default; also {' '.join(OPTIONAL_CONTENDERS)})")
     parser.add_argument("--report", type=Path, default=None, metavar="FILE.json",
                         help="print markdown tables of a result file and exit")
     ns = parser.parse_args(argv)
@@ -827,7 +902,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not ns.quick and not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device is visible (torch.cuda.is_available() is False, torch "
-              f"{torch.__version__}). Fix: run it on a CUDA machine with a CUDA build of torch, or pass --quick "
+              f"{torch.__version__}). Fix: run it on a CUDA "
+              "machine with a CUDA build of torch, or pass --quick "
               "for the CPU smoke mode.", file=sys.stderr)
         return 2
     plan = Plan(ns)
@@ -836,8 +912,10 @@ def main(argv: list[str] | None = None) -> int:
     result = common.header("gpu", plan.config())
     result.update({"device_name": plan.device_name, "sections": {}})  # the one device used
     if plan.quick:
-        result["note"] = ("--quick: CPU smoke run of the harness (tiny model, gloo); its figures say nothing about "
-                          "GPU or CPU speed, only that every code path runs and records its numbers.")
+        result["note"] = (
+            "--quick: CPU smoke run of the harness (tiny model, gloo); its figures say nothing about "
+            "GPU or CPU speed, only that every code path runs and records its numbers."
+        )
     previous: dict[str, Any] = {}  # an existing result's sections: kept unless measured again
     if ns.sections and path.exists():  # keep the sections not run now
         with contextlib.suppress(ValueError, KeyError):
@@ -845,9 +923,13 @@ def main(argv: list[str] | None = None) -> int:
             if old.get("config", {}).get("quick") == plan.quick:
                 previous = {k: v for k, v in old.get("sections", {}).items() if v.get("status") != "skipped"}
                 result["sections"] = {k: v for k, v in old.get("sections", {}).items() if k not in wanted}
-                result["kept_sections_from"] = {"created_utc": old.get("created_utc"), "command": old.get("command")}
+                result["kept_sections_from"] = {
+                    "created_utc": old.get("created_utc"),
+                    "command": old.get("command"),
+                }
     t0 = time.perf_counter()
-    done: dict[str, Any] = dict(result["sections"])  # kept sections count (memory reuses the contenders' runs)
+    # kept sections count (memory reuses the contenders' runs)
+    done: dict[str, Any] = dict(result["sections"])
     for name in wanted:
         estimate = section_estimate(name, plan)
         if estimate > plan.left_s():  # never start a section that cannot finish: record why instead
@@ -859,18 +941,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu] {name}: skipped ({skip['reason']})", file=sys.stderr, flush=True)
             common.write_result("gpu", result, plan.out_dir)
             continue
-        print(f"[gpu] {name} (estimate {estimate:.0f}s, {plan.left_s():.0f}s left) ...", file=sys.stderr, flush=True)
+        print(
+            f"[gpu] {name} (estimate {estimate:.0f}s, {plan.left_s():.0f}s left) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         done[name] = run_section(name, plan, done)
         done[name]["estimate_s"] = estimate
         result["sections"][name] = done[name]
-        print(f"[gpu] {name}: {done[name]['status']} in {done[name]['wall_s']:.0f}s", file=sys.stderr, flush=True)
-        common.write_result("gpu", result, plan.out_dir)  # after every section: a crash keeps what was measured
+        print(
+            f"[gpu] {name}: {done[name]['status']} in {done[name]['wall_s']:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        # after every section: a crash keeps what was measured
+        common.write_result("gpu", result, plan.out_dir)
     result["wall_s"] = time.perf_counter() - t0
     result["sections"] = {k: result["sections"][k] for k in SECTIONS if k in result["sections"]}
     pngs: list[Path | None] = []
     try:  # the measurements are on disk already; a reporting bug must not hide them
         result["table"] = table(result)
-        pngs = [plot(result, path.with_suffix(".png")), plot_sac(result, path.with_name(f"{path.stem}-sac.png"))]
+        pngs = [
+            plot(result, path.with_suffix(".png")),
+            plot_sac(result, path.with_name(f"{path.stem}-sac.png")),
+        ]
     except Exception as exc:
         result["report_error"] = error_tail(exc)
         print("[gpu] table/plots failed:\n" + "\n".join(result["report_error"]), file=sys.stderr)
@@ -878,7 +972,11 @@ def main(argv: list[str] | None = None) -> int:
     print(result.get("table", ""))
     print(f"wrote {', '.join(str(p) for p in [path, *pngs] if p)} in {result['wall_s']:.0f}s")
     ok = ("ok", "skipped") if plan.budget_s is not None else ("ok",)
-    return 0 if all(result["sections"][s]["status"] in ok for s in wanted) and "report_error" not in result else 1
+    return (
+        0
+        if all(result["sections"][s]["status"] in ok for s in wanted) and "report_error" not in result
+        else 1
+    )
 
 
 if __name__ == "__main__":

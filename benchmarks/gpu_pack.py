@@ -47,12 +47,16 @@ PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 #: never packed, whatever the closure says: the image's torch stack (shadowing it would break CUDA torch)
 NEVER = {"torch", "triton", "numpy"}
-INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-           ".whl/*.whl && export PYTHONPATH=/tmp/site:src")
-MARKER_ENV = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0", "implementation_name": "cpython",
-              "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
-              "platform_machine": "x86_64", "os_name": "posix", "platform_release": "", "platform_version": "",
-              "implementation_version": f"{PYTHON}.0"}
+INSTALL = (
+    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+    ".whl/*.whl && export PYTHONPATH=/tmp/site:src"
+)
+MARKER_ENV = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0",
+              "implementation_name": "cpython",
+              "platform_python_implementation": "CPython", "sys_platform": "linux",
+              "platform_system": "Linux",
+              "platform_machine": "x86_64", "os_name": "posix", "platform_release": "",
+              "platform_version": "", "implementation_version": f"{PYTHON}.0"}
 
 
 def applies(marker: Marker | None, extras: set[str]) -> bool:
@@ -110,23 +114,30 @@ def find_wheel(dest: Path, name: str, version: str | None = None) -> Path | None
 
 
 def download(spec: str, dest: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
-           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), spec,
-           "--quiet", "--disable-pip-version-check"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+           PYTHON,
+           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest),
+           spec, "--quiet", "--disable-pip-version-check"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"pip download {spec} failed:\n{proc.stdout}{proc.stderr}\nFix: check the network, the "
-                         f"package name/version, and that a cp{PYTHON.replace('.', '')} manylinux x86_64 (or pure "
-                         f"Python) wheel exists for it.")
+        raise SystemExit(
+            f"pip download {spec} failed:\n{proc.stdout}{proc.stderr}\nFix: check the network, the "
+            f"package name/version, and that a cp{PYTHON.replace('.', '')} manylinux x86_64 (or pure "
+            f"Python) wheel exists for it."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dest", type=Path, default=DEST, help="wheel folder (default .whl/, git-ignored)")
     parser.add_argument("--image-freeze", type=Path, default=None,
                         help="the GPU image's `pip freeze` output: what it provides, exactly")
     parser.add_argument("--have", nargs="*", default=[], help="more packages the image provides (names)")
-    parser.add_argument("--packages", nargs="+", default=list(PACKAGES), help="what to pack (requirement strings)")
+    parser.add_argument(
+        "--packages", nargs="+", default=list(PACKAGES), help="what to pack (requirement strings)"
+    )
     ns = parser.parse_args(argv)
 
     if ns.image_freeze:
@@ -134,30 +145,39 @@ def main(argv: list[str] | None = None) -> int:
         source = f"{ns.image_freeze} (exact)"
     else:
         image = installed_closure(IMAGE_HAS)
-        source = f"requirement closure of {', '.join(IMAGE_HAS)} as installed here (approximate; --image-freeze is exact)"
+        source = (
+            f"requirement closure of {', '.join(IMAGE_HAS)} as "
+            "installed here (approximate; --image-freeze is exact)"
+        )
     image.update({canonicalize_name(n): "" for n in ns.have})
     here = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()}
     dest: Path = ns.dest
     dest.mkdir(parents=True, exist_ok=True)
 
-    chosen: dict[str, tuple[str, Path, list[Requirement], set[str]]] = {}  # name -> version, wheel, requires, extras
+    # name -> version, wheel, requires, extras
+    chosen: dict[str, tuple[str, Path, list[Requirement], set[str]]] = {}
     provided: dict[str, str] = {}
     queue = [(Requirement(p), "(requested)") for p in ns.packages]
     while queue:
         req, why = queue.pop(0)
         name = canonicalize_name(req.name)
-        if name in NEVER or (name in image and name not in {canonicalize_name(Requirement(p).name) for p in ns.packages}):
+        if name in NEVER or (
+            name in image and name not in {canonicalize_name(Requirement(p).name) for p in ns.packages}
+        ):
             provided[name] = f"{image.get(name) or '?'} (image), needed by {why}"
             continue
         if name in chosen:
             version, wheel, requires, extras = chosen[name]
             if req.specifier and Version(version) not in req.specifier:
-                raise SystemExit(f"conflict: {why} needs {req}, but {name}=={version} is packed. Fix: pin a version "
-                                 f"that satisfies both in --packages.")
+                raise SystemExit(
+                    f"conflict: {why} needs {req}, but {name}=={version} is packed. Fix: pin a version "
+                    f"that satisfies both in --packages."
+                )
             new = set(req.extras) - extras
             if new:
                 extras |= new
-                queue.extend((r, f"{name}[{','.join(sorted(new))}]") for r in requires if applies(r.marker, new)
+                queue.extend((r, f"{name}[{','.join(sorted(new))}]") for r in requires if applies(r.marker,
+                                                                                                  new)
                              and r.marker is not None and "extra" in str(r.marker))
             continue
         pinned = here.get(name)
@@ -211,11 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("INCONSISTENT:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    print("consistent: every requirement of every packed wheel is packed (at a matching version) or on the image.")
+    print(
+        "consistent: every requirement of every packed wheel "
+        "is packed (at a matching version) or on the image."
+    )
     print("\non the GPU machine (repository root, .whl/ copied along):")
     print(f"  {INSTALL} && python3 benchmarks/gpu.py")
     if shutil.which("unzip"):
-        print(f"(check a wheel's requirements by hand: unzip -p {next(iter(keep)).relative_to(ROOT) if keep else ''} "
+        print("(check a wheel's requirements by hand: unzip -p "
+              f"{next(iter(keep)).relative_to(ROOT) if keep else ''} "
               "'*.dist-info/METADATA' | grep Requires-Dist)")
     return 0
 

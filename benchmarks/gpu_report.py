@@ -1,4 +1,5 @@
-"""The report side of ``benchmarks/gpu.py``: the printed table, the markdown tables (``--report``) and the PNGs.
+"""The report side of ``benchmarks/gpu.py``: the printed table, the markdown tables (``--report``) and the
+PNGs.
 
 Pure functions of a result dict (what ``gpu.py`` writes to ``gpu-<device>.json``); no measurement here.
 """
@@ -11,7 +12,9 @@ from typing import Any
 
 
 def _fmt_bytes(value: float | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+    return (
+        "-" if value is None else f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+    )
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -25,9 +28,11 @@ def _fmt_params(n: int) -> str:
 def table(result: dict[str, Any], sections: Sequence[str]) -> str:
     """The short plain-text table printed at the end."""
     sec = result["sections"]
-    lines = [f"gpu harness on {result['device_name']} (torch {result['versions'].get('torch')}, lightning "
-             f"{result['versions'].get('lightning')}, {result['config']['precision']}"
-             f"{', --quick: CPU smoke, figures say nothing about speed' if result['config']['quick'] else ''})"]
+    lines = [
+        f"gpu harness on {result['device_name']} (torch {result['versions'].get('torch')}, lightning "
+        f"{result['versions'].get('lightning')}, {result['config']['precision']}"
+        f"{', --quick: CPU smoke, figures say nothing about speed' if result['config']['quick'] else ''})"
+    ]
     row = "  {:<12} {:<28} {:>9} {:>10} {:>7} {:>7} {:>7} {:>11}"
     lines.append(row.format("section", "run", "step ms", "tokens/s", "MFU", "HFU", "tt-MFU", "peak mem"))
     for name in ("contenders", "compile"):
@@ -46,11 +51,16 @@ def table(result: dict[str, Any], sections: Sequence[str]) -> str:
                 continue
             mon = rec.get("mfu_monitor") or {}
             lines.append(row.format(name, cname, _fmt(rec["median_s"] and rec["median_s"] * 1e3, ".1f"),
-                                    _fmt(rec.get("tokens_per_s"), ".0f"), _fmt(mon.get("mfu")), _fmt(mon.get("hfu")),
-                                    _fmt(rec["torchtitan"].get("mfu")), _fmt_bytes(rec.get("peak_memory_bytes"))))
+                                    _fmt(rec.get("tokens_per_s"), ".0f"), _fmt(mon.get("mfu")),
+                                    _fmt(mon.get("hfu")), _fmt(rec["torchtitan"].get("mfu")),
+                                    _fmt_bytes(rec.get("peak_memory_bytes"))))
         for rname, ratio in s.get("ratios", {}).items():
             verdict = "" if ratio.get("met") is None else ("ok" if ratio["met"] else "MISSED")
-            target = "" if ratio.get("target") is None else f"(target {ratio.get('direction', '<=')} {ratio['target']})"
+            target = (
+                ""
+                if ratio.get("target") is None
+                else f"(target {ratio.get('direction', '<=')} {ratio['target']})"
+            )
             lines.append(f"  {name:<12} {rname:<44} {_fmt(ratio.get('value'))} {target} {verdict}")
     s = sec.get("sac")
     if s:
@@ -58,7 +68,8 @@ def table(result: dict[str, Any], sections: Sequence[str]) -> str:
             lines.append(f"  {'sac':<12} FAILED: {(s.get('error_tail') or ['?'])[-1][:90]}")
         for mode, rec in s.get("modes", {}).items():
             mem = rec.get("peak_cuda_bytes_over_weights")
-            lines.append(row.format("sac", mode, _fmt(rec["median_step_s"] * 1e3, ".1f"), _fmt(rec["tokens_per_s"], ".0f"),
+            lines.append(row.format("sac", mode, _fmt(rec["median_step_s"] * 1e3, ".1f"),
+                                    _fmt(rec["tokens_per_s"], ".0f"),
                                     "", "", "", _fmt_bytes(mem if mem is not None else rec["kept_bytes"])))
     s = sec.get("memory")
     if s:
@@ -67,7 +78,8 @@ def table(result: dict[str, Any], sections: Sequence[str]) -> str:
         for key, rec in s.get("strategies", {}).items():
             if "skipped" in rec:
                 continue
-            lines.append(row.format("memory", key, _fmt(rec.get("median_step_s") and rec["median_step_s"] * 1e3, ".1f"),
+            lines.append(row.format("memory", key,
+                                    _fmt(rec.get("median_step_s") and rec["median_step_s"] * 1e3, ".1f"),
                                     "", "", "", "", _fmt_bytes(rec.get("peak_memory_bytes"))))
         fit = s.get("largest_fitting", {})
         if "skipped" in fit:
@@ -81,14 +93,18 @@ def table(result: dict[str, Any], sections: Sequence[str]) -> str:
     if s:
         runs = s.get("runs", {})
         ok = [n for n, r in runs.items() if r.get("status") == "ok"]
-        lines.append(f"  {'smoke':<12} {len(ok)}/{len(runs)} ok" + (f"; failed: {', '.join(s.get('failed_runs', []))}"
-                                                                  if s.get("failed_runs") else ""))
+        lines.append(
+            f"  {'smoke':<12} {len(ok)}/{len(runs)} ok"
+            + (f"; failed: {', '.join(s.get('failed_runs', []))}" if s.get("failed_runs") else "")
+        )
         if s.get("status") == "failed" and not runs:
             lines.append(f"  {'smoke':<12} FAILED: {(s.get('error_tail') or ['?'])[-1][:90]}")
         st = runs.get("straggler", {})
         if st.get("max_abs_relative_difference") is not None:
-            lines.append(f"  {'smoke':<12} straggler detector vs hand-measured ({st.get('timing', '')[:40]}): "
-                         f"max |diff| {st['max_abs_relative_difference']:.2%}")
+            lines.append(
+                f"  {'smoke':<12} straggler detector vs hand-measured ({st.get('timing', '')[:40]}): "
+                f"max |diff| {st['max_abs_relative_difference']:.2%}"
+            )
         mp = runs.get("mfu_peak", {})
         if mp:
             lines.append(f"  {'smoke':<12} peak lookup {mp.get('device_name')!r}: key {mp.get('table_key')}, "
@@ -105,21 +121,33 @@ def markdown(result: dict[str, Any]) -> str:
     sec, cfg = result["sections"], result["config"]
     out = [f"**{result['device_name']}**, torch {result['versions'].get('torch')}, lightning "
            f"{result['versions'].get('lightning')}, {cfg['precision']}, model {cfg['model_source']} "
-           f"({_fmt_params(cfg['params']['total'])} params), batch {cfg['batch_per_device']} x {cfg['seq_len']}, "
+           f"({_fmt_params(cfg['params']['total'])} params), "
+           f"batch {cfg['batch_per_device']} x {cfg['seq_len']}, "
            f"`{result.get('command', '')}`, {result.get('created_utc')}", ""]
-    out += ["| run | step (ms) | tokens/s | MFU (MFUMonitor) | HFU | MFU (torchtitan formula) | peak memory |",
-            "|---|---|---|---|---|---|---|"]
+    out += [
+        "| run | step (ms) | tokens/s | MFU (MFUMonitor) | HFU | MFU (torchtitan formula) | peak memory |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in ("contenders", "compile"):
         for cname, rec in (sec.get(name) or {}).get("contenders", {}).items():
             if "skipped" in rec or not rec.get("median_s"):
-                reason = rec.get("skipped") or "; ".join(e.splitlines()[-1] for e in rec.get("errors") or []) or "failed"
+                reason = (
+                    rec.get("skipped")
+                    or "; ".join(e.splitlines()[-1] for e in rec.get("errors") or [])
+                    or "failed"
+                )
                 out.append(f"| {cname} | not measured: {reason[:120]} | | | | | |")
                 continue
             mon = rec.get("mfu_monitor") or {}
             out.append(f"| {cname} | {rec['median_s'] * 1e3:.1f} | {_fmt(rec.get('tokens_per_s'), '.0f')} | "
-                       f"{_fmt(mon.get('mfu'))} | {_fmt(mon.get('hfu'))} | {_fmt(rec['torchtitan'].get('mfu'))} | "
+                       f"{_fmt(mon.get('mfu'))} | {_fmt(mon.get('hfu'))} "
+                       f"| {_fmt(rec['torchtitan'].get('mfu'))} | "
                        f"{_fmt_bytes(rec.get('peak_memory_bytes'))} |")
-    ratios = [(r, v) for name in ("contenders", "compile") for r, v in (sec.get(name) or {}).get("ratios", {}).items()]
+    ratios = [
+        (r, v)
+        for name in ("contenders", "compile")
+        for r, v in (sec.get(name) or {}).get("ratios", {}).items()
+    ]
     if ratios:
         out += ["", "| ratio | value | target |", "|---|---|---|"]
         for r, v in ratios:
@@ -192,7 +220,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("peak CUDA memory (GiB)" if result["device"] != "cpu" else "peak RSS of the process (GiB)")
     ax.set_title("memory per strategy (green: cpu_offload)")
     cfg = result["config"]
-    fig.suptitle(f"gpu harness on {result['device_name']}: {cfg['model_source']} ({_fmt_params(cfg['params']['total'])} "
+    fig.suptitle(f"gpu harness on {result['device_name']}: "
+                 f"{cfg['model_source']} ({_fmt_params(cfg['params']['total'])} "
                  f"params), batch {cfg['batch_per_device']}x{cfg['seq_len']}, {cfg['precision']}, torch "
                  f"{result['versions'].get('torch')}", fontsize=9)
     return common.save_figure(fig, path)
@@ -211,7 +240,9 @@ def plot_sac(result: dict[str, Any], path: Path) -> Path | None:
     for name, rec in modes.items():
         mem = rec["peak_cuda_bytes_over_weights"] if gpu else rec["kept_bytes"]
         ax.scatter(rec["tokens_per_s"], mem / 2**20, s=30)
-        ax.annotate(name, (rec["tokens_per_s"], mem / 2**20), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(
+            name, (rec["tokens_per_s"], mem / 2**20), textcoords="offset points", xytext=(4, 4), fontsize=8
+        )
     ax.set_xlabel("throughput (tokens/s, forward + backward)")
     ax.set_ylabel("peak CUDA memory over the weights (MiB)" if gpu else "bytes kept for backward (MiB)")
     ax.set_title(f"activation checkpointing on {result['device_name']}", fontsize=9)

@@ -47,7 +47,9 @@ def discover() -> dict[str, Any]:
         module = importlib.import_module(f"suites.{info.name}")
         if callable(getattr(module, "run", None)):
             found[info.name] = module.run
-    ordered = [n for n in PREFERRED_ORDER if n in found] + sorted(n for n in found if n not in PREFERRED_ORDER)
+    ordered = [n for n in PREFERRED_ORDER if n in found] + sorted(
+        n for n in found if n not in PREFERRED_ORDER
+    )
     return {n: found[n] for n in ordered}
 
 
@@ -58,7 +60,8 @@ def call_suite(name: str, run: Any, quick: bool, out_dir: Path, options: dict[st
     accepted = {k: v for k, v in options.items() if takes_all or k in params}
     ignored = sorted(set(options) - set(accepted))
     if ignored:
-        print(f"[{name}] ignores --{' --'.join(o.replace('_', '-') for o in ignored)} (its run() does not take them)",
+        print(f"[{name}] ignores --{' --'.join(o.replace('_', '-') for o in ignored)} "
+              "(its run() does not take them)",
               file=sys.stderr)
     if "show_progress" in params:
         accepted["show_progress"] = True
@@ -66,11 +69,14 @@ def call_suite(name: str, run: Any, quick: bool, out_dir: Path, options: dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("suites", nargs="*", help="suite names, or 'all'")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
     parser.add_argument("--report", action="store_true",
-                        help="print markdown tables of the result files in --out-dir (for the suites named, or all)")
+                        help="print markdown tables of the result files "
+                             "in --out-dir (for the suites named, or all)")
     common.add_common_options(parser)
     ns = parser.parse_args(argv)
     common.apply_common_options(ns)
@@ -78,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.report:
         paths = sorted(p for p in Path(ns.out_dir).glob("*.json")
                        if not ns.suites or "all" in ns.suites
-                       or any(p.stem.split("-", 1)[0].startswith(s) for s in ns.suites))  # also straggler_16ranks
+                       # also straggler_16ranks
+                       or any(p.stem.split("-", 1)[0].startswith(s) for s in ns.suites))
         print(common.markdown_report(paths))
         return 0
     if ns.list or not ns.suites:

@@ -76,8 +76,8 @@ def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> di
 
 
 def judge(ratio: dict[str, Any], target: float | None, aa: bool) -> dict[str, Any]:
-    """Set ``ratio``'s ``target``, ``aa`` and ``met``. An A/A pair: whether its interval holds 1.00 (None below
-    2 rounds). Else, against the target: met when the whole interval is within it, missed when the whole
+    """Set ``ratio``'s ``target``, ``aa`` and ``met``. An A/A pair: whether its interval holds 1.00 (None
+    below 2 rounds). Else, against the target: met when the whole interval is within it, missed when the whole
     interval is above it, and no verdict (``met`` None, ``verdict`` says so) when the interval spans it --
     the rounds cannot tell; with one round (no interval) the median ratio decides."""
     ratio["target"], ratio["aa"] = (1.0 if aa else target), aa
@@ -105,9 +105,15 @@ def withhold_if_aa_failed(ratios: dict[str, dict[str, Any]]) -> str | None:
         return None
     name, r = failed[0]
     ci = r.get("ci95")
-    shown = f"{r['value']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and r.get("value") else "no interval (< 2 rounds)"
-    reason = (f"withheld: the A/A pair {name} came out at {shown}, not an interval holding 1.00 -- the machine "
-              "was too noisy (or the rounds too few) for a verdict; rerun with more --reps on a quiet machine")
+    shown = (
+        f"{r['value']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+        if ci and r.get("value")
+        else "no interval (< 2 rounds)"
+    )
+    reason = (
+        f"withheld: the A/A pair {name} came out at {shown}, not an interval holding 1.00 -- the machine "
+        "was too noisy (or the rounds too few) for a verdict; rerun with more --reps on a quiet machine"
+    )
     for other in ratios.values():
         if not other.get("aa") and other.get("target") is not None:
             other["met"] = None

@@ -1,15 +1,17 @@
 """Fine-tune a pretrained Hugging Face causal LM under ``fsdp2`` with LightningCLI, then export it back to HF.
 
-    python examples/finetune_hf.py --make-tiny outputs/tiny-llama            # a tiny save_pretrained folder (no download)
-    python examples/finetune_hf.py fit --config configs/finetune_hf.yaml      # fine-tune it on 2 CPU ranks
-    fsdp-strategies-export outputs/finetune_hf/checkpoints/epoch=0-step=20.ckpt outputs/finetune_hf/hf --format hf
-    python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('outputs/finetune_hf/hf')"
+    python examples/finetune_hf.py --make-tiny outputs/tiny-llama        # tiny HF folder, no download
+    python examples/finetune_hf.py fit --config configs/finetune_hf.yaml  # fine-tune it on 2 CPU ranks
+    fsdp-strategies-export outputs/finetune_hf/checkpoints/epoch=0-step=20.ckpt outputs/finetune_hf/hf \\
+        --format hf
+    python -c "import transformers as t; t.AutoModelForCausalLM.from_pretrained('outputs/finetune_hf/hf')"
 
 The LightningModule is written as for Lightning's ``ddp``: ``from_pretrained`` in ``configure_model``. Under
 ``fsdp2``/``hsdp``/``ft_hsdp`` that call builds the model on the meta device and each rank reads only its own
 shards of the safetensors files. ``--model.init from_config`` builds it from the config instead, for projects
 that name the weights in the strategy's YAML (``pretrained: DIR``). Point ``--model.pretrained`` at any local
-``save_pretrained`` folder of a causal LM (download a Hub model first with ``hf download ID --local-dir DIR``).
+``save_pretrained`` folder of a causal LM (download a Hub model first with
+``hf download ID --local-dir DIR``).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class PretrainedCausalLM(pl.LightningModule):
 
 
 class CountingSequences(Dataset):
-    """Token sequences x[t+1] = (x[t] + step) % vocab with a per-sample start and step: learnable, deterministic."""
+    """Token sequences x[t+1] = (x[t] + step) % vocab with a per-sample start and step: learnable,
+    deterministic."""
 
     def __init__(self, vocab_size: int, seq_len: int, n: int, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -88,7 +91,9 @@ class SequenceData(pl.LightningDataModule):
         num_train: sequences in the training set.
     """
 
-    def __init__(self, vocab_size: int = 128, seq_len: int = 32, batch_size: int = 4, num_train: int = 256) -> None:
+    def __init__(
+        self, vocab_size: int = 128, seq_len: int = 32, batch_size: int = 4, num_train: int = 256
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 
@@ -98,7 +103,8 @@ class SequenceData(pl.LightningDataModule):
 
 
 def make_tiny(folder: str, arch: str = "llama", seed: int = 0) -> str:
-    """Write a tiny randomly initialised ``save_pretrained`` folder (``llama`` or ``gpt2``); nothing is downloaded."""
+    """Write a tiny randomly initialised ``save_pretrained`` folder (``llama`` or ``gpt2``); nothing is
+    downloaded."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -107,7 +113,8 @@ def make_tiny(folder: str, arch: str = "llama", seed: int = 0) -> str:
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     else:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2,
                                              max_position_embeddings=64, tie_word_embeddings=False))
     model.save_pretrained(folder)
     return folder

@@ -12,8 +12,8 @@ that is where the initialisation lives (normal with ``init_std``, output project
 model starts from the same distribution whether it is built eagerly or on the meta device.
 
 Data: sequences from a fixed random Markov chain over ``vocab_size`` tokens (each context of
-the last ``order`` tokens has ``branching`` possible successors; ``order=2`` needs attention). It needs no download,
-is generated identically on every rank from a seed, and its loss falls from ln(vocab) towards
+the last ``order`` tokens has ``branching`` possible successors; ``order=2`` needs attention). It needs no
+download, is generated identically on every rank from a seed, and its loss falls from ln(vocab) towards
 the chain's entropy rate, which the DataModule reports.
 """
 
@@ -58,8 +58,11 @@ class RotaryEmbedding(nn.Module):
         if self.cos.device.type == "meta":
             return
         with torch.no_grad():
-            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.cos.device) / self.head_dim))
-            angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32, device=self.cos.device), inv)
+            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32,
+                                                     device=self.cos.device) / self.head_dim))
+            angles = torch.outer(
+                torch.arange(self.max_seq_len, dtype=torch.float32, device=self.cos.device), inv
+            )
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
@@ -101,7 +104,9 @@ class Attention(nn.Module):
                  out_std: float | None = None) -> None:
         super().__init__()
         if dim % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"dim={dim} must divide by n_heads={n_heads}, and n_heads by n_kv_heads={n_kv_heads}")
+            raise ValueError(
+                f"dim={dim} must divide by n_heads={n_heads}, and n_heads by n_kv_heads={n_kv_heads}"
+            )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.wq = Linear(dim, n_heads * self.head_dim, std)
         self.wk = Linear(dim, n_kv_heads * self.head_dim, std)
@@ -111,7 +116,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        # heads from the projections' widths (-1), not n_heads: under tensor parallelism each rank holds a slice
+        # heads from the projections' widths (-1), not n_heads: under tensor parallelism each rank holds a
+        # slice
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -150,8 +156,8 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     def __init__(
-        self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, max_seq_len: int,
-        init_std: float | None = None,
+        self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, mlp_hidden: int,
+        max_seq_len: int, init_std: float | None = None,
     ) -> None:
         super().__init__()
         out_std = None if init_std is None else init_std / math.sqrt(2 * n_layers)
@@ -273,7 +279,9 @@ def markov_chain(
     return successors, probs
 
 
-def sample_sequences(successors: torch.Tensor, probs: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+def sample_sequences(
+    successors: torch.Tensor, probs: torch.Tensor, n: int, length: int, seed: int
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     vocab, order = successors.size(0), successors.dim() - 1
     out = torch.empty(n, length, dtype=torch.long)
@@ -319,9 +327,16 @@ class MarkovDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            MarkovSequences(self.train_data), batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle,
-            num_workers=self.hparams.num_workers, drop_last=True,
+            MarkovSequences(self.train_data),
+            batch_size=self.hparams.batch_size,
+            shuffle=self.hparams.shuffle,
+            num_workers=self.hparams.num_workers,
+            drop_last=True,
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(MarkovSequences(self.val_data), batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            MarkovSequences(self.val_data),
+            batch_size=self.hparams.batch_size,
+            num_workers=self.hparams.num_workers,
+        )

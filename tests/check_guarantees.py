@@ -1,14 +1,15 @@
 """Did every test the docs rely on pass in this CI run? ``python tests/check_guarantees.py JUNIT.xml...``
 
 Reads the junit XML files pytest wrote (``--junitxml``; one per CI stage: ``make test``, ``make test-full``,
-``make docs``, ``make test-slurm``) and exits 1 naming every test id registered in ``tests/guarantees.py`` that did
-not pass in any of them -- missing (not run), skipped, failed or errored -- with the doc claim it backs. An id
-that passed in one file and failed in another counts as failed. Exit 0 prints how many were checked.
+``make docs``, ``make test-slurm``) and exits 1 naming every test id registered in ``tests/guarantees.py``
+that did not pass in any of them -- missing (not run), skipped, failed or errored -- with the doc claim it
+backs. An id that passed in one file and failed in another counts as failed. Exit 0 prints how many were
+checked.
 
 The module is also the pytest plugin ``tests/test_guarantees.py`` loads (``-p check_guarantees``) into its one
-``--collect-only`` run: for each collected item it records the marker names, the reason of a skip mark that holds
-(pytest's own evaluation of ``skip``/``skipif``, conditions included) and whether the ``-k`` expression in
-``GUARANTEES_SLURM_SELECT`` picks it, as JSON into ``GUARANTEES_OUT``.
+``--collect-only`` run: for each collected item it records the marker names, the reason of a skip mark that
+holds (pytest's own evaluation of ``skip``/``skipif``, conditions included) and whether the ``-k`` expression
+in ``GUARANTEES_SLURM_SELECT`` picks it, as JSON into ``GUARANTEES_OUT``.
 """
 
 from __future__ import annotations
@@ -24,24 +25,31 @@ from typing import Any
 from guarantees import GUARANTEES
 
 
-# ------------------------------------------------------------------------------------------------ junit results
+# ------------------------------------------------------------------------------------------------ junit
+# results
 def _node_id(case: ET.Element) -> str:
-    """pytest's node id from a junit ``testcase``: classname ``tests.test_x`` (or ``tests.test_x.Class``) + name."""
+    """pytest's node id from a junit ``testcase``: classname ``tests.test_x`` (or ``tests.test_x.Class``) +
+    name."""
     parts = case.get("classname", "").split(".")
     # the module is the last dotted part that is a test file; what follows are classes
-    cut = max((i for i, p in enumerate(parts) if p.startswith("test_") or p == "conftest"), default=len(parts) - 1)
+    cut = max(
+        (i for i, p in enumerate(parts) if p.startswith("test_") or p == "conftest"), default=len(parts) - 1
+    )
     path = "/".join(parts[:cut + 1]) + ".py"
     return "::".join([path, *parts[cut + 1:], case.get("name", "")])
 
 
 def outcomes(junit_files: Iterable[Path]) -> dict[str, str]:
-    """node id -> ``passed`` / ``skipped`` / ``failed`` over all files (a failure anywhere wins, then a pass)."""
+    """node id -> ``passed`` / ``skipped`` / ``failed`` over all files (a failure anywhere wins, then a
+    pass)."""
     rank = {"failed": 2, "passed": 1, "skipped": 0}
     result: dict[str, str] = {}
     for path in junit_files:
         for case in ET.parse(path).getroot().iter("testcase"):
             tags = {child.tag for child in case}
-            outcome = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+            outcome = (
+                "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+            )
             node = _node_id(case)
             if node not in result or rank[outcome] > rank[result[node]]:
                 result[node] = outcome
@@ -49,7 +57,8 @@ def outcomes(junit_files: Iterable[Path]) -> dict[str, str]:
 
 
 def instances(test: str, known: Iterable[str]) -> list[str]:
-    """The concrete ids a registered id stands for: itself, or every parametrization of a function id (``f[...]``)."""
+    """The concrete ids a registered id stands for: itself, or every parametrization of a function id
+    (``f[...]``)."""
     known = list(known)
     if test in known:
         return [test]
@@ -57,7 +66,8 @@ def instances(test: str, known: Iterable[str]) -> list[str]:
 
 
 def not_passed(results: dict[str, str]) -> list[str]:
-    """One line per registered id that did not pass (a function id: any of its parametrizations), with its claims."""
+    """One line per registered id that did not pass (a function id: any of its parametrizations), with its
+    claims."""
     claims: dict[str, list[str]] = {}
     for g in GUARANTEES:
         for test in g.tests:
@@ -79,20 +89,23 @@ def main(argv: list[str]) -> int:
         return 2
     missing = [a for a in argv if not Path(a).is_file()]
     if missing:
-        print(f"check_guarantees: no such junit file: {', '.join(missing)}. Fix: run pytest with --junitxml=FILE "
+        print("check_guarantees: no such junit file: "
+              f"{', '.join(missing)}. Fix: run pytest with --junitxml=FILE "
               "first.", file=sys.stderr)
         return 2
     problems = not_passed(outcomes(Path(a) for a in argv))
     total = len({test for g in GUARANTEES for test in g.tests})
     if problems:
-        print(f"check_guarantees: of the {total} tests the docs call tested (tests/guarantees.py), these did not pass "
+        print(f"check_guarantees: of the {total} tests the docs call "
+              "tested (tests/guarantees.py), these did not pass "
               f"in {', '.join(argv)}:\n" + "\n".join(problems), file=sys.stderr)
         return 1
     print(f"check_guarantees: all {total} tests behind {len(GUARANTEES)} documented claims passed")
     return 0
 
 
-# ------------------------------------------------------------------------------------------------ collection plugin
+# ------------------------------------------------------------------------------------------------ collection
+# plugin
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     out = os.environ.get("GUARANTEES_OUT")
     if not out:

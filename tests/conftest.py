@@ -26,9 +26,9 @@ LEAK_GRACE_S = 10.0
 
 #: Ports handed out by :func:`free_port` lie below the kernel's ephemeral range
 #: (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default), from which ``bind(0)`` and outgoing
-#: connections take theirs: between the check here and the server's own bind, nothing but an explicit bind can take
-#: the port. Explicit binds by this suite's tests are kept apart by a counter shared through a locked file, so two
-#: tests (or two pytest sessions) never get the same port.
+#: connections take theirs: between the check here and the server's own bind, nothing but an explicit bind can
+#: take the port. Explicit binds by this suite's tests are kept apart by a counter shared through a locked
+#: file, so two tests (or two pytest sessions) never get the same port.
 _PORT_RANGE = (20000, 32000)
 _PORT_COUNTER = Path(os.environ.get("TMPDIR", "/tmp")) / "fsdp_strategies_test_ports"
 
@@ -41,7 +41,8 @@ def _ephemeral_low() -> int:
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now that no ephemeral allocation can take before the caller binds it (see above)."""
+    """A port free on 127.0.0.1 now that no ephemeral allocation can take before the caller binds it (see
+    above)."""
     import fcntl
 
     low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_low())
@@ -65,14 +66,16 @@ def free_port() -> int:
 
 
 def as_torchrun_rank0(monkeypatch: pytest.MonkeyPatch, world_size: int, local_world_size: int) -> None:
-    """Make this process look like rank 0 of a torchrun job (``world_size`` ranks, ``local_world_size`` per node).
+    """Make this process look like rank 0 of a torchrun job (``world_size`` ranks, ``local_world_size`` per
+    node).
 
-    Why: a Trainer with ``devices > 1`` inside pytest would otherwise start Lightning's subprocess launcher, whose
-    rank 1 re-runs the current command -- the whole test session -- and is orphaned when rank 0's test ends. Under
-    torchrun's variables the processes are created externally, so ``fit`` runs in this process alone.
+    Why: a Trainer with ``devices > 1`` inside pytest would otherwise start Lightning's subprocess launcher,
+    whose rank 1 re-runs the current command -- the whole test session -- and is orphaned when rank 0's test
+    ends. Under torchrun's variables the processes are created externally, so ``fit`` runs in this process
+    alone.
     """
-    for key, value in {"TORCHELASTIC_RUN_ID": "pytest", "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0",
-                       "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": str(local_world_size),
+    for key, value in {"TORCHELASTIC_RUN_ID": "pytest", "WORLD_SIZE": str(world_size), "RANK": "0",
+                       "LOCAL_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": str(local_world_size),
                        "GROUP_WORLD_SIZE": str(world_size // local_world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
@@ -80,7 +83,8 @@ def as_torchrun_rank0(monkeypatch: pytest.MonkeyPatch, world_size: int, local_wo
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+                "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
@@ -134,8 +138,8 @@ def zygote_vars() -> dict[str, str]:
     return {zygote.SOCKET_ENV: _ZYGOTE["socket"], zygote.PYTHON_ENV: sys.executable}
 
 
-def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_python(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None,
+               cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` (e.g. a script that starts Lightning's launcher) and fail with its output."""
     python = python_executable()
     proc = processes.run([python, *args], timeout=timeout, env=_env(env), cwd=str(cwd or ROOT))
@@ -180,7 +184,8 @@ def no_process_left_behind() -> Iterator[None]:
     if leaked:
         for pid in leaked:
             processes.kill_tree(pid)
-        pytest.fail(f"the test left {len(leaked)} process(es) running {LEAK_GRACE_S:.0f} s after it ended (now "
+        pytest.fail(f"the test left {len(leaked)} process(es) running "
+                    f"{LEAK_GRACE_S:.0f} s after it ended (now "
                     "killed):\n" + "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in leaked.items())
                     + "\nFix: start jobs with tests/support/processes.py (run / start), which kill the whole "
                     "tree.")
@@ -193,10 +198,12 @@ PROCESS_MARKERS = {"multiprocess", "subprocess", "slurm"}
 
 #: Files whose multi-process tests measure real time against the job's own deadlines (heartbeats, quorum and
 #: collective timeouts, straggler windows, signal grace periods, shaped links) or hold a machine-wide resource
-#: (network namespaces, tmpfs mounts): their process-starting tests are marked ``serial``. ``make test`` runs every other test on several pytest
-#: workers (pytest-xdist) and these afterwards, alone, so that another test's load never decides their outcome.
+#: (network namespaces, tmpfs mounts): their process-starting tests are marked ``serial``. ``make test`` runs
+#: every other test on several pytest workers (pytest-xdist) and these afterwards, alone, so that another
+#: test's load never decides their outcome.
 SERIAL_FILES = frozenset({
-    "test_ft_hsdp.py", "test_ft_launch.py", "test_ft_sync.py", "test_ft_data.py", "test_ft_tensor_parallel.py",
+    "test_ft_hsdp.py", "test_ft_launch.py", "test_ft_sync.py", "test_ft_data.py",
+    "test_ft_tensor_parallel.py",
     "test_ft_switch.py", "test_ft_scale.py", "test_ft_protocol.py", "test_ft_timeouts.py", "test_netns.py",
     "test_preemption.py", "test_clean_exit.py", "test_straggler.py", "test_multinode.py",
     "test_async_checkpoint.py", "test_goodput.py", "test_processes.py"})
@@ -204,18 +211,21 @@ SERIAL_FILES = frozenset({
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the :data:`SERIAL_FILES`' tests ``serial``; record every test's markers; skip the ``soak`` ones unless
-    ``FSDP_STRATEGIES_FULL=1``."""
+    """Mark the :data:`SERIAL_FILES`' tests ``serial``; record every test's markers; skip the ``soak`` ones
+    unless ``FSDP_STRATEGIES_FULL=1``."""
     for item in items:
         if item.path.name in SERIAL_FILES and {m.name for m in item.iter_markers()} & PROCESS_MARKERS:
             item.add_marker(pytest.mark.serial)
     _MARKS.update({item.nodeid: {m.name for m in item.iter_markers()} for item in items})
     if os.environ.get("FSDP_STRATEGIES_FULL") != "1":
-        soak = pytest.mark.skip(reason="soak run (minutes): FSDP_STRATEGIES_FULL=1 runs it; CI runs its short form")
+        soak = pytest.mark.skip(
+            reason="soak run (minutes): FSDP_STRATEGIES_FULL=1 runs it; CI runs its short form"
+        )
         for item in items:
             if "soak" in _MARKS[item.nodeid]:
                 item.add_marker(soak)
-    if (os.environ.get(zygote.SOCKET_ENV) != "off" and sys.platform.startswith("linux") and "server" not in _ZYGOTE
+    if (os.environ.get(zygote.SOCKET_ENV) != "off" and sys.platform.startswith("linux")
+        and "server" not in _ZYGOTE
             and any(_MARKS[item.nodeid] & PROCESS_MARKERS for item in items)):
         _start_zygote()
 
@@ -230,14 +240,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def require_process_marker(cmd: Sequence[str]) -> None:
-    """Fail the running test if it starts a process without a marker saying so (``processes.before_start``)."""
+    """Fail the running test if it starts a process without a marker saying so
+    (``processes.before_start``)."""
     current = os.environ.get("PYTEST_CURRENT_TEST")
     if not current:
         return
     nodeid = current.rsplit(" (", 1)[0]
     marks = _MARKS.get(nodeid)
     if marks is not None and not marks & PROCESS_MARKERS:
-        pytest.fail(f"{nodeid} starts a process ({' '.join(map(str, cmd))[:200]}) but is not marked: selections by "
+        pytest.fail(f"{nodeid} starts a process ({' '.join(map(str, cmd))[:200]}) "
+                    "but is not marked: selections by "
                     "marker (the Lightning-range run's `not multiprocess`) would misclassify it. Fix: add "
                     "@pytest.mark.multiprocess (a distributed job: several ranks or replica groups) or "
                     "@pytest.mark.subprocess (one child process).")
@@ -265,10 +277,10 @@ def _check_expected_torch_and_transformers() -> None:
 
 
 def _one_compute_thread() -> None:
-    """In-process tests compute on one thread, as the jobs they start do (``OMP_NUM_THREADS=1`` in :func:`_env`):
-    ``make test`` runs two pytest workers beside the serial pass's jobs on two cores, where torch's default (a
-    thread per core) only adds threads that wait for each other (two activation-checkpointing tests beside three
-    busy loops: 11.4 s on two threads, 8.2 s on one)."""
+    """In-process tests compute on one thread, as the jobs they start do (``OMP_NUM_THREADS=1`` in
+    :func:`_env`): ``make test`` runs two pytest workers beside the serial pass's jobs on two cores, where
+    torch's default (a thread per core) only adds threads that wait for each other (two
+    activation-checkpointing tests beside three busy loops: 11.4 s on two threads, 8.2 s on one)."""
     import torch
 
     torch.set_num_threads(1)
@@ -279,12 +291,16 @@ def pytest_configure(config: pytest.Config) -> None:
     (``make test-lightning-range``) or torch / transformers (``make test-torch-range``) than the one it asked
     for."""
     if os.environ.get("PYTEST_CURRENT_TEST"):
-        # a test ran Trainer(devices>1).fit in-process: Lightning's subprocess launcher re-ran this command (the
-        # pytest session) as rank 1, which would run every test again, orphaned once rank 0's test ends
-        pytest.exit(f"this pytest session was started by the test {os.environ['PYTEST_CURRENT_TEST']!r} (LOCAL_RANK="
-                    f"{os.environ.get('LOCAL_RANK')}): a Trainer with devices > 1 was fit inside pytest. Fix: in that "
-                    "test, call conftest.as_torchrun_rank0(monkeypatch, ...) first, or run the job in a worker script.",
-                    returncode=3)
+        # a test ran Trainer(devices>1).fit in-process: Lightning's subprocess launcher re-ran this command
+        # (the pytest session) as rank 1, which would run every test again, orphaned once rank 0's test ends
+        pytest.exit(
+            f"this pytest session was started by the test {os.environ['PYTEST_CURRENT_TEST']!r} (LOCAL_RANK="
+            f"{os.environ.get('LOCAL_RANK')}): a Trainer with "
+            "devices > 1 was fit inside pytest. Fix: in that "
+            "test, call conftest.as_torchrun_rank0(monkeypatch, "
+            "...) first, or run the job in a worker script.",
+            returncode=3,
+        )
     processes.become_subreaper()
     _check_expected_torch_and_transformers()
     _one_compute_thread()
@@ -296,6 +312,8 @@ def pytest_configure(config: pytest.Config) -> None:
     where = os.environ.get("FSDP_STRATEGIES_LIGHTNING_DIR")
     if lightning.__version__ != expected or (where and not Path(lightning.__file__).resolve().is_relative_to(
             Path(where).resolve())):
-        raise pytest.UsageError(f"FSDP_STRATEGIES_EXPECT_LIGHTNING={expected} (from {where}), but this run imports "
-                                f"lightning {lightning.__version__} from {lightning.__file__}. Fix: put that folder "
-                                "first on PYTHONPATH.")
+        raise pytest.UsageError(
+            f"FSDP_STRATEGIES_EXPECT_LIGHTNING={expected} (from {where}), but this run imports "
+            f"lightning {lightning.__version__} from {lightning.__file__}. Fix: put that folder "
+            "first on PYTHONPATH."
+        )

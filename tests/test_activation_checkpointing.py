@@ -88,7 +88,9 @@ def test_modes_same_gradients_less_kept_memory_and_counted_recomputation() -> No
     ref = results["none"]
     for label, r in results.items():
         for name in names:
-            torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+            torch.testing.assert_close(
+                r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-6, msg=f"{label}: {name}"
+            )
 
     kept = {k: r["kept"] for k, r in results.items()}
     assert kept["none"] > kept["selective_layer"] > kept["full"], kept
@@ -107,7 +109,11 @@ def test_modes_same_gradients_less_kept_memory_and_counted_recomputation() -> No
     assert extra("full", "silu") == L and extra("full", sdpa) == L
     assert L * (LINEARS_PER_BLOCK - 1) <= extra("full", "mm") <= L * LINEARS_PER_BLOCK
     # selective_op: cheap ops recomputed, matmuls and attention served from the cache
-    assert extra("selective_op", "silu") == L and extra("selective_op", "mm") == 0 and extra("selective_op", sdpa) == 0
+    assert (
+        extra("selective_op", "silu") == L
+        and extra("selective_op", "mm") == 0
+        and extra("selective_op", sdpa) == 0
+    )
     # every other matmul saved: 3 of 7 recomputed per block
     assert extra("selective_op_every_2nd_mm", "mm") == L * (LINEARS_PER_BLOCK // 2)
     # a user-extended op list: silu is cached too
@@ -223,7 +229,9 @@ def _analytic_flops(hp: dict, batch: int, seq: int) -> tuple[int, int]:
     dim, layers, heads = hp["dim"], hp["n_layers"], hp["n_heads"]
     kv, hidden, vocab = hp.get("n_kv_heads") or heads, hp["mlp_hidden"], hp["vocab_size"]
     head_dim = dim // heads
-    linear_params = layers * (2 * dim * heads * head_dim + 2 * dim * kv * head_dim + 3 * dim * hidden) + dim * vocab
+    linear_params = (
+        layers * (2 * dim * heads * head_dim + 2 * dim * kv * head_dim + 3 * dim * hidden) + dim * vocab
+    )
     tokens = batch * seq
     attention_fwd = layers * 2 * (2 * batch * heads * seq * seq * head_dim)  # q@k^T and p@v
     model = 3 * (2 * tokens * linear_params + attention_fwd)
@@ -237,7 +245,8 @@ def test_fsdp2_two_ranks_selective_op_config(tmp_path: Path) -> None:
     batch = 4
     run_python([
         str(WORKERS / "mfu_cli.py"), "fit", "--config", str(ROOT / "configs" / "sac_selective_op.yaml"),
-        "--trainer.max_steps", "5", "--trainer.val_check_interval", "3", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.max_steps", "5", "--trainer.val_check_interval", "3", "--trainer.default_root_dir",
+        str(tmp_path),
         "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--trainer.callbacks.window", "2",
         "--trainer.callbacks.warmup_steps", "1", "--trainer.callbacks.tokens_per_sample", str(S),
         *[f"--model.{k}={v}" for k, v in hp.items()], f"--data.vocab_size={V}", f"--data.seq_len={S}",

@@ -6,8 +6,8 @@ next step; the previous checkpoint stays, and ``ModelCheckpoint``'s removal of i
 async resume from that checkpoint that must equal the uninterrupted run exactly (4 + 4 == 8 steps).
 Plus fast single-process checks of the engine and the option's validation.
 
-``make test-full`` (the ``full`` marker, its own CI stage) adds: SIGKILL in the middle of a background write, the
-``"process"`` type, ``hsdp`` and an ``ft_hsdp`` group dying mid-write.
+``make test-full`` (the ``full`` marker, its own CI stage) adds: SIGKILL in the middle of a background write,
+the ``"process"`` type, ``hsdp`` and an ``ft_hsdp`` group dying mid-write.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def test_bad_value_is_refused_at_init(value: object) -> None:
 
 
 def test_process_type_needs_a_sharded_checkpoint() -> None:
-    with pytest.raises(ValueError, match=r"async_checkpoint='process' needs a sharded.*Fix: async_checkpoint: thread"):
+    with pytest.raises(
+        ValueError, match=r"async_checkpoint='process' needs a sharded.*Fix: async_checkpoint: thread"
+    ):
         DDPHooksStrategy(async_checkpoint="process")
     with pytest.raises(ValueError, match="needs a sharded"):
         FSDP2Strategy(async_checkpoint="process", save_distributed_checkpoint=False)
@@ -69,7 +71,8 @@ def test_process_type_needs_a_sharded_checkpoint() -> None:
     assert validate_async_checkpoint(None) == validate_async_checkpoint(False) == "off"
 
 
-# ---------------------------------------------------------------------------------------------- engine, one process
+# ---------------------------------------------------------------------------------------------- engine, one
+# process
 def test_full_file_writer_commits_in_background_and_defers_removals(tmp_path: Path, monkeypatch) -> None:
     """One process: the save returns before the file exists; a removal waits for the commit; a second save
     waits for the first; the written file is the state at save time."""
@@ -95,18 +98,23 @@ def test_full_file_writer_commits_in_background_and_defers_removals(tmp_path: Pa
     checkpointer.poll()  # still running: nothing happens
     assert checkpointer.in_flight and old.exists()
     threading.Timer(0.5, gate.set).start()
-    checkpointer.save_full({"state_dict": {"w": weights}}, tmp_path / "b.ckpt", is_rank_zero=True)  # waits for a
+    # waits for a
+    checkpointer.save_full({"state_dict": {"w": weights}}, tmp_path / "b.ckpt", is_rank_zero=True)
     assert first.is_file() and not old.exists()  # committed, then the deferred removal ran
     checkpointer.finish()
     assert not checkpointer.in_flight
     monkeypatch.setattr(engine.torch, "save", real_save)
     assert verify_checkpoint(first).ok
     assert torch.equal(torch.load(first, weights_only=True)["state_dict"]["w"], torch.arange(4.0))
-    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["state_dict"]["w"], torch.arange(4.0) + 100)
+    assert torch.equal(
+        torch.load(tmp_path / "b.ckpt", weights_only=True)["state_dict"]["w"], torch.arange(4.0) + 100
+    )
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_background_error_is_raised_at_the_next_poll_and_keeps_the_previous(tmp_path: Path, monkeypatch) -> None:
+def test_background_error_is_raised_at_the_next_poll_and_keeps_the_previous(
+    tmp_path: Path, monkeypatch
+) -> None:
     import fsdp_strategies.checkpoint.async_writer as engine
 
     def failing_save(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -123,7 +131,8 @@ def test_background_error_is_raised_at_the_next_poll_and_keeps_the_previous(tmp_
     deadline = time.monotonic() + 60
     while checkpointer._write is not None and checkpointer._write.running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(AsyncCheckpointError, match=r"last.ckpt failed \(rank 0: OSError.*injected.*previous checkpoint "
+    with pytest.raises(AsyncCheckpointError,
+                       match=r"last.ckpt failed \(rank 0: OSError.*injected.*previous checkpoint "
                                                    r"is untouched. Fix:"):
         checkpointer.poll()
     assert previous.read_bytes() == b"previous checkpoint" and other.exists()  # removal dropped
@@ -148,7 +157,8 @@ def test_sharded_writer_single_process(tmp_path: Path) -> None:
 def test_sharded_writer_default_group_without_cpu_backend(tmp_path: Path) -> None:
     """One GPU (world size 1, NCCL alone) as the GPU harness first ran it: DCP's async_save refuses a default
     group without a CPU backend. Reproduced here with a ``cuda:gloo`` default group (gloo bound to CUDA only).
-    Three saves with one writer: torch 2.11's stager also staged only once (see ``default_stager_reusable``)."""
+    Three saves with one writer: torch 2.11's stager also staged only once (see
+    ``default_stager_reusable``)."""
     import torch.distributed as dist
 
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -164,10 +174,13 @@ def test_sharded_writer_default_group_without_cpu_backend(tmp_path: Path) -> Non
     for step in range(3):
         assert verify_checkpoint(tmp_path / f"s{step}.ckpt").ok
         assert export_main([str(tmp_path / f"s{step}.ckpt"), str(tmp_path / f"p{step}.pt")]) == 0
-        assert torch.equal(torch.load(tmp_path / f"p{step}.pt", weights_only=True)["w"], torch.full((2, 3), step * 1.0))
+        assert torch.equal(
+            torch.load(tmp_path / f"p{step}.pt", weights_only=True)["w"], torch.full((2, 3), step * 1.0)
+        )
 
 
-# ---------------------------------------------------------------------------------------------- real processes
+# ---------------------------------------------------------------------------------------------- real
+# processes
 @pytest.mark.multiprocess
 @pytest.mark.torch_range
 def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tmp_path: Path) -> None:
@@ -175,8 +188,8 @@ def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tm
     # 8 straight steps with async saves at steps 4 and 8 (top-1, no `last`); the second background write fails
     # on rank 1. fit must not return normally: the error is raised on every rank (at the latest when training
     # ends), step=4 stays (ModelCheckpoint's removal of it was deferred, then dropped), no half checkpoint.
-    straight, proc = _run(tmp_path, "straight", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--save-last", "0",
-                          "--option", "async_checkpoint='thread'", "--break-write", "2:fail",
+    straight, proc = _run(tmp_path, "straight", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--save-last",
+                          "0", "--option", "async_checkpoint='thread'", "--break-write", "2:fail",
                           "--record-at-train-end", "1", check=False)
     output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
     assert proc.returncode != 0, output[-3000:]  # type: ignore[attr-defined]
@@ -186,7 +199,8 @@ def test_fsdp2_failed_write_is_loud_and_resume_from_async_checkpoint_is_exact(tm
         output[-4000:]
     assert _listing(ckpt) == ["step=4.ckpt"], _listing(ckpt)
     assert verify_checkpoint(ckpt / "step=4.ckpt").ok
-    assert export_main([str(ckpt / "step=4.ckpt"), str(tmp_path / "exported.pt")]) == 0  # fsdp-strategies-export
+    # fsdp-strategies-export
+    assert export_main([str(ckpt / "step=4.ckpt"), str(tmp_path / "exported.pt")]) == 0
 
     # Exact resume from the async checkpoint: 4 steps + save + resume + 4 steps == 8 straight steps. It saves
     # asynchronously again with top-1 + `last`: the second save of each event waits for the first, said once.
@@ -214,7 +228,8 @@ def test_sigkill_during_background_write_keeps_previous(tmp_path: Path) -> None:
                         "--option", "async_checkpoint='thread'", "--break-write", "2:kill", check=False)
     assert killed is None and proc.returncode != 0  # type: ignore[attr-defined]
     assert "SIGKILL in the middle of the background write" in proc.stderr  # type: ignore[attr-defined]
-    assert _listing(ckpt) == ["step=2.ckpt", "step=4.ckpt.tmp"], _listing(ckpt)  # shards written, never committed
+    # shards written, never committed
+    assert _listing(ckpt) == ["step=2.ckpt", "step=4.ckpt.tmp"], _listing(ckpt)
     assert verify_checkpoint(ckpt / "step=2.ckpt").ok
     assert export_main([str(ckpt / "step=2.ckpt"), str(tmp_path / "exported.pt")]) == 0
     again, _ = _run(tmp_path, "again", "--resume", str(ckpt / "step=2.ckpt"), "--ckpt-dir", str(ckpt),
@@ -245,12 +260,14 @@ def test_async_resume_is_exact_other_types(tmp_path: Path, strategy: str) -> Non
 @pytest.mark.multiprocess
 @pytest.mark.full
 def test_ft_hsdp_group_dying_mid_write_leaves_no_half_checkpoint(tmp_path: Path) -> None:
-    """2 replica groups x 2 ranks: group 0 (the writer) dies in the middle of its second background write (step 4);
-    group 1 trains on alone, becomes the writer, and its next save succeeds; step 4 never appears."""
+    """2 replica groups x 2 ranks: group 0 (the writer) dies in the middle of its second background write
+    (step 4); group 1 trains on alone, becomes the writer, and its next save succeeds; step 4 never
+    appears."""
     from test_ft_hsdp import FT, _launch
 
     ckpt = tmp_path / "ckpt"
-    _launch(tmp_path, "ft", [*FT, "--trainer.max_steps", "12", "--trainer.strategy.init_args.async_checkpoint", "thread"],
+    _launch(tmp_path, "ft",
+            [*FT, "--trainer.max_steps", "12", "--trainer.strategy.init_args.async_checkpoint", "thread"],
             ["--min-replicas", "1", "--max-restarts", "1"],
             {"FT_TEST_CKPT": str(ckpt), "FT_TEST_CKPT_EVERY": "2", "FT_TEST_BREAK_WRITE": "0:2",
              "FT_TEST_SLEEP_ALONE": "1.0"}, timeout=600)

@@ -106,7 +106,9 @@ def test_ratio_intervals_and_the_aa_pair_that_withholds_verdicts() -> None:
     assert common.contender("fsdp2_aa").worker_name == "fsdp2"  # the twin runs the same job
 
 
-def test_a_failed_round_is_rerun_so_contenders_stay_paired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_round_is_rerun_so_contenders_stay_paired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real runner (run_worker, summarise, ratios, JSON, table) with fake contender jobs; no training.
 
     ``flaky`` aborts at exit in its first job of round 2 (after writing a result, as gloo jobs did):
@@ -119,36 +121,52 @@ def test_a_failed_round_is_rerun_so_contenders_stay_paired(tmp_path: Path, monke
     monkeypatch.setenv("BENCH_FAKE_LOG", str(log))
     # the seam where a contender's job is started: the same process handling, a plain python command
     monkeypatch.setattr(common, "worker_command",
-                        lambda script, nproc, args, out: [sys.executable, str(script), *args, "--out", str(out)])
+                        lambda script, nproc, args, out: [sys.executable, str(script), *args, "--out",
+                                                          str(out)])
     contenders = [common.Contender(n, str(fake), "torch", f"fake {n}") for n in ("steady", "flaky", "broken")]
     specs = [common.RatioSpec("flaky", "steady", 2.5), common.RatioSpec("broken", "steady", 1.0)]
-    result = common.run_timing_suite("fake", contenders[:2], specs[:1], sizes=["tiny"], ranks=[1], reps=2, steps=2,
-                                     warmup=1, precision="32-true", out_dir=tmp_path, quick=True, show_progress=False)
+    result = common.run_timing_suite("fake", contenders[:2], specs[:1], sizes=["tiny"], ranks=[1], reps=2,
+                                     steps=2, warmup=1, precision="32-true", out_dir=tmp_path, quick=True,
+                                     show_progress=False)
     # round 2 runs in the rotated order (flaky first): its failed attempt is run again, in the same order
     assert log.read_text().split("\n")[:-1] == ["steady 0", "flaky 0", "flaky 1", "steady 1", "flaky 1",
                                                 "steady 1"]
     saved = json.loads(Path(result["json_path"]).read_text())
     [case] = saved["cases"]
     for name in ("steady", "flaky"):
-        assert len(case["contenders"][name]["rep_medians_s"]) == 2 and case["contenders"][name]["errors"] == []
+        assert (
+            len(case["contenders"][name]["rep_medians_s"]) == 2 and case["contenders"][name]["errors"] == []
+        )
     ratio = case["ratios"]["flaky/steady"]
-    assert ratio["per_round"] == pytest.approx([2.0, 2.0]) and ratio["rounds_paired"] == 2 and ratio["met"] is True
+    assert (
+        ratio["per_round"] == pytest.approx([2.0, 2.0])
+        and ratio["rounds_paired"] == 2
+        and ratio["met"] is True
+    )
     [failure] = case["failures"]
-    assert (failure["contender"], failure["round"], failure["attempt"], failure["returncode"], failure["outcome"]) == (
+    assert (failure["contender"], failure["round"], failure["attempt"], failure["returncode"],
+            failure["outcome"]) == (
         "flaky", 1, 0, 134, "round re-run")
     assert failure["stderr_tail"][-1] == "terminate called without an active exception"
     table = common.format_summary(saved)
-    assert "[2/2 rounds]" in table and "FAILED, round re-run: size=tiny ranks=1 flaky round 2 try 1: exit 134" in table
+    assert (
+        "[2/2 rounds]" in table
+        and "FAILED, round re-run: size=tiny ranks=1 flaky round 2 try 1: exit 134" in table
+    )
     assert "| terminate called without an active exception" in table
 
     log.unlink()
-    result = common.run_timing_suite("fake", [contenders[0], contenders[2]], specs[1:], sizes=["tiny"], ranks=[1],
+    result = common.run_timing_suite("fake", [contenders[0], contenders[2]], specs[1:], sizes=["tiny"],
+                                     ranks=[1],
                                      reps=1, steps=2, warmup=1, precision="32-true", out_dir=tmp_path / "b",
                                      quick=True, show_progress=False)
     assert log.read_text().split("\n")[:-1] == ["steady 0", "broken 0"] * 3  # 1 + ROUND_RETRIES attempts
     [case] = result["cases"]
     assert [f["outcome"] for f in case["failures"]] == ["round re-run", "round re-run", "round incomplete"]
-    assert case["ratios"]["broken/steady"]["value"] is None and case["ratios"]["broken/steady"]["rounds_paired"] == 0
+    assert (
+        case["ratios"]["broken/steady"]["value"] is None
+        and case["ratios"]["broken/steady"]["rounds_paired"] == 0
+    )
     assert case["contenders"]["steady"]["rep_medians_s"] == [pytest.approx(0.01)]
     table = common.format_summary(result)
     assert "ERROR size=tiny ranks=1 broken round 1 try 3: exit 1" in table
@@ -194,15 +212,16 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     # fsdp (both worker scripts: Lightning fit and the plain torch loop, 1 rank, 2 interleaved
     # rounds of 2 steps) and memory (fsdp2 vs Lightning ddp on 2 ranks) in one invocation.
     proc = run_python(
-        ["benchmarks/run.py", "fsdp", "memory", "--quick", "--contenders", "fsdp2", "torch_fsdp2", "lightning_ddp",
-         "--out-dir", str(tmp_path)],
+        ["benchmarks/run.py", "fsdp", "memory", "--quick", "--contenders", "fsdp2", "torch_fsdp2",
+         "lightning_ddp", "--out-dir", str(tmp_path)],
         timeout=900,
     )
     assert "fsdp2/torch_fsdp2" in proc.stdout and "fsdp2/lightning_ddp" in proc.stdout
 
     fsdp = json.loads(_one("fsdp-*.json", tmp_path).read_text())
     assert fsdp["suite"] == "fsdp" and fsdp["device"] and fsdp["device_name"]
-    assert fsdp["host_cpu_count"] == os.cpu_count() and fsdp["host_load_at_start"] >= 0  # how busy the host was
+    # how busy the host was
+    assert fsdp["host_cpu_count"] == os.cpu_count() and fsdp["host_load_at_start"] >= 0
     for dist in ("torch", "lightning", "torchft"):
         assert fsdp["versions"][dist] == md.version(dist)
     cfg = fsdp["config"]
@@ -213,7 +232,9 @@ def test_runner_quick_mode_writes_real_results(tmp_path: Path) -> None:
     for name in ("fsdp2", "torch_fsdp2"):
         rec = case["contenders"][name]
         assert rec["errors"] == []
-        assert len(rec["samples_s"]) == 2 and all(len(s) == 2 and _positive_floats(s) for s in rec["samples_s"])
+        assert len(rec["samples_s"]) == 2 and all(
+            len(s) == 2 and _positive_floats(s) for s in rec["samples_s"]
+        )
         assert all(len(w) == 1 and _positive_floats(w) for w in rec["warmup_samples_s"])
         assert rec["rep_medians_s"] == [statistics.median(s) for s in rec["samples_s"]]
         assert rec["median_s"] == statistics.median([x for s in rec["samples_s"] for x in s])
@@ -267,8 +288,13 @@ def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None
         rec = result["contenders"][name]
         assert rec["errors"] == []
         [run] = rec["runs"]
-        assert run["checkpoints"] == 2 and run["checkpoint_bytes"] > 12 * run["params"]  # weights + AdamW moments
-        assert len(run["stalls_s"]) == 2 and _positive_floats(run["stalls_s"]) and _positive_floats([run["cpu_s"]])
+        # weights + AdamW moments
+        assert run["checkpoints"] == 2 and run["checkpoint_bytes"] > 12 * run["params"]
+        assert (
+            len(run["stalls_s"]) == 2
+            and _positive_floats(run["stalls_s"])
+            and _positive_floats([run["cpu_s"]])
+        )
         assert run["median_stall_s"] == pytest.approx(statistics.median(run["stalls_s"]))
     ratio = next(r for r in result["summary"] if r["ratio"] == "stall sync/thread (x shorter)")
     sync, thread = (result["contenders"][c]["runs"][0]["median_stall_s"] for c in ("sync", "thread"))
@@ -278,9 +304,11 @@ def test_checkpoint_suite_quick_mode_measures_real_saves(tmp_path: Path) -> None
 
 @pytest.mark.multiprocess
 def test_pretrained_load_suite_quick_mode_measures_real_loads(tmp_path: Path) -> None:
-    # issue 25: peak host memory per rank while a pretrained HF model gets onto 2 ranks, ours vs from_pretrained in
-    # __init__ under Lightning's ddp; each job also checked that its ranks hold the pretrained weights
-    proc = run_python(["benchmarks/suites/pretrained_load.py", "--quick", "--contenders", "fsdp2_configure_model",
+    # issue 25: peak host memory per rank while a pretrained HF model gets onto 2 ranks, ours vs
+    # from_pretrained in __init__ under Lightning's ddp; each job also checked that its ranks hold the
+    # pretrained weights
+    proc = run_python(["benchmarks/suites/pretrained_load.py", "--quick", "--contenders",
+                       "fsdp2_configure_model",
                        "init_from_pretrained", "--out-dir", str(tmp_path)], timeout=600)
     assert "fsdp2_configure_model: peak anonymous / (model/N)" in proc.stdout
     result = json.loads(_one("pretrained_load-*.json", tmp_path).read_text())
@@ -299,31 +327,46 @@ def test_pretrained_load_suite_quick_mode_measures_real_loads(tmp_path: Path) ->
             for key in ("peak_growth_bytes", "peak_anon_growth_bytes"):
                 assert rec["worst_rank"][key] == max(r["memory"][key] for r in rec["per_rank"]) > 0
     model, case = models["quick-6m"], cases[("quick-6m", 2)]
-    assert model["model_bytes"] == 4 * model["params"] and 0 < model["largest_tensor_bytes"] < model["model_bytes"]
-    for name, rec in case["contenders"].items():  # the budget: model/2 + largest tensor + the route's own overhead
+    assert (
+        model["model_bytes"] == 4 * model["params"]
+        and 0 < model["largest_tensor_bytes"] < model["model_bytes"]
+    )
+    # the budget: model/2 + largest tensor + the route's own overhead
+    for name, rec in case["contenders"].items():
         fixed = cases[("overhead", 2)]["contenders"][name]["worst_rank"]["peak_anon_growth_bytes"]
         anon = rec["targets"]["anon"]
-        assert anon["budget_bytes"] == pytest.approx(model["model_bytes"] / 2 + model["largest_tensor_bytes"] + fixed)
+        assert anon["budget_bytes"] == pytest.approx(
+            model["model_bytes"] / 2 + model["largest_tensor_bytes"] + fixed
+        )
         assert anon["met"] == (rec["worst_rank"]["peak_anon_growth_bytes"] <= anon["budget_bytes"])
     ours, base = (case["contenders"][n]["worst_rank"]["peak_anon_growth_bytes"]
                   for n in ("fsdp2_configure_model", "init_from_pretrained"))
-    # measured, not assumed: no rank of ours allocates the full model; the __init__ route allocates more than it
+    # measured, not assumed: no rank of ours allocates the full model; the __init__ route allocates more than
+    # it
     assert ours < model["model_bytes"] < base
     assert _one("pretrained_load-*.png", tmp_path).read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.subprocess
 def test_sac_suite_quick_mode_measures_modes_budget_and_offload(tmp_path: Path) -> None:
-    # issue 28: every checkpointing mode, budget at 0.25/0.5/0.75 and at the fixed modes' kept bytes, offload, on
-    # the example and an HF Llama (tiny); one process. Bytes and FLOPs are exact, so they are checked; times are not.
+    # issue 28: every checkpointing mode, budget at 0.25/0.5/0.75 and at the fixed modes' kept bytes, offload,
+    # on the example and an HF Llama (tiny); one process. Bytes and FLOPs are exact, so they are checked;
+    # times are not.
     from suites import sac
 
     proc = run_python(["benchmarks/suites/sac.py", "--quick", "--out-dir", str(tmp_path)], timeout=300)
     assert "| `budget@selective_layer` |" in proc.stdout
     result = json.loads(_one("sac-*.json", tmp_path).read_text())
     cfg = result["config"]
-    assert list(cfg["contenders"]) == list(sac.CONTENDERS) and (cfg["reps"], cfg["steps"], cfg["warmup"]) == (1, 2, 1)
-    assert [(c["size"], c["family"]) for c in result["cases"]] == [("tiny", "example"), ("hf-llama-tiny", "hf_llama")]
+    assert list(cfg["contenders"]) == list(sac.CONTENDERS) and (cfg["reps"], cfg["steps"], cfg["warmup"]) == (
+        1,
+        2,
+        1,
+    )
+    assert [(c["size"], c["family"]) for c in result["cases"]] == [
+        ("tiny", "example"),
+        ("hf-llama-tiny", "hf_llama"),
+    ]
     for case in result["cases"]:
         recs = case["contenders"]
         assert case["skipped"] == case["failed"] == {} and list(recs) == list(sac.CONTENDERS), case
@@ -332,7 +375,9 @@ def test_sac_suite_quick_mode_measures_modes_budget_and_offload(tmp_path: Path) 
             assert len(rec["step_s"]) == 2 and _positive_floats(rec["step_s"]), name
             assert rec["median_step_s"] == statistics.median(rec["step_s"])
             assert rec["kept_vs_none"] == rec["kept_bytes"] / none["kept_bytes"]
-            assert rec["time_vs_none"] == statistics.median(t / b for t, b in zip(rec["step_s"], none["step_s"]))
+            assert rec["time_vs_none"] == statistics.median(
+                t / b for t, b in zip(rec["step_s"], none["step_s"])
+            )
             assert rec["model_flops"] == none["model_flops"] > 0  # recomputation never counts as model FLOPs
             assert 0 <= rec["recompute_flops"] <= recs["full"]["recompute_flops"], name
             grads = rec["gradients"]  # the suite stops if any contender's gradients differ from none's
@@ -341,28 +386,49 @@ def test_sac_suite_quick_mode_measures_modes_budget_and_offload(tmp_path: Path) 
             per = rec["memory_saved_pct_per_pct_time_lost"]
             assert per is None or per == pytest.approx(rec["memory_saved_pct"] / rec["time_overhead_pct"])
         assert none["recompute_flops"] == 0 and recs["full"]["recompute_flops"] > 0
-        assert recs["full"]["kept_bytes"] < recs["selective_op_2nd_mm"]["kept_bytes"] < recs["selective_op"]["kept_bytes"]
+        assert (
+            recs["full"]["kept_bytes"]
+            < recs["selective_op_2nd_mm"]["kept_bytes"]
+            < recs["selective_op"]["kept_bytes"]
+        )
         assert recs["selective_layer"]["kept_bytes"] < none["kept_bytes"]
         budgets = [recs[f"budget_{b}"] for b in ("0.25", "0.5", "0.75")]
-        assert budgets[0]["kept_bytes"] < budgets[1]["kept_bytes"] < budgets[2]["kept_bytes"] < none["kept_bytes"]
+        assert (
+            budgets[0]["kept_bytes"]
+            < budgets[1]["kept_bytes"]
+            < budgets[2]["kept_bytes"]
+            < none["kept_bytes"]
+        )
         for name, rec in recs.items():
             b = rec.get("budget")
             assert (b is not None) == name.startswith("budget"), name
             if b:  # measured on a step after planning; the target is a fraction of none's measured kept bytes
                 assert b["target_bytes"] == b["memory_budget"] * none["kept_bytes"]
-                assert b["measured_over_target"] == rec["kept_bytes"] / b["target_bytes"] <= 1.05 and b["met"], name
+                assert (
+                    b["measured_over_target"] == rec["kept_bytes"] / b["target_bytes"] <= 1.05 and b["met"]
+                ), name
                 assert b["measured_bytes"] > 0 and b["predicted_bytes"] <= b["target_bytes"] * 1.05
-        for fixed in sac.MATCHED:  # budget at the fixed mode's measured fraction: equal bytes, FLOPs side by side
+        # budget at the fixed mode's measured fraction: equal bytes, FLOPs side by side
+        for fixed in sac.MATCHED:
             target = recs[f"budget@{fixed}"]["budget"]["memory_budget"]
             assert recs[fixed]["kept_vs_none"] <= target <= recs[fixed]["kept_vs_none"] + 1e-6
         assert [c["fixed"] for c in case["equal_bytes"]] == list(sac.MATCHED)
         for cmp in case["equal_bytes"]:
-            assert cmp["recompute_flops"] == [recs[cmp["fixed"]]["recompute_flops"], recs[cmp["budget"]]["recompute_flops"]]
-        # offload: on the CPU the host copies are in the same memory, so kept bytes grow; what stays off them is less
-        for name, blocks in (("offload", 2), ("selective_layer+offload", 1)):  # 2 blocks; selective_layer checkpoints 1
+            assert cmp["recompute_flops"] == [
+                recs[cmp["fixed"]]["recompute_flops"],
+                recs[cmp["budget"]]["recompute_flops"],
+            ]
+        # offload: on the CPU the host copies are in the same memory, so kept bytes grow; what stays off them
+        # is less
+        # 2 blocks; selective_layer checkpoints 1
+        for name, blocks in (("offload", 2), ("selective_layer+offload", 1)):
             rec = recs[name]
             assert rec["offloaded_blocks"] == blocks and rec["offloaded_bytes"] > 0
-            assert rec["kept_on_device_bytes"] == rec["kept_bytes"] - rec["offloaded_bytes"] < none["kept_bytes"] / 2
+            assert (
+                rec["kept_on_device_bytes"]
+                == rec["kept_bytes"] - rec["offloaded_bytes"]
+                < none["kept_bytes"] / 2
+            )
         assert recs["selective_layer+offload"]["offloaded_bytes"] < recs["offload"]["offloaded_bytes"]
     rows = [r for r in result["summary"] if r.get("target") == 1.05]
     assert len(rows) == 10 and all(r["met"] for r in rows)
@@ -375,9 +441,15 @@ def test_tensor_parallel_suite_quick_mode_measures_real_tp_runs(tmp_path: Path) 
     # ModelParallelStrategy with the same plan written by hand, 1 x 2 on 2 ranks, one round of 2 steps
     proc = run_python(["benchmarks/run.py", "tensor_parallel", "--quick", "--contenders", "fsdp2_tp2",
                        "lightning_mp_tp2", "--out-dir", str(tmp_path)], timeout=600)
-    assert "step time fsdp2_tp2/lightning_mp_tp2" in proc.stdout and "bytes per rank fsdp2_tp2/lightning_mp_tp2" in proc.stdout
+    assert (
+        "step time fsdp2_tp2/lightning_mp_tp2" in proc.stdout
+        and "bytes per rank fsdp2_tp2/lightning_mp_tp2" in proc.stdout
+    )
     result = json.loads(_one("tensor_parallel-*.json", tmp_path).read_text())
-    assert result["config"]["ranks"] == [2] and set(result["config"]["contenders"]) == {"fsdp2_tp2", "lightning_mp_tp2"}
+    assert result["config"]["ranks"] == [2] and set(result["config"]["contenders"]) == {
+        "fsdp2_tp2",
+        "lightning_mp_tp2",
+    }
     assert "correctness of cost" in result["note"]
     [case] = result["cases"]
     assert case["failures"] == [] and case["size"] == "tiny"
@@ -399,9 +471,14 @@ def test_tensor_parallel_suite_quick_mode_measures_real_tp_runs(tmp_path: Path) 
         assert len(rec["memory_per_rank"]) == 2  # every rank reports, from its own process
         for mem in rec["memory_per_rank"]:  # measured, not assumed: the tensor-parallel split is real
             assert mem["param_bytes"] == 4 * (whole + (case["params"] - whole) // 2)
-            assert mem["grad_bytes"] == mem["param_bytes"] and mem["optimizer_state_bytes"] >= 2 * mem["param_bytes"]
-    assert case["worst_rank_bytes"]["fsdp2_tp2"]["total_bytes"] == case["worst_rank_bytes"]["lightning_mp_tp2"][
-        "total_bytes"]  # the same plan, the same shards
+            assert (
+                mem["grad_bytes"] == mem["param_bytes"]
+                and mem["optimizer_state_bytes"] >= 2 * mem["param_bytes"]
+            )
+    assert (
+        case["worst_rank_bytes"]["fsdp2_tp2"]["total_bytes"]
+        == case["worst_rank_bytes"]["lightning_mp_tp2"]["total_bytes"]
+    )  # the same plan, the same shards
     memory = case["memory_ratios"]["fsdp2_tp2/lightning_mp_tp2"]
     assert memory["value"] == 1.0 and memory["target"] == 1.05 and memory["met"] is True
     ratio = case["ratios"]["fsdp2_tp2/lightning_mp_tp2"]
@@ -412,7 +489,8 @@ def test_tensor_parallel_suite_quick_mode_measures_real_tp_runs(tmp_path: Path) 
 
 @pytest.mark.subprocess
 def test_pretrained_load_worker_fails_a_load_that_is_not_the_pretrained_weights(tmp_path: Path) -> None:
-    # the guard that keeps a broken load from looking cheap: a reference loss the weights do not give fails the job
+    # the guard that keeps a broken load from looking cheap: a reference loss the weights do not give fails
+    # the job
     from suites import pretrained_load
 
     facts = pretrained_load.save_model("overhead", tmp_path / "model")
@@ -421,8 +499,10 @@ def test_pretrained_load_worker_fails_a_load_that_is_not_the_pretrained_weights(
     assert spec["loss"] == facts["ref_loss"]
     spec["loss"] += 0.01
     ref.write_text(json.dumps(spec))
-    proc = run_python([str(BENCH / "workers" / "pretrained_load.py"), "--contender", "transformers_single", "--folder",
-                       str(tmp_path / "model"), "--ref", str(ref), "--out", str(tmp_path / "out.json")], check=False)
+    proc = run_python([str(BENCH / "workers" / "pretrained_load.py"), "--contender", "transformers_single",
+                       "--folder",
+                       str(tmp_path / "model"), "--ref", str(ref), "--out", str(tmp_path / "out.json")],
+                       check=False)
     assert proc.returncode != 0 and "the loaded weights are not the pretrained ones" in proc.stderr
     assert json.loads((tmp_path / "out.json").read_text())["weights_ok"] is False
 
@@ -430,7 +510,8 @@ def test_pretrained_load_worker_fails_a_load_that_is_not_the_pretrained_weights(
 def test_ft_recovery_goodput_counts_committed_samples_not_steps() -> None:
     from suites.ft_recovery import REFERENCE, _goodput
 
-    # 2 groups, 4 samples each per step; group 1 is down for steps 3-4: those steps commit only group 0's samples
+    # 2 groups, 4 samples each per step; group 1 is down for steps 3-4: those steps commit only group 0's
+    # samples
     def rec(t: float, group: int, step: int, samples: int) -> dict:
         return {"t": t, "group": group, "step": step, "committed": True, "data_samples": samples}
 
@@ -441,11 +522,14 @@ def test_ft_recovery_goodput_counts_committed_samples_not_steps() -> None:
     assert good["samples"] == 4 * 5 + 4 * 3  # the first record's samples precede the span
     assert good["samples_per_s"] == pytest.approx(32 / 5) and good["steps_per_s"] == pytest.approx(1.0)
     # hsdp's step log has no per-step samples: committed steps x the global batch
-    hsdp = _goodput({"timelines": {"job": [{"t": float(i), "step": i, "committed": True} for i in range(1, 7)]}},
-                    global_batch=8)
+    hsdp = _goodput(
+        {"timelines": {"job": [{"t": float(i), "step": i, "committed": True} for i in range(1, 7)]}},
+        global_batch=8,
+    )
     assert hsdp["samples"] == 5 * 8
     # each faulty run is compared with the fault-free run of its own sync mode (any restart mechanism)
-    assert REFERENCE == {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault_fork",
+    assert REFERENCE == {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault",
+                         "ft_faults_fork": "ft_nofault_fork",
                          "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
                          "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}
 
@@ -474,8 +558,12 @@ def test_ft_recovery_local_loss_is_measured_against_the_rate_around_each_fault()
            "timelines": {"0": rows}}
     losses = _local_losses(run, global_batch=10)
     assert [x["fault_t"] for x in losses] == [60.0, 150.0]  # the last one's windows pass the end of the run
-    assert losses[0]["rate"] == pytest.approx(100.0, rel=0.01) and losses[0]["lost_s"] == pytest.approx(3.0, abs=0.11)
-    assert losses[1]["rate"] == pytest.approx(120.0, rel=0.01) and losses[1]["lost_s"] == pytest.approx(0.0, abs=0.11)
+    assert losses[0]["rate"] == pytest.approx(100.0, rel=0.01) and losses[0]["lost_s"] == pytest.approx(
+        3.0, abs=0.11
+    )
+    assert losses[1]["rate"] == pytest.approx(120.0, rel=0.01) and losses[1]["lost_s"] == pytest.approx(
+        0.0, abs=0.11
+    )
     # hsdp: steps redone after a restart (back to the checkpoint at step 500) add no samples
     job = [{"t": 0.1 * i, "step": i, "committed": True} for i in range(1, 601)]
     job += [{"t": 60.0 + 0.1 * k, "step": 500 + k, "committed": True} for k in range(1, 1001)]
@@ -498,7 +586,10 @@ def test_ft_recovery_step_time_and_what_a_fault_leaves_behind() -> None:
             t += step_s
         return out
 
-    run = {"kills": [{"t": 50.0, "group": 1}, {"t": 100.0, "group": 1}], "timelines": {"0": rows(0), "1": rows(1)}}
+    run = {
+        "kills": [{"t": 50.0, "group": 1}, {"t": 100.0, "group": 1}],
+        "timelines": {"0": rows(0), "1": rows(1)},
+    }
     assert _step_time(run, groups=2) == pytest.approx(0.060)  # the lone steps are left out
     post = _post_fault_step_ratios(run, groups=2)
     assert [x["fault_t"] for x in post] == [50.0, 100.0]
@@ -600,7 +691,8 @@ def test_ft_sync_compare_seeds_pick_the_chain_and_the_initialisation(monkeypatch
 
     import ft_sync_compare
 
-    # the floor is the true chain's loss on the seed's held-out set: below uniform guessing, different per seed
+    # the floor is the true chain's loss on the seed's held-out set: below uniform guessing, different per
+    # seed
     floors = [ft_sync_compare.bayes_floor(64, seed) for seed in (0, 1)]
     assert all(0 < f < math.log(64) for f in floors) and floors[0] != floors[1]
     # the launched job gets the seed's data and a shifted seed_everything (seed 0: the configs as they are)
@@ -620,7 +712,9 @@ def test_ft_sync_compare_seeds_pick_the_chain_and_the_initialisation(monkeypatch
             ft_sync_compare.run(mode, 8, 4, Path("/nonexistent"), 16, 0, {"outer_momentum": 0.5})
     zero, three, diloco, every = seen
     assert zero[zero.index("--data.seed") + 1] == "0" and "--seed_everything" not in zero
-    assert three[three.index("--data.seed") + 1] == "3" and three[three.index("--seed_everything") + 1] == "1237"
+    assert (
+        three[three.index("--data.seed") + 1] == "3" and three[three.index("--seed_everything") + 1] == "1237"
+    )
     assert diloco[diloco.index("--trainer.strategy.init_args.outer_momentum") + 1] == "0.5"
     assert not any("outer_momentum" in a for a in every + zero)
 
@@ -668,7 +762,9 @@ def test_ft_recovery_pool_combines_rounds_of_one_configuration(tmp_path: Path) -
             round_dir("c", None, [1.7, 3.1, -0.1])]
     result = _pool(dirs, tmp_path / "out")
     fig = result["figures"]["ft_faults_fork"]
-    assert fig["separate_run_ratios"] == [0.92, 0.97] and fig["separate_run_ratio_median"] == pytest.approx(0.945)
+    assert fig["separate_run_ratios"] == [0.92, 0.97] and fig["separate_run_ratio_median"] == pytest.approx(
+        0.945
+    )
     assert fig["step_normalised_ratios"] == pytest.approx([0.97, 1.02])
     assert fig["step_normalised_ratio_median"] == pytest.approx(0.995)
     assert fig["local_lost_s_pooled"] == sorted([0.8, 0.6, 1.0, 1.8, 1.4, 0.7, 2.2, 1.7, 3.1, -0.1])
@@ -693,7 +789,8 @@ def test_ft_recovery_pool_combines_rounds_of_one_configuration(tmp_path: Path) -
         _pool([str(tmp_path / "missing")], tmp_path / "out")
 
 
-# ---------------------------------------------------------------------------------------------- benchmarks/gpu.py
+# ----------------------------------------------------------------------------------------------
+# benchmarks/gpu.py
 
 
 def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -706,7 +803,12 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
     # the example's model, read from its YAML, and the arithmetic parameter count / torchtitan formula
     ex = gpu_harness.example_model()
-    assert ex["model"]["dim"] == 2048 and ex["model"]["n_kv_heads"] == 8 and ex["seq_len"] == 2048 and ex["batch"] == 4
+    assert (
+        ex["model"]["dim"] == 2048
+        and ex["model"]["n_kv_heads"] == 8
+        and ex["seq_len"] == 2048
+        and ex["batch"] == 4
+    )
     for model, seq in ((ex["model"], ex["seq_len"]), (gpu_harness.quick_model()["model"], 32),
                        ({**ex["model"], **gpu_harness.LADDER["7b"]}, 2048)):
         lm = LlamaLM(**model, max_seq_len=seq)
@@ -730,31 +832,51 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     assert best == 5 and 0 not in order and 1 not in order
     best, order = gpu_harness.bisect_largest(len(sizes), lambda i: None if i == 4 else True, lo=1)
     assert best == 1 and order == [4]
-    assert gpu_harness.is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") and not gpu_harness.is_oom("x")
+    assert gpu_harness.is_oom(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    ) and not gpu_harness.is_oom("x")
 
     # the memory bisection over the example's family, with fake probes: guards, OOMs, a known fit
     def fake_run_worker(script: str, nproc: int, args: list[str], **_: object) -> dict:
         model = json.loads(args[args.index("--model") + 1])
         params, offload = gpu_harness.llama_params(model)["total"], "--cpu-offload" in args
         if params > (8e9 if offload else 2e9):
-            raise common.WorkerError("exit 1: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
-        return {"per_rank": [{"memory": {"peak_cuda_bytes": params * 10}}], "step_times_s": [0.5], "warmup_times_s": [1.0]}
+            raise common.WorkerError(
+                "exit 1: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"
+            )
+        return {
+            "per_rank": [{"memory": {"peak_cuda_bytes": params * 10}}],
+            "step_times_s": [0.5],
+            "warmup_times_s": [1.0],
+        }
 
     monkeypatch.setattr(common, "run_worker", fake_run_worker)
     monkeypatch.setattr(gpu_harness, "host_available_bytes", lambda: 200 * 2**30)
     plan = object.__new__(gpu_harness.Plan)
-    plan.__dict__.update(example=ex, precision="bf16-mixed", ladder=list(gpu_harness.LADDER), timeout=10, env={},
-                         total_device_bytes=80 * 2**30, budget_s=None, started=time.monotonic())
+    plan.__dict__.update(example=ex, precision="bf16-mixed", ladder=list(gpu_harness.LADDER), timeout=10,
+                         env={}, total_device_bytes=80 * 2**30, budget_s=None, started=time.monotonic())
     fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})  # 1b ran in the contenders section
     no, off = fit["no_offload"], fit["cpu_offload"]
-    assert no["largest"] == "1b" and off["largest"] == "7b" and not no["inconclusive"] and not off["inconclusive"]
-    assert [p["size"] for p in no["probes"]] == ["13b", "3b"] and "GiB on the device" in no["probes"][0]["not_started"]
+    assert (
+        no["largest"] == "1b"
+        and off["largest"] == "7b"
+        and not no["inconclusive"]
+        and not off["inconclusive"]
+    )
+    assert [p["size"] for p in no["probes"]] == ["13b", "3b"] and "GiB on the device" in no["probes"][0][
+        "not_started"
+    ]
     assert no["probes"][1]["why"] == "out of memory" and no["probes"][1]["fits"] is False
-    assert [p["size"] for p in off["probes"]] == ["13b", "3b", "7b"] and "host RAM" in off["probes"][0]["not_started"]
+    assert [p["size"] for p in off["probes"]] == ["13b", "3b", "7b"] and "host RAM" in off["probes"][0][
+        "not_started"
+    ]
     assert off["probes"][2]["fits"] is True and off["probes"][2]["peak_cuda_bytes"] > 0
-    monkeypatch.setattr(common, "run_worker", lambda *a, **k: (_ for _ in ()).throw(common.WorkerError("NCCL error")))
+    monkeypatch.setattr(
+        common, "run_worker", lambda *a, **k: (_ for _ in ()).throw(common.WorkerError("NCCL error"))
+    )
     fit = gpu_harness._bisect_ladder(plan, {"median_s": 0.3})
-    assert fit["no_offload"]["largest"] == "1b" and fit["no_offload"]["inconclusive"]  # a non-OOM failure says nothing
+    # a non-OOM failure says nothing
+    assert fit["no_offload"]["largest"] == "1b" and fit["no_offload"]["inconclusive"]
     monkeypatch.undo()
 
     # bad options are named
@@ -795,13 +917,18 @@ def test_gpu_harness_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
     monkeypatch.setattr(gpu_harness, "_run_section_worker", fake_worker)
     plan = object.__new__(gpu_harness.Plan)
-    plan.__dict__.update(precision="bf16-mixed", quick=True, timeout=10, budget_s=None, started=time.monotonic())
+    plan.__dict__.update(
+        precision="bf16-mixed", quick=True, timeout=10, budget_s=None, started=time.monotonic()
+    )
     smoke = gpu_harness.section_smoke(plan, {})
     assert calls == [["a", "b", "c"], ["c"], ["b"], ["c"]]
     runs = smoke["runs"]
     assert runs["a"]["status"] == "ok" and "retried_alone" not in runs["a"]
     assert runs["b"]["status"] == "ok" and runs["b"]["retried_alone"]
-    assert "died" in runs["b"]["first_attempt"]["reason"] and "Segmentation" in runs["b"]["first_attempt"]["error_tail"][-1]
+    assert (
+        "died" in runs["b"]["first_attempt"]["reason"]
+        and "Segmentation" in runs["b"]["first_attempt"]["error_tail"][-1]
+    )
     assert runs["c"]["retried_alone"] and runs["c"]["first_attempt"]["status"] == "failed"
     assert smoke["status"] == "ok" and smoke["failed_runs"] == []
 
@@ -825,8 +952,11 @@ def test_gpu_harness_budget_arithmetic() -> None:
 @pytest.mark.subprocess
 def test_gpu_harness_budget_skips_what_cannot_finish(tmp_path: Path) -> None:
     # --quick with a 1 s budget: no section is started, each is recorded as skipped with its estimate and why
-    proc = run_python(["benchmarks/gpu.py", "--quick", "--budget-s", "1", "--out-dir", str(tmp_path)], timeout=300,
-                      env={"CUDA_VISIBLE_DEVICES": ""})
+    proc = run_python(
+        ["benchmarks/gpu.py", "--quick", "--budget-s", "1", "--out-dir", str(tmp_path)],
+        timeout=300,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert list(result["sections"]) == list(gpu_harness.SECTIONS) and result["config"]["budget_s"] == 1
@@ -846,8 +976,11 @@ def _numbers(*values: object) -> bool:
 @pytest.mark.multiprocess
 def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     # Every section of benchmarks/gpu.py in its CPU smoke mode: each part produced numbers or a skip reason.
-    proc = run_python(["benchmarks/gpu.py", "--quick", "--budget-s", "1800", "--out-dir", str(tmp_path)], timeout=900,
-                      env={"CUDA_VISIBLE_DEVICES": ""})
+    proc = run_python(
+        ["benchmarks/gpu.py", "--quick", "--budget-s", "1800", "--out-dir", str(tmp_path)],
+        timeout=900,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     result = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert result["suite"] == "gpu" and result["device"] == "cpu" and result["config"]["quick"] is True
     assert list(result["sections"]) == list(gpu_harness.SECTIONS)
@@ -859,7 +992,9 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     assert "lightning_fsdp" not in sec  # FSDP1: only with --contenders (no budget for it on a lent GPU)
     for name in ("fsdp2", "lightning_model_parallel", "torch_fsdp2"):
         rec = sec[name]
-        assert rec["errors"] == [] and _numbers(rec["median_s"], rec["tokens_per_s"], rec["peak_memory_bytes"])
+        assert rec["errors"] == [] and _numbers(
+            rec["median_s"], rec["tokens_per_s"], rec["peak_memory_bytes"]
+        )
         assert _numbers(rec["torchtitan"]["mfu"], rec["torchtitan"]["tflops"]) and rec["peak_flops"] == 1e12
         assert rec["variant"] == {"compile_blocks": False, "compile_backend": None, "cpu_offload": False}
     for name in ("fsdp2", "lightning_model_parallel"):  # MFUMonitor's own figures (Lightning contenders)
@@ -870,7 +1005,11 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
         assert 0.99 < mon["mfu_over_torchtitan"] <= 1.0
     assert _mfu_ratio_met(result)
     ratios = result["sections"]["contenders"]["ratios"]
-    assert {"fsdp2/torch_fsdp2", "fsdp2/lightning_model_parallel", "fsdp2 MFU: MFUMonitor / torchtitan formula"} <= set(ratios)
+    assert {
+        "fsdp2/torch_fsdp2",
+        "fsdp2/lightning_model_parallel",
+        "fsdp2 MFU: MFUMonitor / torchtitan formula",
+    } <= set(ratios)
     assert ratios["fsdp2/torch_fsdp2"]["value"] == pytest.approx(
         sec["fsdp2"]["rep_medians_s"][0] / sec["torch_fsdp2"]["rep_medians_s"][0])
 
@@ -878,11 +1017,16 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     assert "quick" in sec["fsdp2"]["skipped"]
     for name in ("fsdp2+compile", "torch_fsdp2+compile"):
         assert sec[name]["errors"] == [] and _numbers(sec[name]["median_s"])
-        assert sec[name]["variant"]["compile_blocks"] is True and sec[name]["variant"]["compile_backend"] == "aot_eager"
-    assert sec["fsdp2+compile"]["mfu_monitor"]["flop_source"].startswith("analytic")  # compiled: FLOPs not countable
+        assert (
+            sec[name]["variant"]["compile_blocks"] is True
+            and sec[name]["variant"]["compile_backend"] == "aot_eager"
+        )
+    # compiled: FLOPs not countable
+    assert sec["fsdp2+compile"]["mfu_monitor"]["flop_source"].startswith("analytic")
 
     sac = result["sections"]["sac"]
-    # the fixed modes and offload (budget runs bf16-mixed here: see the sac suite's own test for budget in fp32)
+    # the fixed modes and offload (budget runs bf16-mixed here: see the sac suite's own test for budget in
+    # fp32)
     assert {"none", "selective_op", "selective_op_2nd_mm", "selective_layer", "full", "offload",
             "selective_layer+offload"} <= set(sac["modes"])
     for mode, rec in sac["modes"].items():
@@ -894,18 +1038,24 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     rows = mem["strategies"]
     assert rows["fsdp2+offload"]["from_section"] == "memory" and rows["fsdp2+offload"]["cpu_offload"] is True
     assert rows["fsdp2"]["from_section"] == "contenders"
-    acc = rows["fsdp2+accumulate4"]  # accumulation 4 next to the contenders' 1: what each backward leaves held
-    assert acc["accumulate_grad_batches"] == gpu_harness.ACCUMULATE and len(acc["grad_bytes_held_after_backward"]) >= 4
+    # accumulation 4 next to the contenders' 1: what each backward leaves held
+    acc = rows["fsdp2+accumulate4"]
+    assert (
+        acc["accumulate_grad_batches"] == gpu_harness.ACCUMULATE
+        and len(acc["grad_bytes_held_after_backward"]) >= 4
+    )
     assert acc["cuda_allocated_after_backward"] is None  # CPU: no device counter
     for key, row in rows.items():
         assert row.get("skipped") or _numbers(row["peak_memory_bytes"], row["param_bytes"]), key
     assert "host" in mem["largest_fitting"]["skipped"]
 
     runs = result["sections"]["smoke"]["runs"]
-    assert set(runs) == {"fsdp2", "hsdp", "ddp_hooks:allreduce", "ddp_hooks:bf16_compress", "ddp_hooks:fp16_compress",
-                         "ddp_hooks:powersgd", "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd", "ft_hsdp",
-                         "async_checkpoint:thread", "async_checkpoint:process", "activation_offload", "straggler",
-                         "mfu_peak"}
+    assert set(runs) == {"fsdp2", "hsdp", "ddp_hooks:allreduce", "ddp_hooks:bf16_compress",
+                         "ddp_hooks:fp16_compress",
+                         "ddp_hooks:powersgd", "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd",
+                         "ft_hsdp",
+                         "async_checkpoint:thread", "async_checkpoint:process", "activation_offload",
+                         "straggler", "mfu_peak"}
     for name, rec in runs.items():
         assert rec["status"] == "ok" and rec["backend"] == "gloo" and "retried_alone" not in rec, (name, rec)
     assert runs["ddp_hooks:powersgd"]["comm_state"]["powersgd"]["numel_after_compression"] > 0
@@ -927,7 +1077,9 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
     for png in ("gpu-cpu.png", "gpu-cpu-sac.png"):
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
     pre = result["sections"]["pretrained"]
-    assert pre["weights_ok"] and pre["ref_loss"] == pytest.approx(pre["expected_ref_loss"], abs=pre["tolerance"])
+    assert pre["weights_ok"] and pre["ref_loss"] == pytest.approx(
+        pre["expected_ref_loss"], abs=pre["tolerance"]
+    )
     assert _numbers(pre["load_s"], pre["peak_host_growth_bytes"]) and pre["peak_cuda_bytes"] is None
     assert "smoke        14/14 ok" in proc.stdout and result["table"] in proc.stdout
     assert "| fsdp2 |" in gpu_harness.markdown(result) and "report_error" not in result
@@ -942,7 +1094,9 @@ def test_gpu_harness_quick_mode_on_cpu(tmp_path: Path) -> None:
         "cpu_offload": {"largest": "7b", "probes": [], "inconclusive": True}}
     text = gpu_harness.table(gpu_like)
     assert "largest fitting, no_offload: 3b" in text and "cpu_offload: 7b (inconclusive)" in text
-    assert "with cpu_offload 7b" in gpu_harness.markdown(gpu_like) and "5.00 GiB" in gpu_harness.markdown(gpu_like)
+    assert "with cpu_offload 7b" in gpu_harness.markdown(gpu_like) and "5.00 GiB" in gpu_harness.markdown(
+        gpu_like
+    )
     assert gpu_harness.plot(gpu_like, tmp_path / "g.png").exists()
     assert gpu_harness.plot_sac(gpu_like, tmp_path / "g-sac.png").exists()
 

@@ -53,7 +53,8 @@ class VisionLanguage(nn.Module):
         self.vision = nn.ModuleList([MoEBlock() for _ in range(2)])
         self.language = nn.ModuleList([MoEBlock() for _ in range(3)])
         self.head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # bare Linears: not a stack
-        self.tiny = nn.ModuleList([nn.Sequential(nn.Linear(1, 1), nn.ReLU()) for _ in range(2)])  # < 1% of the largest
+        # < 1% of the largest
+        self.tiny = nn.ModuleList([nn.Sequential(nn.Linear(1, 1), nn.ReLU()) for _ in range(2)])
 
 
 def test_towers_are_found_nested_stacks_stay_inside_their_block_and_bare_layers_are_not_blocks() -> None:
@@ -66,7 +67,7 @@ def test_towers_are_found_nested_stacks_stay_inside_their_block_and_bare_layers_
 def test_explicit_names_win_and_are_grouped_by_stack() -> None:
     model = VisionLanguage()
     assert [(s.path, len(s.blocks)) for s in find_block_stacks(model, ["Expert"])] == [
-        ("vision.0.experts", 4), ("vision.1.experts", 4), ("language.0.experts", 4), ("language.1.experts", 4),
-        ("language.2.experts", 4)]
+        ("vision.0.experts", 4), ("vision.1.experts", 4), ("language.0.experts", 4),
+        ("language.1.experts", 4), ("language.2.experts", 4)]
     with pytest.raises(BlockNotFoundError, match=r"block_class_names=\['Nope'\] matches no submodule.*Fix:"):
         find_block_stacks(model, ["Nope"])

@@ -71,8 +71,8 @@ def test_resume_is_exact_and_saves_are_atomic(tmp_path: Path) -> None:
     # checkpoint intact and loadable; resuming from it still reproduces the full run exactly.
     crash_dir = tmp_path / "crash"
     shutil.copytree(ckpt, crash_dir)
-    crashed, code = _run(tmp_path, "crashed", "--resume", str(crash_dir / "last.ckpt"), "--ckpt-dir", str(crash_dir),
-                         "--ckpt-every", "2", "--crash-on-save", "1", check=False)
+    crashed, code = _run(tmp_path, "crashed", "--resume", str(crash_dir / "last.ckpt"), "--ckpt-dir",
+                         str(crash_dir), "--ckpt-every", "2", "--crash-on-save", "1", check=False)
     assert crashed is None and code != 0
     leftovers = sorted(p.name for p in crash_dir.iterdir())
     assert any(name.endswith(".tmp") for name in leftovers), leftovers  # the interrupted write

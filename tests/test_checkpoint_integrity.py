@@ -103,16 +103,24 @@ def test_optimizer_state_maps_through_the_optimizer_order_even_when_shapes_match
     assert problems == []
     assert torch.equal(converted["state"]["0.weight"]["exp_avg"], saving.state[a]["exp_avg"])
     assert torch.equal(converted["state"]["1.weight"]["exp_avg"], saving.state[b]["exp_avg"])
-    assert not torch.equal(saving.state[a]["exp_avg"], saving.state[b]["exp_avg"])  # a wrong mapping would show
+    # a wrong mapping would show
+    assert not torch.equal(saving.state[a]["exp_avg"], saving.state[b]["exp_avg"])
     assert [g["params"] for g in converted["param_groups"]] == [["1.weight"], ["0.weight"]]
     assert converted["param_groups"][1]["weight_decay"] == 0.0
 
     # the names recorded at save time (this package's full-file saves) catch a mapping that shapes cannot
-    _, problems = optimizer_state_by_name(saved, optimizer(), names, shapes, recorded_names=[["0.weight"], ["1.weight"]])
+    _, problems = optimizer_state_by_name(
+        saved, optimizer(), names, shapes, recorded_names=[["0.weight"], ["1.weight"]]
+    )
     assert len(problems) == 2 and "group 0 maps its state to other parameters" in problems[0]
     assert "#0: 0.weight vs 1.weight" in problems[0]
     # ... as do the names of an optimizer built from named parameters
-    named = dict(saved, param_groups=[dict(g, param_names=[n]) for g, n in zip(saved["param_groups"], ["0.weight", "1.weight"])])
+    named = dict(
+        saved,
+        param_groups=[
+            dict(g, param_names=[n]) for g, n in zip(saved["param_groups"], ["0.weight", "1.weight"])
+        ],
+    )
     _, problems = optimizer_state_by_name(named, optimizer(), names, shapes)
     assert problems and "0.weight vs 1.weight" in problems[0]
 
@@ -127,7 +135,9 @@ def test_optimizer_and_model_mismatches_are_named() -> None:
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     two_groups = torch.optim.AdamW([{"params": [module[0].weight, module[0].bias]},
                                     {"params": [module[1].weight, module[1].bias]}])
-    _, problems = optimizer_state_by_name(saved, two_groups, optimizer_param_names(module, [two_groups])[0], shapes)
+    _, problems = optimizer_state_by_name(
+        saved, two_groups, optimizer_param_names(module, [two_groups])[0], shapes
+    )
     assert problems == ["the checkpoint's optimizer has 1 parameter group(s), this one 2"]
     fewer = torch.optim.AdamW([module[0].weight, module[1].weight, module[1].bias])
     _, problems = optimizer_state_by_name(saved, fewer, optimizer_param_names(module, [fewer])[0], shapes)
@@ -135,7 +145,9 @@ def test_optimizer_and_model_mismatches_are_named() -> None:
     wrong = dict(shapes, **{"0.weight": (8, 4)})
     _, problems = optimizer_state_by_name(saved, opt, names, wrong)
     assert "'exp_avg' of 0.weight is [4, 4], the parameter [8, 4]" in problems[0]
-    problems = model_mismatch({"a": (4,), "b": (2, 2), "c": (1,)}, {"a": (4,), "b": (4, 2), "d": (3,)}, strict=True)
+    problems = model_mismatch(
+        {"a": (4,), "b": (2, 2), "c": (1,)}, {"a": (4,), "b": (4, 2), "d": (3,)}, strict=True
+    )
     assert problems == ["missing in the checkpoint: c", "in the checkpoint but not in the model: d",
                         "shape differs: b checkpoint [4, 2] vs model [2, 2]"]
     assert model_mismatch({"a": (4,)}, {"a": (4,), "extra": (1,)}, strict=False) == []
@@ -195,10 +207,13 @@ def _swap(a: Path, b: Path) -> None:
 
 CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random], None], str]] = {
     "flip_bytes_in_shard": (lambda d, r: _flip(d / "__0_0.distcp", r), "__0_0.distcp: sha256 mismatch"),
-    "flip_one_byte_in_other_shard": (lambda d, r: _flip(d / "__1_0.distcp", r, 1), "__1_0.distcp: sha256 mismatch"),
-    "truncate_shard": (lambda d, r: os.truncate(d / "__1_0.distcp", r.randrange(1, (d / "__1_0.distcp").stat().st_size)),
+    "flip_one_byte_in_other_shard": (lambda d, r: _flip(d / "__1_0.distcp", r, 1),
+                                     "__1_0.distcp: sha256 mismatch"),
+    "truncate_shard": (lambda d, r: os.truncate(d / "__1_0.distcp",
+                                                r.randrange(1, (d / "__1_0.distcp").stat().st_size)),
                        "__1_0.distcp: size"),
-    "append_to_shard": (lambda d, r: (d / "__0_0.distcp").open("ab").write(r.randbytes(16)), "__0_0.distcp: size"),
+    "append_to_shard": (lambda d, r: (d / "__0_0.distcp").open("ab").write(r.randbytes(16)),
+                        "__0_0.distcp: size"),
     "delete_shard": (lambda d, r: (d / "__1_0.distcp").unlink(), "__1_0.distcp: missing"),
     "swap_shards": (lambda d, r: _swap(d / "__0_0.distcp", d / "__1_0.distcp"), "__0_0.distcp"),
     "flip_bytes_in_dcp_metadata": (lambda d, r: _flip(d / ".metadata", r, 8), ".metadata: sha256 mismatch"),
@@ -210,7 +225,9 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path, random.Random], None], str]] = {
 
 
 @pytest.mark.multiprocess
-def test_intact_checkpoint_verifies_and_exports(runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_intact_checkpoint_verifies_and_exports(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert verify_main([str(runs["sharded"])]) == 0
     assert capsys.readouterr().out.startswith("OK: ")
     assert export_main([str(runs["sharded"]), str(tmp_path / "model.pt")]) == 0
@@ -218,7 +235,8 @@ def test_intact_checkpoint_verifies_and_exports(runs: dict[str, Any], tmp_path: 
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     for name, value in runs["fsdp2"]["params"].items():
         assert torch.equal(exported[name], value), name
-    # Lightning's own ddp file: no digest -> "no manifest" (rc 2), still exportable (read without running code)
+    # Lightning's own ddp file: no digest -> "no manifest" (rc 2), still exportable (read without running
+    # code)
     assert verify_main([str(runs["ddp_file"])]) == 2
     assert capsys.readouterr().out.startswith("NO MANIFEST: ")
     assert export_main([str(runs["ddp_file"]), str(tmp_path / "ddp.pt")]) == 0
@@ -244,10 +262,14 @@ def test_every_corruption_is_detected(case: str, runs: dict[str, Any], tmp_path:
 
 
 @pytest.mark.parametrize("case", ["flip_tensor_bytes", "truncate", "digest_removed_and_data_changed"])
-def test_single_file_corruption_is_detected(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_single_file_corruption_is_detected(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     weight = torch.arange(4096, dtype=torch.float32)
     path = tmp_path / "full.ckpt"
-    atomic_save_full({"state_dict": {"w": weight}, "epoch": 3, "hyper_parameters": {"root": Path("/data")}}, path)
+    atomic_save_full(
+        {"state_dict": {"w": weight}, "epoch": 3, "hyper_parameters": {"root": Path("/data")}}, path
+    )
     assert verify_checkpoint(path).ok
     data = bytearray(path.read_bytes())
     at = data.find(weight[1000:1004].numpy().tobytes())
@@ -276,9 +298,11 @@ def test_single_file_corruption_is_detected(case: str, tmp_path: Path, capsys: p
 def test_resuming_a_corrupted_checkpoint_stops_before_training(runs: dict[str, Any], tmp_path: Path) -> None:
     folder = tmp_path / "step=4.ckpt"
     shutil.copytree(runs["sharded"], folder)
-    _flip(folder / "__0_0.distcp", random.Random(7))  # the issue's case: bytes inside a weight, size unchanged
+    # the issue's case: bytes inside a weight, size unchanged
+    _flip(folder / "__0_0.distcp", random.Random(7))
     out, ckpts = tmp_path / "resumed.pt", tmp_path / "new"
-    proc = run_python([WORKER, *COMMON[:-1], "6", "--strategy", "fsdp2", "--resume", str(folder), "--ckpt-dir",
+    proc = run_python([WORKER, *COMMON[:-1], "6", "--strategy", "fsdp2", "--resume", str(folder),
+                       "--ckpt-dir",
                        str(ckpts), "--ckpt-every", "1", "--out", str(out)], timeout=300, check=False)
     assert proc.returncode != 0
     assert f"checkpoint {folder} is corrupted: __0_0.distcp: sha256 mismatch" in proc.stderr
@@ -297,7 +321,9 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_export_and_verify_refuse_a_file_that_runs_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_and_verify_refuse_a_file_that_runs_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": _Payload(marker)}, evil)
@@ -392,7 +418,9 @@ def test_export_gives_one_line_errors(kind: str, tmp_path: Path, capsys: pytest.
     expected = _make_source(kind, src)
     assert export_main([str(src), str(out)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fsdp-strategies-export: error: ") and str(src) in lines[0], lines
+    assert (
+        len(lines) == 1 and lines[0].startswith("fsdp-strategies-export: error: ") and str(src) in lines[0]
+    ), lines
     assert expected in lines[0]
     assert not out.exists() and not out.with_name("out.pt.tmp").exists()
 
@@ -402,7 +430,9 @@ def test_export_command_process_exits_1_without_traceback(tmp_path: Path) -> Non
     src, out = tmp_path / "notes.ckpt", tmp_path / "out.pt"
     expected = _make_source("text_file", src)
     code = "import sys; from fsdp_strategies.hf.export import main; sys.exit(main())"
-    proc = processes.run([sys.executable, "-c", code, str(src), str(out)], timeout=300, env=_env(), cwd=str(ROOT))
+    proc = processes.run(
+        [sys.executable, "-c", code, str(src), str(out)], timeout=300, env=_env(), cwd=str(ROOT)
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("fsdp-strategies-export: error: ")
@@ -410,8 +440,8 @@ def test_export_command_process_exits_1_without_traceback(tmp_path: Path) -> Non
     assert not out.exists() and not out.with_name("out.pt.tmp").exists()
 
 
-# A writer as this package's saves are (an flock on `.<name>.tmp.lock` held while `<name>.tmp` is written), in a
-# bare interpreter: importing torch + lightning per child would cost seconds on a loaded machine.
+# A writer as this package's saves are (an flock on `.<name>.tmp.lock` held while `<name>.tmp` is written), in
+# a bare interpreter: importing torch + lightning per child would cost seconds on a loaded machine.
 _WRITER = """import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -432,7 +462,8 @@ except OSError:
 
 def _writer(directory: Path, name: str, mode: str) -> processes.Job:
     tmp = directory / f"{name}.tmp"
-    proc = processes.start([sys.executable, "-c", _WRITER, str(directory / f".{name}.tmp.lock"), str(tmp), mode],
+    proc = processes.start([sys.executable, "-c", _WRITER, str(directory / f".{name}.tmp.lock"), str(tmp),
+                            mode],
                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -462,6 +493,7 @@ def test_next_save_of_any_name_removes_stale_temps_but_not_live_ones(tmp_path: P
         assert not any(n.startswith(".last.ckpt") for n in names)  # our own lock is gone after the commit
     finally:
         live.kill_tree()
-    atomic_save_full({"state_dict": {}}, tmp_path / "other.ckpt")  # once its writer is gone, the next save cleans it
+    # once its writer is gone, the next save cleans it
+    atomic_save_full({"state_dict": {}}, tmp_path / "other.ckpt")
     assert not (tmp_path / "step=3.ckpt.tmp").exists()
     assert verify_checkpoint(tmp_path / "last.ckpt").ok

@@ -65,10 +65,12 @@ print("MEMORY:", sorted(fsspec.filesystem("memory").find("/run")))
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp_hooks"])
-def test_a_url_checkpoint_dir_is_refused_before_training_or_written_there(tmp_path: Path, strategy: str) -> None:
-    # before the URL check: the fit "succeeded" and wrote ./memory:/run/*.ckpt (fsdp2 and ddp_hooks) -- the URL
-    # collapsed into a local relative path. Now fsdp2 writes the URL (commit by manifest) and ddp_hooks one
-    # object per checkpoint (tests/test_object_store.py runs both against a real S3 server)
+def test_a_url_checkpoint_dir_is_refused_before_training_or_written_there(
+    tmp_path: Path, strategy: str
+) -> None:
+    # before the URL check: the fit "succeeded" and wrote ./memory:/run/*.ckpt (fsdp2 and ddp_hooks) -- the
+    # URL collapsed into a local relative path. Now fsdp2 writes the URL (commit by manifest) and ddp_hooks
+    # one object per checkpoint (tests/test_object_store.py runs both against a real S3 server)
     script = tmp_path / "fit.py"
     script.write_text(textwrap.dedent(_FIT))
     env = {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -1,10 +1,11 @@
-"""Jobs exit 0 after success: no ``terminate called without an active exception`` (SIGABRT) at interpreter exit.
+"""Jobs exit 0 after success: no ``terminate called without an active exception`` (SIGABRT) at interpreter
+exit.
 
 The CI cut of ``tests/trials/exit_trials.py`` (the full check: ``python tests/trials/exit_trials.py
 --runs 50``, and the
 control ``--mode collectives --without-fix``): 5 jobs of the pattern that aborts without the fix (4-6 times in
-10 here) -- 200 gloo all-reduces, then the end of the script -- with ``import fsdp_strategies``, which installs
-the exit handling (see ``fsdp_strategies.runtime.clean_exit``).
+10 here) -- 200 gloo all-reduces, then the end of the script -- with ``import fsdp_strategies``, which
+installs the exit handling (see ``fsdp_strategies.runtime.clean_exit``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ from fsdp_strategies import FSDP2Strategy
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # Configs that need more than one Lightning job (a lighthouse + replica groups) run in their own tests.
 COVERED_ELSEWHERE = {"ft_hsdp.yaml": "test_ft_hsdp.py", "ft_hsdp_diloco.yaml": "test_ft_sync.py",
-                     "ft_hsdp_local_sgd.yaml": "test_ft_sync.py", "ft_hsdp_straggler_sync.yaml": "test_ft_switch.py",
-                     "ft_hsdp_tp.yaml": "test_ft_tensor_parallel.py", "sac_budget.yaml": "test_memory_budget.py",
-                     # the Hugging Face fine-tune runs examples/finetune_hf.py on a save_pretrained folder it writes
-                     "finetune_hf.yaml": "test_hf_pretrained.py", "finetune_hf_yaml_weights.yaml": "test_hf_pretrained.py"}
+                     "ft_hsdp_local_sgd.yaml": "test_ft_sync.py",
+                     "ft_hsdp_straggler_sync.yaml": "test_ft_switch.py",
+                     "ft_hsdp_tp.yaml": "test_ft_tensor_parallel.py",
+                     "sac_budget.yaml": "test_memory_budget.py",
+                     # the Hugging Face fine-tune runs examples/finetune_hf.py on a save_pretrained folder it
+                     # writes
+                     "finetune_hf.yaml": "test_hf_pretrained.py",
+                     "finetune_hf_yaml_weights.yaml": "test_hf_pretrained.py"}
 
 
 def test_configs_exist() -> None:
@@ -38,7 +42,8 @@ def test_the_class_path_config_spells_out_every_fsdp2_option() -> None:
 
 
 def test_no_config_names_a_test_helper() -> None:
-    """configs/ is what users copy: fault and slowness injectors live in tests and demo overlays (examples/)."""
+    """configs/ is what users copy: fault and slowness injectors live in tests and demo overlays
+    (examples/)."""
     offenders = [c.name for c in CONFIGS if "fsdp_strategies.testing" in c.read_text()]
     assert not offenders, f"configs naming fsdp_strategies.testing: {offenders}"
 
@@ -51,13 +56,17 @@ def test_config_is_covered_by_its_own_test(name: str) -> None:
 
 
 # GPU-sized configs keep every trainer/strategy option but run on 2 CPU ranks with a tiny model.
-SHRINK_GPU = ["--trainer.devices", "2", "--model.vocab_size", "128", "--model.dim", "64", "--model.n_layers", "2",
-              "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.mlp_hidden", "128", "--model.max_seq_len", "32",
-              "--data.vocab_size", "128", "--data.seq_len", "32", "--data.num_train", "256", "--data.num_val", "16"]
+SHRINK_GPU = ["--trainer.devices", "2", "--model.vocab_size", "128", "--model.dim", "64", "--model.n_layers",
+              "2", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.mlp_hidden", "128",
+              "--model.max_seq_len", "32",
+              "--data.vocab_size", "128", "--data.seq_len", "32", "--data.num_train", "256", "--data.num_val",
+              "16"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c.name not in COVERED_ELSEWHERE], ids=lambda c: c.stem)
+@pytest.mark.parametrize(
+    "config", [c for c in CONFIGS if c.name not in COVERED_ELSEWHERE], ids=lambda c: c.stem
+)
 def test_config_trains_a_few_steps(config: Path, tmp_path: Path) -> None:
     shrink = SHRINK_GPU if "_gpu" in config.name else []
     proc = run_python(

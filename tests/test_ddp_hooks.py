@@ -1,4 +1,5 @@
-"""``ddp_hooks``: comm hooks, post-local / hierarchical SGD and their checkpoint state, with real processes."""
+"""``ddp_hooks``: comm hooks, post-local / hierarchical SGD and their checkpoint state, with real
+processes."""
 
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ from fsdp_strategies import STRATEGY_NAMES, DDPHooksStrategy, verify_checkpoint
 from fsdp_strategies.strategies.ddp_hooks import in_bucket_order
 
 WORKER = str(WORKERS / "ddp_train.py")
-TINY_CLI = ("--trainer.logger false --trainer.enable_checkpointing false --trainer.enable_progress_bar false "
-            "--trainer.val_check_interval 4 --trainer.limit_val_batches 1 --model.dim 64 --model.max_seq_len 32 "
-            "--model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 --data.num_train 256 --data.num_val 16")
+TINY_CLI = (
+    "--trainer.logger false --trainer.enable_checkpointing false --trainer.enable_progress_bar false "
+    "--trainer.val_check_interval 4 --trainer.limit_val_batches 1 --model.dim 64 --model.max_seq_len 32 "
+    "--model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 --data.num_train 256 --data.num_val 16"
+)
 
 
 def _run(tmp_path: Path, devices: int, runs: list[str], steps: int, cli_extra: str = "", timeout: float = 400,
          bucket_cap_mb: float | None = None) -> dict:
     out = tmp_path / "out.pt"
     cap = [] if bucket_cap_mb is None else ["--bucket-cap-mb", str(bucket_cap_mb)]
-    run_python([WORKER, "--out", str(out), "--devices", str(devices), "--steps", str(steps), "--runs", ",".join(runs),
-                "--cli-extra", cli_extra, *cap], timeout=timeout)
+    run_python([WORKER, "--out", str(out), "--devices", str(devices), "--steps", str(steps), "--runs",
+                ",".join(runs), "--cli-extra", cli_extra, *cap], timeout=timeout)
     return torch.load(out, weights_only=False)
 
 
@@ -95,7 +98,8 @@ def test_in_bucket_order_starts_a_bucket_after_the_previous_one_finished() -> No
     assert events == ["start b0", "end b0", "start b1"]
     assert "powerSGD_hook" in in_bucket_order(powerSGD_hook.powerSGD_hook).__qualname__  # DDP logs the name
     futures[1].set_exception(RuntimeError("peer gone"))
-    with pytest.raises(RuntimeError, match="peer gone"):  # a failed bucket surfaces in the next one's backward
+    # a failed bucket surfaces in the next one's backward
+    with pytest.raises(RuntimeError, match="peer gone"):
         ordered(None, "b2")
 
 
@@ -108,11 +112,14 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     they used to reach the process group in a different order on each rank (abort or hang).
     """
     steps = 10
-    runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd_2",
-            "resume:powersgd", "recap:powersgd", "resume:post_local_sgd+async", "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
+    runs = ["ddp", "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd",
+            "hierarchical_sgd_2", "resume:powersgd", "recap:powersgd", "resume:post_local_sgd+async",
+            "cli:configs/ddp_hooks_powersgd.yaml", "cli:configs/ddp_hooks_post_local_sgd.yaml",
             "cli:configs/ddp_hooks_compress.yaml", "stall:post_local_sgd_period8", "demo:powersgd"]
-    extra = (f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
-             "--trainer.strategy.init_args.powersgd_start_iter 2 --trainer.strategy.init_args.bucket_cap_mb 0.05")
+    extra = (
+        f"{TINY_CLI} --trainer.max_steps 4 --trainer.strategy.init_args.local_sgd_warmup 2 "
+        "--trainer.strategy.init_args.powersgd_start_iter 2 --trainer.strategy.init_args.bucket_cap_mb 0.05"
+    )
     res = _run(tmp_path, 2, runs, steps, extra, bucket_cap_mb=0.05)
     # several buckets, the same on both ranks (PowerSGD keeps one error-feedback tensor per bucket)
     assert res["powersgd"]["buckets"] >= 4, res["powersgd"]["buckets"]
@@ -126,19 +133,22 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     assert ref["global_step"] == steps
     # the default hook is DDP's own all-reduce: identical to Lightning's ddp
     assert _max_diff(res["allreduce"]["params"], ref["params"]) == 0.0
-    # 16-bit compressed gradients: close to, but not exactly, full precision; fp16 (10-bit mantissa) closer than bf16
+    # 16-bit compressed gradients: close to, but not exactly, full precision; fp16 (10-bit mantissa) closer
+    # than bf16
     bf16 = _max_diff(res["bf16_compress"]["params"], ref["params"])
     fp16 = _max_diff(res["fp16_compress"]["params"], ref["params"])
     assert 0.0 < fp16 < bf16 < 0.05, (fp16, bf16)
     assert abs(_tail_loss(res["bf16_compress"]) - _tail_loss(ref)) < 0.01
     start = sum(ref["rows"][0]["loss"]) / 2
-    for name in ("ddp", "powersgd", "post_local_sgd", "hierarchical_sgd_2"):  # 10 steps take the loss from ~4.2 to ~2.0-2.5
+    # 10 steps take the loss from ~4.2 to ~2.0-2.5
+    for name in ("ddp", "powersgd", "post_local_sgd", "hierarchical_sgd_2"):
         assert _tail_loss(res[name]) < start - 1.0, f"{name} did not train: {res[name]['rows']}"
     assert abs(_tail_loss(res["post_local_sgd"]) - _tail_loss(ref)) < 0.15
     assert _tail_loss(res["powersgd"]) < _tail_loss(ref) + 0.7  # rank-2 compression learns more slowly
     # local steps hide a stall: rank 1 is held after 4 steps until rank 0 has finished 9 -- rank 0 runs on
-    # (no collective per step, not even DDP's buffer broadcast) until the next averaging, after step 10 (an order
-    # of events: with a collective in steps 5-9 rank 0 could not get there and rank 1 gives up after 120 s)
+    # (no collective per step, not even DDP's buffer broadcast) until the next averaging, after step 10 (an
+    # order of events: with a collective in steps 5-9 rank 0 could not get there and rank 1 gives up after 120
+    # s)
     assert res["stall:post_local_sgd_period8"]["saw_rank0_ahead"] == [None, True]
     # synchronous hooks keep every rank identical; post-local SGD diverges between averagings
     for name in ("allreduce", "bf16_compress", "fp16_compress", "powersgd"):
@@ -147,7 +157,10 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     # warm-up 3 global steps; then PeriodicModelAverager (period 2) averages at averager steps 3, 5, 7, ...
     assert sync == [True, True, True, True, False, True, False, True, False, True]
     # HierarchicalModelAverager {2: 2}, warm-up 3: averages at even averager steps from 4 on
-    assert [r["in_sync"] for r in res["hierarchical_sgd_2"]["rows"]] == [True, True, True] + [False, True] * 3 + [False]
+    assert [r["in_sync"] for r in res["hierarchical_sgd_2"]["rows"]] == [True, True, True] + [
+        False,
+        True,
+    ] * 3 + [False]
     assert abs(_tail_loss(res["hierarchical_sgd_2"]) - _tail_loss(ref)) < 0.15
     # PowerSGD state restored per rank (error feedback differs between ranks) from the checkpoint
     ckpt = torch.load(res["continuous:powersgd"]["ckpt"], weights_only=True)
@@ -166,11 +179,15 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
     cont, resumed = res["continuous:powersgd"]["rows"], res["resume:powersgd"]["rows"]
     assert [r["step"] for r in resumed] == list(range(7, steps + 1))
     assert [tuple(r[k] for k in keys) for r in resumed] == [tuple(r[k] for k in keys) for r in cont[6:]]
-    # resumed with one bucket instead: the first step still runs the checkpoint's buckets (exact), then PowerSGD
-    # restarts the error feedback of the one bucket DDP has now, and the stale buckets' state is gone
+    # resumed with one bucket instead: the first step still runs the checkpoint's buckets (exact), then
+    # PowerSGD restarts the error feedback of the one bucket DDP has now, and the stale buckets' state is gone
     recap = res["recap:powersgd"]
-    assert [tuple(r[k] for k in keys) for r in recap["rows"][:2]] == [tuple(r[k] for k in keys) for r in cont[6:8]]
-    assert recap["buckets"] == 1 and recap["global_step"] == steps and all(r["in_sync"] for r in recap["rows"])
+    assert [tuple(r[k] for k in keys) for r in recap["rows"][:2]] == [
+        tuple(r[k] for k in keys) for r in cont[6:8]
+    ]
+    assert (
+        recap["buckets"] == 1 and recap["global_step"] == steps and all(r["in_sync"] for r in recap["rows"])
+    )
     assert _tail_loss(recap) < start - 1.0
     # async_checkpoint='thread' (rank 0's background writer) under local SGD: the checkpoint fit waited for is
     # complete and verified, and resuming from it continues exactly (every rank's loss, the schedule)
@@ -184,20 +201,22 @@ def test_comm_hooks_train_and_match_ddp(tmp_path: Path) -> None:
         assert res[name]["global_step"] == 4
     assert res["cli:configs/ddp_hooks_powersgd.yaml"]["rows"][-1]["hook_iter"] == 4
     # warm-up 2, period 4: averaged at averager step 2 (the 3rd step), not at the 4th
-    assert [r["in_sync"] for r in res["cli:configs/ddp_hooks_post_local_sgd.yaml"]["rows"]] == [True, True, True, False]
+    assert [r["in_sync"] for r in res["cli:configs/ddp_hooks_post_local_sgd.yaml"]["rows"]] == [True, True,
+                                                                                                True, False]
 
 
 # ---------------------------------------------------------------------- 4 ranks
 @pytest.mark.multiprocess
 def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     extra = f"{TINY_CLI} --trainer.max_steps 6 --trainer.strategy.init_args.local_sgd_warmup 2"
-    res = _run(tmp_path, 4, ["resume:hierarchical_sgd", "cli:configs/ddp_hooks_hierarchical_sgd.yaml"], 12, extra,
-               timeout=500)
+    res = _run(tmp_path, 4, ["resume:hierarchical_sgd", "cli:configs/ddp_hooks_hierarchical_sgd.yaml"], 12,
+               extra, timeout=500)
     cont, resumed = res["continuous:hierarchical_sgd"]["rows"], res["resume:hierarchical_sgd"]["rows"]
     # every rank's loss too: after local steps each rank has its own AdamW moments, which the
     # checkpoint must hold per rank (Lightning's own DDP keeps rank 0's only)
     keys = ("step", "loss", "in_sync", "pairs_in_sync", "averager_step", "hook_iter")
-    # levels {2: 2, 4: 4}, warm-up 3: pairs average when the averager step is even, all 4 ranks when divisible by 4
+    # levels {2: 2, 4: 4}, warm-up 3: pairs average when the averager step is even, all 4 ranks when divisible
+    # by 4
     expected_sync = [True] * 3 + [False, True, False, False, False, True, False, False, False]
     expected_pairs = [True] * 3 + [False, True, False, True, False, True, False, True, False]
     assert [r["in_sync"] for r in cont] == expected_sync
@@ -208,7 +227,8 @@ def test_hierarchical_sgd_resume_continues_the_schedule(tmp_path: Path) -> None:
     # parameters are averaged before validation (steps 5, 10) and while a checkpoint is written (6, 12)
     assert res["continuous:hierarchical_sgd"]["val_in_sync"] == [(5, True), (10, True)]
     assert res["continuous:hierarchical_sgd"]["save_in_sync"] == [(6, True), (12, True)]
-    assert not cont[9]["in_sync"] and not cont[5]["in_sync"] and not cont[11]["in_sync"]  # they were not before
+    # they were not before
+    assert not cont[9]["in_sync"] and not cont[5]["in_sync"] and not cont[11]["in_sync"]
     assert len({tuple(r["loss"]) for r in cont[6:]}) == 6 and len(set(cont[7]["loss"])) == 4  # ranks differ
     start = res["resume:hierarchical_sgd"]["start_states"]
     assert all(s == {"averager_step": 6, "hook_iter": 3} for s in start), start

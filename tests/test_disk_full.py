@@ -1,4 +1,5 @@
-"""A checkpoint save that runs out of disk space (ENOSPC): one clear error on every rank, no partial temp left.
+"""A checkpoint save that runs out of disk space (ENOSPC): one clear error on every rank, no partial temp
+left.
 
 The multi-process tests mount a real ``tmpfs`` that holds one checkpoint of the tiny example Llama (~1.7 MB)
 but not two, and train with ``ModelCheckpoint(save_last=True, every_n_train_steps=2)`` on 2 ranks (torchrun,
@@ -37,10 +38,12 @@ from fsdp_strategies.checkpoint.disk_full import (
 
 WORKER = WORKERS / "disk_full_train.py"
 DISK_KIB = 2500  # one checkpoint of the worker's model is ~1.7 MB (sharded folder or full file)
-_MESSAGE = re.compile(r"CheckpointDiskFullError: Checkpoint (?P<path>\S+) was not saved: no space left on device\. "
-                      r"It needs about (?P<needed>[\d,]+) bytes .*?; (?P<free>[\d,]+) bytes \([\d.]+ MiB\) are free "
-                      r"on the filesystem of (?P<dir>\S+) \(after removing the partial (?P<tmp>\S+)\)\. The last "
-                      r"good checkpoint is (?P<last_good>\S+); it is untouched .*Fix: free space")
+_MESSAGE = re.compile(
+    r"CheckpointDiskFullError: Checkpoint (?P<path>\S+) was not saved: no space left on device\. "
+    r"It needs about (?P<needed>[\d,]+) bytes .*?; (?P<free>[\d,]+) bytes \([\d.]+ MiB\) are free "
+    r"on the filesystem of (?P<dir>\S+) \(after removing the partial (?P<tmp>\S+)\)\. The last "
+    r"good checkpoint is (?P<last_good>\S+); it is untouched .*Fix: free space"
+)
 
 
 # ---------------------------------------------------------------------------------------------- unit tests
@@ -49,7 +52,8 @@ def _enospc() -> OSError:
 
 
 def test_errno_anywhere_in_the_chain_is_a_full_disk(tmp_path: Path) -> None:
-    """DCP wraps each rank's failure as ``{rank: (exception, traceback)}`` in a BaseException; a cause chain."""
+    """DCP wraps each rank's failure as ``{rank: (exception, traceback)}`` in a BaseException; a cause
+    chain."""
     wrapped = dcp.CheckpointException("save failed", {1: (_enospc(), None)})
     assert disk_full_evidence(wrapped, tmp_path, needed=1)
     try:
@@ -64,7 +68,8 @@ def test_errno_anywhere_in_the_chain_is_a_full_disk(tmp_path: Path) -> None:
 
 
 def test_text_alone_counts_only_when_statvfs_confirms(tmp_path: Path) -> None:
-    """torch's zip writer's message (what a writer in another process sends) is confirmed by the free space."""
+    """torch's zip writer's message (what a writer in another process sends) is confirmed by the free
+    space."""
     zip_error = dcp.CheckpointException("x", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . "
                                                                "unexpected pos 704 vs 598"), None)})
     free = free_bytes(tmp_path)
@@ -74,13 +79,15 @@ def test_text_alone_counts_only_when_statvfs_confirms(tmp_path: Path) -> None:
 
 
 def test_error_is_an_oserror_that_survives_pickling(tmp_path: Path) -> None:
-    message = disk_full_message(tmp_path / "last.ckpt", needed=2000, free=1000, last_good=tmp_path / "last.ckpt",
+    message = disk_full_message(tmp_path / "last.ckpt", needed=2000, free=1000,
+                                last_good=tmp_path / "last.ckpt",
                                 temp_removed=tmp_path / "last.ckpt.tmp", cause="rank 0: OSError: [Errno 28]")
     err = CheckpointDiskFullError(message, path=tmp_path / "last.ckpt", needed=2000, free=1000,
                                   last_good=tmp_path / "last.ckpt")
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and str(err) == message
     back = pickle.loads(pickle.dumps(err))
-    assert (str(back), back.needed, back.free, back.last_good) == (message, 2000, 1000, tmp_path / "last.ckpt")
+    assert (str(back), back.needed, back.free, back.last_good) == (message, 2000, 1000,
+                                                                   tmp_path / "last.ckpt")
     assert "no space left on device" in message and "2,000 bytes" in message and "1,000 bytes" in message
     assert message.rstrip().endswith("(ModelCheckpoint(dirpath=...)).") and "Fix:" in message
 
@@ -127,7 +134,8 @@ CASES = {
     "hsdp-sync": ["--strategy", "hsdp"],
     "hsdp-async-thread": ["--strategy", "hsdp", "--async", "thread"],
     "fsdp2-full-file": ["--full-file"],
-    "ddp_hooks-sync": ["--strategy", "ddp_hooks"],  # through the package's commit path, not Lightning's CheckpointIO
+    # through the package's commit path, not Lightning's CheckpointIO
+    "ddp_hooks-sync": ["--strategy", "ddp_hooks"],
     "ddp_hooks-async-thread": ["--strategy", "ddp_hooks", "--async", "thread"],
 }
 #: resumed for real (one per checkpoint format and strategy); the async cases' checkpoints are the same format
@@ -144,14 +152,17 @@ def test_full_disk_gives_one_clear_error_on_every_rank(case: str, small_disk: Pa
     for rank in (0, 1):
         out = _rank_lines(proc.stderr, rank)
         found = _MESSAGE.findall(out)
-        assert len(found) == 1, f"rank {rank}: expected the disk-full error once, got {len(found)}:\n{out[-4000:]}"
+        assert len(found) == 1, (
+            f"rank {rank}: expected the disk-full error once, got {len(found)}:\n{out[-4000:]}"
+        )
         match = _MESSAGE.search(out)
         assert match is not None
         assert (match["path"], match["dir"], match["last_good"], match["tmp"]) == (str(last), str(small_disk),
                                                                                 str(last), "last.ckpt.tmp")
         needed, free = int(match["needed"].replace(",", "")), int(match["free"].replace(",", ""))
         assert needed >= path_bytes(last) > free, (needed, free, path_bytes(last))
-        assert abs(free - free_bytes(small_disk)) <= 16 * 4096, (free, free_bytes(small_disk))  # measured after cleanup
+        # measured after cleanup
+        assert abs(free - free_bytes(small_disk)) <= 16 * 4096, (free, free_bytes(small_disk))
         assert out.count("Traceback") <= 1, f"rank {rank} printed more than one traceback:\n{out[-6000:]}"
         assert "CheckpointException" not in out.split("CheckpointDiskFullError:")[0], out[-6000:]
     leftovers = [p.name for p in small_disk.iterdir() if p.name.endswith((".tmp", ".tmp.lock", ".old"))]
@@ -159,29 +170,35 @@ def test_full_disk_gives_one_clear_error_on_every_rank(case: str, small_disk: Pa
     assert verify_checkpoint(last).ok, verify_checkpoint(last).message
     if case not in RESUME:
         return
-    resumed = run_torchrun(WORKER, 2, ["--dir", str(tmp_path / "resume"), "--steps", "4", "--resume", str(last),
+    resumed = run_torchrun(WORKER, 2,
+                           ["--dir", str(tmp_path / "resume"), "--steps", "4", "--resume", str(last),
                                        *CASES[case]], timeout=120)
-    assert "RESUMED 0 global_step=4" in resumed.stdout and "RESUMED 1 global_step=4" in resumed.stdout, resumed.stdout
+    assert "RESUMED 0 global_step=4" in resumed.stdout and "RESUMED 1 global_step=4" in resumed.stdout, (
+        resumed.stdout
+    )
 
 
 @pytest.mark.multiprocess
 def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: Path, tmp_path: Path) -> None:
-    """ft_hsdp, 2 replica groups x 1 rank (``fsdp-strategies-ft``, default restarts), ``step<N>.ckpt`` every 2 steps.
+    """ft_hsdp, 2 replica groups x 1 rank (``fsdp-strategies-ft``, default restarts), ``step<N>.ckpt`` every 2
+    steps.
 
-    Only the group ranked 0 in the current quorum writes (FTHSDPStrategy._is_checkpoint_writer): the writer saves
-    one good checkpoint, and its next save runs out of space -- it raises the disk-full error and exits. The other
-    group, which did not write, is not told: it trains on alone (the lighthouse drops the writer within
-    --heartbeat-timeout-ms), is then the quorum's rank 0, so it writes -- on the same full disk -- and ends with the
-    same clear error naming its own file. Neither group hangs, nor is restarted into the full disk (the error exits
-    with UNFIXABLE_EXIT_CODE): the launcher reports both given up at once, long before the run's timeout, and the first checkpoint is the intact last good one. Which group writes first depends on which
-    started first (a group alone at the start trains and writes alone; the worker sleeps after a step it commits
-    alone so that the other usually joins), so the checks hold for either order.
+    Only the group ranked 0 in the current quorum writes (FTHSDPStrategy._is_checkpoint_writer): the writer
+    saves one good checkpoint, and its next save runs out of space -- it raises the disk-full error and exits.
+    The other group, which did not write, is not told: it trains on alone (the lighthouse drops the writer
+    within --heartbeat-timeout-ms), is then the quorum's rank 0, so it writes -- on the same full disk -- and
+    ends with the same clear error naming its own file. Neither group hangs, nor is restarted into the full
+    disk (the error exits with UNFIXABLE_EXIT_CODE): the launcher reports both given up at once, long before
+    the run's timeout, and the first checkpoint is the intact last good one. Which group writes first depends
+    on which started first (a group alone at the start trains and writes alone; the worker sleeps after a step
+    it commits alone so that the other usually joins), so the checks hold for either order.
     """
     from test_ft_hsdp import FT
 
     events = tmp_path / "events"
     proc = run_python(
-        ["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms", "1000",
+        ["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
+         "1000",
          "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", "150", "--min-replicas", "1",
          "--", str(WORKERS / "ft_train.py"), "fit", *FT, "--trainer.devices", "1",
          "--trainer.max_steps", "8", "--trainer.enable_checkpointing", "true"],
@@ -189,7 +206,9 @@ def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: P
              "FT_TEST_SLEEP_ALONE": "1.0"},
         timeout=180, check=False)
     assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
-    launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines() if line.strip()]
+    launcher = [
+        json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines() if line.strip()
+    ]
     gave_up = {e["group"]: e for e in launcher if e["event"] == "give_up"}
     assert sorted(gave_up) == [0, 1], launcher  # neither group hung: both exited and were given up on
     # ... at once, under the default --max-restarts: a restart would run into the same full disk
@@ -204,7 +223,9 @@ def test_ft_hsdp_full_disk_is_one_clear_error_on_the_writing_group(small_disk: P
     for group in (0, 1):
         log = _rank_lines((events / f"group{group}.log").read_text(), 0)  # the rank's output, not torchrun's
         found = _MESSAGE.findall(log)
-        assert len(found) == 1, f"group {group}: expected the disk-full error once, got {len(found)}:\n{log[-4000:]}"
+        assert len(found) == 1, (
+            f"group {group}: expected the disk-full error once, got {len(found)}:\n{log[-4000:]}"
+        )
         match = _MESSAGE.search(log)
         assert match is not None
         failed[group] = Path(match["path"])

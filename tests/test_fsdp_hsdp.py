@@ -65,8 +65,8 @@ def test_fsdp2_two_ranks_matches_single_process_with_accumulation_and_clipping(t
 def test_hsdp_2x2_matches_single_process(tmp_path: Path) -> None:
     steps = 3
     # This user builds the network in __init__ (no configure_model): the strategy wraps it all the same.
-    run = _train(tmp_path, "hsdp", "--strategy", "hsdp", "--devices", "4", "--replicate", "2", "--steps", str(steps),
-                 "--batch", "4", "--clip", "1.0", "--eager-build", "1", timeout=400)
+    run = _train(tmp_path, "hsdp", "--strategy", "hsdp", "--devices", "4", "--replicate", "2", "--steps",
+                 str(steps), "--batch", "4", "--clip", "1.0", "--eager-build", "1", timeout=400)
     ref = reference_run(global_batch=16, steps=steps, num_train=256, clip=1.0)
     diff = max_abs_diff(run["params"], ref)
     assert diff < 2e-5, f"hsdp parameters differ from the single-process run by {diff}"
@@ -80,7 +80,8 @@ def test_hsdp_2x2_matches_single_process(tmp_path: Path) -> None:
 
 
 def test_fsdp2_bf16_mixed_uses_fsdp_policy_plus_autocast_and_compiles_blocks(tmp_path: Path) -> None:
-    run = _train(tmp_path, "bf16", "--strategy", "fsdp2", "--devices", "2", "--steps", "4", "--precision", "bf16-mixed",
+    run = _train(tmp_path, "bf16", "--strategy", "fsdp2", "--devices", "2", "--steps", "4", "--precision",
+                 "bf16-mixed",
                  "--option", "compile_blocks=True", "--option", "compile_options={'backend': 'aot_eager'}")
     probe = run["precision_probe"]
     assert probe["compute_weight"] == "torch.bfloat16"  # all-gathered params are cast for compute
@@ -98,10 +99,10 @@ def test_fsdp2_bf16_mixed_uses_fsdp_policy_plus_autocast_and_compiles_blocks(tmp
 def test_sharded_bf16_mixed_plugin_runs_autocast_only_when_asked() -> None:
     import torch
 
-    from fsdp_strategies.strategies.fsdp2 import _ShardedMixedPrecision
+    from fsdp_strategies.strategies.precision import ShardedMixedPrecision
 
     for autocast in (True, False):
-        plugin = _ShardedMixedPrecision("bf16-mixed", autocast=autocast)
+        plugin = ShardedMixedPrecision("bf16-mixed", autocast=autocast)
         with plugin.train_step_context():
             assert torch.is_autocast_enabled("cpu") is autocast
             if autocast:

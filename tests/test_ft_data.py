@@ -1,4 +1,5 @@
-"""ft_hsdp exact data accounting across faults (``data_on_failure`` = ``skip`` / ``redistribute``), real processes.
+"""ft_hsdp exact data accounting across faults (``data_on_failure`` = ``skip`` / ``redistribute``), real
+processes.
 
 2 replica groups x 1 rank, started by ``fsdp-strategies-ft``; a dataset that returns its indices, a callback
 that records the sample ids every group trained at every step (tests/workers/ft_data.py). Groups are
@@ -45,7 +46,9 @@ def _expected(group: int, position: int, cache: dict) -> list[int]:
     (``accumulate_grad_batches=A``)."""
     epoch, i = divmod(position, PER_EPOCH)
     if (group, epoch) not in cache:
-        sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=group, shuffle=True, seed=SEED)
+        sampler = DistributedSampler(
+            range(NUM_SAMPLES), num_replicas=GROUPS, rank=group, shuffle=True, seed=SEED
+        )
         sampler.set_epoch(epoch)
         cache[group, epoch] = list(sampler)
     return cache[group, epoch][i * BATCH:(i + 1) * BATCH]
@@ -120,7 +123,8 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
         assert len(reports) == 1, (step, recs)
         missed_reported[step] = reports.pop()
 
-    # 3. Per data epoch: no sample twice; missed = exactly the down groups' shards for the down steps = reported.
+    # 3. Per data epoch: no sample twice; missed = exactly the down groups' shards for the down steps =
+    #    reported.
     total_missed = 0
     per_epoch = PER_EPOCH // a  # committed steps per data epoch
     for epoch in range(steps // per_epoch):
@@ -153,11 +157,17 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
         assert summary["missed_samples"] == sum(n for _, _, n in summary["missed_stretches"]) > 0
     else:
         assert summary["missed_samples"] == 0 and total_missed == 0
-        assert summary["redistributed_samples"] == sum(len(v) for v in extra_ids.values()) >= BATCH * launcher_kills
+        assert (
+            summary["redistributed_samples"]
+            == sum(len(v) for v in extra_ids.values())
+            >= BATCH * launcher_kills
+        )
     # the loader follows the step: batches are rebuilt from the dataset only around faults
     rebuilt = sum(r["rebuilt"] for recs in records.values() for r in recs if "rebuilt" in r)
     assert rebuilt <= 6 * a * (launcher_kills + heal_kills) + 2 * GROUPS, rebuilt
-    return {"missed_samples": summary["missed_samples"], "redistributed": sum(len(v) for v in extra_ids.values()), "stretches": summary["missed_stretches"],
+    return {"missed_samples": summary["missed_samples"],
+            "redistributed": sum(len(v) for v in extra_ids.values()),
+            "stretches": summary["missed_stretches"],
             "rebuilt": rebuilt, "restarts": sum(e["event"] == "start" for e in launcher) - GROUPS}
 
 
@@ -222,7 +232,9 @@ def test_a_job_resumed_with_three_groups_trains_the_rest_of_the_epoch_once(tmp_p
 def test_data_on_failure_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp_strategies import FTHSDPStrategy
 
-    with pytest.raises(ValueError, match=r"data_on_failure='everything' is invalid. Fix: one of \['skip', 'redistribute'\]"):
+    with pytest.raises(
+        ValueError, match=r"data_on_failure='everything' is invalid. Fix: one of \['skip', 'redistribute'\]"
+    ):
         FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0, num_replica_groups=2,
                        data_on_failure="everything")  # type: ignore[arg-type]
     assert FTHSDPStrategy(lighthouse_addr="http://localhost:1", replica_group_id=0,
@@ -239,9 +251,10 @@ class _Ids(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_loader_follows_the_committed_step(num_workers: int) -> None:
-    # Lightning's loop, reduced: an epoch of PER_EPOCH batches with one batch prefetched, the strategy taking the
-    # batch of the committed step each time. The steps: a discarded step (3 twice), a heal (jump 9 -> 40), epochs
-    # crossed on both sides. Every step gets its own batch; only the fault points build one from the dataset.
+    # Lightning's loop, reduced: an epoch of PER_EPOCH batches with one batch prefetched, the strategy taking
+    # the batch of the committed step each time. The steps: a discarded step (3 twice), a heal (jump 9 -> 40),
+    # epochs crossed on both sides. Every step gets its own batch; only the fault points build one from the
+    # dataset.
     from fsdp_strategies.ft.data import StepAlignedData
 
     sampler = DistributedSampler(range(NUM_SAMPLES), num_replicas=GROUPS, rank=1, shuffle=True, seed=SEED)
@@ -266,8 +279,9 @@ def test_loader_follows_the_committed_step(num_workers: int) -> None:
 
 
 def test_redistribute_batch_and_gradient_weight() -> None:
-    # 3 groups, group 1 missing from step 5: groups 0 and 2 add halves of group 1's batch and weight their gradients
-    # so that torchft's average over the 2 participants equals the mean gradient over all 3 groups' samples.
+    # 3 groups, group 1 missing from step 5: groups 0 and 2 add halves of group 1's batch and weight their
+    # gradients so that torchft's average over the 2 participants equals the mean gradient over all 3 groups'
+    # samples.
     from torch.distributed import ReduceOp
 
     from fsdp_strategies.ft.data import StepAlignedData
@@ -304,7 +318,9 @@ def test_redistribute_batch_and_gradient_weight() -> None:
     step, per_epoch, averaged, seen = 5, NUM_SAMPLES // 3 // BATCH, 0.0, []
     for group in (0, 2):
         sampler = DistributedSampler(Samples(), num_replicas=3, rank=group, shuffle=True, seed=SEED)
-        data = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler), per_epoch)
+        data = StepAlignedData(
+            torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=sampler), per_epoch
+        )
         got = redistribute(None, step, data=data, manager=Manager(), replica_group_id=group,
                            num_replica_groups=3, rank=0, world_size=1, device=torch.device("cpu"),
                            prepare=lambda b: b)
@@ -319,7 +335,8 @@ def test_redistribute_batch_and_gradient_weight() -> None:
         assert extra == BATCH // 2
         seen += batch["idx"].tolist()
         averaged = averaged + grad_scale * grad(batch) / 2  # torchft: AVG over 2 participants
-    everything = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH, sampler=DistributedSampler(
+    everything = StepAlignedData(torch.utils.data.DataLoader(Samples(), batch_size=BATCH,
+                                                             sampler=DistributedSampler(
         Samples(), num_replicas=3, rank=0, shuffle=True, seed=SEED)), per_epoch)
     full = [i for g in range(3) for i in everything.indices_of(step, g)]
     assert sorted(seen) == sorted(full)

@@ -24,10 +24,10 @@ from fsdp_strategies.ft import LEAVE_EXIT_CODE, LighthouseUnreachableError
 from fsdp_strategies.ft.launch.options import parse_kill_at
 
 WORKER = str(WORKERS / "ft_train.py")
-# val_check_interval 1.0: Lightning 2.6.0 (make test-lightning-range) refuses configs/ft_hsdp.yaml's 100 against a
-# 16-batch epoch even with validation off
-TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.val_check_interval", "1.0",
-        "--trainer.enable_progress_bar", "false",
+# val_check_interval 1.0: Lightning 2.6.0 (make test-lightning-range) refuses configs/ft_hsdp.yaml's 100
+# against a 16-batch epoch even with validation off
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.val_check_interval",
+        "1.0", "--trainer.enable_progress_bar", "false",
         "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
         "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
         "--data.num_train", "32", "--data.num_val", "8"]
@@ -35,11 +35,16 @@ FT = ["--config", "configs/ft_hsdp.yaml", *TINY, "--trainer.strategy.init_args.t
       "--trainer.strategy.init_args.connect_timeout_s", "5"]
 
 
-def _launch(tmp: Path, name: str, args: list[str], launcher: list[str], env: dict[str, str], timeout: float = 400) -> Path:
+def _launch(
+    tmp: Path, name: str, args: list[str], launcher: list[str], env: dict[str, str], timeout: float = 400
+) -> Path:
     events = tmp / f"{name}-events"
-    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
-                "1000", "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout", str(timeout - 20),
-                *launcher, "--", WORKER, "fit", *args], env={"FT_TEST_OUT": str(tmp / name), **env}, timeout=timeout)
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2",
+                "--heartbeat-timeout-ms",
+                "1000", "--join-timeout-ms", "500", "--events-dir", str(events), "--timeout",
+                str(timeout - 20),
+                *launcher, "--", WORKER, "fit", *args], env={"FT_TEST_OUT": str(tmp / name), **env},
+                timeout=timeout)
     return events
 
 
@@ -64,7 +69,9 @@ def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
     # the restarted group 1 waits until group 0 has committed 3 steps alone (a fast restart must not race it).
     max_steps = 140
     events = _launch(
-        tmp_path, "fault", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        tmp_path,
+        "fault",
+        [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--kill-at-steps", "0@30", "--max-restarts", "2"],
         {"FT_TEST_KILL": "1:3:2", "FT_TEST_SLEEP_ALONE": "1.0", "FT_TEST_REJOIN_AFTER": "3"},
     )
@@ -82,10 +89,13 @@ def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
         # untouched, step counter unchanged), and the dead group never committed it either.
         first0 = [r for r in g0 if r["incarnation"] == 0]
         at3 = [r for r in first0 if r["step_before"] == 3]
-        assert at3[0]["committed"] is False and at3[0]["before"] == at3[0]["after"] and at3[0]["step_after"] == 3
+        assert (
+            at3[0]["committed"] is False and at3[0]["before"] == at3[0]["after"] and at3[0]["step_after"] == 3
+        )
         assert at3[1]["committed"] is True and at3[1]["step_after"] == 4
         assert max(r["step_after"] for r in g1 if r["incarnation"] == 0) == 3
-        # Every committed step changed the state and advanced global_step by exactly one (or jumped on a heal).
+        # Every committed step changed the state and advanced global_step by exactly one (or jumped on a
+        # heal).
         for r in g0 + g1:
             if r["committed"] and r["step_before"] > 0:
                 assert r["step_after"] == r["step_before"] + 1 and r["before"] != r["after"]
@@ -195,10 +205,13 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
     # --warm-spares: each group gets a standby incarnation once it has committed a step (imports done, Trainer
     # built, no process group). Both groups wait after step 6 until both spares are ready, then the launcher
     # SIGKILLs group 1 at step 8: its spare -- the very process started before the kill -- is activated in its
-    # place, joins the quorum and heals from group 0. While on standby a spare never joins: at most 2 participants.
+    # place, joins the quorum and heals from group 0. While on standby a spare never joins: at most 2
+    # participants.
     max_steps = 40
     events = _launch(
-        tmp_path, "spare", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        tmp_path,
+        "spare",
+        [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
         ["--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1", "--warm-spares"],
         {"FT_TEST_AWAIT_SPARES": "6:2", "FT_TEST_SLEEP_ALONE": "0.5"},
     )
@@ -210,12 +223,14 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
     spare = next(e for e in launcher if e["event"] == "spare" and e["group"] == 1 and e["restart"] == 1)
     ready = next(e for e in launcher if e["event"] == "spare_ready" and e["group"] == 1)
     [restart] = [e for e in launcher if e["event"] == "start" and e["restart"] == 1]
-    assert launcher.index(spare) < launcher.index(ready) < launcher.index(kill) < launcher.index(restart), kinds
+    assert launcher.index(spare) < launcher.index(ready) < launcher.index(kill) < launcher.index(restart), (
+        kinds
+    )
     assert restart["group"] == 1 and restart["warm_spare"] is True and restart["spare_ready"] is True
     assert restart["pid"] == spare["pid"], (restart, spare)  # the spare itself, not a new process
     assert "ft_hsdp: warm spare of replica group 1 activated after" in (events / "group1.log").read_text()
-    # group 0's unused spare was stopped when it finished (group 1, out of restarts, got no second one); no spare
-    # process is left behind
+    # group 0's unused spare was stopped when it finished (group 1, out of restarts, got no second one); no
+    # spare process is left behind
     stopped = [(e["group"], e["why"]) for e in launcher if e["event"] == "spare_stopped"]
     assert stopped == [(0, "the group finished")], stopped
     assert not [e["pid"] for e in launcher if e["event"] == "spare" and _alive(e["pid"])]
@@ -238,17 +253,23 @@ def test_warm_spare_replaces_a_killed_group_and_heals(tmp_path: Path) -> None:
 @pytest.mark.torch_range
 def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path) -> None:
     # --runner forkserver: every incarnation's ranks are forked (through a group leader) from one server that
-    # imported torch, Lightning and torchft. The launcher SIGKILLs group 0 (leader and ranks) at step 12 and group 1
-    # at step 24, once group 0 is live again; each restart is forked again, heals, and the groups end identical.
+    # imported torch, Lightning and torchft. The launcher SIGKILLs group 0 (leader and ranks) at step 12 and
+    # group 1 at step 24, once group 0 is live again; each restart is forked again, heals, and the groups end
+    # identical.
     max_steps = 40
     events = _launch(
-        tmp_path, "fork", [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
-        ["--runner", "forkserver", "--min-replicas", "1", "--kill-at-steps", "0@12,1@24", "--max-restarts", "1"],
+        tmp_path, "fork",
+        [*FT, "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
+        ["--runner", "forkserver", "--min-replicas", "1", "--kill-at-steps", "0@12,1@24", "--max-restarts",
+         "1"],
         {"FT_TEST_SLEEP_ALONE": "0.5"},
     )
     out = tmp_path / "fork"
     launcher = _jsonl(events / "launcher.jsonl")
-    assert [(e["group"], e["why"]) for e in launcher if e["event"] == "kill"] == [(0, "at step 12"), (1, "at step 24")]
+    assert [(e["group"], e["why"]) for e in launcher if e["event"] == "kill"] == [
+        (0, "at step 12"),
+        (1, "at step 24"),
+    ]
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
     assert exits[:2] == [(0, -9), (1, -9)] and sorted(exits[2:]) == [(0, 0), (1, 0)], exits
     starts = [e for e in launcher if e["event"] == "start"]
@@ -264,7 +285,9 @@ def test_forkserver_runner_restarts_preimported_groups_that_heal(tmp_path: Path)
         a, b = _dump(out, f"group0_rank{rank}"), _dump(out, f"group1_rank{rank}")
         # the ranks started with Lightning imported, as children of their group's leader
         assert a["preimported"] and b["preimported"]
-        assert (a["ppid"], b["ppid"]) == (leader[0], leader[1]) and not _alive(a["pid"]) and not _alive(b["pid"])
+        assert (
+            (a["ppid"], b["ppid"]) == (leader[0], leader[1]) and not _alive(a["pid"]) and not _alive(b["pid"])
+        )
         assert (a["incarnation"], b["incarnation"]) == (1, 1)
         assert a["global_step"] == b["global_step"] == max_steps
         for key in a["shards"]:
@@ -282,22 +305,26 @@ def test_forkserver_group_fails_as_a_whole_like_torchrun(tmp_path: Path) -> None
         "import json, os, sys, time\n"
         "preimported = 'torch' in sys.modules\n"
         "rank = int(os.environ['RANK'])\n"
-        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_PORT', 'EXTRA')\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+        "'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_PORT', 'EXTRA')\n"
         "info = {'argv': sys.argv, 'env': {k: os.environ.get(k) for k in keys}, 'pid': os.getpid(),\n"
         "        'preimported': preimported, 'threads': __import__('torch').get_num_threads()}\n"
         "open(os.path.join(os.environ['OUT'], f'{rank}.json'), 'w').write(json.dumps(info))\n"
         "print('rank', rank, 'says hello', flush=True)\n"
         "sys.exit(3) if rank == 1 else time.sleep(60)\n"
     )
-    env = {**os.environ, "OUT": str(tmp_path), "EXTRA": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12345",
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OUT": str(tmp_path), "EXTRA": "x", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "12345", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "group.log"
-    leader = start_group(command=[str(script), "--flag", "v"], ranks=2, env=env, log_path=str(log), cores=None)
+    leader = start_group(
+        command=[str(script), "--flag", "v"], ranks=2, env=env, log_path=str(log), cores=None
+    )
     assert leader.wait(timeout=45) == 3 and leader.returncode == 3
     infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     for rank, info in enumerate(infos):
         assert info["argv"] == [str(script), "--flag", "v"] and info["preimported"] and info["threads"] == 1
-        assert info["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        assert info["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                               "LOCAL_WORLD_SIZE": "2",
                                "GROUP_RANK": "0", "MASTER_PORT": "12345", "EXTRA": "x"}
     deadline = time.time() + 10
     while _alive(infos[0]["pid"]) and time.time() < deadline:
@@ -325,18 +352,22 @@ def test_no_fault_matches_hsdp_and_checkpoint_resume_continues_exactly(tmp_path:
     steps, ckpt = 8, tmp_path / "ckpt"
     no_fault = ["--trainer.max_steps", str(steps), "--trainer.strategy.init_args.init_sync", "false"]
     launcher = ["--min-replicas", "2", "--max-restarts", "0"]
-    # The checkpoints are written in the background (async_checkpoint: thread) by the participating rank-0 group.
+    # The checkpoints are written in the background (async_checkpoint: thread) by the participating rank-0
+    # group.
     events = _launch(tmp_path, "ft", [*FT, *no_fault, "--trainer.strategy.init_args.async_checkpoint",
                                       "thread"], launcher, {"FT_TEST_CKPT": str(ckpt)})
     run_python([WORKER, "fit", "--config", "configs/hsdp.yaml", *TINY, "--trainer.max_steps", str(steps),
-                "--trainer.enable_checkpointing", "false"], env={"FT_TEST_OUT": str(tmp_path / "hsdp")}, timeout=300)
+                "--trainer.enable_checkpointing", "false"], env={"FT_TEST_OUT": str(tmp_path / "hsdp")},
+                timeout=300)
 
     ft0, ft1, ref = _dump(tmp_path / "ft", "group0_rank0"), _dump(tmp_path / "ft", "group1_rank0"), \
         _dump(tmp_path / "hsdp", "grouphsdp_rank0")
     assert ft0["global_step"] == ft1["global_step"] == ref["global_step"] == steps
     for key, value in ref["full"].items():
         assert torch.equal(ft0["full"][key], ft1["full"][key]), key
-        torch.testing.assert_close(ft0["full"][key], value, rtol=1e-5, atol=1e-6, msg=f"ft_hsdp != hsdp for {key}")
+        torch.testing.assert_close(
+            ft0["full"][key], value, rtol=1e-5, atol=1e-6, msg=f"ft_hsdp != hsdp for {key}"
+        )
     losses_ft = [r["loss"] for r in _records(tmp_path / "ft", 0, 0)]
     losses_ref = [r["loss"] for r in _records(tmp_path / "hsdp", "hsdp", 0)]  # type: ignore[arg-type]
     assert losses_ft == pytest.approx(losses_ref, rel=1e-5)
@@ -553,7 +584,9 @@ def test_errors_name_the_option_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match="shard_degree=4 does not match the replica group's size 2"):
         pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     strategy = FTHSDPStrategy(lighthouse_addr=f"http://127.0.0.1:{port}", replica_group_id=1)
-    with pytest.raises(LighthouseUnreachableError, match=rf"127.0.0.1:{port}.*torchft_lighthouse --min_replicas"):
+    with pytest.raises(
+        LighthouseUnreachableError, match=rf"127.0.0.1:{port}.*torchft_lighthouse --min_replicas"
+    ):
         pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     # ... and with a listening lighthouse the Trainer builds, also from the registry name + environment.
     with socket.socket() as server:
@@ -624,7 +657,8 @@ def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
     # LEAVE_EXIT_CODE (the launcher restarts any non-zero exit; the heal path is the one tested above).
     events = tmp_path / "events-{replica_group_id}.jsonl"
     code = ("from fsdp_strategies import FTHSDPStrategy\n"
-            f"s = FTHSDPStrategy(lighthouse_addr='http://127.0.0.1:1', replica_group_id=1, num_replica_groups=2, "
+            "s = FTHSDPStrategy(lighthouse_addr='http://127.0.0.1:1', "
+            "replica_group_id=1, num_replica_groups=2, "
             f"events_file={str(events)!r})\n"
             "s.leave_quorum('slow rank 3')\n"
             "raise SystemExit('leave_quorum returned')\n")
@@ -637,10 +671,16 @@ def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_straggler_evict_makes_the_whole_group_leave_and_heal(tmp_path: Path) -> None:
     # Rank 1 of group 1 sleeps 0.5 s per step; StragglerDetector(action="evict") in group 1 names it after one
-    # window; both ranks of group 1 leave at the same step with LEAVE_EXIT_CODE, group 0 goes on, the restarted
-    # group 1 (no injection) heals and both finish (group 0 sleeps 1.5 s per step while alone so the restart overlaps).
-    events = _launch(tmp_path, "evict", [*FT, "--trainer.max_steps", "24", "--trainer.enable_checkpointing", "false"],
-                     ["--min-replicas", "1", "--max-restarts", "1"], {"FT_TEST_STRAGGLER": "1:1:0.5", "FT_TEST_SLEEP_ALONE": "1.5"})
+    # window; both ranks of group 1 leave at the same step with LEAVE_EXIT_CODE, group 0 goes on, the
+    # restarted group 1 (no injection) heals and both finish (group 0 sleeps 1.5 s per step while alone so the
+    # restart overlaps).
+    events = _launch(
+        tmp_path,
+        "evict",
+        [*FT, "--trainer.max_steps", "24", "--trainer.enable_checkpointing", "false"],
+        ["--min-replicas", "1", "--max-restarts", "1"],
+        {"FT_TEST_STRAGGLER": "1:1:0.5", "FT_TEST_SLEEP_ALONE": "1.5"},
+    )
     out = tmp_path / "evict"
     launcher = _jsonl(events / "launcher.jsonl")
     exits = [(e["group"], e["code"]) for e in launcher if e["event"] == "exit"]
@@ -648,7 +688,11 @@ def test_straggler_evict_makes_the_whole_group_leave_and_heal(tmp_path: Path) ->
     log = (events / "group1.log").read_text()
     left = {}
     for rank in (0, 1):
-        lines = [ln for ln in log.splitlines() if f"replica group 1 rank {rank} leaves the quorum at committed step" in ln]
+        lines = [
+            ln
+            for ln in log.splitlines()
+            if f"replica group 1 rank {rank} leaves the quorum at committed step" in ln
+        ]
         assert len(lines) == 1, log[-3000:]
         left[rank] = int(lines[0].split("committed step ")[1].split(":")[0])
         last = max(r["step_after"] for r in _records(out, 1, rank) if r["incarnation"] == 0)

@@ -35,11 +35,15 @@ def test_a_group_that_gives_up_fails_the_job_and_says_why(tmp_path: Path) -> Non
                       env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "6"}, timeout=300, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == ("fsdp-strategies-ft: FAILED: replica group 0 gave up after 1 restart(s) (--max-restarts 1) "
+    assert last == ("fsdp-strategies-ft: FAILED: replica group 0 "
+                    "gave up after 1 restart(s) (--max-restarts 1) "
                     "(exit codes [1, 1]); "
                     "last error: RuntimeError: cannot read the dataset shard of group 0 (restart 1)"), last
-    assert (f"replica group 0 gave up: it exited 1 after 1 restart(s) (--max-restarts 1). Last error: RuntimeError: "
-            f"cannot read the dataset shard of group 0 (restart 1) (log: {events / 'group0.log'})") in proc.stderr
+    assert (
+        "replica group 0 gave up: it exited 1 after 1 restart(s) "
+        "(--max-restarts 1). Last error: RuntimeError: "
+        f"cannot read the dataset shard of group 0 (restart 1) (log: {events / 'group0.log'})"
+    ) in proc.stderr
     records = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
     [give_up] = [r for r in records if r["event"] == "give_up"]
     assert give_up["group"] == 0 and give_up["last_error"].startswith("RuntimeError: cannot read")
@@ -74,14 +78,18 @@ def test_pin_cores_gives_each_group_its_cpus_and_a_restart_the_same_ones(tmp_pat
         assert not set(expected[0]) & set(expected[1])
     events = tmp_path / "events"
     proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "1", "--runner",
-                       "lightning", "--pin-cores", spec, "--events-dir", str(events), "--timeout", "200", "--",
-                       str(WORKERS / "ft_fail.py")],
-                      env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "2", "FT_AFFINITY_DIR": str(tmp_path)}, timeout=300,
-                      check=False)
+                       "lightning", "--pin-cores", spec, "--events-dir", str(events), "--timeout", "200",
+                       "--", str(WORKERS / "ft_fail.py")],
+                      env={"FT_FAIL_GROUPS": "0", "FT_OK_SLEEP": "2", "FT_AFFINITY_DIR": str(tmp_path)},
+                      timeout=300, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]  # group 0 gives up after its restart, as designed
     seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("group*-start*.json")}
     # what each process really got from the kernel, a restart included
-    assert seen == {"group0-start0": expected[0], "group0-start1": expected[0], "group1-start0": expected[1]}, seen
+    assert seen == {
+        "group0-start0": expected[0],
+        "group0-start1": expected[0],
+        "group1-start0": expected[1],
+    }, seen
     starts = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
     assert sorted((r["group"], r["cores"]) for r in starts if r["event"] == "start") == sorted(
         [(0, expected[0]), (0, expected[0]), (1, expected[1])])
@@ -110,9 +118,9 @@ def test_pin_cores_parsing() -> None:
 
 
 # A replica group that does, at each start, what FT_PLAN says ("0:leave,preempt;1:preempt": group 0 leaves the
-# quorum at its first start and is preempted at its second; group 1 is preempted at once). Without the package's
-# imports (fast); a leave writes the events file's `left` record as the strategy does when FT_WRITE_LEFT is set
-# (under torchrun the launcher sees only torchrun's own status, 1).
+# quorum at its first start and is preempted at its second; group 1 is preempted at once). Without the
+# package's imports (fast); a leave writes the events file's `left` record as the strategy does when
+# FT_WRITE_LEFT is set (under torchrun the launcher sees only torchrun's own status, 1).
 _EXITS = textwrap.dedent("""
     import json, os, sys, time
     group, start = os.environ["REPLICA_GROUP_ID"], int(os.environ["FT_RESTART_COUNT"])
@@ -122,7 +130,8 @@ _EXITS = textwrap.dedent("""
     if action == "leave":
         if os.environ.get("FT_WRITE_LEFT"):
             with open(os.environ["FSDP_STRATEGIES_FT_EVENTS"], "a") as fh:
-                fh.write(json.dumps({"t": time.time(), "group": int(group), "left": "evicted as a straggler"}) + "\\n")
+                fh.write(json.dumps({"t": time.time(), "group": int(group),
+                                     "left": "evicted as a straggler"}) + "\\n")
         sys.exit(int(os.environ["FT_LEAVE_CODE"]))
     sys.exit(int(os.environ["FT_PREEMPT_CODE"]) if action == "preempt" else 0)
 """)
@@ -143,17 +152,23 @@ def test_a_group_that_left_is_restarted_and_a_preempted_one_is_not(tmp_path: Pat
     proc = run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--max-restarts", "3", "--runner", runner,
                        "--events-dir", str(events), "--timeout", "200", "--", str(script)],
                       env={"FT_PLAN": plan, "FT_LEAVE_CODE": str(LEAVE_EXIT_CODE),
-                           "FT_PREEMPT_CODE": str(PREEMPT_EXIT_CODE), "FT_WRITE_LEFT": "1" if runner == "torchrun" else ""},
+                           "FT_PREEMPT_CODE": str(PREEMPT_EXIT_CODE),
+                           "FT_WRITE_LEFT": "1" if runner == "torchrun" else ""},
                       timeout=300, check=False)
     assert proc.returncode == returncode, proc.stderr[-3000:]
     records = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
     exits = [(r["group"], r["kind"]) for r in records if r["event"] == "exit"]
     last = plan.split(";")[0].split(",")[-1]
-    assert exits.count((0, "left")) == 1 and exits.index((0, "left")) < exits.index((0, "preempted" if last == "preempt"
-                                                                                    else "finished")), exits
+    assert exits.count((0, "left")) == 1 and exits.index((0, "left")) < exits.index(
+        (0, "preempted" if last == "preempt" else "finished")
+    ), exits
     assert sorted(exits) == sorted([(0, "left"), (0, "finished" if last == "finish" else "preempted"),
                                     (1, "preempted")]), exits
-    assert sorted((r["group"], r["restart"]) for r in records if r["event"] == "start") == [(0, 0), (0, 1), (1, 0)]
+    assert sorted((r["group"], r["restart"]) for r in records if r["event"] == "start") == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+    ]
     assert sorted(r["group"] for r in records if r["event"] == "not_restarted"
                   and r["why"].startswith("preempted")) == ([0, 1] if last == "preempt" else [1])
     if runner == "torchrun":  # the leave was read from the events file: its reason is in the exit record
@@ -168,7 +183,8 @@ _TORCHRUN_FAILURE = ("\n===== start #0: python -m torch.distributed.run ... trai
                      "------------------------------------------------------------\nFailures:\n"
                      "  <NO_OTHER_FAILURES>\n------------------------------------------------------------\n"
                      "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-25_11:45:50\n"
-                     "  host      : localhost\n  rank      : 1 (local_rank: 1)\n  exitcode  : {code} (pid: 9848)\n"
+                     "  host      : localhost\n  rank      : 1 "
+                     "(local_rank: 1)\n  exitcode  : {code} (pid: 9848)\n"
                      "  error_file: <N/A>\n============================================================\n")
 
 
@@ -181,11 +197,14 @@ def test_exit_kinds_from_the_status_the_events_and_torchruns_summary(tmp_path: P
     assert classify_exit(PREEMPT_EXIT_CODE, log, left=False) is GroupExit.PREEMPTED
     assert classify_exit(1, log, left=False) is GroupExit.FAILED
     assert classify_exit(-9, log, left=False) is GroupExit.FAILED  # a fault's SIGKILL
-    # torchrun exits 1 for any failure of its workers: their status is read from its summary of the latest start
+    # torchrun exits 1 for any failure of its workers: their status is read from its summary of the latest
+    # start
     log.write_text(_TORCHRUN_FAILURE.format(code=PREEMPT_EXIT_CODE))
     assert torchrun_worker_exit_code(log) == PREEMPT_EXIT_CODE
     assert classify_exit(1, log, left=False) is GroupExit.PREEMPTED
-    log.write_text(_TORCHRUN_FAILURE.format(code=1) + "\n===== start #1: python -m torch.distributed.run ...\n")
+    log.write_text(
+        _TORCHRUN_FAILURE.format(code=1) + "\n===== start #1: python -m torch.distributed.run ...\n"
+    )
     assert torchrun_worker_exit_code(log) is None  # an earlier start's summary does not count
     assert classify_exit(1, log, left=False) is GroupExit.FAILED
     assert torchrun_worker_exit_code(tmp_path / "missing.log") is None

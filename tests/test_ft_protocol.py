@@ -44,12 +44,15 @@ def test_leaving_and_preemption_have_distinct_exit_codes() -> None:
 def test_environment_round_trip_and_bad_numbers() -> None:
     env = FTEnvironment(lighthouse_addr="http://h:1", replica_group_id=1, num_replica_groups=3,
                         events_file="/tmp/g1.jsonl", restart_count=2)
-    assert set(env.to_env()) == {LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, NUM_GROUPS_ENV, EVENTS_ENV, RESTART_COUNT_ENV}
+    assert set(env.to_env()) == {LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, NUM_GROUPS_ENV, EVENTS_ENV,
+                                 RESTART_COUNT_ENV}
     assert FTEnvironment.from_env(env.to_env()) == env
     assert FTEnvironment.from_env({}) == FTEnvironment()
     with pytest.raises(ValueError, match=r"REPLICA_GROUP_ID='one' is not an integer. Fix"):
         FTEnvironment.from_env({REPLICA_GROUP_ENV: "one"})
-    spare = FTEnvironment(replica_group_id=0, standby_file="/tmp/g0.spare1.go", launcher_pid=123, restart_count=1)
+    spare = FTEnvironment(
+        replica_group_id=0, standby_file="/tmp/g0.spare1.go", launcher_pid=123, restart_count=1
+    )
     assert {STANDBY_ENV, LAUNCHER_PID_ENV} <= set(spare.to_env())
     assert FTEnvironment.from_env(spare.to_env()) == spare
 
@@ -111,8 +114,8 @@ def test_events_written_by_the_group_are_what_the_launcher_reads(tmp_path: Path)
 
 @pytest.mark.subprocess
 def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
-    # the launcher starts a spare under SCHED_IDLE; activation puts every thread (those started before too) back to
-    # SCHED_OTHER -- or, without the privilege to do so, warns with the fix
+    # the launcher starts a spare under SCHED_IDLE; activation puts every thread (those started before too)
+    # back to SCHED_OTHER -- or, without the privilege to do so, warns with the fix
     code = (
         "import os, threading, time, warnings, json\n"
         "from fsdp_strategies.ft.protocol import restore_normal_scheduling\n"
@@ -135,9 +138,9 @@ def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
 
 
 def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path: Path) -> None:
-    # the launcher keeps one EventLog per group and asks it several times per 50 ms loop: it must read only what
-    # was appended, hold back a line still being written, skip a line cut short by a kill, and start over on a
-    # new job's (shorter) file
+    # the launcher keeps one EventLog per group and asks it several times per 50 ms loop: it must read only
+    # what was appended, hold back a line still being written, skip a line cut short by a kill, and start over
+    # on a new job's (shorter) file
     path = tmp_path / "group0.jsonl"
     writer, reader = EventLog(path), EventLog(path)
     assert reader.last_committed_step() == -1 and not reader.finished()  # no file yet
@@ -153,9 +156,13 @@ def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path:
         fh.write(json.dumps({"t": started, "group": 0, "step": 10, "committed": True}) + "\n")
     writer.write_step(0, 11, committed=True)
     assert reader.last_committed_step() == 11
-    assert [r["step"] for r in reader.records()] == [1, 2, 3, 11]  # the broken line is skipped, as a fresh reader does
+    # the broken line is skipped, as a fresh reader does
+    assert [r["step"] for r in reader.records()] == [1, 2, 3, 11]
     assert [r["step"] for r in EventLog(path).records()] == [1, 2, 3, 11]
-    assert reader.last_committed_step(since=started) == 11 and reader.last_committed_step(since=time.time() + 60) == -1
+    assert (
+        reader.last_committed_step(since=started) == 11
+        and reader.last_committed_step(since=time.time() + 60) == -1
+    )
     writer.write_finished(0, 11)
     assert reader.finished()
     path.write_text("")  # a new job's file

@@ -1,11 +1,11 @@
 """``ft_hsdp(straggler_sync=...)`` + ``StragglerDetector(action="semi_sync")``: the switch between every-step
 cross-group reduction and DiLoCo rounds, and back.
 
-Fast checks: option errors, the decision rule, the cost estimator, the detector's protocol check. Real processes
-(``fsdp-strategies-ft``, 2 replica groups x 1 rank, configs/ft_hsdp_straggler_sync.yaml with a tiny model): a slow
-link on one group (``fsdp_strategies.testing.SlowLinkInjector``) makes every group switch to DiLoCo at the same
-committed step; when the link is fast again every group switches back at the same step; the replicas are
-identical after every committed every-step step and every committed outer sync, and at the end.
+Fast checks: option errors, the decision rule, the cost estimator, the detector's protocol check. Real
+processes (``fsdp-strategies-ft``, 2 replica groups x 1 rank, configs/ft_hsdp_straggler_sync.yaml with a tiny
+model): a slow link on one group (``fsdp_strategies.testing.SlowLinkInjector``) makes every group switch to
+DiLoCo at the same committed step; when the link is fast again every group switches back at the same step; the
+replicas are identical after every committed every-step step and every committed outer sync, and at the end.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ TINY = ["--trainer.devices", "1", "--trainer.logger", "false", "--trainer.limit_
 ])
 def test_bad_straggler_sync_options_name_option_value_and_fix(kwargs: dict, match: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    args = {"straggler_sync": "diloco", "sync": "every_step", "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9,
-            "num_fragments": 1, "data_on_failure": "skip", **kwargs}
+    args = {"straggler_sync": "diloco", "sync": "every_step", "sync_every": 4, "outer_lr": 0.7,
+            "outer_momentum": 0.9, "num_fragments": 1, "data_on_failure": "skip", **kwargs}
     with pytest.raises(ValueError, match="Fix:") as err:
         validate_straggler_sync(**args)
     assert match in str(err.value)
@@ -65,7 +65,11 @@ def test_config_builds_a_switchable_strategy(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:1")
     init_args = yaml.safe_load((ROOT / CONFIG).read_text())["trainer"]["strategy"]["init_args"]
     strategy = FTHSDPStrategy(**{**init_args, "replica_group_id": 0, "num_replica_groups": 2})
-    assert isinstance(strategy, SyncModeSwitch) and strategy.sync_switch_available and not strategy.semi_sync_active
+    assert (
+        isinstance(strategy, SyncModeSwitch)
+        and strategy.sync_switch_available
+        and not strategy.semi_sync_active
+    )
     assert strategy.straggler_sync == "diloco" and strategy.sync == "every_step"
     # a production config names no test injector (the slow link of the tests below is added by their override;
     # a real slow link is measured in benchmarks/suites/slow_link.py)
@@ -78,7 +82,8 @@ def test_decision_threshold_patience_and_hysteresis() -> None:
     for cost in [0.5, 0.2, 0.5, 0.5, 0.2, 0.1, 0.2, 0.1, 0.14, 0.5]:  # threshold 0.3, patience 2
         semi, streak = decide(semi, streak, cost, 0.3, 2)
         path.append((semi, streak))
-    assert path == [(False, 1), (False, 0), (False, 1), (True, 0),  # two boundaries above 0.3 in a row: rounds
+    # two boundaries above 0.3 in a row: rounds
+    assert path == [(False, 1), (False, 0), (False, 1), (True, 0),
                     (True, 0),  # 0.2 is not below threshold / 2: no streak toward every-step
                     (True, 1), (True, 0),  # one boundary below 0.15, then one above: the streak restarts
                     (True, 1), (False, 0),  # two below 0.15 in a row: back to every-step
@@ -93,7 +98,8 @@ def test_cost_clock_estimates_the_every_step_cost_from_the_outer_sync() -> None:
     clock = CostClock()
     clock.synchronous_step(0.3)  # a synchronous step: 0.3 s in cross-group operations
     assert clock.counters() == (0.3, 0.0)
-    # a round of 4 steps: 3 inner steps, then a 1.2 s sync of which 0.8 s was the quorum (waiting for a group 0.2 s
+    # a round of 4 steps: 3 inner steps, then a 1.2 s sync of which 0.8 s was the quorum (waiting for a group
+    # 0.2 s
     # slower per step): every-step would pay 0.8 / 4 + 0.4 = 0.6 s per step
     for _ in range(3):
         clock.inner_step()  # charged the last estimate (0.3) and that much wall time added
@@ -114,12 +120,15 @@ def test_detector_semi_sync_needs_a_sync_mode_switch() -> None:
                                semi_sync_active=False, sync_switch_events=[], replica_group_id=0,
                                configure_sync_switch=lambda t, p: configured.append((t, p)),
                                sync_cost_counters=lambda: (0.0, 0.0), report_sync_cost=lambda c: None)
-    trainer = SimpleNamespace(strategy=strategy, world_size=1, global_rank=0, log_dir=None, default_root_dir="/tmp")
+    trainer = SimpleNamespace(
+        strategy=strategy, world_size=1, global_rank=0, log_dir=None, default_root_dir="/tmp"
+    )
     StragglerDetector(action="semi_sync", switch_threshold=0.4, patience=3).setup(trainer, None, "fit")  # type: ignore
     assert configured == [(0.4, 3)]
 
 
-# ---------------------------------------------------------------------------------------------- real processes
+# ---------------------------------------------------------------------------------------------- real
+# processes
 def _records(out: Path, group: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / f"group{group}_rank0.jsonl").read_text().splitlines()]
 
@@ -129,14 +138,15 @@ def _launch(tmp: Path, slow_link: dict[str, Any], steps: int, launcher: list[str
     override = tmp / "callbacks.yaml"
     override.write_text(yaml.safe_dump({"trainer": {"callbacks": [
         {"class_path": "fsdp_strategies.callbacks.StragglerDetector",
-         "init_args": {"window": 2, "skip_first": 1, "action": "semi_sync", "switch_threshold": 0.5, "patience": 1,
-                       "report_path": str(tmp / "straggler_{replica_group_id}.json")}},
+         "init_args": {"window": 2, "skip_first": 1, "action": "semi_sync", "switch_threshold": 0.5,
+                       "patience": 1, "report_path": str(tmp / "straggler_{replica_group_id}.json")}},
         {"class_path": "fsdp_strategies.testing.SlowLinkInjector"}]}}))
     events = tmp / "events"
-    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1",
+                "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--quorum-tick-ms", "10", "--events-dir", str(events),
-                "--timeout", str(timeout - 20), *launcher, "--", WORKER, "fit", "--config", CONFIG, "--config",
-                str(override), *TINY, "--trainer.max_steps", str(steps),
+                "--timeout", str(timeout - 20), *launcher, "--", WORKER, "fit", "--config", CONFIG,
+                "--config", str(override), *TINY, "--trainer.max_steps", str(steps),
                 "--trainer.accumulate_grad_batches", str(accumulate)],
                env={"FT_TEST_OUT": str(tmp / "out"), "FT_TEST_SLEEP": str(0.3 / accumulate),  # per record
                     "FSDP_STRATEGIES_SLOW_LINK": json.dumps(slow_link), **env}, timeout=timeout)
@@ -144,14 +154,15 @@ def _launch(tmp: Path, slow_link: dict[str, Any], steps: int, launcher: list[str
 
 
 def check_switch_run(tmp: Path, max_steps: int, accumulate: int = 1) -> dict[str, Any]:
-    """Every group switched at the same committed steps; replicas identical after every committed every-step step
-    and every committed outer sync, and at the end; inner steps without cross-group traffic; the data position
-    (committed steps) continues across switches; ``accumulate`` micro-batches per step, only the last of which
-    may send anything across groups. Returns the switches and counts."""
+    """Every group switched at the same committed steps; replicas identical after every committed every-step
+    step and every committed outer sync, and at the end; inner steps without cross-group traffic; the data
+    position (committed steps) continues across switches; ``accumulate`` micro-batches per step, only the last
+    of which may send anything across groups. Returns the switches and counts."""
     out = tmp / "out"
     switches = []
     for g in (0, 1):
-        recorded = [(r["switch"], r["switch_step"]) for r in map(json.loads, (tmp / "events" / f"group{g}.jsonl")
+        recorded = [(r["switch"], r["switch_step"]) for r in map(json.loads,
+                                                                 (tmp / "events" / f"group{g}.jsonl")
                                                                   .read_text().splitlines()) if "switch" in r]
         switches.append(recorded)
     assert switches[0] == switches[1], switches
@@ -203,16 +214,18 @@ def _covered(events: Path, group: int) -> list[int]:
 
 @pytest.mark.multiprocess
 def test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps(tmp_path: Path) -> None:
-    # group 1's link is slow (3 s/MB, ~1.3 s per step) in steps [0, 10): cost ~0.8 of the step time > 0.5 -> both
-    # groups switch to DiLoCo rounds of 2 steps; from step 10 the syncs are fast (cost ~0.1 < 0.25) -> back.
-    # Every step accumulates 2 micro-batches: the detector, the switch and the rounds count optimizer steps.
+    # group 1's link is slow (3 s/MB, ~1.3 s per step) in steps [0, 10): cost ~0.8 of the step time > 0.5 ->
+    # both groups switch to DiLoCo rounds of 2 steps; from step 10 the syncs are fast (cost ~0.1 < 0.25) ->
+    # back. Every step accumulates 2 micro-batches: the detector, the switch and the rounds count optimizer
+    # steps.
     _launch(tmp_path, {"groups": [1], "seconds_per_mb": 3.0, "start_step": 0, "end_step": 10}, 24, [], {},
             accumulate=2)
     res = check_switch_run(tmp_path, 24, accumulate=2)
     (to_semi, s1), (to_sync, s2) = res["switches"]
-    # the switch steps depend on measured cost ratios (wall time), so the bounds are the phases themselves, not a
-    # tighter guess: into DiLoCo while the link is slow (before step 10), back once it is fast again
-    # (s1 == 10: the slow syncs of steps 8-9 decided it, applied at the next round boundary -- seen under load)
+    # the switch steps depend on measured cost ratios (wall time), so the bounds are the phases themselves,
+    # not a tighter guess: into DiLoCo while the link is slow (before step 10), back once it is fast again
+    # (s1 == 10: the slow syncs of steps 8-9 decided it, applied at the next round boundary -- seen under
+    # load)
     assert (to_semi, to_sync) == ("diloco", "every_step") and s1 <= 10 and 10 < s2 < 24, res["switches"]
     assert s1 % 2 == 0 and s2 % 2 == 0  # at boundaries (sync_every=2)
     assert res["inner_steps"] >= 2 * (s2 - s1) // 2 and res["syncs"] >= 2 * (s2 - s1) // 2, res
@@ -228,10 +241,11 @@ def test_slow_link_switches_every_group_to_diloco_and_back_at_the_same_steps(tmp
 @pytest.mark.multiprocess
 @pytest.mark.full
 def test_group_killed_in_a_diloco_phase_heals_into_it(tmp_path: Path) -> None:
-    # group 0's link is slow in steps [0, 30): both groups switch to DiLoCo; the launcher SIGKILLs group 1 once it has
-    # committed step 10 (in the DiLoCo phase). The restarted group 1 starts every-step, its first quorum is group 0's
-    # outer sync: it heals (weights, inner/outer optimizer state, DiLoCo backup, mode, offset, streak), joins that
-    # sync and continues in rounds; later both switch back at the same step; replicas identical at the end.
+    # group 0's link is slow in steps [0, 30): both groups switch to DiLoCo; the launcher SIGKILLs group 1
+    # once it has committed step 10 (in the DiLoCo phase). The restarted group 1 starts every-step, its first
+    # quorum is group 0's outer sync: it heals (weights, inner/outer optimizer state, DiLoCo backup, mode,
+    # offset, streak), joins that sync and continues in rounds; later both switch back at the same step;
+    # replicas identical at the end.
     events = _launch(tmp_path, {"groups": [0], "seconds_per_mb": 3.0, "start_step": 0, "end_step": 30}, 40,
                      ["--min-replicas", "1", "--kill-at-steps", "1@10", "--max-restarts", "1"],
                      {"FT_TEST_SLEEP_ALONE": "1.0"}, timeout=400)
@@ -267,7 +281,10 @@ def test_slow_link_delays_only_its_groups_and_steps(monkeypatch: pytest.MonkeyPa
         strategy = SimpleNamespace(replica_group_id=group, manager=SimpleNamespace(allreduce=allreduce))
         injector.setup(SimpleNamespace(strategy=strategy, global_step=0), None, "fit")  # type: ignore[arg-type]
         assert (strategy.manager.allreduce is not allreduce) == hooked
-    assert strategy.manager.allreduce(torch.zeros(250_000), reduce_op="avg") == "work"  # 1 MB, then the real call
+    # 1 MB, then the real call
+    assert strategy.manager.allreduce(torch.zeros(250_000), reduce_op="avg") == "work"
     assert injector.delayed_s == pytest.approx(1e-6) and reduced == [250_000]
     with pytest.raises(ValueError, match=r"SlowLinkInjector needs ft_hsdp.*Fix"):
-        injector.setup(SimpleNamespace(strategy=SimpleNamespace(replica_group_id=1), global_step=0), None, "fit")
+        injector.setup(
+            SimpleNamespace(strategy=SimpleNamespace(replica_group_id=1), global_step=0), None, "fit"
+        )

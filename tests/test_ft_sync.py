@@ -1,4 +1,5 @@
-"""``ft_hsdp`` sync modes (``local_sgd``, ``diloco``) with real processes: 2 replica groups x 2 ranks (FSDP2 shards).
+"""``ft_hsdp`` sync modes (``local_sgd``, ``diloco``) with real processes: 2 replica groups x 2 ranks (FSDP2
+shards).
 
 Each run is started by ``fsdp-strategies-ft`` with the mode's YAML (configs/ft_hsdp_diloco.yaml,
 configs/ft_hsdp_local_sgd.yaml). The probe in ``workers/ft_train.py`` counts the manager's cross-group
@@ -20,7 +21,8 @@ from conftest import ROOT, WORKERS, run_python
 from fsdp_strategies.ft.outer_sync import _fragments, validate_sync_options
 
 WORKER = str(WORKERS / "ft_train.py")
-TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+        "false",
         "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
         "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
         "--data.num_train", "32", "--data.num_val", "8", "--trainer.strategy.init_args.timeout_s", "10",
@@ -76,7 +78,9 @@ def test_round_start_checks_are_shared_by_sync_and_straggler_sync() -> None:
     ok = {"max_steps": 8, "sync_every": 4, "num_optimizers": 1}
     for option, value, required in (("sync", "diloco", False), ("straggler_sync", "local_sgd", True)):
         check_rounds(option, value, **ok, max_steps_required=required)
-        with pytest.raises(ValueError, match=rf"max_steps=10 is not a multiple of sync_every=4 with {option}=.*Fix"):
+        with pytest.raises(
+            ValueError, match=rf"max_steps=10 is not a multiple of sync_every=4 with {option}=.*Fix"
+        ):
             check_rounds(option, value, **{**ok, "max_steps": 10}, max_steps_required=required)
         with pytest.raises(ValueError, match=rf"{option}='{value}' supports one optimizer, got 2.*Fix"):
             check_rounds(option, value, **{**ok, "num_optimizers": 2}, max_steps_required=required)
@@ -98,7 +102,8 @@ def test_fragments_partition_every_parameter_once() -> None:
 
 
 class _FakeManager:
-    """Single-process stand-in for ``torchft.Manager``: a peer group that did not move (zero pseudo-gradient)."""
+    """Single-process stand-in for ``torchft.Manager``: a peer group that did not move (zero
+    pseudo-gradient)."""
 
     _use_async_quorum = False
 
@@ -109,7 +114,9 @@ class _FakeManager:
     def start_quorum(self) -> None:
         self.quorums += 1
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: object = None) -> object:
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: object = None
+    ) -> object:
         self.allreduces += 1
         tensor.div_(2)  # AVG with a peer whose pseudo-gradient is zero
         return type("Done", (), {"wait": lambda self: True})()
@@ -139,7 +146,8 @@ def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> Non
     model = nn.Linear(3, 1)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     manager, stats, refreshed = _FakeManager(), {}, []
-    outer = OuterSync(CountedManager(manager, stats), model, inner, mode="local_sgd", sync_every=2, outer_lr=1.0, outer_momentum=0.0,
+    outer = OuterSync(CountedManager(manager, stats), model, inner, mode="local_sgd", sync_every=2,
+                      outer_lr=1.0, outer_momentum=0.0,
                       num_fragments=1, before_quorum=lambda: refreshed.append(1), stats=stats)
     assert {"StreamingDiLoCoFragment_0", STATE_KEY} <= set(manager.fns)
     backup = [p.detach().clone() for p in model.parameters()]
@@ -150,7 +158,8 @@ def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> Non
         inner.step()
         return outer.after_inner_step()
 
-    assert inner_step() is None and manager.allreduces == 0 and manager.quorums == 0  # inner: no cross-group traffic
+    # inner: no cross-group traffic
+    assert inner_step() is None and manager.allreduces == 0 and manager.quorums == 0
     assert inner_step() is True and manager.quorums == 1 and manager.allreduces == 2 and refreshed == [1]
     local = [b - 0.1 * 2 * g for b, g in zip(backup, (torch.full((1, 3), 4.0), torch.full((1,), 4.0)))]
     for p, b, loc in zip(model.parameters(), backup, local):  # local SGD: the mean of own and peer's weights
@@ -171,13 +180,15 @@ def test_outer_sync_commit_discard_and_heal_state_with_a_mocked_manager() -> Non
     assert outer.step == 10 and outer.healed
 
 
-# ---------------------------------------------------------------------------------------------- real processes
+# ---------------------------------------------------------------------------------------------- real
+# processes
 def _launch(tmp: Path, name: str, config: str, args: list[str], launcher: list[str], env: dict[str, str],
             timeout: float = 400) -> Path:
     events = tmp / f"{name}-events"
-    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
-                "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout", str(timeout - 20),
-                *launcher, "--", WORKER, "fit", "--config", config, *TINY, *args],
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2",
+                "--heartbeat-timeout-ms",
+                "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout",
+                str(timeout - 20), *launcher, "--", WORKER, "fit", "--config", config, *TINY, *args],
                env={"FT_TEST_OUT": str(tmp / name), **env}, timeout=timeout)
     return events
 
@@ -192,8 +203,8 @@ def _jsonl(path: Path) -> list[dict]:
 
 def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int, fragments: int = 1,
                         accumulate: int = 1) -> dict[str, int]:
-    """Replicas identical after every outer sync both committed and at the end; inner steps without cross-group
-    traffic; a discarded sync rolls the parameters back to the last committed one. Returns counts.
+    """Replicas identical after every outer sync both committed and at the end; inner steps without
+    cross-group traffic; a discarded sync rolls the parameters back to the last committed one. Returns counts.
 
     ``accumulate``: micro-batches per inner step (``accumulate_grad_batches``); a record is written per
     micro-batch, and the non-final ones neither step nor send anything across groups.
@@ -240,31 +251,40 @@ def check_semi_sync_run(out: Path, groups: int, max_steps: int, sync_every: int,
                     assert r["step_after"] == r["step_before"] + 1 - interval, r
                     assert r["step_after"] in by_step, (r, sorted(by_step))
                     if fragments == 1:
-                        assert r["model"] == by_step[r["step_after"]][0], "a discarded outer step changed the weights"
+                        assert r["model"] == by_step[r["step_after"]][0], (
+                            "a discarded outer step changed the weights"
+                        )
             synced.append(by_step)
         common = set(synced[0]).intersection(*synced[1:])
         for step in common:
-            assert len({s[step] for s in synced}) == 1, f"rank {rank}: groups differ after the outer sync at {step}"
+            assert len({s[step] for s in synced}) == 1, (
+                f"rank {rank}: groups differ after the outer sync at {step}"
+            )
         counts["compared_syncs"] += len(common)
         dumps = [torch.load(out / f"group{g}_rank{rank}.pt", weights_only=False) for g in range(groups)]
         assert {d["global_step"] for d in dumps} == {max_steps}
         keys = [k for k in dumps[0]["shards"] if k.startswith(("model.", "backup", "outer") if fragments == 1
                                                                else ("backup", "outer"))]
-        assert any(k.startswith("backup") for k in keys), "DiLoCo's backup parameters are missing from the dump"
+        assert any(k.startswith("backup") for k in keys), (
+            "DiLoCo's backup parameters are missing from the dump"
+        )
         for d in dumps[1:]:
             for k in keys:
-                assert torch.equal(d["shards"][k], dumps[0]["shards"][k]), f"rank {rank}: {k} differs at the end"
+                assert torch.equal(d["shards"][k], dumps[0]["shards"][k]), (
+                    f"rank {rank}: {k} differs at the end"
+                )
         counts["heals"] += sum(int(d["ft_stats"]["heals"]) for d in dumps)
     return counts
 
 
 def outer_step_errors(out: Path, groups: int, lr: float, momentum: float) -> list[float]:
-    """Each outer sync that every group committed together (all present, none healing in it) recomputed by hand from
-    the saved inputs (``workers/ft_train.py`` writes them): pseudo-gradient ``mean over groups(backup - local)``, then
-    torch's Nesterov SGD (``buf = momentum * buf + g`` -- ``g`` itself on the first step --, ``backup - lr * (g +
-    momentum * buf)``; ``momentum == 0``: ``backup - lr * g``). Returns, per sync and rank, the largest absolute
-    difference from what the run produced (parameters and momentum buffers) -- independent of ``check_semi_sync_run``,
-    which only compares the groups with each other (two groups applying the same wrong step would pass there)."""
+    """Each outer sync that every group committed together (all present, none healing in it) recomputed by
+    hand from the saved inputs (``workers/ft_train.py`` writes them): pseudo-gradient
+    ``mean over groups(backup - local)``, then torch's Nesterov SGD (``buf = momentum * buf + g`` -- ``g``
+    itself on the first step --, ``backup - lr * (g + momentum * buf)``; ``momentum == 0``:
+    ``backup - lr * g``). Returns, per sync and rank, the largest absolute difference from what the run
+    produced (parameters and momentum buffers) -- independent of ``check_semi_sync_run``, which only compares
+    the groups with each other (two groups applying the same wrong step would pass there)."""
     dumps: dict[tuple[int, int], dict[str, dict]] = {}
     for path in sorted((out / "syncs").glob("group*_rank*_inc*_m*.pt")):
         group, rank, _, step = path.stem.split("_")
@@ -272,8 +292,9 @@ def outer_step_errors(out: Path, groups: int, lr: float, momentum: float) -> lis
     errors = []
     for (_, _), by_group in sorted(dumps.items()):
         records = list(by_group.values())
-        if len(records) != groups or not all(r["committed"] and r["participants"] == groups and not r["healed"]
-                                             for r in records):
+        if len(records) != groups or not all(
+            r["committed"] and r["participants"] == groups and not r["healed"] for r in records
+        ):
             continue
         first = records[0]
         if any(not torch.equal(r["before"]["backup"][n], first["before"]["backup"][n])
@@ -296,10 +317,12 @@ def outer_step_errors(out: Path, groups: int, lr: float, momentum: float) -> lis
     return errors
 
 
-def check_outer_steps_by_hand(out: Path, lr: float, momentum: float, at_least: int, averaging: bool = False) -> None:
+def check_outer_steps_by_hand(
+    out: Path, lr: float, momentum: float, at_least: int, averaging: bool = False
+) -> None:
     """The run's outer steps equal the hand-computed ones, and the check would see a 10% error in lr or a
-    momentum off by 0.1 (both recomputed with the wrong value must miss). ``averaging``: local SGD, whose outer
-    step is the groups' mean (lr 1, no momentum buffers to compare): only the lr is perturbed."""
+    momentum off by 0.1 (both recomputed with the wrong value must miss). ``averaging``: local SGD, whose
+    outer step is the groups' mean (lr 1, no momentum buffers to compare): only the lr is perturbed."""
     tolerance = 2e-6
     errors = outer_step_errors(out, 2, lr, momentum)
     assert len(errors) >= at_least and max(errors) <= tolerance, errors
@@ -313,8 +336,8 @@ def check_outer_steps_by_hand(out: Path, lr: float, momentum: float, at_least: i
 @pytest.mark.multiprocess
 def test_diloco_kill_during_an_outer_sync_then_live_heal(tmp_path: Path) -> None:
     # Group 1 SIGKILLs itself (torchrun + both ranks) inside the 2nd cross-group all-reduce of the outer sync
-    # that ends inner step 8: group 0's sync is discarded (rolled back to step 4 on both of its ranks). Group 1
-    # restarts and heals from group 0 at its first sync (weights, inner AND outer optimizer state, DiLoCo's
+    # that ends inner step 8: group 0's sync is discarded (rolled back to step 4 on both of its ranks). Group
+    # 1 restarts and heals from group 0 at its first sync (weights, inner AND outer optimizer state, DiLoCo's
     # backup, the step). A group alone sleeps 2.5 s per step so that the restart overlaps training. Every
     # inner step accumulates 2 micro-batches (accumulate_grad_batches=2): rounds count optimizer steps.
     acc = 2
@@ -331,7 +354,9 @@ def test_diloco_kill_during_an_outer_sync_then_live_heal(tmp_path: Path) -> None
     assert counts["heals"] >= 2, counts  # group 1 healed on both ranks
     assert counts["compared_syncs"] >= 6, counts
     # configs/ft_hsdp_diloco.yaml: outer_lr 0.7, outer_momentum 0.6 -- read from the YAML, not from the run
-    diloco = yaml.safe_load((ROOT / "configs" / "ft_hsdp_diloco.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    diloco = yaml.safe_load((ROOT / "configs" / "ft_hsdp_diloco.yaml").read_text())["trainer"]["strategy"][
+        "init_args"
+    ]
     check_outer_steps_by_hand(tmp_path / "diloco", diloco["outer_lr"], diloco["outer_momentum"], at_least=4)
     for rank in (0, 1):
         # the healed group starts from its peer's state of that sync: weights AND inner-optimizer state (the
@@ -355,25 +380,29 @@ def test_local_sgd_kill_between_outer_syncs(tmp_path: Path) -> None:
     assert exits[0] == (1, -9) and sorted(exits[1:]) == [(0, 0), (1, 0)], exits
     counts = check_semi_sync_run(tmp_path / "local_sgd", 2, 32, 4)
     assert counts["heals"] >= 2 and counts["compared_syncs"] >= 6, counts
-    check_outer_steps_by_hand(tmp_path / "local_sgd", 1.0, 0.0, at_least=4, averaging=True)  # the groups' mean
+    # the groups' mean
+    check_outer_steps_by_hand(tmp_path / "local_sgd", 1.0, 0.0, at_least=4, averaging=True)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.soak  # minutes per mode; CI runs the kill tests (diloco in make test, local_sgd in make test-full)
+# minutes per mode; CI runs the kill tests (diloco in make test, local_sgd in make test-full)
+@pytest.mark.soak
 @pytest.mark.parametrize("mode", ["diloco", "local_sgd"])
 def test_sync_mode_under_chaos(mode: str, tmp_path: Path) -> None:
     # Issue 13's done-when: the example under fsdp-strategies-ft chaos (>= 5 kills) with replicas identical
     # after every outer sync both groups committed, and at the end. The launcher SIGKILLs a live group
-    # (round-robin) at committed steps 40, 80, ..., 240 (mostly mid-round), and group 1 also kills itself inside
-    # the 3rd all-reduce of the outer sync ending step 20. The last kill leaves 80 steps for the restart to
-    # rejoin, so both groups finish (random --kill-every kills near the end leave a group that never rejoins).
+    # (round-robin) at committed steps 40, 80, ..., 240 (mostly mid-round), and group 1 also kills itself
+    # inside the 3rd all-reduce of the outer sync ending step 20. The last kill leaves 80 steps for the
+    # restart to rejoin, so both groups finish (random --kill-every kills near the end leave a group that
+    # never rejoins).
     steps = int(os.environ.get("FT_SYNC_CHAOS_STEPS", "320"))
     plan = ",".join(str(s) for s in range(40, steps - 79, 40))
     events = _launch(tmp_path, mode, f"configs/ft_hsdp_{mode}.yaml",
                      ["--trainer.strategy.init_args.sync_every", "4", "--trainer.max_steps", str(steps),
                       "--data.num_train", "128"],
                      ["--min-replicas", "1", "--kill-at-steps", plan, "--max-restarts", "10"],
-                     {"FT_TEST_KILL": "1:20:3", "FT_TEST_SLEEP": "0.2", "FT_TEST_SLEEP_ALONE": "1.0"}, timeout=1500)
+                     {"FT_TEST_KILL": "1:20:3", "FT_TEST_SLEEP": "0.2", "FT_TEST_SLEEP_ALONE": "1.0"},
+                     timeout=1500)
     launcher = _jsonl(events / "launcher.jsonl")
     kills = [e for e in launcher if e["event"] == "exit" and e["code"] == -9]
     counts = check_semi_sync_run(tmp_path / mode, 2, steps, 4)
@@ -394,8 +423,8 @@ def test_streaming_diloco_two_fragments(tmp_path: Path) -> None:
     # Streaming DiLoCo over FSDP2 shards: fragments alternate (one sync every 2 steps), each sync reduces only
     # its fragment's tensors, and the backups + outer-optimizer state are identical across groups after each.
     _launch(tmp_path, "stream", "configs/ft_hsdp_diloco.yaml",
-            ["--trainer.strategy.init_args.sync_every", "4", "--trainer.strategy.init_args.num_fragments", "2",
-             "--trainer.max_steps", "16"], ["--min-replicas", "1"], {})
+            ["--trainer.strategy.init_args.sync_every", "4", "--trainer.strategy.init_args.num_fragments",
+             "2", "--trainer.max_steps", "16"], ["--min-replicas", "1"], {})
     counts = check_semi_sync_run(tmp_path / "stream", 2, 16, 4, fragments=2)
     assert counts["compared_syncs"] >= 12, counts
     recs = _records(tmp_path / "stream", 0, 0)

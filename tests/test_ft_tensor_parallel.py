@@ -17,7 +17,8 @@ import torch
 from conftest import WORKERS, run_python
 
 WORKER = str(WORKERS / "ft_train.py")
-TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+TINY = ["--trainer.logger", "false", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+        "false",
         "--model.vocab_size", "64", "--data.vocab_size", "64", "--model.dim", "64", "--model.n_layers", "2",
         "--model.n_heads", "4", "--model.max_seq_len", "32", "--data.seq_len", "32", "--data.batch_size", "2",
         "--data.num_train", "64", "--data.num_val", "8"]
@@ -31,11 +32,13 @@ def _jsonl(path: Path) -> list[dict]:
 def test_two_tp_groups_kill_heal_and_end_identical(tmp_path: Path) -> None:
     max_steps = 24
     events, out = tmp_path / "events", tmp_path / "out"
-    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--heartbeat-timeout-ms",
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2",
+                "--heartbeat-timeout-ms",
                 "1000", "--join-timeout-ms", "30000", "--events-dir", str(events), "--timeout", "380",
                 "--min-replicas", "1", "--kill-at-steps", "1@8", "--max-restarts", "1",
                 "--", WORKER, "fit", "--config", "configs/ft_hsdp_tp.yaml", *TINY,
-                "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.connect_timeout_s", "5",
+                "--trainer.strategy.init_args.timeout_s", "10",
+                "--trainer.strategy.init_args.connect_timeout_s", "5",
                 "--trainer.max_steps", str(max_steps), "--trainer.enable_checkpointing", "false"],
                env={"FT_TEST_OUT": str(out), "FT_TEST_SLEEP_ALONE": "2.0"}, timeout=400)
     launcher = _jsonl(events / "launcher.jsonl")

@@ -94,15 +94,17 @@ class FailingLM(LlamaLM):
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options = {"accelerator": "cpu", "devices": 1, "max_steps": 8, "logger": False, "enable_checkpointing": False,
+    options = {"accelerator": "cpu", "devices": 1, "max_steps": 8, "logger": False,
+               "enable_checkpointing": False,
                "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
                "default_root_dir": str(tmp_path), **kwargs}
     return pl.Trainer(callbacks=callbacks, **options)
 
 
 def _data() -> MarkovDataModule:
-    return MarkovDataModule(vocab_size=TINY["vocab_size"], seq_len=TINY["max_seq_len"], num_train=256, num_val=8,
-                            batch_size=4)
+    return MarkovDataModule(
+        vocab_size=TINY["vocab_size"], seq_len=TINY["max_seq_len"], num_train=256, num_val=8, batch_size=4
+    )
 
 
 def test_collects_at_the_scheduled_steps_logs_them_and_restores_automatic_gc(tmp_path: Path) -> None:
@@ -160,7 +162,9 @@ def test_restored_after_a_keyboard_interrupt(tmp_path: Path) -> None:
     handler = signal.getsignal(signal.SIGINT)
     try:  # Lightning's graceful shutdown ignores further SIGINTs and exits with status 1
         with pytest.raises(SystemExit):
-            _trainer(tmp_path, [GarbageCollection(every_n_steps=1)]).fit(FailingLM(KeyboardInterrupt()), _data())
+            _trainer(tmp_path, [GarbageCollection(every_n_steps=1)]).fit(
+                FailingLM(KeyboardInterrupt()), _data()
+            )
     finally:
         signal.signal(signal.SIGINT, handler)
     assert gc.isenabled()
@@ -240,9 +244,11 @@ class UnreportedPause(pl.Callback):
 PAUSE_S, STEPS = 0.05, 14
 
 
-def _simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order: str) -> list[ExchangingDetector]:
-    """Two ranks' hooks driven step by step on fake clocks; rank 1 pauses ``PAUSE_S`` after every optimizer step,
-    in a collection it reports (``pause="gc"``) or in a callback that does not (``pause="other"``)."""
+def _simulate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order: str
+) -> list[ExchangingDetector]:
+    """Two ranks' hooks driven step by step on fake clocks; rank 1 pauses ``PAUSE_S`` after every optimizer
+    step, in a collection it reports (``pause="gc"``) or in a callback that does not (``pause="other"``)."""
     clock, exchange = FakeClock(), {}
     monkeypatch.setattr(straggler_timing, "time", clock)
     monkeypatch.setattr(gc_module, "time", clock)
@@ -257,13 +263,23 @@ def _simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order
     ranks = []
     for rank in (0, 1):
         detector = ExchangingDetector(rank, exchange, window=4, skip_first=2, patience=2)
-        extra: pl.Callback = GarbageCollection(every_n_steps=1) if pause == "gc" or rank == 0 else UnreportedPause(
-            clock, PAUSE_S if rank == 1 else 0.0)
+        extra: pl.Callback = (
+            GarbageCollection(every_n_steps=1)
+            if pause == "gc" or rank == 0
+            else UnreportedPause(clock, PAUSE_S if rank == 1 else 0.0)
+        )
         callbacks = [detector, extra] if order == "detector_first" else [extra, detector]
-        trainer = SimpleNamespace(callbacks=callbacks, world_size=2, global_rank=rank, is_global_zero=rank == 0,
-                                  strategy=SimpleNamespace(root_device=SimpleNamespace(type="cpu")), loggers=[],
-                                  log_dir=str(tmp_path / f"{pause}{order}"), global_step=0,
-                                  fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
+        trainer = SimpleNamespace(
+            callbacks=callbacks,
+            world_size=2,
+            global_rank=rank,
+            is_global_zero=rank == 0,
+            strategy=SimpleNamespace(root_device=SimpleNamespace(type="cpu")),
+            loggers=[],
+            log_dir=str(tmp_path / f"{pause}{order}"),
+            global_step=0,
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
+        )
         detector.setup(trainer, None, "fit")  # type: ignore[arg-type]
         detector.hosts = ["host0", "host1"]
         ranks.append((trainer, callbacks))
@@ -272,7 +288,8 @@ def _simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: str, order
         for cb in callbacks:
             cb.on_train_start(trainer, None)
     for _ in range(STEPS):
-        for rank, (trainer, callbacks) in enumerate(ranks):  # one step of each rank in turn, each on its own clock
+        # one step of each rank in turn, each on its own clock
+        for rank, (trainer, callbacks) in enumerate(ranks):
             clock.rank = rank
             detector = next(c for c in callbacks if isinstance(c, StragglerDetector))
             clock.advance(0.002)  # loading the batch
@@ -298,7 +315,8 @@ def test_a_reported_collection_pause_is_not_a_straggler_and_the_same_pause_unrep
     for detectors in (reported, unreported):  # both ranks scored the same gathered windows
         assert detectors[0].report()["windows"] == detectors[1].report()["windows"]
     rep, other = reported[0].report(), unreported[0].report()
-    # windows end after batches 4, 8 and 12; the first 2 batches are skipped and 12-13 start a 4th, unfinished one
+    # windows end after batches 4, 8 and 12; the first 2 batches are skipped and 12-13 start a 4th, unfinished
+    # one
     assert len(rep["windows"]) == len(other["windows"]) == 3
     measured = 10
     # reported: subtracted from rank 1's self time (equal to rank 0's), reported as pause, never slow
@@ -311,7 +329,9 @@ def test_a_reported_collection_pause_is_not_a_straggler_and_the_same_pause_unrep
     assert rep["lost_s"] == 0.0
     # unreported: the same pause is rank 1's own time, which makes it a persistent straggler
     assert other["persistent"] == [1] and other["slow_windows"][1] == 3 and other["pause_s"] == [0.0, 0.0]
-    assert other["windows"][-1]["mean_self"][1] == pytest.approx(other["windows"][-1]["mean_self"][0] + PAUSE_S)
+    assert other["windows"][-1]["mean_self"][1] == pytest.approx(
+        other["windows"][-1]["mean_self"][0] + PAUSE_S
+    )
     assert other["lost_s"] == pytest.approx(measured * PAUSE_S)
 
 
@@ -327,22 +347,31 @@ def test_two_ranks_collect_at_the_same_steps_under_fsdp2_from_the_config(tmp_pat
     detector["init_args"].update(window=3, skip_first=1)
     (tmp_path / "gc.yaml").write_text(yaml.safe_dump(config))
     run_python([str(WORKERS / "gc_train.py"), "--out", str(tmp_path), "--config", str(tmp_path / "gc.yaml"),
-                "--trainer.max_steps", "9", "--trainer.val_check_interval", "5", "--trainer.limit_val_batches", "1",
+                "--trainer.max_steps", "9", "--trainer.val_check_interval", "5",
+                "--trainer.limit_val_batches", "1",
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-                "--trainer.logger.init_args.save_dir", str(tmp_path), "--model.dim", "32", "--model.n_layers", "2",
-                "--model.n_heads", "2", "--model.vocab_size", "64", "--model.max_seq_len", "16",
-                "--data.vocab_size", "64", "--data.seq_len", "16", "--data.num_train", "512", "--data.num_val", "8"],
+                "--trainer.logger.init_args.save_dir", str(tmp_path), "--model.dim", "32", "--model.n_layers",
+                "2", "--model.n_heads", "2", "--model.vocab_size", "64", "--model.max_seq_len", "16",
+                "--data.vocab_size", "64", "--data.seq_len", "16", "--data.num_train", "512",
+                "--data.num_val", "8"],
                timeout=400)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2] and {r["strategy"] for r in ranks} == {"FSDP2Strategy"}
     steps = [[(c[0], c[1]) for c in r["collections"]] for r in ranks]
     assert steps[0] == steps[1] == [(0, 2), (2, 1), (4, 2), (6, 1), (8, 2)]
     for r in ranks:
-        assert r["global_step"] == 9 and r["enabled_before"] and r["enabled_after_fit"] and r["enabled_after_validate"]
+        assert (
+            r["global_step"] == 9
+            and r["enabled_before"]
+            and r["enabled_after_fit"]
+            and r["enabled_after_validate"]
+        )
         assert r["enabled_in_train"] and not any(r["enabled_in_train"])
-        # the sanity check before training starts (on), fit's validation at step 5 (off), validate() after fit (on)
+        # the sanity check before training starts (on), fit's validation at step 5 (off), validate() after fit
+        # (on)
         assert r["enabled_in_val"] == [True, False, True]
-        # the detector on every rank gathered each rank's collection time as a pause, never more than it measured
+        # the detector on every rank gathered each rank's collection time as a pause, never more than it
+        # measured
         assert r["pause_s"] == ranks[0]["pause_s"] and r["windows"] >= 2
     for rank, r in enumerate(ranks):
         own = sum(c[2] for c in r["collections"])

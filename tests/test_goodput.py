@@ -1,4 +1,5 @@
-"""benchmarks/goodput.py: the model's arithmetic against hand-computed cases, and that the script writes its result.
+"""benchmarks/goodput.py: the model's arithmetic against hand-computed cases, and that the script writes its
+result.
 
 No process starts and nothing is timed: the script only reads result files and computes.
 """
@@ -18,7 +19,9 @@ import goodput  # noqa: E402
 
 def test_without_failures_a_restart_job_loses_only_its_checkpoint_stalls() -> None:
     # 100 s of work, then a 5 s stall: 100 / 105
-    assert goodput.restart_goodput(math.inf, restart_s=60, checkpoint_s=5, interval_s=100) == pytest.approx(100 / 105)
+    assert goodput.restart_goodput(math.inf, restart_s=60, checkpoint_s=5, interval_s=100) == pytest.approx(
+        100 / 105
+    )
     assert goodput.cluster_mtbf_s(1000, 0.0) == math.inf
     assert goodput.daly_interval_s(5, math.inf) == math.inf  # no failures: never checkpoint ...
     assert goodput.restart_goodput(math.inf, 60, 5, math.inf) == 1.0  # ... and lose nothing
@@ -99,12 +102,18 @@ def test_the_script_writes_its_json_and_figure_with_every_inputs_source(tmp_path
 
 def test_a_rerun_reads_ft_scale_when_it_exists(tmp_path: Path) -> None:
     results = _results_dir(tmp_path)
-    before = json.loads(goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "a")]).read_text())
+    before = json.loads(
+        goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "a")]).read_text()
+    )
     (results / "ft_scale-cpu.json").write_text(json.dumps({"sweep": [  # ft_scale's documented keys
-        {"n": 2, "status": "ok", "quorum_s": {"p50": 0.005}, "survivor_stall_s": {"p50": 1.0}, "heal_s": {"p50": 2.0}},
+        {"n": 2, "status": "ok", "quorum_s": {"p50": 0.005}, "survivor_stall_s": {"p50": 1.0},
+         "heal_s": {"p50": 2.0}},
         {"n": 64, "status": "failed", "error": "not counted"},
-        {"n": 1024, "status": "ok", "quorum_s": {"p50": 0.5}, "survivor_stall_s": {"p50": 5.0}, "heal_s": {"p50": 4.0}}]}))
-    after = json.loads(goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "b")]).read_text())
+        {"n": 1024, "status": "ok", "quorum_s": {"p50": 0.5}, "survivor_stall_s": {"p50": 5.0},
+         "heal_s": {"p50": 4.0}}]}))
+    after = json.loads(
+        goodput.main(["--results", str(results), "--out-dir", str(tmp_path / "b")]).read_text()
+    )
     assert after["ft_scale"]["usable"] is True
     assert after["ft_scale"]["quorum_p50_s"] == [0.005, 0.5]
     big_before, big_after = before["table"]["100000"]["measured"], after["table"]["100000"]["measured"]

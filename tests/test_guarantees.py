@@ -5,14 +5,15 @@ Three checks (see tests/guarantees.py for the registry and what counts as a clai
 (a) every claim line of README.md and docs/**/*.md lies inside the ``claim`` phrase of a registered guarantee
     for that doc (or of a :class:`~guarantees.NotAClaim`), and every registered phrase is still in its doc;
 (b) every registered test id is collected and selected by CI: not skipped by a mark that holds when
-    ``FSDP_STRATEGIES_FULL`` is unset, not ``soak`` (the long variants only ``FSDP_STRATEGIES_FULL=1`` runs), and
-    a ``tests/slurm`` id carries the ``slurm`` marker and is picked by the ``SLURM_SELECT`` that ``.ci/run`` passes
-    to ``make test-slurm``. The markers are read from one ``pytest --collect-only`` run with a tiny plugin
-    (``tests/check_guarantees.py``) that evaluates each item's skip marks and the ``-k`` expression;
+    ``FSDP_STRATEGIES_FULL`` is unset, not ``soak`` (the long variants only ``FSDP_STRATEGIES_FULL=1``
+    runs), and a ``tests/slurm`` id carries the ``slurm`` marker and is picked by the ``SLURM_SELECT`` that
+    ``.ci/run`` passes to ``make test-slurm``. The markers are read from one ``pytest --collect-only`` run
+    with a tiny plugin (``tests/check_guarantees.py``) that evaluates each item's skip marks and the ``-k``
+    expression;
 (c) a test file a claim names is among the files of that claim's test ids.
 
-Each check is a function fed by the real docs / collection here and by made-up input in the ``*_can_fail`` tests.
-Whether the registered tests *passed* in a CI run is ``tests/check_guarantees.py``'s job (junit XML).
+Each check is a function fed by the real docs / collection here and by made-up input in the ``*_can_fail``
+tests. Whether the registered tests *passed* in a CI run is ``tests/check_guarantees.py``'s job (junit XML).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ def _phrase_spans(item: Item, phrase: str) -> list[tuple[int, int]]:
 
 def unregistered(doc_items: Iterable[Item], guarantees: Iterable[Guarantee] = GUARANTEES,
                  not_claims: Iterable[NotAClaim] = NOT_CLAIMS) -> list[str]:
-    """Check (a): each claim line of each item must overlap a registered phrase of its doc; 'doc:line: text' each."""
+    """Check (a): each claim line of each item must overlap a registered phrase of its doc; 'doc:line: text'
+    each."""
     phrases: dict[str, list[str]] = {}
     for entry in [*guarantees, *not_claims]:
-        phrases.setdefault(entry.doc, []).append(entry.claim if isinstance(entry, Guarantee) else entry.phrase)
+        phrases.setdefault(entry.doc, []).append(
+            entry.claim if isinstance(entry, Guarantee) else entry.phrase
+        )
     problems = []
     for item in doc_items:
         covered: set[int] = set()
@@ -69,7 +73,8 @@ def stale(doc_texts: Mapping[str, list[Item]], guarantees: Iterable[Guarantee] =
 
 
 def files_not_covered(doc_items: Iterable[Item], guarantees: Iterable[Guarantee] = GUARANTEES) -> list[str]:
-    """Check (c): a test file named in an item must be among the files of the ids of the guarantees it holds."""
+    """Check (c): a test file named in an item must be among the files of the ids of the guarantees it
+    holds."""
     problems = []
     for item in doc_items:
         matched = [g for g in guarantees if g.doc == item.doc and g.claim in item.text]
@@ -79,8 +84,10 @@ def files_not_covered(doc_items: Iterable[Item], guarantees: Iterable[Guarantee]
         for m in TEST_FILE.finditer(item.text):
             named = m.group(1)
             if not any(f == named or f.endswith("/" + named) for f in files):
-                problems.append(f"{item.doc}:{item.line_of(m.start())}: names {named}, but its registered tests are in "
-                                f"{sorted(files)}")
+                problems.append(
+                    f"{item.doc}:{item.line_of(m.start())}: names {named}, but its registered tests are in "
+                    f"{sorted(files)}"
+                )
     return problems
 
 
@@ -89,7 +96,9 @@ def not_run_by_ci(test_ids: Iterable[str], collected: Mapping[str, Mapping[str, 
 
     A registered id without ``[...]`` that is not itself collected stands for all its parametrizations."""
     problems = []
-    for test in sorted({case for registered in test_ids for case in instances(registered, collected) or [registered]}):
+    for test in sorted(
+        {case for registered in test_ids for case in instances(registered, collected) or [registered]}
+    ):
         info = collected.get(test)
         if info is None:
             problems.append(f"{test}: not collected (renamed or removed?)")
@@ -116,7 +125,8 @@ def slurm_select(ci_run: str) -> str:
 
 
 def collect(test_ids: Iterable[str], select: str) -> dict[str, dict[str, Any]]:
-    """One ``pytest --collect-only`` of the registered ids' files, FSDP_STRATEGIES_FULL unset: the plugin's record."""
+    """One ``pytest --collect-only`` of the registered ids' files, FSDP_STRATEGIES_FULL unset: the plugin's
+    record."""
     files = sorted({test.split("::")[0] for test in test_ids})
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"guarantees-collect-{os.getpid()}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("FSDP_STRATEGIES_FULL", "PYTEST_CURRENT_TEST",
@@ -127,22 +137,30 @@ def collect(test_ids: Iterable[str], select: str) -> dict[str, dict[str, Any]]:
                           "-p", "check_guarantees", *files], timeout=240, env=env, cwd=str(ROOT))
     try:
         if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"collection failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+            pytest.fail(
+                f"collection failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
         return json.loads(out.read_text())
     finally:
         out.unlink(missing_ok=True)
 
 
-# ------------------------------------------------------------------------------------------------ the real docs
+# ------------------------------------------------------------------------------------------------ the real
+# docs
 def _doc_items() -> dict[str, list[Item]]:
-    return {str(path.relative_to(ROOT)): items(path.read_text(), str(path.relative_to(ROOT))) for path in doc_files()}
+    return {
+        str(path.relative_to(ROOT)): items(path.read_text(), str(path.relative_to(ROOT)))
+        for path in doc_files()
+    }
 
 
 def test_every_claim_in_the_docs_is_registered() -> None:
     problems = unregistered(item for found in _doc_items().values() for item in found)
-    assert not problems, ("the docs call these tested, but tests/guarantees.py registers no claim on the line. Fix: "
-                          "add a Guarantee(doc, claim=<a phrase of that line>, tests=<the ids that check it>) -- or "
-                          "reword the line if no test checks it:\n" + "\n".join(problems))
+    assert not problems, (
+        "the docs call these tested, but tests/guarantees.py registers no claim on the line. Fix: "
+        "add a Guarantee(doc, claim=<a phrase of that line>, tests=<the ids that check it>) -- or "
+        "reword the line if no test checks it:\n" + "\n".join(problems)
+    )
 
 
 def test_no_registered_phrase_is_stale() -> None:
@@ -170,7 +188,8 @@ def test_every_registered_test_is_collected_and_selected_by_ci() -> None:
                           + "\n".join(problems))
 
 
-# ------------------------------------------------------------------------------------------------ each check can fail
+# ------------------------------------------------------------------------------------------------ each check
+# can fail
 FAKE_DOC = """# Page
 
 Intro paragraph, nothing claimed.
@@ -196,8 +215,11 @@ def test_the_scanner_finds_each_kind_of_claim() -> None:
     assert sorted(found) == [5, 8, 17]  # "tested", a test file, an item of the "How it is tested" section
     assert found[5].claim_lines == {5} and found[5].text.endswith("and the export works.")
     listed = items("Checked by a test:\n\n- one\n- two\n\nAfter the list.\n", "d.md")
-    assert [item.line for item in listed] == [1, 3, 4]  # a list that a claim introduces with ":" is claimed too
-    assert not items("Not tested: DiLoCo with TP. A test helper makes a rank slow; the test cluster.\n", "d.md")
+    # a list that a claim introduces with ":" is claimed too
+    assert [item.line for item in listed] == [1, 3, 4]
+    assert not items(
+        "Not tested: DiLoCo with TP. A test helper makes a rank slow; the test cluster.\n", "d.md"
+    )
 
 
 def test_unregistered_can_fail() -> None:
@@ -220,7 +242,9 @@ def test_files_not_covered_can_fail() -> None:
     wrong = Guarantee("docs/x.md", "resume is exact", ("tests/test_resume.py::test_mid_epoch",))
     assert files_not_covered(doc, [right]) == []
     assert files_not_covered(doc, [wrong]) == [
-        "docs/x.md:8: names tests/test_checkpoint.py, but its registered tests are in ['tests/test_resume.py']"]
+        "docs/x.md:8: names tests/test_checkpoint.py, but "
+        "its registered tests are in ['tests/test_resume.py']"
+    ]
 
 
 def test_not_run_by_ci_can_fail() -> None:
@@ -244,7 +268,8 @@ def test_not_run_by_ci_can_fail() -> None:
         "tests/slurm/test_s.py::unmarked: not marked slurm (`make test-slurm` runs -m slurm)",
         "tests/test_a.py::chaos: marked ['soak'], which CI does not run",
         "tests/test_a.py::gone: not collected (renamed or removed?)",
-        "tests/test_a.py::skipped: skipped when FSDP_STRATEGIES_FULL is unset (full set only (FSDP_STRATEGIES_FULL=1))"]
+        "tests/test_a.py::skipped: skipped when FSDP_STRATEGIES_FULL "
+        "is unset (full set only (FSDP_STRATEGIES_FULL=1))"]
     # a function id stands for each of its parametrizations: one that CI does not run fails it
     assert not_run_by_ci(["tests/test_b.py::cases[one]"], collected) == []
     assert not_run_by_ci(["tests/test_b.py::cases"], collected) == [
@@ -261,12 +286,16 @@ def test_slurm_select_is_read_from_the_ci_script() -> None:
 
 
 #: the shape of pytest's --junitxml output (xunit2): classname is the module's dotted path, name the test's
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" errors="0"
-failures="1" skipped="1" tests="4"><testcase classname="tests.test_layout" name="test_no_import_cycles" time="0.1" />
-<testcase classname="tests.test_real_models" name="test_two_rank_cell[hf_llama-fsdp2-none-32-true]" time="9" />
-<testcase classname="tests.test_real_models" name="test_two_rank_cell[hf_t5-fsdp2-none-32-true]" time="9"><failure
-message="AssertionError">...</failure></testcase><testcase classname="tests.docs.test_site" name="test_gpu_page_states_what_was_measured"
-time="0"><skipped type="pytest.skip" message="no site">...</skipped></testcase>
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest"
+errors="0" failures="1" skipped="1" tests="4"><testcase classname="tests.test_layout"
+name="test_no_import_cycles" time="0.1" />
+<testcase classname="tests.test_real_models" name="test_two_rank_cell[hf_llama-fsdp2-none-32-true]"
+time="9" />
+<testcase classname="tests.test_real_models" name="test_two_rank_cell[hf_t5-fsdp2-none-32-true]"
+time="9"><failure
+message="AssertionError">...</failure></testcase><testcase classname="tests.docs.test_site"
+name="test_gpu_page_states_what_was_measured" time="0"><skipped type="pytest.skip"
+message="no site">...</skipped></testcase>
 <testcase classname="tests.test_x.TestGroup" name="test_in_a_class" time="0" /></testsuite></testsuites>"""
 
 
@@ -280,17 +309,26 @@ def test_junit_outcomes_and_not_passed_can_fail(tmp_path: Path) -> None:
                        "tests/test_x.py::TestGroup::test_in_a_class": "passed"}
     # a pass in another stage's file does not hide a failure in this one
     (tmp_path / "b.xml").write_text(JUNIT.replace('<failure\nmessage="AssertionError">...</failure>', ""))
-    assert outcomes([tmp_path / "b.xml"])["tests/test_real_models.py::test_two_rank_cell[hf_t5-fsdp2-none-32-true]"] \
+    assert (
+        outcomes([tmp_path / "b.xml"])[
+            "tests/test_real_models.py::test_two_rank_cell[hf_t5-fsdp2-none-32-true]"
+        ]
         == "passed"
+    )
     assert outcomes([tmp_path / "b.xml", tmp_path / "a.xml"])[
         "tests/test_real_models.py::test_two_rank_cell[hf_t5-fsdp2-none-32-true]"] == "failed"
     problems = not_passed(results)
     layout = [p for p in problems if p.startswith("tests/test_layout.py::")]
-    assert layout and not any("test_no_import_cycles" in p for p in layout)  # passed; its siblings were not run
-    assert any(p.startswith("tests/test_real_models.py::test_two_rank_cell[hf_t5-fsdp2-none-32-true]: failed -- backs")
+    # passed; its siblings were not run
+    assert layout and not any("test_no_import_cycles" in p for p in layout)
+    assert any(p.startswith("tests/test_real_models.py::test_two_rank_cell[hf_t5-fsdp2-none-32-true]: "
+                            "failed -- backs")
                for p in problems)  # a function id: one failed parametrization fails it
     assert not any("hf_llama-fsdp2-none-32-true" in p for p in problems)
-    assert any(p.startswith("tests/test_processes.py::") and ": not run -- backs docs/testing.md" in p for p in problems)
+    assert any(
+        p.startswith("tests/test_processes.py::") and ": not run -- backs docs/testing.md" in p
+        for p in problems
+    )
     everything = {case: "passed" for g in GUARANTEES for case in g.tests}
     assert not_passed(everything) == []
     assert len(not_passed({**everything, GUARANTEES[0].tests[0]: "skipped"})) == 1

@@ -1,4 +1,5 @@
-"""The parts a strategy holds: the agreement group, and the preemption guard <-> async checkpointing interface.
+"""The parts a strategy holds: the agreement group, and the preemption guard <-> async checkpointing
+interface.
 
 Real objects throughout: a real gloo group (one rank, or two spawned ranks), a real background writer writing
 real files. Only the strategy and the Trainer the preemption guard asks for its checkpoint are stand-ins with
@@ -41,7 +42,8 @@ def test_one_rank_gets_a_group_only_when_asked_and_a_new_one_for_a_new_default_g
         try:
             assert group.group() is None  # no peer: the per-step checks need no collective
             first = group.group(single_rank=True)  # DCP's async_save needs a CPU group even alone
-            assert first is not None and group.group(single_rank=True) is first  # created once per default group
+            # created once per default group
+            assert first is not None and group.group(single_rank=True) is first
             firsts.append(first)
         finally:
             dist.destroy_process_group()
@@ -74,7 +76,8 @@ def _parts(tmp_path: Path, *, check_due: Any = None, name: str = "last-preempt.c
     """A guard and an async part wired as a strategy wires them, on a stand-in strategy and Trainer."""
     saves: list[tuple[str, bool, bool]] = []
     trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False,
-                              received_sigterm=False, checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)),
+                              received_sigterm=False,
+                              checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)),
                               default_root_dir=str(tmp_path), global_step=7)
     strategy = SimpleNamespace(lightning_module=SimpleNamespace(trainer=trainer), broadcast=lambda obj: obj)
     agreement = AgreementGroup()
@@ -91,7 +94,9 @@ def _parts(tmp_path: Path, *, check_due: Any = None, name: str = "last-preempt.c
     return guard, part, saves
 
 
-def test_a_preemption_save_waits_for_the_write_in_flight_and_is_synchronous(tmp_path: Path, monkeypatch) -> None:
+def test_a_preemption_save_waits_for_the_write_in_flight_and_is_synchronous(
+    tmp_path: Path, monkeypatch
+) -> None:
     gate = threading.Event()
     real_save = engine.torch.save
 

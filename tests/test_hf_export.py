@@ -84,8 +84,8 @@ def _safetensors_keys(folder: Path) -> dict[str, str]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("run", [*SHARDED, "llama_fsdp2_full", "t5_ddp_hooks_full", "gpt2_ddp_full"])
 def test_round_trip_with_the_pretrained_config(job: Path, tmp_path: Path, run: str) -> None:
-    """pretrained -> fine-tune -> checkpoint -> --format hf --hf-config PRETRAINED -> from_pretrained: same logits.
-    The prefix is found from the keys (Lightning's ddp records no model)."""
+    """pretrained -> fine-tune -> checkpoint -> --format hf --hf-config PRETRAINED -> from_pretrained: same
+    logits. The prefix is found from the keys (Lightning's ddp records no model)."""
     model = RUNS[run][0]
     out = tmp_path / "hf"
     assert main([str(job / "runs" / f"{run}.ckpt"), str(out), "--format", "hf",
@@ -101,14 +101,15 @@ def test_round_trip_with_the_pretrained_config(job: Path, tmp_path: Path, run: s
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("run", RECORDING)
 def test_round_trip_from_the_recorded_metadata(job: Path, tmp_path: Path, run: str) -> None:
-    """No --hf-config: the class, config and prefix come from the checkpoint itself (fails where the strategy's
-    save does not call hf_checkpoint_metadata)."""
+    """No --hf-config: the class, config and prefix come from the checkpoint itself (fails where the
+    strategy's save does not call hf_checkpoint_metadata)."""
     out = tmp_path / "hf"
     assert export_hf(job / "runs" / f"{run}.ckpt", out) == out
     assert _max_diff(job, run, out) <= TOL
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [json.loads((job / "pretrained" / RUNS[run][0] / "config.json").read_text())
-                                       ["architectures"][0]]
+    assert config["architectures"] == [
+        json.loads((job / "pretrained" / RUNS[run][0] / "config.json").read_text())["architectures"][0]
+    ]
     assert (out / "generation_config.json").is_file()
 
 
@@ -204,7 +205,8 @@ def test_a_damaged_checkpoint_is_refused(job: Path, tmp_path: Path, capsys: pyte
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     out = tmp_path / "hf"
-    assert main([str(damaged), str(out), "--format", "hf", "--hf-config", str(job / "pretrained" / RUNS[run][0])]) == 1
+    assert main([str(damaged), str(out), "--format", "hf", "--hf-config",
+                 str(job / "pretrained" / RUNS[run][0])]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fsdp-strategies-export: error: ") and "corrupt" in err[0], err
     assert _nothing_left(out)
@@ -228,7 +230,9 @@ def test_a_key_mismatch_names_the_keys_and_the_fix(job: Path, tmp_path: Path) ->
         export_hf(job / "runs" / "gpt2_fsdp2_sharded.ckpt", out, hf_config=job / "pretrained" / "gpt2",
                   prefix="student")
     # a recorded checkpoint asked for a model it does not record
-    with pytest.raises(HFExportError, match=r"prefix='student\.'.*records Hugging Face models under 'model\.' only"):
+    with pytest.raises(
+        HFExportError, match=r"prefix='student\.'.*records Hugging Face models under 'model\.' only"
+    ):
         export_hf(job / "runs" / "t5_ddp_hooks_full.ckpt", out, prefix="student.")
     # Lightning's ddp records nothing: the error says to pass --hf-config
     with pytest.raises(HFExportError, match=r"records no Hugging Face model.*Fix: pass --hf-config DIR"):
@@ -237,7 +241,9 @@ def test_a_key_mismatch_names_the_keys_and_the_fix(job: Path, tmp_path: Path) ->
 
 
 @pytest.mark.multiprocess
-def test_a_failure_while_writing_leaves_nothing(job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_while_writing_leaves_nothing(
+    job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = hf_export._write_safetensors
 
     def write_then_fail(folder: Path, *args: Any) -> int:
@@ -278,8 +284,8 @@ class _Payload:
 
 @pytest.mark.multiprocess
 def test_a_hostile_meta_file_is_never_unpickled(job: Path, tmp_path: Path) -> None:
-    """The sharded folder's meta.pt (where the record lives) is read with the restricted unpickler, even with a
-    manifest rewritten to match it."""
+    """The sharded folder's meta.pt (where the record lives) is read with the restricted unpickler, even with
+    a manifest rewritten to match it."""
     import hashlib
 
     marker = tmp_path / "pwned"
@@ -306,10 +312,15 @@ def test_the_command_keeps_the_torch_format_as_its_default(job: Path, tmp_path: 
     assert main([str(job / "runs" / "gpt2_fsdp2_sharded.ckpt"), str(out), "--strip-prefix", "model."]) == 0
     state = torch.load(out, weights_only=True)
     assert "transformer.wte.weight" in state and "lm_head.weight" in state
-    assert main([str(job / "runs" / "gpt2_fsdp2_sharded.ckpt"), str(tmp_path / "x.pt"), "--prefix", "model."]) == 1
+    assert (
+        main([str(job / "runs" / "gpt2_fsdp2_sharded.ckpt"), str(tmp_path / "x.pt"), "--prefix", "model."])
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fsdp-strategies-export: error: --prefix: only for --format hf. Fix: add --format hf, or drop "
-                   "it (--format torch takes --strip-prefix)."]
+    assert err == [
+        "fsdp-strategies-export: error: --prefix: only for --format hf. Fix: add --format hf, or drop "
+        "it (--format torch takes --strip-prefix)."
+    ]
     assert main([str(job / "runs" / "gpt2_fsdp2_sharded.ckpt"), str(tmp_path / "y"), "--format", "hf",
                  "--strip-prefix", "model."]) == 1
     assert "use --prefix with --format hf" in capsys.readouterr().err
@@ -320,8 +331,10 @@ def test_the_console_script_runs_the_command_with_both_formats() -> None:
     assert 'fsdp-strategies-export = "fsdp_strategies.hf.export:main"' in pyproject.splitlines()
 
 
-@pytest.mark.parametrize(("value", "expected"), [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("40KB", 40_000),
-                                                 (123, 123), ("2.5gb", 2_500_000_000)])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("40KB", 40_000), (123, 123), ("2.5gb", 2_500_000_000)],
+)
 def test_sizes_read_as_transformers_reads_them(value: int | str, expected: int) -> None:
     assert parse_size(value) == expected
 
@@ -330,7 +343,9 @@ def test_sizes_read_as_transformers_reads_them(value: int | str, expected: int) 
 def test_a_bad_size_or_dtype_names_the_option(value: int | str, tmp_path: Path) -> None:
     with pytest.raises(HFExportError, match=r"max_shard_size=.* is not a size\. Fix:"):
         export_hf(tmp_path / "missing.ckpt", tmp_path / "out", max_shard_size=value)
-    with pytest.raises(HFExportError, match=r"dtype='int8' is not supported\. Fix: use one of bf16, fp16, fp32"):
+    with pytest.raises(
+        HFExportError, match=r"dtype='int8' is not supported\. Fix: use one of bf16, fp16, fp32"
+    ):
         export_hf(tmp_path / "missing.ckpt", tmp_path / "out", dtype="int8")
 
 
@@ -350,7 +365,8 @@ def test_the_record_names_outermost_models_with_their_state_dict_prefix() -> Non
     t5, gpt2, llama = _t5(), _gpt2(), _llama()
     module = _lightning_module(model=t5, student=checkpoint_wrapper(gpt2), teacher=torch.compile(llama))
     records = hf_checkpoint_metadata(module)[HF_METADATA_KEY]
-    # T5's stacks (T5Stack) and GPT-2's transformer (GPT2Model) are PreTrainedModels too, but inside another one
+    # T5's stacks (T5Stack) and GPT-2's transformer (GPT2Model) are PreTrainedModels too, but inside another
+    # one
     assert [(r["prefix"], r["class_name"]) for r in records] == [
         ("model.", "T5ForConditionalGeneration"),
         ("student.", "GPT2LMHeadModel"),  # the checkpoint wrapper's state-dict hook drops its token
@@ -372,7 +388,8 @@ def test_the_record_reads_back_with_the_restricted_unpickler(tmp_path: Path) -> 
 def test_no_record_without_an_hf_model() -> None:
     gpt2 = _gpt2()
     assert hf_checkpoint_metadata(_lightning_module(net=torch.nn.Linear(2, 2))) == {}
-    assert [r["prefix"] for r in hf_checkpoint_metadata(gpt2)[HF_METADATA_KEY]] == [""]  # the module is the model
+    # the module is the model
+    assert [r["prefix"] for r in hf_checkpoint_metadata(gpt2)[HF_METADATA_KEY]] == [""]
 
 
 @pytest.mark.subprocess

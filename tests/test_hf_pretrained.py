@@ -4,7 +4,8 @@ Folders are written here with ``save_pretrained`` from tiny random configs (noth
 multi-process runs train the example ``examples/finetune_hf.py`` with LightningCLI, as a user would, and a
 probe callback records every rank's first batch and loss; the reference is ``transformers`` itself in this
 process (``from_pretrained`` + the same batch), so a rank that started from anything but exactly the
-pretrained weights -- random, a wrong key, an untied head, uninitialised rotary tables -- fails the 1e-5 check.
+pretrained weights -- random, a wrong key, an untied head, uninitialised rotary tables -- fails the 1e-5
+check.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from fsdp_strategies.hf.pretrained import (  # noqa: E402
 )
 
 EXAMPLE = str(ROOT / "examples" / "finetune_hf.py")
-QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing",
-         "false", "--trainer.max_steps", "1", "--data.num_train", "32"]
+QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+         "--trainer.enable_checkpointing", "false", "--trainer.max_steps", "1", "--data.num_train", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +74,12 @@ def _reference_loss(folder: Path, batch: torch.Tensor) -> float:
         return float(model(input_ids=batch, labels=batch).loss)
 
 
-# ---------------------------------------------------------------------------------------------- in one process
+# ---------------------------------------------------------------------------------------------- in one
+# process
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "llama_bf16"])
-def test_meta_build_materialise_and_load_gives_the_pretrained_model(arch: str, folders: dict[str, Path]) -> None:
+def test_meta_build_materialise_and_load_gives_the_pretrained_model(
+    arch: str, folders: dict[str, Path]
+) -> None:
     # rotary tables (non-persistent buffers, never in the file) come from the model's own init; GPT-2's head
     # stays the embedding; a bf16 file lands in fp32 parameters as transformers' own upcast does
     holder = _meta_holder(folders[arch])
@@ -94,8 +98,8 @@ def test_clip_two_towers_and_a_0d_logit_scale_load(tmp_path: Path) -> None:
     cfg = transformers.CLIPConfig(
         text_config={"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "max_position_embeddings": 16},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "image_size": 16, "patch_size": 8}, projection_dim=16)
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "image_size": 16, "patch_size": 8}, projection_dim=16)
     torch.manual_seed(0)
     reference = transformers.CLIPModel(cfg)
     with torch.no_grad():
@@ -145,7 +149,9 @@ def test_a_base_model_loads_from_its_task_model_folder(folders: dict[str, Path])
         report = load_pretrained(holder, PretrainedSource(str(folders["llama"]), strict=False))
     assert not report["missing"]
     reference = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"])
-    assert torch.equal(holder.model.layers[1].mlp.up_proj.weight, reference.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(
+        holder.model.layers[1].mlp.up_proj.weight, reference.model.layers[1].mlp.up_proj.weight
+    )
 
 
 def test_bad_folders_say_what_to_do(tmp_path: Path) -> None:
@@ -184,7 +190,8 @@ def _damaged_copy(folder: Path, tmp: Path, case: str) -> tuple[Path, str]:
         return out, str(config)
     assert case == "index-missing-shard"
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        "model.embed_tokens.weight": "model.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+        "model.embed_tokens.weight": "model.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
     return out, "model-00002-of-00002.safetensors"
 
 
@@ -212,9 +219,12 @@ def test_a_damaged_folder_is_named_at_construction(case: str, problem: str, fold
     assert line is not None and line.startswith("FSDP2Strategy: pretrained=") and "\n" not in line
 
 
-def test_weights_of_another_size_name_the_tensors_and_the_config(folders: dict[str, Path], tmp_path: Path) -> None:
+def test_weights_of_another_size_name_the_tensors_and_the_config(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
     """A model whose sizes differ from the weights: one error, before any weight is read, naming the tensors,
-    their file and shapes -- and the config fields that differ when the model was built from another config."""
+    their file and shapes -- and the config fields that differ when the model was built from another
+    config."""
     import shutil
 
     edited = tmp_path / "edited"
@@ -227,20 +237,24 @@ def test_weights_of_another_size_name_the_tensors_and_the_config(folders: dict[s
         load_pretrained(_meta_holder(edited), PretrainedSource(str(edited), origin="pretrained='x'"))
     text = str(err.value)
     size = config["intermediate_size"]
-    assert re.search(r"pretrained='x': \d+ tensor\(s\) of .* have another shape than the module's", text), text
+    assert re.search(r"pretrained='x': \d+ tensor\(s\) of .* have another shape than the module's", text), (
+        text
+    )
     assert re.search(rf"mlp\.up_proj\.weight \(model\.safetensors\): file \[{size // 2}, \d+\], model "
                      rf"\[{size}, \d+\]", text), text
     assert "does not describe the weights" in text and "restore the config.json" in text, text
     # a model built from another config than the (intact) folder's: the differing fields are named
     with pytest.raises(PretrainedMismatchError) as err:
-        load_pretrained(_meta_holder(edited), PretrainedSource(str(folders["llama"]), origin="pretrained='y'"))
+        load_pretrained(
+            _meta_holder(edited), PretrainedSource(str(folders["llama"]), origin="pretrained='y'")
+        )
     assert f"intermediate_size: folder {size // 2}, model {size}" in str(err.value), str(err.value)
 
 
 @pytest.mark.multiprocess
 def test_damaged_folders_are_one_error_line_from_the_cli(tmp_path: Path, folders: dict[str, Path]) -> None:
-    """Through LightningCLI, 2 ranks: a truncated weights file stops at construction (exit 2), weights that do not
-    fit the model built from the folder's config stop on the ranks (exit 1); each one ``error:`` line, no
+    """Through LightningCLI, 2 ranks: a truncated weights file stops at construction (exit 2), weights that do
+    not fit the model built from the folder's config stop on the ranks (exit 1); each one ``error:`` line, no
     traceback."""
     truncated, named = _damaged_copy(folders["llama"], tmp_path, "truncated")
     proc = run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf_yaml_weights.yaml", *QUIET,
@@ -259,7 +273,8 @@ def test_damaged_folders_are_one_error_line_from_the_cli(tmp_path: Path, folders
     config["intermediate_size"] *= 2
     (edited / "config.json").write_text(json.dumps(config))
     proc = run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf_yaml_weights.yaml", *QUIET,
-                       "--trainer.strategy.init_args.pretrained", str(edited), "--model.pretrained", str(edited)],
+                       "--trainer.strategy.init_args.pretrained", str(edited), "--model.pretrained",
+                       str(edited)],
                       check=False, timeout=300)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert proc.returncode == 1 and errors, proc.stderr[-4000:]
@@ -284,7 +299,8 @@ def test_from_pretrained_under_meta_builds_on_meta_and_defers_the_weights(folder
         transformers.AutoModelForCausalLM.from_pretrained(folders["gpt2"])
 
 
-# ---------------------------------------------------------------------------------------------- real processes
+# ---------------------------------------------------------------------------------------------- real
+# processes
 def _probe_args(out: Path) -> list[str]:
     return ["--trainer.callbacks+=hf_probe.FirstStepProbe", f"--trainer.callbacks.init_args.out={out}"]
 
@@ -295,7 +311,8 @@ def _check_ranks(out: Path, folder: Path, ranks: int, tied: bool | None = None) 
     for record in records:
         batch = torch.tensor(record["batch"])
         expected = _reference_loss(folder, batch)
-        assert abs(record["loss"] - expected) <= 1e-5, (record["group"], record["rank"], record["loss"], expected)
+        assert abs(record["loss"] - expected) <= 1e-5, (record["group"], record["rank"], record["loss"],
+                                                        expected)
         assert record["dtype"] == "torch.float32"
         if tied is not None:
             assert record["tied"] is tied, record
@@ -309,7 +326,8 @@ def _env() -> dict[str, str]:
 @pytest.mark.multiprocess
 def test_fsdp2_from_pretrained_in_configure_model(tmp_path: Path, folders: dict[str, Path]) -> None:
     proc = run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", *QUIET,
-                       "--model.pretrained", str(folders["llama"]), *_probe_args(tmp_path / "probe")], env=_env())
+                       "--model.pretrained", str(folders["llama"]), *_probe_args(tmp_path / "probe")],
+                       env=_env())
     assert "built on the meta device" in proc.stdout + proc.stderr
     assert "read only its own shards" in proc.stdout + proc.stderr
     _check_ranks(tmp_path / "probe", folders["llama"], 2)
@@ -343,16 +361,21 @@ def test_hsdp_2x2_gpt2_keeps_its_tie(tmp_path: Path, folders: dict[str, Path]) -
 
 
 @pytest.mark.multiprocess
-def test_ft_hsdp_two_groups_start_from_the_pretrained_weights(tmp_path: Path, folders: dict[str, Path]) -> None:
+def test_ft_hsdp_two_groups_start_from_the_pretrained_weights(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
     # min_replica_size 2: the first step waits for both groups, so each trains its first batch (a group that
     # came later would heal from its peer instead of training from the file)
-    strategy = ["--trainer.strategy", "fsdp_strategies.FTHSDPStrategy", "--trainer.strategy.init_args.timeout_s",
+    strategy = ["--trainer.strategy", "fsdp_strategies.FTHSDPStrategy",
+                "--trainer.strategy.init_args.timeout_s",
                 "10", "--trainer.strategy.init_args.connect_timeout_s", "5",
                 "--trainer.strategy.init_args.min_replica_size", "2"]
-    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1", "--heartbeat-timeout-ms",
-                "1000", "--join-timeout-ms", "30000", "--events-dir", str(tmp_path / "events"), "--timeout", "280",
-                "--", EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", *QUIET, "--trainer.devices", "1",
-                *strategy, "--trainer.max_steps", "3", "--model.pretrained", str(folders["llama"]),
+    run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1",
+                "--heartbeat-timeout-ms",
+                "1000", "--join-timeout-ms", "30000", "--events-dir", str(tmp_path / "events"), "--timeout",
+                "280",
+                "--", EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", *QUIET, "--trainer.devices",
+                "1", *strategy, "--trainer.max_steps", "3", "--model.pretrained", str(folders["llama"]),
                 *_probe_args(tmp_path / "probe")], env=_env(), timeout=300)
     records = _check_ranks(tmp_path / "probe", folders["llama"], 2)
     assert sorted(r["group"] for r in records) == ["0", "1"]
@@ -366,13 +389,15 @@ def test_worked_example_finetune_export_reload(tmp_path: Path, folders: dict[str
     import shutil
 
     run_python([EXAMPLE, "fit", "--config", "configs/finetune_hf.yaml", "--trainer.logger", "false",
-                "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "4", "--data.num_train", "32",
+                "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "4", "--data.num_train",
+                "32",
                 "--trainer.default_root_dir", str(tmp_path), "--model.pretrained", str(folders["llama"])])
     ckpt = next(tmp_path.rglob("*.ckpt"))
     script = shutil.which("fsdp-strategies-export", path=str(Path(sys.executable).parent))
     assert script, "the console script is installed with the package (pip install -e .)"
     out = tmp_path / "hf"
-    proc = run_python([script, str(ckpt), str(out), "--format", "hf"])  # no --prefix, no --hf-config: recorded
+    # no --prefix, no --hf-config: recorded
+    proc = run_python([script, str(ckpt), str(out), "--format", "hf"])
     assert out.is_dir() and (out / "config.json").is_file(), proc.stdout + proc.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     # the reference: the checkpoint's own weights (the torch export) in the pretrained architecture
@@ -385,4 +410,6 @@ def test_worked_example_finetune_export_reload(tmp_path: Path, folders: dict[str
     with torch.no_grad():
         got, want, before = (m(input_ids=x).logits for m in (exported, trained, pretrained))
     assert (got - want).abs().max() <= 1e-5
-    assert (want - before).abs().max() > 1e-4, "the fine-tune changed nothing: the comparison would prove nothing"
+    assert (want - before).abs().max() > 1e-4, (
+        "the fine-tune changed nothing: the comparison would prove nothing"
+    )

@@ -3,7 +3,8 @@
 Read from the source (AST), every import counted: top-level, inside functions, under ``TYPE_CHECKING``.
 An import of ``fsdp_strategies.a.b`` also runs ``fsdp_strategies.a``'s ``__init__``, so it counts as an
 import of that package too (the root ``fsdp_strategies/__init__`` is left out of that chain: it is the front
-door that imports every layer to register the strategies, and it runs first whatever one imports). The rule is the one docs/architecture.md draws:
+door that imports every layer to register the strategies, and it runs first whatever one imports). The rule is
+the one docs/architecture.md draws:
 
     base <- parallel <- flops <- memory
     base <- parallel <- checkpoint <- hf <- runtime <- strategies <- ft
@@ -35,9 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     "ft": {"base", "parallel", "flops", "checkpoint", "hf", "runtime", "strategies"},
     "callbacks": {"base", "parallel", "flops", "memory"},
     # the package's front doors: may import any layer, never `testing`
-    "top": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks"},
+    "top": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft",
+            "callbacks"},
     # fault injectors for tests, benchmarks and demo configs: may import anything, imported by nothing
-    "testing": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft", "callbacks", "top"},
+    "testing": {"base", "parallel", "flops", "memory", "checkpoint", "hf", "runtime", "strategies", "ft",
+                "callbacks", "top"},
 }
 TOP = {"__init__", "cli"}
 MAX_MODULE_LINES = 600
@@ -113,8 +116,10 @@ def test_the_scan_sees_the_package() -> None:
 def test_dependencies_point_one_way(module: str) -> None:
     mine = layer(module)
     wrong = sorted(dep for dep in GRAPH[module] if layer(dep) != mine and layer(dep) not in ALLOWED[mine])
-    assert not wrong, (f"{module} ({mine}) imports {wrong}; {mine} may import only {sorted(ALLOWED[mine])} "
-                       f"(see docs/architecture.md). Fix: move the shared code down a layer, or the importer up.")
+    assert not wrong, (
+        f"{module} ({mine}) imports {wrong}; {mine} may import only {sorted(ALLOWED[mine])} "
+        f"(see docs/architecture.md). Fix: move the shared code down a layer, or the importer up."
+    )
 
 
 #: what the launcher's side of ft/ may import of the training side: the contract between the two
@@ -138,7 +143,8 @@ def test_ft_training_and_launch_meet_only_in_the_contract(module: str) -> None:
 
 
 def test_the_ft_side_check_sees_a_crossing() -> None:
-    """A guard for the guard: the launcher's import of the protocol is seen as a crossing into the contract."""
+    """A guard for the guard: the launcher's import of the protocol is seen as a crossing into the
+    contract."""
     assert "fsdp_strategies.ft.protocol" in GRAPH["fsdp_strategies.ft.launch.launcher"]
     assert _ft_side("fsdp_strategies.ft.strategy") == "training"
     assert _ft_side("fsdp_strategies.ft.launch.launcher") == "launch"
@@ -183,7 +189,9 @@ def test_the_cycle_finder_finds_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_modules_stay_small_and_the_root_stays_short() -> None:
-    long = {m: n for m, p in source_modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        m: n for m, p in source_modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
     root = sorted(p.name for p in SRC.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the package root: {root}"
@@ -205,7 +213,8 @@ SEAMS = {"fsdp_strategies._lightning_seam", "fsdp_strategies._torch_seam"}
 
 
 def defined_names(tree: ast.AST) -> set[str]:
-    """Names a module defines itself: functions, classes, assigned names, attributes it assigns (``x._a = ...``)."""
+    """Names a module defines itself: functions, classes, assigned names, attributes it assigns
+    (``x._a = ...``)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -218,10 +227,10 @@ def defined_names(tree: ast.AST) -> set[str]:
 
 
 def private_string_reads(source: str, package_names: set[str]) -> list[str]:
-    """``getattr`` / ``hasattr`` of a private name given as a string: on ``self`` always (a mixin reaching into
-    its siblings, or a lazily-created attribute probed), on anything else when another module of the package
-    defines the name and this one does not (another module's private attribute). A foreign library's private
-    name is the seams' business (tests/test_lightning_seam.py)."""
+    """``getattr`` / ``hasattr`` of a private name given as a string: on ``self`` always (a mixin reaching
+    into its siblings, or a lazily-created attribute probed), on anything else when another module of the
+    package defines the name and this one does not (another module's private attribute). A foreign library's
+    private name is the seams' business (tests/test_lightning_seam.py)."""
     tree = ast.parse(source)
     own = defined_names(tree)
     found: list[str] = []
@@ -264,7 +273,8 @@ def test_the_string_read_check_flags_the_old_mixins() -> None:
            'class Guard:\n'
            '    _saving = False\n'
            'def saving(guard, module):\n'
-           '    return getattr(guard, "_saving"), getattr(guard, "_other"), getattr(module, "_tp_plan", None)\n')
+           '    return getattr(guard, "_saving"), getattr(guard, '
+           '"_other"), getattr(module, "_tp_plan", None)\n')
     reads = private_string_reads(old, {"_preempt_check_due", "_saving", "_other"})
     assert sorted(reads) == ["3: getattr(self, '_preempt_check_due', None)", "3: hasattr(self, '_timeout')",
                              "7: getattr(guard, '_other')"], reads

@@ -1,11 +1,11 @@
 """Checkpoints and events files written by an older version still verify, resume and read.
 
-The fixtures in ``tests/fixtures/legacy_checkpoints`` were written by 627942a (before the private modules moved into
-sub-packages) with ``make_fixtures.py`` there; ``expected.json`` holds what that code measured when it resumed them.
-This module uses public names only (``fsdp_strategies.verify_checkpoint``, the strategy registry names,
-``fsdp_strategies.ft.protocol.EventLog``), so it keeps testing the same thing whatever the modules behind them are
-called. The resumes are real 2-rank gloo jobs (Lightning's launcher) of ``train_tiny.py``, the script that wrote the
-fixtures, running against this checkout's ``src``.
+The fixtures in ``tests/fixtures/legacy_checkpoints`` were written by 627942a (before the private modules
+moved into sub-packages) with ``make_fixtures.py`` there; ``expected.json`` holds what that code measured when
+it resumed them. This module uses public names only (``fsdp_strategies.verify_checkpoint``, the strategy
+registry names, ``fsdp_strategies.ft.protocol.EventLog``), so it keeps testing the same thing whatever the
+modules behind them are called. The resumes are real 2-rank gloo jobs (Lightning's launcher) of
+``train_tiny.py``, the script that wrote the fixtures, running against this checkout's ``src``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def _damage(path: Path) -> str:
 
 
 def _resume(name: str, ckpt: Path, out: Path, check: bool = True) -> Any:
-    return run_python([str(TRAIN), "--strategy", EXPECTED[name]["strategy"], "--devices", str(EXPECTED[name]["devices"]),
-                       "--max-steps", str(EXPECTED[name]["max_steps"]), "--resume", str(ckpt), "--out", str(out)],
+    return run_python([str(TRAIN), "--strategy", EXPECTED[name]["strategy"], "--devices",
+                       str(EXPECTED[name]["devices"]),
+                       "--max-steps", str(EXPECTED[name]["max_steps"]), "--resume", str(ckpt), "--out",
+                       str(out)],
                       timeout=300, check=check)
 
 
@@ -109,19 +111,22 @@ def test_old_checkpoint_resumes_to_the_numbers_the_old_code_reached(name: str, t
     _resume(name, _copy(name, tmp_path), out)
     got = json.loads(out.read_text())
     _check_restored(got["start"], expected["restored"])
-    # mid-epoch resume: steps 4..10 train the batches the uninterrupted run trained (epoch 0 from batch 3, then
-    # epoch 1 in its own shuffled order), at the same LR, to the same per-rank losses
+    # mid-epoch resume: steps 4..10 train the batches the uninterrupted run trained (epoch 0 from batch 3,
+    # then epoch 1 in its own shuffled order), at the same LR, to the same per-rank losses
     position = ("step", "epoch", "batch_idx", "batch_sums")
     assert [tuple(s[k] for k in position) for s in got["steps"]] == [tuple(s[k] for k in position)
                                                                      for s in expected["steps"]]
-    assert got["steps"][0]["step"] == expected["saved_at_step"] + 1 and got["global_step"] == expected["max_steps"]
+    assert (
+        got["steps"][0]["step"] == expected["saved_at_step"] + 1
+        and got["global_step"] == expected["max_steps"]
+    )
     for mine, old in zip(got["steps"], expected["steps"]):
         assert mine["lr"] == pytest.approx(old["lr"], rel=1e-12), mine["step"]
         assert mine["losses"] == pytest.approx(old["losses"], rel=1e-5, abs=1e-6), mine["step"]
     assert got["final_params"].keys() == expected["final_params"].keys()
     for key, value in expected["final_params"].items():
-        torch.testing.assert_close(torch.tensor(got["final_params"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(torch.tensor(got["final_params"][key]), torch.tensor(value), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.multiprocess
@@ -132,7 +137,8 @@ def test_resuming_a_damaged_old_checkpoint_stops_before_training(name: str, tmp_
     out = tmp_path / "resumed.json"
     proc = _resume(name, copy, out, check=False)
     assert proc.returncode != 0
-    assert "corrupt" in proc.stderr and copy.name in proc.stderr, proc.stderr[-3000:]  # refused, naming the file
+    # refused, naming the file
+    assert "corrupt" in proc.stderr and copy.name in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()  # no step ran
 
 

@@ -43,7 +43,8 @@ from support import processes
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+    defaults: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "logger": False,
+                                "enable_checkpointing": False,
                                 "enable_progress_bar": False, "enable_model_summary": False}
     return pl.Trainer(**{**defaults, **kwargs})
 
@@ -75,7 +76,8 @@ def _one_cpu_process(strategy: Any) -> Any:
 @contextmanager
 def _one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModelParallelStrategy]:
     """A ``ModelParallelStrategy`` for one CPU process whose ``_setup_distributed`` (through the seam, as
-    ``FSDP2Strategy.setup_environment`` calls it) started a gloo process group of world size 1; destroyed after."""
+    ``FSDP2Strategy.setup_environment`` calls it) started a gloo process group of world size 1; destroyed
+    after."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert not dist.is_initialized()
@@ -111,12 +113,14 @@ def test__optimizers_to_device() -> None:
     opt.step()
     assert list(inspect.signature(seam._optimizers_to_device).parameters) == ["optimizers", "device"]
     seam.optimizers_to_device([opt], torch.device("meta"))
-    assert all(v.device.type == "meta" for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    assert all(v.device.type == "meta" for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim())
 
 
 def test__METADATA_FILENAME(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Our sharded folders (DCP shards + ``seam.LIGHTNING_META_FILE``) load in Lightning's own
-    ``ModelParallelStrategy`` loader, and folders Lightning writes load in ours (which reads that file back)."""
+    ``ModelParallelStrategy`` loader, and folders Lightning writes load in ours (which reads that file
+    back)."""
     from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
     from lightning.fabric.strategies.model_parallel import _load_checkpoint
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -143,7 +147,9 @@ def test__METADATA_FILENAME(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         # ours -> Lightning's: FSDP2Strategy.save_checkpoint (DCP shards, the non-tensor part in meta.pt)
         ours = tmp_path / "ours"
         writer = _one_cpu_process(FSDP2Strategy())
-        writer.save_checkpoint({"state_dict": get_model_state_dict(model), "epoch": 3, "global_step": 7}, ours)
+        writer.save_checkpoint(
+            {"state_dict": get_model_state_dict(model), "epoch": 3, "global_step": 7}, ours
+        )
         assert (ours / seam.LIGHTNING_META_FILE).is_file() and _is_sharded_checkpoint(ours)
         scramble()
         rest = _load_checkpoint(ours, {"state_dict": model}, optimizer_states_from_list=True)
@@ -155,7 +161,8 @@ def test__METADATA_FILENAME(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         with pytest.raises(ValueError, match="does not point to a valid checkpoint"):
             _load_checkpoint(ours, {"state_dict": model}, optimizer_states_from_list=True)
 
-        # Lightning's -> ours: ModelParallelStrategy.save_checkpoint's folder, read back through seam.LIGHTNING_META_FILE
+        # Lightning's -> ours: ModelParallelStrategy.save_checkpoint's folder, read back through
+        # seam.LIGHTNING_META_FILE
         theirs = tmp_path / "theirs"
         strategy.save_checkpoint({"state_dict": get_model_state_dict(model), "epoch": 5}, theirs)
         assert (theirs / seam.LIGHTNING_META_FILE).is_file()
@@ -164,7 +171,9 @@ def test__METADATA_FILENAME(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test__set_sampler_epoch() -> None:
-    loader = DataLoader(RandomDataset(2, 8), sampler=DistributedSampler(RandomDataset(2, 8), num_replicas=2, rank=0))
+    loader = DataLoader(
+        RandomDataset(2, 8), sampler=DistributedSampler(RandomDataset(2, 8), num_replicas=2, rank=0)
+    )
     seam.set_sampler_epoch(loader, 3)
     assert loader.sampler.epoch == 3  # type: ignore[attr-defined]
 
@@ -192,7 +201,8 @@ def test__update_dataloader() -> None:
 # ------------------------------------------------------------------------------ strategy internals
 def test__setup_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``FSDP2Strategy.setup_environment`` relies on: world ranks set and the default process group up
-    (world size 1 here, the strategy's backend), but no device mesh -- the strategy builds its own right after."""
+    (world size 1 here, the strategy's backend), but no device mesh -- the strategy builds its own right
+    after."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp_strategies.parallel.mesh import ParallelDims, build_mesh
@@ -231,7 +241,9 @@ def test__device_mesh() -> None:
 
 def test__save_distributed_checkpoint() -> None:
     assert seam.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=True)) is True
-    assert seam.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
+    assert (
+        seam.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
+    )
 
 
 def test__forward_redirection() -> None:
@@ -251,7 +263,9 @@ def test__forward_redirection() -> None:
     wrapper = Wrapper(module)
     calls: list[int] = []
     wrapper.register_forward_pre_hook(lambda *_: calls.append(1))
-    out = seam.forward_redirection(ModelParallelStrategy(), wrapper, module, "training_step", torch.ones(2), 7)
+    out = seam.forward_redirection(
+        ModelParallelStrategy(), wrapper, module, "training_step", torch.ones(2), 7
+    )
     assert out["idx"] == 7 and out["loss"].item() == 4.0
     assert calls == [1]  # the step ran through the wrapper's __call__ (its hooks fired)
     assert module.forward.__func__ is BoringModel.forward  # type: ignore[attr-defined]  # restored
@@ -266,7 +280,8 @@ def test__launcher_procs_and_kill() -> None:
 
 
 def test_set_world_ranks_is_called_before_the_launcher_with_devices_and_precision() -> None:
-    """Public hook, used for its call order: the strategies validate options there (no ``_configure_launcher``)."""
+    """Public hook, used for its call order: the strategies validate options there (no
+    ``_configure_launcher``)."""
     seen: list[tuple[str, int, int, bool]] = []
 
     class Probe(ModelParallelStrategy):
@@ -285,9 +300,10 @@ def _trainer_in(fn: TrainerFn = TrainerFn.FITTING) -> Any:
 
 
 def test_configure_ddp_wraps_then_registers_hooks() -> None:
-    """ddp_hooks overrides the public ``configure_ddp`` instead of the private ``_register_ddp_hooks``: ``setup``
-    calls it while fitting, before the optimizers; it wraps first, and Lightning's own registration (a
-    ``DDPStrategy`` given no hook, as ddp_hooks' is) registers nothing, so ours is the one hook DDP accepts."""
+    """ddp_hooks overrides the public ``configure_ddp`` instead of the private ``_register_ddp_hooks``:
+    ``setup`` calls it while fitting, before the optimizers; it wraps first, and Lightning's own registration
+    (a ``DDPStrategy`` given no hook, as ddp_hooks' is) registers nothing, so ours is the one hook DDP
+    accepts."""
     from torch.nn.parallel import DistributedDataParallel
 
     calls: list[Any] = []
@@ -303,7 +319,8 @@ def test_configure_ddp_wraps_then_registers_hooks() -> None:
             return Wrapped(model)
 
         def _register_ddp_hooks(self) -> None:
-            calls.append(("_register_ddp_hooks", type(self.model).__name__))  # what it sees: the wrapped model
+            # what it sees: the wrapped model
+            calls.append(("_register_ddp_hooks", type(self.model).__name__))
 
         def configure_ddp(self) -> None:
             calls.append("configure_ddp")
@@ -380,10 +397,13 @@ def test_ModelParallelStrategy_setup_steps(monkeypatch: pytest.MonkeyPatch) -> N
         strategy.precision_plugin = RecordingPrecision()
         strategy.connect(Module())
         strategy.setup(_trainer_in(fn))
-        expected = ["accelerator.setup", "_materialize_distributed_module", "convert_module", "model_to_device",
+        expected = ["accelerator.setup", "_materialize_distributed_module", "convert_module",
+                    "model_to_device",
                     "barrier", "setup_optimizers", "setup_precision_plugin", "_optimizers_to_device"]
         if not optimizer_steps:
-            expected = [step for step in expected if step not in ("setup_optimizers", "_optimizers_to_device")]
+            expected = [
+                step for step in expected if step not in ("setup_optimizers", "_optimizers_to_device")
+            ]
         assert calls == expected, fn
 
 
@@ -411,7 +431,9 @@ class _Probe(BoringModel):
     def on_train_start(self) -> None:
         trainer = self.trainer
         combined = seam.training_combined_loader(trainer)
-        self.record["combined"] = combined is not None and list(combined.flattened) == [trainer.train_dataloader]
+        self.record["combined"] = combined is not None and list(combined.flattened) == [
+            trainer.train_dataloader
+        ]
         self.record["mode"] = seam.combined_loader_mode(combined)
         self.record["iterator_before"] = seam.combined_loader_iterator(combined)
         # swap the loader for one over other data and restart the iterators, as _resume/_ft_data do
@@ -423,11 +445,15 @@ class _Probe(BoringModel):
         if self.record["first"] is None:
             self.record["first"] = float(batch[0, 0])
             self.record["transfer"] = float(seam.before_batch_transfer(self, torch.zeros(2, 32))[0, 0])
-            self.record["iterator_during"] = seam.combined_loader_iterator(seam.training_combined_loader(self.trainer))
+            self.record["iterator_during"] = seam.combined_loader_iterator(
+                seam.training_combined_loader(self.trainer)
+            )
         self.record["in_hook"].append(seam.in_lightning_hook(self))
         return super().training_step(batch, batch_idx)
 
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
         optimizer.step(closure=optimizer_closure)
         seam.set_optimizer_step_count(self.trainer, 10 * (batch_idx + 1))  # as ft_hsdp does after a heal
 
@@ -536,7 +562,8 @@ def test__should_accumulate(tmp_path: Path) -> None:
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             seen.append((seam.accumulating_gradients(trainer), trainer.global_step))
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=7, limit_val_batches=0,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=7,
+                         limit_val_batches=0,
                          accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
                          default_root_dir=str(tmp_path))
@@ -564,7 +591,9 @@ def test__broadcast_sigterm_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
             super().on_train_start()
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
-            self.replaced = seam.replace_sigterm_broadcast(trainer, lambda: checks.append(trainer.global_step))
+            self.replaced = seam.replace_sigterm_broadcast(
+                trainer, lambda: checks.append(trainer.global_step)
+            )
 
     strategy = TwoRanks(device=torch.device("cpu"))
     with _one_process_group(monkeypatch):
@@ -781,7 +810,9 @@ def test__compiled_call_impl_and__orig_mod() -> None:
 
 def test__ops_OpOverload_and__schema() -> None:
     assert tseam.is_op_overload(torch.ops.aten.mm.default) and not tseam.is_op_overload(torch.ops.aten.mm)
-    names = [a.name for a in tseam.op_schema(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu).arguments]
+    names = [
+        a.name for a in tseam.op_schema(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu).arguments
+    ]
     assert "is_causal" in names
 
 
@@ -844,7 +875,9 @@ def test__get_raw_and__count_flops() -> None:
         def on_flops(self, func_packet: Any, flops: int, args: Any) -> None:
             got.append((func_packet, flops))
 
-    with Counter(display=False, custom_mapping={torch.ops.aten.mm: tseam.raw_tensor_formula(raw_mm)}) as counter:
+    with Counter(
+        display=False, custom_mapping={torch.ops.aten.mm: tseam.raw_tensor_formula(raw_mm)}
+    ) as counter:
         torch.ones(2, 3) @ torch.ones(3, 4)
     assert got == [torch.Tensor, (torch.ops.aten.mm, 7)]  # tensors (not shapes) in; each count reported
     assert counter.get_total_flops() == 7
@@ -876,9 +909,11 @@ def test_Tensor__version() -> None:
     assert tseam.tensor_version(t.view(3)) == before + 1  # views share the counter
 
 
-def test__random_is_rng_supported_mesh(monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder) -> None:
-    """``dtensor_rng_per_shard``: a CPU mesh has no per-shard DTensor RNG (what sharded_init works around), and the
-    answer comes without torch's warning about it."""
+def test__random_is_rng_supported_mesh(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """``dtensor_rng_per_shard``: a CPU mesh has no per-shard DTensor RNG (what sharded_init works around),
+    and the answer comes without torch's warning about it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with _one_process_group(monkeypatch):
@@ -913,7 +948,8 @@ def test_UntypedStorage__new_with_weak_ptr() -> None:
     ref = StorageWeakRef(t.untyped_storage())
     live = tseam.live_storage(ref)
     assert live is not None and live.nbytes() == 1024 and live.data_ptr() == t.data_ptr()
-    t.untyped_storage().resize_(0)  # what FSDP2 does to its all-gathered parameters: read now, not at creation
+    # what FSDP2 does to its all-gathered parameters: read now, not at creation
+    t.untyped_storage().resize_(0)
     assert tseam.live_storage(ref).nbytes() == 0
     del t, live
     assert tseam.live_storage(ref) is None
@@ -921,8 +957,8 @@ def test_UntypedStorage__new_with_weak_ptr() -> None:
 
 def test__get_fsdp_state__lazy_init(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fsdp_lazy_init`` makes the module the root before any forward: a sub-unit called first then runs as a
-    sub-unit (its own all-gather) instead of claiming the root role, after which the parent's forward would fail
-    ("requires running forward through the root module first")."""
+    sub-unit (its own all-gather) instead of claiming the root role, after which the parent's forward would
+    fail ("requires running forward through the root module first")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -1036,7 +1072,8 @@ def test_numpy__reconstruct() -> None:
     assert out["s"] == 2.5 and list(out["a"]) == [0, 1, 2]
     with pytest.raises(pickle.UnpicklingError):
         buffer.seek(0)
-        torch.load(buffer, weights_only=True)  # without them: refused, so the allow-list is what makes it load
+        # without them: refused, so the allow-list is what makes it load
+        torch.load(buffer, weights_only=True)
 
 
 # ------------------------------------------------------------------------------ torchft
@@ -1134,9 +1171,11 @@ def ft_manager() -> Iterator[Any]:
     manager = None
     try:
         manager = Manager(pg=ProcessGroupGloo(), load_state_dict=lambda state: None, state_dict=lambda: {},
-                          min_replica_size=1, use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1",
-                          store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id="seam", port=0,
-                          hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+                          min_replica_size=1, use_async_quorum=False, rank=0, world_size=1,
+                          store_addr="127.0.0.1",
+                          store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id="seam",
+                          port=0, hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout,
+                          connect_timeout=timeout)
         yield manager
     finally:
         if manager is not None:
@@ -1169,8 +1208,8 @@ def test_torch_DefaultStager_stages_once_or_again() -> None:
 
 
 def test_torchft_Manager__quorum_id_and__quorum_future(ft_manager: Any) -> None:
-    """``ft_hsdp`` asks whether a quorum was started (before the first ``start_quorum`` there is nothing to wait
-    for or commit) and records the quorum's id with each step."""
+    """``ft_hsdp`` asks whether a quorum was started (before the first ``start_quorum`` there is nothing to
+    wait for or commit) and records the quorum's id with each step."""
     assert tseam.quorum_started(ft_manager) is False and tseam.quorum_id(ft_manager) == -1
     ft_manager.start_quorum()
     assert tseam.quorum_started(ft_manager) is True
@@ -1261,19 +1300,29 @@ def test_no_private_name_outside_the_seams() -> None:
                 names = [a.name for a in node.names if a.name.startswith("_")]
                 if private_module or names:
                     found.append(f"{where}:{node.lineno} from {node.module} import {names or '...'}")
-            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 base = node.value
                 if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                     if node.attr in inherited:
-                        found.append(f"{where}:{node.lineno} self.{node.attr} (a Lightning base-class private)")
-                elif isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                        found.append(
+                            f"{where}:{node.lineno} self.{node.attr} (a Lightning base-class private)"
+                        )
+                elif (
+                    isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+                ):
                     if node.attr in inherited:
                         found.append(f"{where}:{node.lineno} super().{node.attr}")
                 elif ast.unparse(node) != "os._exit":
                     found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
             elif isinstance(node, ast.FunctionDef) and node.name in inherited:
                 found.append(f"{where}:{node.lineno} overrides {node.name}")
-    assert not found, "private names outside fsdp_strategies/_lightning_seam.py / _torch_seam.py:\n" + "\n".join(found)
+    assert not found, (
+        "private names outside fsdp_strategies/_lightning_seam.py / _torch_seam.py:\n" + "\n".join(found)
+    )
 
 
 def test_no_callback_imports_a_concrete_strategy() -> None:
@@ -1282,8 +1331,13 @@ def test_no_callback_imports_a_concrete_strategy() -> None:
     for path in sorted((_SRC / "callbacks").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                assert not any(m.startswith("fsdp_strategies.strategies") for m in modules), (path.name, modules)
+                modules = (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                )
+                assert not any(m.startswith("fsdp_strategies.strategies") for m in modules), (
+                    path.name,
+                    modules,
+                )
                 if isinstance(node, ast.ImportFrom) and node.module == "fsdp_strategies":
                     assert not any(a.name.endswith("Strategy") for a in node.names), (path.name, node.lineno)
 

@@ -1,9 +1,9 @@
 """Activation memory as a budget: ``budget`` checkpointing meets its target with no-checkpointing gradients,
 recomputes less than a fixed mode keeping as much; offload keeps gradients; both under FSDP2 on 2 ranks.
 
-Models nobody here wrote (Hugging Face Llama and Qwen2 from tiny random configs) and the example's Llama, built
-by ``tests/workers/memory_fsdp.py``. Bytes kept for backward are measured with ``SavedBytes`` (storages a forward
-leaves alive), weights excluded, never taken from the planner's own prediction.
+Models nobody here wrote (Hugging Face Llama and Qwen2 from tiny random configs) and the example's Llama,
+built by ``tests/workers/memory_fsdp.py``. Bytes kept for backward are measured with ``SavedBytes`` (storages
+a forward leaves alive), weights excluded, never taken from the planner's own prediction.
 """
 
 from __future__ import annotations
@@ -90,9 +90,11 @@ def test_budget_recomputes_no_more_than_a_fixed_mode_keeping_as_much(name: str, 
     planner = BudgetPlanner(model, fixed_kept / ref)
     budget_kept, budget_flops = _recomputed_flops(name, model, planner)
     assert budget_kept <= fixed_kept * 1.001
-    if fixed == "selective_layer":  # a whole block recomputed vs the cheapest ops of every block: strictly less
+    # a whole block recomputed vs the cheapest ops of every block: strictly less
+    if fixed == "selective_layer":
         assert budget_flops < 0.5 * fixed_flops, (budget_flops, fixed_flops)
-    else:  # selective_op keeps every matmul and attention output: budget keeps at least as much of what counts
+    # selective_op keeps every matmul and attention output: budget keeps at least as much of what counts
+    else:
         assert budget_flops <= fixed_flops, (budget_flops, fixed_flops)
 
 
@@ -100,7 +102,9 @@ def test_a_budget_below_the_floor_is_a_clear_error_naming_the_best_reachable() -
     model = build("example_llama")
     apply_activation_checkpointing(model, "budget")
     planner = BudgetPlanner(model, 0.01)
-    with pytest.raises(BudgetNotMetError, match=r"memory_budget=0.01 cannot be met.*Fix: memory_budget >= 0\.\d+"):
+    with pytest.raises(
+        BudgetNotMetError, match=r"memory_budget=0.01 cannot be met.*Fix: memory_budget >= 0\.\d+"
+    ):
         step("example_llama", model, planner, batch(0, 0))
     assert planner.done and model.layers[0].forward  # the planner gave up; the model still runs (as full)
     step("example_llama", model, planner, batch(1, 0))
@@ -108,9 +112,9 @@ def test_a_budget_below_the_floor_is_a_clear_error_naming_the_best_reachable() -
 
 @pytest.mark.parametrize("backward_in_autocast", [False, True])
 def test_budget_under_bf16_autocast_has_the_gradients_of_no_checkpointing(backward_in_autocast: bool) -> None:
-    """Lightning's bf16-mixed runs the forward under autocast, whose cast cache would make the k-th cast of a block
-    a different tensor in forward and recomputation (after the profiled extra forward; or when backward runs inside
-    the autocast region): budget keeps no cast, and the profile leaves no cached cast behind."""
+    """Lightning's bf16-mixed runs the forward under autocast, whose cast cache would make the k-th cast of a
+    block a different tensor in forward and recomputation (after the profiled extra forward; or when backward
+    runs inside the autocast region): budget keeps no cast, and the profile leaves no cached cast behind."""
     grads = {}
     for label in ("none", "budget_0.5"):
         model, planner = prepare("example_llama", label)
@@ -210,9 +214,10 @@ def test_lightning_fit_plans_logs_and_unwraps(tmp_path: Path, caplog: pytest.Log
 
 @pytest.mark.multiprocess
 def test_fsdp2_two_ranks_budget_targets_and_offload_gradients(tmp_path: Path) -> None:
-    variants = [v for v in VARIANTS if v not in ("full", "selective_op", "selective_layer")]  # those: other tests
-    run_torchrun(WORKERS / "memory_fsdp.py", 2, ["--out", str(tmp_path), "--steps", "2", "--variants", ",".join(variants)],
-                 timeout=400)
+    # those: other tests
+    variants = [v for v in VARIANTS if v not in ("full", "selective_op", "selective_layer")]
+    run_torchrun(WORKERS / "memory_fsdp.py", 2,
+                 ["--out", str(tmp_path), "--steps", "2", "--variants", ",".join(variants)], timeout=400)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for record in ranks:
         assert record["world"] == 2
@@ -226,9 +231,11 @@ def test_fsdp2_two_ranks_budget_targets_and_offload_gradients(tmp_path: Path) ->
                 # same gradients (this rank's shards) and so the same losses as no checkpointing
                 assert run["grad_checksum"] == ref["grad_checksum"], (name, label)
                 assert run["losses"] == ref["losses"], (name, label)
-                if label in ("offload", "offload_selective_layer"):  # uncheckpointed blocks: their saved tensors moved
+                # uncheckpointed blocks: their saved tensors moved
+                if label in ("offload", "offload_selective_layer"):
                     assert min(run["offloaded"]) > 0
-                    # what stays besides the host copies (the device's share, on a GPU) is less than without offload
+                    # what stays besides the host copies (the device's share, on a GPU) is less than without
+                    # offload
                     assert run["kept"][-1] - run["offloaded"][-1] < ref["kept"][-1], (name, label, run)
                 elif label.startswith("offload"):  # every block checkpointed: nothing left to move
                     assert max(run["offloaded"]) == 0
@@ -244,13 +251,16 @@ def test_fsdp2_two_ranks_budget_targets_and_offload_gradients(tmp_path: Path) ->
 
 @pytest.mark.multiprocess
 def test_config_sac_budget_fsdp2_two_ranks_meets_the_budget(tmp_path: Path) -> None:
-    """configs/sac_budget.yaml through the example's LightningCLI: rank 0's choice, measured within the budget."""
+    """configs/sac_budget.yaml through the example's LightningCLI: rank 0's choice, measured within the
+    budget."""
     proc = run_python(
         ["examples/train_llama.py", "fit", "--config", str(ROOT / "configs" / "sac_budget.yaml"),
          "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir",
+         str(tmp_path / "logs"),
          "--trainer.enable_progress_bar", "false", "--model.dim", "128", "--model.n_layers", "2",
-         "--model.max_seq_len", "64", "--data.seq_len", "64", "--data.num_train", "64", "--data.num_val", "8"],
+         "--model.max_seq_len", "64", "--data.seq_len", "64", "--data.num_train", "64", "--data.num_val",
+         "8"],
         timeout=400,
     )
     out = proc.stdout + proc.stderr
@@ -288,7 +298,9 @@ def test_budget_profiles_each_size_of_a_block_class() -> None:
 
     def build_convnext() -> torch.nn.Module:
         torch.manual_seed(0)
-        config = ConvNextConfig(num_stages=3, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], num_labels=5, image_size=32)
+        config = ConvNextConfig(
+            num_stages=3, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], num_labels=5, image_size=32
+        )
         return ConvNextForImageClassification(config)
 
     none = _convnext_step(build_convnext(), None, 0)

@@ -19,8 +19,8 @@ agent's environment names its node, as a hostname would. Checked:
 ``torchft_lighthouse`` commands that record their arguments: the scripts must run the same torchrun
 and lighthouse lines as the local runs above (same builder, the SLURM variables filled in).
 
-``make test-full`` (the ``full`` marker, its own CI stage) adds an ``ft_hsdp`` run with two replica groups, each
-spanning two agents.
+``make test-full`` (the ``full`` marker, its own CI stage) adds an ``ft_hsdp`` run with two replica groups,
+each spanning two agents.
 """
 
 from __future__ import annotations
@@ -48,14 +48,16 @@ from support.multinode import (
 WORKER = str(WORKERS / "multinode_train.py")
 SLURM = ROOT / "examples" / "slurm"
 TINY = ["--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false", "--model.vocab_size=64", "--data.vocab_size=64", "--model.dim=64",
+        "--trainer.enable_checkpointing=false", "--model.vocab_size=64", "--data.vocab_size=64",
+        "--model.dim=64",
         "--model.n_layers=2", "--model.n_heads=4", "--model.max_seq_len=32", "--data.seq_len=32",
         "--data.batch_size=2", "--data.num_train=64", "--data.num_val=8"]
 # ddp_hooks in the same processes after hsdp: default hierarchy levels, no gradient all-reduce after a
 # 2-step warm-up (local_group_size 1), so only the averagings make parameters equal across ranks
 DDP_AFTER_HSDP = ["::", "fit", "--config", "configs/ddp_hooks_hierarchical_sgd.yaml", "--trainer.num_nodes=2",
                   "--trainer.devices=2", "--trainer.strategy.init_args.hierarchy_levels=null",
-                  "--trainer.strategy.init_args.local_sgd_period=2", "--trainer.strategy.init_args.local_sgd_warmup=2",
+                  "--trainer.strategy.init_args.local_sgd_period=2",
+                  "--trainer.strategy.init_args.local_sgd_warmup=2",
                   "--trainer.strategy.init_args.local_group_size=1", "--trainer.max_steps=9", *TINY]
 HSDP_EXTRA = ["--trainer.max_steps=4", *TINY, *DDP_AFTER_HSDP]
 FT_EXTRA = ["--trainer.max_steps=4", "--trainer.strategy.init_args.timeout_s=30",
@@ -65,14 +67,17 @@ HEARTBEAT_MS = 1000
 
 def hsdp_agent_args(*, rdzv_endpoint: str, rdzv_id: str, script: str = WORKER) -> list[str]:
     """One agent of the local 2 x 2 run -- and what hsdp.sbatch must run on a node of a 2-node, 2-GPU job."""
-    return torchrun_args(nnodes=2, nproc_per_node=2, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, script=script,
-                         script_args=hsdp_script_args("configs/hsdp.yaml", nnodes=2, devices=2, extra=HSDP_EXTRA))
+    return torchrun_args(nnodes=2, nproc_per_node=2, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                         script=script, script_args=hsdp_script_args("configs/hsdp.yaml", nnodes=2, devices=2,
+                                                      extra=HSDP_EXTRA))
 
 
 def ft_agent_args(*, rdzv_endpoint: str, rdzv_id: str, script: str = WORKER) -> list[str]:
     """One agent of a replica group of 2 nodes x 1 rank (local run and ft_hsdp.sbatch with 1 GPU per node)."""
-    return torchrun_args(nnodes=2, nproc_per_node=1, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, script=script,
-                         script_args=ft_hsdp_script_args("configs/ft_hsdp.yaml", nnodes=2, devices=1, extra=FT_EXTRA))
+    return torchrun_args(nnodes=2, nproc_per_node=1, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                         script=script,
+                         script_args=ft_hsdp_script_args("configs/ft_hsdp.yaml", nnodes=2, devices=1,
+                                                         extra=FT_EXTRA))
 
 
 # ---------------------------------------------------------------------------- local two-agent runs
@@ -84,7 +89,9 @@ def _agent_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted((out / "logs").glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted((out / "logs").glob("*.log"))
+    )
 
 
 def _records(out: Path, fit: int, world: int) -> list[dict]:
@@ -92,16 +99,22 @@ def _records(out: Path, fit: int, world: int) -> list[dict]:
 
 
 def _check_topology(records: list[dict], nodes: int, per_node: int) -> dict[int, str]:
-    """torchrun's and Lightning's view agree; each node holds a contiguous block of ranks. Returns rank -> node."""
+    """torchrun's and Lightning's view agree; each node holds a contiguous block of ranks. Returns rank ->
+    node."""
     node_of = {}
     for rank, rec in enumerate(records):
         env, lit = rec["env"], rec["lightning"]
         assert int(env["RANK"]) == lit["global_rank"] == rank
         assert (int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_WORLD_SIZE"])) == \
             (nodes * per_node, per_node, nodes)
-        assert (lit["num_nodes"], lit["num_devices"], lit["world_size"]) == (nodes, per_node, nodes * per_node)
+        assert (lit["num_nodes"], lit["num_devices"], lit["world_size"]) == (
+            nodes,
+            per_node,
+            nodes * per_node,
+        )
         assert lit["node_rank"] == int(env["GROUP_RANK"]) and lit["local_rank"] == int(env["LOCAL_RANK"])
-        assert lit["cluster_environment"] == "TorchElasticEnvironment", lit  # not SLURM's, even with SLURM_* set
+        # not SLURM's, even with SLURM_* set
+        assert lit["cluster_environment"] == "TorchElasticEnvironment", lit
         node_of[rank] = env["MN_AGENT"]
     for node in set(node_of.values()):
         ranks = sorted(r for r, n in node_of.items() if n == node)
@@ -117,8 +130,8 @@ def test_two_nodes_hsdp_auto_degrees_then_hierarchical_sgd_levels(tmp_path: Path
     slurm = [{"SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_PROCID": str(i), "SLURM_NODEID": str(i),
               "SLURM_LOCALID": "0", "SLURM_JOB_NAME": "hsdp", "SLURM_JOB_ID": "4242"} for i in range(2)]
     try:
-        codes = run_agents(agents, env=_agent_env({"MN_OUT": str(tmp_path)}), log_dir=tmp_path / "logs", timeout=400,
-                           agent_env=[{"MN_AGENT": f"node{i}", **slurm[i]} for i in range(2)])
+        codes = run_agents(agents, env=_agent_env({"MN_OUT": str(tmp_path)}), log_dir=tmp_path / "logs",
+                           timeout=400, agent_env=[{"MN_AGENT": f"node{i}", **slurm[i]} for i in range(2)])
     except TimeoutError as err:
         pytest.fail(f"{err}\n{_logs(tmp_path)}")
     assert codes == [0, 0], f"agents exited {codes}\n{_logs(tmp_path)}"
@@ -131,7 +144,10 @@ def test_two_nodes_hsdp_auto_degrees_then_hierarchical_sgd_levels(tmp_path: Path
         assert rec["mesh"]["names"] == ["replicate", "shard"] and rec["mesh"]["shape"] == [2, 2], rec["mesh"]
         shard, replicate = rec["mesh"]["groups"]["shard"], rec["mesh"]["groups"]["replicate"]
         assert shard == sorted(r for r, n in node_of.items() if n == node_of[rank]), (rank, shard, node_of)
-        assert len(replicate) == 2 and {node_of[r] for r in replicate} == set(node_of.values()), (rank, replicate)
+        assert len(replicate) == 2 and {node_of[r] for r in replicate} == set(node_of.values()), (
+            rank,
+            replicate,
+        )
         assert rec["param"]["placements"] == ["R", "S(0)"]
         assert rec["param"]["local"][0] * 2 == rec["param"]["full"][0]  # sharded in two within the node
         assert [s["global_step"] for s in rec["steps"]] == [1, 2, 3, 4]
@@ -162,7 +178,8 @@ def test_two_nodes_hsdp_auto_degrees_then_hierarchical_sgd_levels(tmp_path: Path
 
     # torch's HierarchicalModelAverager: after the warm-up (2 steps, gradients all-reduced), its step
     # counter s = global_step - 1 averages over the largest period dividing s: 2 -> node, 8 -> all
-    assert [pattern(d) for d in by_step] == ["all", "all", "node", "none", "node", "none", "node", "none", "all"], \
+    assert [pattern(d) for d in by_step] == ["all", "all", "node", "none", "node", "none", "node", "none",
+                                             "all"], \
         by_step
 
 
@@ -179,7 +196,9 @@ def _run_ft_groups(out: Path, groups: int) -> list[list[dict]]:
                 agents.append(ft_agent_args(rdzv_endpoint=endpoint, rdzv_id=f"mn-ft-group{group}"))
                 envs.append({"MN_AGENT": f"node{2 * group + node}", "REPLICA_GROUP_ID": str(group),
                              "MN_OUT": str(out / f"group{group}")})
-        env = _agent_env({"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "NUM_REPLICA_GROUPS": str(groups)})
+        env = _agent_env(
+            {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "NUM_REPLICA_GROUPS": str(groups)}
+        )
         try:
             codes = run_agents(agents, env=env, log_dir=out / "logs", timeout=400, agent_env=envs)
         except TimeoutError as err:
@@ -198,7 +217,9 @@ def _check_ft_group(records: list[dict], group: int, groups: int) -> None:
         assert rec["strategy"] == "FTHSDPStrategy"
         assert (rec["replica_group_id"], rec["num_replica_groups"]) == (group, groups)
         assert rec["mesh"] == {"names": ["shard"], "shape": [2], "groups": {"shard": [0, 1]}}, rec["mesh"]
-        assert rec["param"]["placements"] == ["S(0)"] and rec["param"]["local"][0] * 2 == rec["param"]["full"][0]
+        assert (
+            rec["param"]["placements"] == ["S(0)"] and rec["param"]["local"][0] * 2 == rec["param"]["full"][0]
+        )
         assert [(s["global_step"], s["committed"], s["participants"]) for s in rec["steps"]] == \
             [(step, True, groups) for step in (1, 2, 3, 4)], rec["steps"]
 
@@ -216,7 +237,9 @@ def test_ft_hsdp_two_replica_groups_of_two_nodes_each(tmp_path: Path) -> None:
     for gid, records in enumerate(groups):
         _check_ft_group(records, gid, 2)
     for rank in range(2):  # torchft averaged across the groups: same shards on both groups after every step
-        assert [s["params"] for s in groups[0][rank]["steps"]] == [s["params"] for s in groups[1][rank]["steps"]]
+        assert [s["params"] for s in groups[0][rank]["steps"]] == [
+            s["params"] for s in groups[1][rank]["steps"]
+        ]
 
 
 # ---------------------------------------------------------------------------- the SLURM scripts, rendered
@@ -251,7 +274,8 @@ import json, os, sys
 keys = ("SLURMD_NODENAME", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
         "FSDP_STRATEGIES_FT_EVENTS")
 with open(os.environ["STUB_LOG"], "a") as fh:
-    fh.write(json.dumps({"tool": "torchrun", "argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}) + "\n")
+    fh.write(json.dumps({"tool": "torchrun", "argv": sys.argv[1:],
+                         **{k: os.environ.get(k) for k in keys}}) + "\n")
 fail = os.environ.get("STUB_FAIL_GROUP_ONCE")
 if fail is not None and os.environ.get("REPLICA_GROUP_ID") == fail:
     try:  # one agent of that group's first attempt fails (a lost node)
@@ -273,8 +297,9 @@ while True:
 '''
 
 
-def _render(tmp: Path, script: str, args: Sequence[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str],
-                                                                                         list[dict]]:
+def _render(
+    tmp: Path, script: str, args: Sequence[str], env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """Run ``examples/slurm/SCRIPT`` as sbatch would, with stubs for the SLURM and torch commands."""
     stubs = tmp / "bin"
     stubs.mkdir(parents=True, exist_ok=True)
@@ -283,13 +308,14 @@ def _render(tmp: Path, script: str, args: Sequence[str], env: dict[str, str]) ->
         (stubs / name).write_text(f"#!{sys.executable}\n{body}")
         (stubs / name).chmod(0o755)
     log = tmp / f"{script}.calls.jsonl"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUS_PER_NODE", "CONFIG", "TRAIN_SCRIPT",
-                                                                      "NODES_PER_GROUP", "TORCHFT_", "REPLICA_GROUP",
-                                                                      "NUM_REPLICA_GROUPS"))}
+    base = {k: v for k,
+            v in os.environ.items() if not k.startswith(("SLURM_", "GPUS_PER_NODE", "CONFIG", "TRAIN_SCRIPT",
+                                                                      "NODES_PER_GROUP", "TORCHFT_",
+                                                                      "REPLICA_GROUP", "NUM_REPLICA_GROUPS"))}
     full_env = {**base, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log),
                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-4]", **env}
-    proc = subprocess.run(["bash", str(SLURM / script), *args], env=full_env, cwd=str(ROOT), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(["bash", str(SLURM / script), *args], env=full_env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=120)
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, calls
 
@@ -315,11 +341,13 @@ def test_slurm_hsdp_script_runs_the_local_two_agent_lines(tmp_path: Path) -> Non
         assert run["argv"] == expected, (run["argv"], expected)
 
     # defaults: the example script and configs/hsdp.yaml, GPUs per node from SLURM, no extra arguments
-    proc, calls = _render(tmp_path / "defaults", "hsdp.sbatch", [], {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8",
+    proc, calls = _render(tmp_path / "defaults", "hsdp.sbatch", [],
+                          {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8",
                                                                     "STUB_NODES": "gpu-a gpu-b"})
     assert proc.returncode == 0, proc.stderr
     assert [r["argv"] for r in _tool(calls, "torchrun")] == [torchrun_args(
-        nnodes=2, nproc_per_node=8, rdzv_endpoint="gpu-a:29500", rdzv_id="4242", script="examples/train_llama.py",
+        nnodes=2, nproc_per_node=8, rdzv_endpoint="gpu-a:29500", rdzv_id="4242",
+        script="examples/train_llama.py",
         script_args=hsdp_script_args("configs/hsdp.yaml", nnodes=2, devices=8))] * 2
 
 
@@ -333,7 +361,8 @@ def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path)
     EventLog(events_dir / "group0.jsonl").write_checkpoint(0, 2, "/ckpt/step2.ckpt")
     EventLog(events_dir / "group0.jsonl").write_checkpoint(0, 4, "/ckpt/step4.ckpt")
     EventLog(events_dir / "group1.jsonl").write_step(1, 5, True)
-    env = {"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "1", "STUB_NODES": " ".join(nodes), "TRAIN_SCRIPT": WORKER,
+    env = {"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "1", "STUB_NODES": " ".join(nodes),
+           "TRAIN_SCRIPT": WORKER,
            "NODES_PER_GROUP": "2", "LIGHTHOUSE_PORT": str(port), "HEARTBEAT_TIMEOUT_MS": str(HEARTBEAT_MS),
            "MAX_RESTARTS": "1", "STUB_FAIL_GROUP_ONCE": "1", "FT_EVENTS_DIR": str(events_dir),
            "PYTHON": sys.executable}
@@ -357,9 +386,13 @@ def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path)
     for group in (0, 1):
         mine = [r for r in runs if r["REPLICA_GROUP_ID"] == str(group)]
         # group 1 lost an agent in its first attempt and was started again (on both of its nodes)
-        assert sorted(r["SLURMD_NODENAME"] for r in mine) == sorted(nodes[2 * group: 2 * group + 2] * (1 + group))
+        assert sorted(r["SLURMD_NODENAME"] for r in mine) == sorted(
+            nodes[2 * group : 2 * group + 2] * (1 + group)
+        )
         # each group's rendezvous on its first node, port RDZV_PORT + group (2 "nodes" may be one host)
-        expected = ft_agent_args(rdzv_endpoint=f"{nodes[2 * group]}:{29500 + group}", rdzv_id=f"4242-group{group}")
+        expected = ft_agent_args(
+            rdzv_endpoint=f"{nodes[2 * group]}:{29500 + group}", rdzv_id=f"4242-group{group}"
+        )
         for run in mine:
             assert run["argv"] == expected, (run["argv"], expected)
             assert (run["NUM_REPLICA_GROUPS"], run["TORCHFT_LIGHTHOUSE"]) == ("2", f"http://{nodes[0]}:{port}")
@@ -377,7 +410,8 @@ def test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart(tmp_path: Path)
     assert not _tool(calls, "srun")
 
 
-# ---------------------------------------------------------------------------- Trainer split vs torchrun's nodes
+# ---------------------------------------------------------------------------- Trainer split vs torchrun's
+# nodes
 def test_a_trainer_split_other_than_torchruns_nodes_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two agents x 2 ranks, but Trainer(num_nodes=1, devices=4): Lightning accepts it (the product is
     # the world size), and hsdp 'auto' / hierarchical_sgd's node level would span both nodes silently.
@@ -393,9 +427,10 @@ def test_a_trainer_split_other_than_torchruns_nodes_is_refused(monkeypatch: pyte
               r"Fix: set trainer.num_nodes=2 and trainer.devices=2"
     with pytest.raises(ValueError, match=refused):
         pl.Trainer(strategy=HSDPStrategy(), accelerator="cpu", devices=4, num_nodes=1, logger=False)
-    pl.Trainer(strategy=HSDPStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)  # torchrun's split
-    trainer = pl.Trainer(strategy=DDPHooksStrategy(comm_hook="hierarchical_sgd"), accelerator="cpu", devices=4,
-                         num_nodes=1, logger=False, max_steps=1, enable_progress_bar=False)
+    # torchrun's split
+    pl.Trainer(strategy=HSDPStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    trainer = pl.Trainer(strategy=DDPHooksStrategy(comm_hook="hierarchical_sgd"), accelerator="cpu",
+                         devices=4, num_nodes=1, logger=False, max_steps=1, enable_progress_bar=False)
     with pytest.raises(ValueError, match=refused):
         trainer.fit(BoringModel())
     assert not dist.is_initialized()  # refused before any process group

@@ -7,15 +7,15 @@ nothing on 127.0.0.1.
   the gradients' all-reduce crossed the hosts' links (bytes counted on each host's interface).
 * ``ft_hsdp``: the lighthouse on host 0, one replica group (torchrun, 1 rank) on each of hosts 1 and 2, every
   manager advertising its host's address (``hostname``). A **partition**: once group 1 has committed a few
-  steps, host 2's link is cut for ``CUT_S`` seconds (shorter than ``quorum_timeout_s``), then restored. Group 0
-  keeps committing alone (the lighthouse drops group 1 after its heartbeat timeout), group 1 commits nothing while
-  cut off and waits in its quorum (no step outlasts the configured timeouts), then heals from group 0 once the
-  link is back, and both groups end with bit-identical weights and optimizer state.
+  steps, host 2's link is cut for ``CUT_S`` seconds (shorter than ``quorum_timeout_s``), then restored. Group
+  0 keeps committing alone (the lighthouse drops group 1 after its heartbeat timeout), group 1 commits nothing
+  while cut off and waits in its quorum (no step outlasts the configured timeouts), then heals from group 0
+  once the link is back, and both groups end with bit-identical weights and optimizer state.
 
 Skipped (with the reason) only where namespaces cannot be created (not root, no iproute2).
 ``FSDP_STRATEGIES_FULL=1`` adds a partition three times ``quorum_timeout_s`` long: the cut-off group's quorum
-times out and the group exits (within the timeouts); restarted as the launcher and the SLURM script do, it heals
-once the link is back.
+times out and the group exits (within the timeouts); restarted as the launcher and the SLURM script do, it
+heals once the link is back.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from support.multinode import hsdp_script_args, lighthouse_args, torchrun_args
 
 FULL = os.environ.get("FSDP_STRATEGIES_FULL") == "1"
 TINY = ["--trainer.logger=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false", "--model.vocab_size=64",
-        "--data.vocab_size=64", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.max_seq_len=32",
-        "--data.seq_len=32", "--data.batch_size=2", "--data.num_val=8"]
+        "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false",
+        "--model.vocab_size=64",
+        "--data.vocab_size=64", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+        "--model.max_seq_len=32", "--data.seq_len=32", "--data.batch_size=2", "--data.num_val=8"]
 RDZV_PORT, LIGHTHOUSE_PORT = 29400, 29510  # each host has its own ports: fixed numbers cannot collide here
 
 
@@ -63,10 +64,10 @@ def host_env(host: netns.Host, extra: dict[str, str] | None = None) -> dict[str,
 
 def torchrun(host: netns.Host, *, nnodes: int, nproc: int, rdzv_host: netns.Host, rdzv_id: str, script: str,
              script_args: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run`` for one agent in ``host``: the shared launch line plus ``--local-addr``
-    (the address the agent advertises; the shared hostname would resolve to each host's own loopback) and
-    ``is_host`` (torchrun hosts the rendezvous store where the endpoint matches the hostname's addresses, which
-    here are 127.0.0.1: it is told instead)."""
+    """``python -m torch.distributed.run`` for one agent in ``host``: the shared launch line plus
+    ``--local-addr`` (the address the agent advertises; the shared hostname would resolve to each host's own
+    loopback) and ``is_host`` (torchrun hosts the rendezvous store where the endpoint matches the hostname's
+    addresses, which here are 127.0.0.1: it is told instead)."""
     args = torchrun_args(nnodes=nnodes, nproc_per_node=nproc, rdzv_endpoint=f"{rdzv_host.ip}:{RDZV_PORT}",
                          rdzv_id=rdzv_id, script=script, script_args=script_args)
     return [sys.executable, "-m", "torch.distributed.run", f"--local-addr={host.ip}",
@@ -88,7 +89,9 @@ def wait_all(jobs: dict[str, processes.Job], timeout: float, logs: Path) -> dict
 
 
 def read_logs(folder: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-5000:]}" for p in sorted(folder.glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-5000:]}" for p in sorted(folder.glob("*.log"))
+    )
 
 
 def start_logged(hosts: netns.Hosts, host: netns.Host, name: str, cmd: list[str], env: dict[str, str],
@@ -106,7 +109,8 @@ def test_hsdp_across_two_hosts_shards_within_and_replicates_across(tmp_path: Pat
     with netns.Hosts(2) as hosts:
         sent_before = [hosts.tx_bytes(h) for h in hosts]
         jobs = {f"agent{h.index}": start_logged(hosts, h, f"agent{h.index}", torchrun(
-            h, nnodes=2, nproc=2, rdzv_host=hosts[0], rdzv_id="netns-hsdp", script=str(WORKERS / "multinode_train.py"),
+            h, nnodes=2, nproc=2, rdzv_host=hosts[0], rdzv_id="netns-hsdp",
+            script=str(WORKERS / "multinode_train.py"),
             script_args=hsdp_script_args("configs/hsdp.yaml", nnodes=2, devices=2, extra=extra)),
             host_env(h, {"MN_OUT": str(tmp_path), "MN_AGENT": h.name}), logs) for h in hosts}
         codes = wait_all(jobs, 240, logs)
@@ -121,12 +125,16 @@ def test_hsdp_across_two_hosts_shards_within_and_replicates_across(tmp_path: Pat
         assert shard == sorted(r for r, h in host_of.items() if h == host_of[rank]), (rank, shard, host_of)
         assert {host_of[r] for r in replicate} == {"fsdpns0", "fsdpns1"}, (rank, replicate)
         assert [s["global_step"] for s in rec["steps"]] == list(range(1, steps + 1))
-        peer = next(r for r in replicate if r != rank)  # the replica on the other host: the same shard every step
-        assert [s["params"] for s in rec["steps"]] == [s["params"] for s in records[peer]["steps"]], (rank, peer)
-    # the replicate all-reduces crossed the links: each step every rank all-reduces its shard (half the model's
-    # gradients) with its peer on the other host -- a 2-rank all-reduce sends about its whole input -- so each
-    # host's 2 ranks sent about the model's fp32 bytes per step over its link (10% margin; without the crossing it
-    # would be kilobytes of rendezvous)
+        # the replica on the other host: the same shard every step
+        peer = next(r for r in replicate if r != rank)
+        assert [s["params"] for s in rec["steps"]] == [s["params"] for s in records[peer]["steps"]], (
+            rank,
+            peer,
+        )
+    # the replicate all-reduces crossed the links: each step every rank all-reduces its shard (half the
+    # model's gradients) with its peer on the other host -- a 2-rank all-reduce sends about its whole input --
+    # so each host's 2 ranks sent about the model's fp32 bytes per step over its link (10% margin; without the
+    # crossing it would be kilobytes of rendezvous)
     assert records[0]["param"]["placements"] == ["R", "S(0)"]
     min_bytes = int(0.9 * steps * _model_bytes())
     assert all(s >= min_bytes for s in sent), (sent, min_bytes)
@@ -149,7 +157,8 @@ CUT_S = 8
 
 
 def _ft_group_cmd(host: netns.Host, group: int, steps: int) -> list[str]:
-    args = ["fit", "--config", "configs/ft_hsdp.yaml", *TINY, "--trainer.devices=1", f"--trainer.max_steps={steps}",
+    args = ["fit", "--config", "configs/ft_hsdp.yaml", *TINY, "--trainer.devices=1",
+            f"--trainer.max_steps={steps}",
             "--data.num_train=512", f"--trainer.strategy.init_args.hostname={host.ip}",
             f"--trainer.strategy.init_args.timeout_s={TIMEOUT_S}",
             f"--trainer.strategy.init_args.quorum_timeout_s={QUORUM_TIMEOUT_S}",
@@ -159,7 +168,8 @@ def _ft_group_cmd(host: netns.Host, group: int, steps: int) -> list[str]:
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    """A group's events file as the launcher reads it (a line cut short by a kill is skipped; no file: none)."""
+    """A group's events file as the launcher reads it (a line cut short by a kill is skipped; no file:
+    none)."""
     return list(EventLog(path).records())
 
 
@@ -171,14 +181,18 @@ def run_partition(tmp: Path, steps: int, cut_s: float, cut_after: int, restarts:
                   extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Lighthouse on host 0, group g on host g+1; host 2's link cut for ``cut_s`` once group 1 committed
     ``cut_after`` steps. A group that exits non-zero is started again up to ``restarts`` times (as
-    ``fsdp-strategies-ft`` / ``ft_hsdp.sbatch`` do); ``extra_env``: more variables for the groups (the worker's
-    ``FT_TEST_*``). Returns the timeline facts the tests check."""
+    ``fsdp-strategies-ft`` / ``ft_hsdp.sbatch`` do); ``extra_env``: more variables for the groups (the
+    worker's ``FT_TEST_*``). Returns the timeline facts the tests check."""
     logs, out = tmp / "logs", tmp / "out"
     exits: list[dict[str, Any]] = []
     with netns.Hosts(3) as hosts:
-        lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"),
-                      *lighthouse_args(min_replicas=1, port=LIGHTHOUSE_PORT, heartbeat_timeout_ms=HEARTBEAT_MS)]
-        jobs = {"lighthouse": start_logged(hosts, hosts[0], "lighthouse", lighthouse, host_env(hosts[0]), logs)}
+        lighthouse = [
+            str(Path(sys.executable).parent / "torchft_lighthouse"),
+            *lighthouse_args(min_replicas=1, port=LIGHTHOUSE_PORT, heartbeat_timeout_ms=HEARTBEAT_MS),
+        ]
+        jobs = {
+            "lighthouse": start_logged(hosts, hosts[0], "lighthouse", lighthouse, host_env(hosts[0]), logs)
+        }
 
         def start_group(group: int, incarnation: int) -> processes.Job:
             host = hosts[group + 1]
@@ -187,7 +201,9 @@ def run_partition(tmp: Path, steps: int, cut_s: float, cut_after: int, restarts:
                                   "FT_RESTART_COUNT": str(incarnation),
                                   "FSDP_STRATEGIES_FT_EVENTS": str(tmp / f"group{group}.jsonl"),
                                   "FT_TEST_OUT": str(out), "FT_TEST_SLEEP": "0.2", **(extra_env or {})})
-            return start_logged(hosts, host, f"group{group}.{incarnation}", _ft_group_cmd(host, group, steps), env, logs)
+            return start_logged(
+                hosts, host, f"group{group}.{incarnation}", _ft_group_cmd(host, group, steps), env, logs
+            )
 
         groups = {g: start_group(g, 0) for g in (0, 1)}
         incarnations = {0: 0, 1: 0}
@@ -223,9 +239,10 @@ def run_partition(tmp: Path, steps: int, cut_s: float, cut_after: int, restarts:
                 job.kill_tree()
     final = {e["group"]: e["code"] for e in exits}
     assert final == {0: 0, 1: 0}, f"{exits}\n{read_logs(logs)}"
-    return {"t_cut": t_cut, "t_restore": t_restore, "events": [_events(tmp / f"group{g}.jsonl") for g in (0, 1)],
-            "dumps": [torch.load(out / f"group{g}_rank0.pt", weights_only=False) for g in (0, 1)], "logs": logs,
-            "exits": exits}
+    return {"t_cut": t_cut, "t_restore": t_restore,
+            "events": [_events(tmp / f"group{g}.jsonl") for g in (0, 1)],
+            "dumps": [torch.load(out / f"group{g}_rank0.pt", weights_only=False) for g in (0, 1)],
+            "logs": logs, "exits": exits}
 
 
 def check_partition(res: dict[str, Any], steps: int) -> None:
@@ -234,26 +251,33 @@ def check_partition(res: dict[str, Any], steps: int) -> None:
     steps0 = [r for r in ev0 if "step" in r]
     steps1 = [r for r in ev1 if "step" in r]
     # group 0 kept committing while group 1 was cut off: steps committed alone inside the cut window
-    alone = [r for r in steps0 if r.get("committed") and t_cut < r["t"] < t_restore and r.get("participants") == 1]
-    assert len(alone) >= 2, [(round(r["t"] - t_cut, 2), r) for r in steps0 if t_cut - 2 < r["t"] < t_restore + 2]
+    alone = [
+        r for r in steps0 if r.get("committed") and t_cut < r["t"] < t_restore and r.get("participants") == 1
+    ]
+    assert len(alone) >= 2, [
+        (round(r["t"] - t_cut, 2), r) for r in steps0 if t_cut - 2 < r["t"] < t_restore + 2
+    ]
     # group 1 committed nothing while cut off (a step it started before the cut may end just after it)
     during = [r for r in steps1 if r.get("committed") and t_cut + TIMEOUT_S < r["t"] < t_restore]
     assert not during, during
-    # ... and nothing hung past the configured timeouts: a cut shorter than quorum_timeout_s is waited out in the
-    # quorum (each step ends within quorum + cross-group op + slack); a longer one ends the group within that time
-    # (torchft's quorum raises "Timeout expired"), and a restart of it heals once the link is back
+    # ... and nothing hung past the configured timeouts: a cut shorter than quorum_timeout_s is waited out in
+    # the quorum (each step ends within quorum + cross-group op + slack); a longer one ends the group within
+    # that time (torchft's quorum raises "Timeout expired"), and a restart of it heals once the link is back
     failed = [e for e in res["exits"] if e["group"] == 1 and e["code"] != 0]
     if not failed:
         times = [r["t"] for r in steps1]
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert max(gaps) < QUORUM_TIMEOUT_S + TIMEOUT_S + 10, gaps
     else:
-        assert failed[0]["incarnation"] == 0 and failed[0]["t"] - t_cut < QUORUM_TIMEOUT_S + TIMEOUT_S + 10, failed
+        assert failed[0]["incarnation"] == 0 and failed[0]["t"] - t_cut < QUORUM_TIMEOUT_S + TIMEOUT_S + 10, (
+            failed
+        )
         assert "Timeout expired" in (res["logs"] / "group1.0.log").read_text(errors="replace")
     # after the link returned, group 1 healed (it was behind) and committed with group 0 again
     after = [r for r in steps1 if r["t"] > t_restore]
     assert any(r.get("committed") and r.get("participants") == 2 for r in after), after[:10]
-    # its first step after the cut healed from group 0 (which had moved on): the step jumps past the missed ones
+    # its first step after the cut healed from group 0 (which had moved on): the step jumps past the missed
+    # ones
     before = [r["step"] for r in steps1 if r["t"] < t_cut]
     first_after = next(r for r in steps1 if r["t"] > t_cut + 0.5)
     assert first_after["healed"] and first_after["step"] > max(before) + 1, (before[-3:], first_after)
@@ -268,11 +292,15 @@ def check_partition(res: dict[str, Any], steps: int) -> None:
 
 def test_ft_hsdp_partition_drops_the_cut_off_group_and_heals_it(tmp_path: Path, need_netns: None) -> None:
     steps = 40
-    # group 0 sleeps 0.5 s more after a step it commits alone: it is still training when the link returns, also
-    # on a loaded machine (without it group 0 could finish all steps inside the cut and group 1 end alone)
-    res = run_partition(tmp_path, steps=steps, cut_s=CUT_S, cut_after=4, extra_env={"FT_TEST_SLEEP_ALONE": "0.5"})
+    # group 0 sleeps 0.5 s more after a step it commits alone: it is still training when the link returns,
+    # also on a loaded machine (without it group 0 could finish all steps inside the cut and group 1 end
+    # alone)
+    res = run_partition(
+        tmp_path, steps=steps, cut_s=CUT_S, cut_after=4, extra_env={"FT_TEST_SLEEP_ALONE": "0.5"}
+    )
     check_partition(res, steps)
-    assert [e["code"] for e in res["exits"] if e["group"] == 1] == [0]  # waited the cut out, no restart needed
+    # waited the cut out, no restart needed
+    assert [e["code"] for e in res["exits"] if e["group"] == 1] == [0]
 
 
 @pytest.mark.soak  # ~75 s; the short partition above runs in CI
@@ -280,7 +308,8 @@ def test_ft_hsdp_partition_drops_the_cut_off_group_and_heals_it(tmp_path: Path, 
 def test_ft_hsdp_long_partition(tmp_path: Path, need_netns: None) -> None:
     steps = 120
     # longer than quorum_timeout_s: group 1 ends itself while cut off and is restarted (possibly several times
-    # while the link is still down, each failing within connect/quorum timeouts); a restart after the link is back
+    # while the link is still down, each failing within connect/quorum timeouts); a restart after the link is
+    # back
     # heals. Group 0 is never interrupted.
     # group 0 sleeps 0.5 s after a step it commits alone, so that it is still training when the link returns
     res = run_partition(tmp_path, steps=steps, cut_s=3 * QUORUM_TIMEOUT_S, cut_after=10, restarts=6,

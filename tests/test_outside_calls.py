@@ -1,11 +1,11 @@
 """The model called outside the routed steps (issue: "the model dies when called outside a step").
 
-``tests/workers/outside_calls.py`` fine-tunes a tiny HF Llama (a ``save_pretrained`` folder made here) and calls
-the *inner* model as users do: ``self.model(...)`` in ``on_validation_epoch_end`` (eval mode) and
+``tests/workers/outside_calls.py`` fine-tunes a tiny HF Llama (a ``save_pretrained`` folder made here) and
+calls the *inner* model as users do: ``self.model(...)`` in ``on_validation_epoch_end`` (eval mode) and
 ``on_train_end`` (train mode), ``pl_module.model.generate(...)`` in a callback, then ``trainer.validate`` and
 ``trainer.predict`` after ``fit`` and one more call. Every call's logits must equal a plain ``transformers``
-model holding the same gathered weights (1e-5; TP reorders sums), and ``generate`` the same tokens, on every rank
-of ``fsdp2``, ``hsdp``, ``fsdp2`` with tensor parallelism and ``ft_hsdp``.
+model holding the same gathered weights (1e-5; TP reorders sums), and ``generate`` the same tokens, on every
+rank of ``fsdp2``, ``hsdp``, ``fsdp2`` with tensor parallelism and ``ft_hsdp``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def test_the_inner_model_called_outside_the_steps_gives_the_unsharded_outputs(st
     out = tmp_path / "out"
     if strategy == "ft_hsdp":
         run_python(["-m", "fsdp_strategies.ft", "--groups", "1", "--ranks-per-group", "2", "--events-dir",
-                    str(tmp_path / "events"), "--timeout", "280", "--", str(WORKER), strategy, str(out), str(folder)],
+                    str(tmp_path / "events"), "--timeout", "280", "--", str(WORKER), strategy, str(out),
+                    str(folder)],
                    timeout=300)
     else:
         run_torchrun(WORKER, 2, [strategy, str(out), str(folder)], timeout=300)

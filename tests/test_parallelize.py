@@ -49,7 +49,9 @@ class Net(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective_op"])
-def test_parallelize_applies_checkpoint_compile_shard_once_and_computes_the_same(mode: str, tmp_path: Path) -> None:
+def test_parallelize_applies_checkpoint_compile_shard_once_and_computes_the_same(
+    mode: str, tmp_path: Path
+) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -61,7 +63,11 @@ def test_parallelize_applies_checkpoint_compile_shard_once_and_computes_the_same
                              compile_options={"backend": "eager"})
         assert [len(s.blocks) for s in stacks] == [2]
         for block in model.layers:
-            assert is_checkpointed(block) and _torch_seam.is_compiled_module(block) and isinstance(block, FSDPModule)
+            assert (
+                is_checkpointed(block)
+                and _torch_seam.is_compiled_module(block)
+                and isinstance(block, FSDPModule)
+            )
         assert isinstance(model, FSDPModule)
         parallelize(model, mesh, ac={"mode": mode}, compile_blocks=True)  # idempotent: nothing applied twice
 
@@ -120,9 +126,9 @@ def test_parallelize_keeps_0d_params_whole_and_hooks_their_gradients(tmp_path: P
 
 
 def test_cpu_offload_placement_keeps_parameters_on_cpu_and_moves_buffers() -> None:
-    # FSDP2's CPUOffloadPolicy refuses parameters on the accelerator (the first GPU run: "FSDP parameters should
-    # be materialized on CPU"); buffers, which FSDP2 does not manage, must still reach the compute device.
-    # "meta" stands in for the accelerator here.
+    # FSDP2's CPUOffloadPolicy refuses parameters on the accelerator (the first GPU run: "FSDP parameters
+    # should be materialized on CPU"); buffers, which FSDP2 does not manage, must still reach the compute
+    # device. "meta" stands in for the accelerator here.
     from fsdp_strategies.parallel import buffers_to, parameter_device
 
     accel = torch.device("meta")

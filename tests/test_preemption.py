@@ -25,16 +25,17 @@ from fsdp_strategies.runtime.preemption import PREEMPT_EXIT_CODE, Preempted
 from support import processes
 from trials.preempt_trials import job_env, ok, trial
 
-# A stop must end within this bound. Generous on purpose: the machine is shared and slow. The stop itself takes
-# well under a second after the next step (exit_s); the rest is the interpreter's own teardown. Without the fix
-# the job hangs until the collective timeout (30 min) -- what this bound detects.
+# A stop must end within this bound. Generous on purpose: the machine is shared and slow. The stop itself
+# takes well under a second after the next step (exit_s); the rest is the interpreter's own teardown. Without
+# the fix the job hangs until the collective timeout (30 min) -- what this bound detects.
 STOP_BOUND_S = 60.0
 
 
 @pytest.mark.multiprocess
 def test_sigterm_to_the_launcher_stops_every_rank_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
-    # fsdp2 under Lightning's launcher; the SIGTERM goes to the launcher (= rank 0's process) only, which forwards
-    # it to rank 1. The resume job then runs the uninterrupted fit in the same processes as the reference.
+    # fsdp2 under Lightning's launcher; the SIGTERM goes to the launcher (= rank 0's process) only, which
+    # forwards it to rank 1. The resume job then runs the uninterrupted fit in the same processes as the
+    # reference.
     t = trial("fsdp2", "launcher", random.Random(1), tmp_path, "inline", window_s=1.0, steps=12)
     assert not t.hung and t.stop_s is not None and t.stop_s < STOP_BOUND_S, t
     assert t.rc == PREEMPT_EXIT_CODE and t.rank_rcs == [PREEMPT_EXIT_CODE] * 2, t
@@ -55,7 +56,9 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both(tmp_path: Path) -> None:
 
 def test_options_are_checked_before_any_process_group() -> None:
     for cls in (FSDP2Strategy, HSDPStrategy, DDPHooksStrategy):
-        with pytest.raises(ValueError, match=r"preempt_grace_s=0 is invalid.*Fix: a positive number of seconds"):
+        with pytest.raises(
+            ValueError, match=r"preempt_grace_s=0 is invalid.*Fix: a positive number of seconds"
+        ):
             cls(preempt_grace_s=0)
         with pytest.raises(ValueError, match=r"checkpoint_on_preempt='yes' is invalid. Fix: true or false"):
             cls(checkpoint_on_preempt="yes")  # type: ignore[arg-type]
@@ -106,13 +109,17 @@ _GROUP = textwrap.dedent("""
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("runner", ["lightning", "forkserver"])
-def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(tmp_path: Path, runner: str) -> None:
+def test_ft_launcher_forwards_sigterm_to_every_group_and_exits_for_a_requeue(
+    tmp_path: Path, runner: str
+) -> None:
     # forkserver: the SIGTERM reaches the forked ranks; their leader waits for them instead of dying first
     script = tmp_path / "group.py"
     script.write_text(_GROUP)
     cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--runner", runner,
            "--events-dir", str(tmp_path / "events"), "--grace", "20", "--", str(script), str(tmp_path)]
-    proc = processes.start(cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = processes.start(
+        cmd, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.time() + 120
         while not all((tmp_path / f"up-{g}").exists() for g in (0, 1)) and time.time() < deadline:

@@ -127,7 +127,9 @@ def test_a_test_that_starts_a_process_without_a_marker_fails(tmp_path: Path) -> 
     with inner:
         out, _ = inner.communicate(timeout=120)
     assert inner.returncode == 1 and "1 failed, 1 passed" in out, out
-    assert "test_inner.py::test_unmarked starts a process" in out and "Fix: add @pytest.mark.multiprocess" in out, out
+    assert (
+        "test_inner.py::test_unmarked starts a process" in out and "Fix: add @pytest.mark.multiprocess" in out
+    ), out
 
 
 @pytest.mark.subprocess

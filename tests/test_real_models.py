@@ -30,7 +30,8 @@ pytestmark = pytest.mark.multiprocess
 
 def _ids(cells: list[dict[str, Any]]) -> list[str]:
     return [f"{c['model']}-{c['strategy']}-{'+'.join(c['callbacks']) or 'none'}-{c['precision']}"
-            + ("-resume" if c["resume"] else "") + ("-eager_init" if c.get("eager_init") else "") for c in cells]
+            + ("-resume" if c["resume"] else "") + ("-eager_init"
+                                                    if c.get("eager_init") else "") for c in cells]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +60,21 @@ def test_t5_every_block_of_both_stacks_is_an_fsdp_unit(results: dict[int, list[d
     assert [round(b["fraction"], 3) for b in t5["blocks"]["T5Block"]] == [0.5] * 5
 
 
-def test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp(results: dict[int, list[dict[str, Any]]]) -> None:
+def test_lightning_style_configure_model_gets_hybrid_sharding_under_hsdp(
+    results: dict[int, list[dict[str, Any]]],
+) -> None:
     # fully_shard(..., mesh=self.device_mesh["data_parallel"]) under hsdp (2 x 2) shards over 2 ranks and
     # replicates over 2: each rank holds 1/2 of every block, not 1/4.
-    mps = next(r for r in results[4] if r["cell"]["model"] == "mps_style_llama" and r["cell"]["strategy"] == "hsdp")
+    mps = next(
+        r for r in results[4] if r["cell"]["model"] == "mps_style_llama" and r["cell"]["strategy"] == "hsdp"
+    )
     assert [round(b["fraction"], 3) for b in mps["blocks"]["TransformerBlock"]] == [0.5, 0.5]
 
 
 def test_ft_hsdp_hf_llama_kill_and_heal(tmp_path: Path) -> None:
     """Two groups, one SIGKILLed and healed; the committed steps must equal a plain-torch replay of them (the
-    mean gradient of the groups that took part in each step, ft_replay.py), which a wrong learning rate misses."""
+    mean gradient of the groups that took part in each step, ft_replay.py), which a wrong learning rate
+    misses."""
     result = run_ft_cell("hf_llama", tmp_path)
     assert check_ft_cell(result) == []
     alone = [k for k, (groups, _) in committed_steps(Path(result["out"])).items() if len(groups) == 1]

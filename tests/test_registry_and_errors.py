@@ -44,8 +44,11 @@ def test_trainer_accepts_registry_names() -> None:
 
 
 def test_degrees_not_matching_world_size_fail_before_any_process_group() -> None:
-    with pytest.raises(ValueError, match=r"replicate_degree=3 x shard_degree=2 does not match the world size 4"):
-        pl.Trainer(strategy=HSDPStrategy(replicate_degree=3, shard_degree=2), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(
+        ValueError, match=r"replicate_degree=3 x shard_degree=2 does not match the world size 4"
+    ):
+        pl.Trainer(strategy=HSDPStrategy(replicate_degree=3, shard_degree=2), accelerator="cpu", devices=4,
+                   logger=False)
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match=r"shard_degree=0 is invalid"):
         HSDPStrategy(shard_degree=0)
@@ -86,7 +89,9 @@ def test_one_degrees_object_derives_the_mesh_and_the_data_layout() -> None:
 
 
 def test_unsupported_precision_is_rejected_early() -> None:
-    with pytest.raises(ValueError, match=r"precision='64-true' is not supported by the fsdp2 strategy.*bf16-mixed"):
+    with pytest.raises(
+        ValueError, match=r"precision='64-true' is not supported by the fsdp2 strategy.*bf16-mixed"
+    ):
         pl.Trainer(strategy="fsdp2", accelerator="cpu", devices=2, precision="64-true", logger=False)
     assert not torch.distributed.is_initialized()
 
@@ -128,12 +133,15 @@ class Plain(pl.LightningModule):
 
 
 def test_unknown_block_class_fails_at_fit_before_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    # rank 0 of a 2-rank torchrun job: Lightning's own launcher would start a rank 1 that re-runs this pytest session
+    # rank 0 of a 2-rank torchrun job: Lightning's own launcher would start a rank 1 that re-runs this pytest
+    # session
     as_torchrun_rank0(monkeypatch, world_size=2, local_world_size=2)
     trainer = pl.Trainer(strategy=FSDP2Strategy(block_class_names=["TransformerBlock"]), accelerator="cpu",
                          devices=2, logger=False)
     assert trainer.strategy.cluster_environment.creates_processes_externally  # no child process is started
-    with pytest.raises(BlockNotFoundError, match=r"block_class_names=\['TransformerBlock'\] matches no submodule.*'Block'"):
+    with pytest.raises(
+        BlockNotFoundError, match=r"block_class_names=\['TransformerBlock'\] matches no submodule.*'Block'"
+    ):
         trainer.fit(Plain())
     assert not torch.distributed.is_initialized()
 

@@ -53,7 +53,8 @@ def _our_warnings(record: list[warnings.WarningMessage]) -> list[str]:
         # checkpoint written by validation at batch 4 (a different restart stage than on_train_batch_end)
         ("checkpoint_at_validation", {"steps": 10, "stop_at": 4, "val_check_interval": 4,
                                       "data_kwargs": {"num_train": 48, "shuffle": False}}, 4),
-        # two loaders (6 and 4 batches, max_size_cycle): at batch 5 the short one is 1 batch into its 2nd cycle
+        # two loaders (6 and 4 batches, max_size_cycle): at batch 5 the short one is 1 batch into its 2nd
+        # cycle
         ("two_loaders", {"steps": 10, "stop_at": 5, "sampler": "two", "data_kwargs": {"num_train": 48}}, 5),
     ],
 )
@@ -67,7 +68,8 @@ def test_mid_epoch_resume_equals_uninterrupted_run(tmp_path: Path, case: str, kw
     assert run["skipped"] == skipped
     _assert_same_run(run)
     if not kwargs["data_kwargs"].get("num_workers"):  # (workers prefetch beyond the last step)
-        # skipped batches are dropped as indices: only the samples of the batches trained after resuming are loaded
+        # skipped batches are dropped as indices: only the samples of the batches trained after resuming are
+        # loaded
         assert run["samples_loaded"] == sum(b.shape[0] * b.shape[1] for b in run["resumed_batches"])
     assert not _our_warnings(record)
     assert not [w for w in record if _LIGHTNING_NOT_RESUMABLE in str(w.message)]  # no longer true: not shown
@@ -126,8 +128,9 @@ def test_stateful_loader_is_left_to_lightning(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_resume_with_injected_distributed_sampler(tmp_path: Path) -> None:
-    # One real 2-rank job (Lightning's launcher, gloo) runs the comparison with Lightning's DDPStrategy (one-file
-    # checkpoint) and the package's FSDP2Strategy (sharded DCP checkpoint). 96 samples / 2 ranks / batch 8 =
+    # One real 2-rank job (Lightning's launcher, gloo) runs the comparison with Lightning's DDPStrategy
+    # (one-file checkpoint) and the package's FSDP2Strategy (sharded DCP checkpoint). 96 samples / 2 ranks /
+    # batch 8 =
     # 6 batches per epoch; checkpoint at step 8 = batch 2 of epoch 1; shuffle=True makes Lightning inject a
     # DistributedSampler, so the resumed epoch's order depends on set_epoch reaching it through the wrapper.
     out = tmp_path / "resume.pt"
@@ -138,7 +141,8 @@ def test_two_ranks_resume_with_injected_distributed_sampler(tmp_path: Path) -> N
     for name, ranks in results.items():
         assert len(ranks) == 2, name
         for rank in ranks:
-            if name == "ddp":  # the test's own strategy subclass records the count; FSDP2Strategy calls it built in
+            # the test's own strategy subclass records the count; FSDP2Strategy calls it built in
+            if name == "ddp":
                 assert rank["skipped"] == 2, name
             assert rank["sampler_type"] == "DistributedSampler", name  # the injected one, under the wrapper
             _assert_same_run(rank)  # FSDP2: this rank's parameter shards

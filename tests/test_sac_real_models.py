@@ -119,8 +119,10 @@ class CounterModule(pl.LightningModule):
 
 
 def test_a_forward_that_changes_between_forward_and_recompute_gets_a_clear_error() -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[ActivationCheckpointing()], logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[ActivationCheckpointing()],
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(RecomputationMismatchError, match=r"recomputing Counter in backward did not replay its forward.*"
+    with pytest.raises(RecomputationMismatchError,
+                       match=r"recomputing Counter in backward did not replay its forward.*"
                                                       r"global state.*Fix:"):
         trainer.fit(CounterModule(), train_dataloaders=DataLoader(TokenSequences(), batch_size=4))

@@ -1,4 +1,5 @@
-"""0-d parameters (CLIP's ``logit_scale``, learned temperatures) under fsdp2, hsdp and ft_hsdp (real processes, gloo).
+"""0-d parameters (CLIP's ``logit_scale``, learned temperatures) under fsdp2, hsdp and ft_hsdp (real
+processes, gloo).
 
 ``fully_shard`` cannot shard a 0-d parameter; the strategies keep them replicated with data-parallel
 gradients (:mod:`fsdp_strategies.parallel.replicated_params`). The model (tests/workers/scalar_train.py) has a
@@ -37,7 +38,8 @@ def _deviation(ours: list[list[float]], ref: list[list[float]]) -> float:
 def _check_like_ddp(run: dict[str, Any], ddp: dict[str, Any]) -> None:
     assert run["global_step"] == ddp["global_step"] == STEPS
     assert set(run["types"]) == SCALARS and set(run["types"].values()) == {"Parameter"}  # whole, not DTensors
-    assert min(ddp["grad_norms"]) > CLIP  # clipping changed every step (the total norm includes the 0-d grads)
+    # clipping changed every step (the total norm includes the 0-d grads)
+    assert min(ddp["grad_norms"]) > CLIP
     deviation = _deviation(run["losses"], ddp["losses"])
     assert deviation <= TOLERANCE, f"losses differ from ddp's by {deviation:.2e}"
     assert all(final == run["final"][0] for final in run["final"]), "the ranks' 0-d parameters differ"
@@ -47,10 +49,14 @@ def _check_like_ddp(run: dict[str, Any], ddp: dict[str, Any]) -> None:
 
 
 def _check_resume(run: dict[str, Any], micro_batches_per_step: int) -> None:
-    # the sharded checkpoint at step 2 restores the 0-d parameters and their AdamW state exactly, on every rank
+    # the sharded checkpoint at step 2 restores the 0-d parameters and their AdamW state exactly, on every
+    # rank
     assert run["checkpoint"], "no step-2 checkpoint"
     saved = run["saved"]
-    assert saved["optimizer"]["temperature"]["step"] == 2.0 and saved["optimizer"]["temperature"]["exp_avg"] != 0.0
+    assert (
+        saved["optimizer"]["temperature"]["step"] == 2.0
+        and saved["optimizer"]["temperature"]["exp_avg"] != 0.0
+    )
     for restored in run["restored"]:
         assert restored["values"] == saved["values"]
         assert restored["optimizer"] == saved["optimizer"]
@@ -99,15 +105,19 @@ def test_hsdp_2x2_trains_0d_params_as_ddp_and_resumes(four_ranks: dict[str, Any]
 def test_ft_hsdp_two_groups_keep_0d_params_identical(tmp_path: Path, request: pytest.FixtureRequest,
                                                      init_sync: bool) -> None:
     # init_sync (the default): the first step heals, and torchft picks per rank which group is healing, so the
-    # ranks of a group see different cross-group averages; the 0-d parameters must stay identical all the same.
-    # Without it: 2 groups x 2 ranks x batch 4 = ddp on 4 ranks with the same data layout (group g, rank r = ddp
+    # ranks of a group see different cross-group averages; the 0-d parameters must stay identical all the
+    # same.
+    # Without it: 2 groups x 2 ranks x batch 4 = ddp on 4 ranks with the same data layout (group g, rank r =
+    # ddp
     # rank 2g + r), so the losses must be ddp's.
     out = tmp_path / "ft"
     run_python(["-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "2", "--min-replicas", "2",
                 "--max-restarts", "0", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "500",
                 "--events-dir", str(tmp_path / "events"), "--timeout", "280", "--", str(WORKER), "--ft",
                 "--out", str(out), *([] if init_sync else ["--no-init-sync"])], timeout=300)
-    groups = {(g, r): json.loads((out / f"group{g}_rank{r}.json").read_text()) for g in (0, 1) for r in (0, 1)}
+    groups = {
+        (g, r): json.loads((out / f"group{g}_rank{r}.json").read_text()) for g in (0, 1) for r in (0, 1)
+    }
     finals = [run["final"] for run in groups.values()]
     assert all(final == finals[0] for final in finals), f"0-d parameters differ across groups/ranks: {finals}"
     assert finals[0]["temperature"] != 1.5 and finals[0]["offset"] == 0.25

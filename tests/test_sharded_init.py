@@ -3,8 +3,8 @@
 On CPU DTensor has no per-shard random stream: before ``parallel/sharded_init.py`` every rank drew the same
 values for its own shard, so the two tensor-parallel halves of a projection were copies (and stayed copies
 through training), and a weight sharded over FSDP ranks repeated every 1/N of its rows. Two real ranks
-(gloo): tensor-parallel colwise/rowwise, FSDP, a (replicate x shard) mesh, and a Hugging Face Llama built from a
-tiny random config through its own ``initialize_weights``.
+(gloo): tensor-parallel colwise/rowwise, FSDP, a (replicate x shard) mesh, and a Hugging Face Llama built from
+a tiny random config through its own ``initialize_weights``.
 """
 
 from __future__ import annotations

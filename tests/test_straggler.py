@@ -21,7 +21,8 @@ WORKER = str(WORKERS / "straggler_train.py")
 
 
 def _window(rng: np.random.Generator, ranks: int, steps: int, base: float, slow: dict[int, float]) -> tuple:
-    """One window of per-step self times with 10% jitter; ``slow`` adds seconds to chosen (rank, every step)."""
+    """One window of per-step self times with 10% jitter; ``slow`` adds seconds to chosen (rank, every
+    step)."""
     self_steps = base * (1 + 0.1 * rng.random((ranks, steps)))
     for r, extra in slow.items():
         self_steps[r] += extra
@@ -42,7 +43,9 @@ def test_scorer_hysteresis_transients_and_clearing() -> None:
             assert res["newly_persistent"] == [2]
             flagged_at = w
     assert flagged_at == 2 + 3 - 1  # after exactly `patience` slow windows
-    assert scorer.tracks[2].persistent and not any(t.persistent for i, t in enumerate(scorer.tracks) if i != 2)
+    assert scorer.tracks[2].persistent and not any(
+        t.persistent for i, t in enumerate(scorer.tracks) if i != 2
+    )
     for _ in range(2):  # normal again: still flagged for patience - 1 windows, then cleared
         res = scorer.update(*_window(rng, 4, 10, 0.05, {}), step=0)
         assert res["cleared"] == []
@@ -85,7 +88,9 @@ def test_inject_is_no_detector_option_any_more() -> None:
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--callbacks", type=list[Callback])
-    old = [{"class_path": "fsdp_strategies.callbacks.StragglerDetector", "init_args": {"inject": {"ranks": [1]}}}]
+    old = [
+        {"class_path": "fsdp_strategies.callbacks.StragglerDetector", "init_args": {"inject": {"ranks": [1]}}}
+    ]
     with pytest.raises(ArgumentError, match="inject"):
         parser.parse_args(["--callbacks", json.dumps(old)])
 
@@ -128,7 +133,12 @@ def test_evict_makes_every_rank_of_the_group_leave_the_quorum(tmp_path: Path) ->
         det._act(trainer, result)  # type: ignore[arg-type]
         assert det.events[-1] == {"step": 8, "event": "evict", "ranks": [1], "left_at_step": 9}
         det._act(trainer, {**result, "newly_persistent": []})  # type: ignore[arg-type]  # no new straggler
-    assert calls[0] == calls[1] and len(calls[1]) == 1 and "rank 1 on b" in calls[1][0] and "step 9" in calls[0][0]
+    assert (
+        calls[0] == calls[1]
+        and len(calls[1]) == 1
+        and "rank 1 on b" in calls[1][0]
+        and "step 9" in calls[0][0]
+    )
     # rank 0 wrote the report before leaving (the process ends inside leave_quorum)
     assert json.loads((tmp_path / "straggler_report.json").read_text())["events"][-1]["event"] == "evict"
 
@@ -159,7 +169,9 @@ def test_a_step_is_an_optimizer_step_under_accumulation(tmp_path: Path) -> None:
 def test_two_ranks_clean_transient_persistent_and_stop(tmp_path: Path) -> None:
     proc = run_python([WORKER, "--out", str(tmp_path), "--devices", "2", "--steps", "24",
                        "--runs", "clean,transient,persistent,stop"], check=False, timeout=400)
-    report = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("transient", "persistent", "stop")}
+    report = {
+        n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("transient", "persistent", "stop")
+    }
     # default report location: the trainer's log_dir (here its default_root_dir), resolved on every rank
     report["clean"] = json.loads((tmp_path / "clean" / "straggler_report.json").read_text())
     window, patience = 6, 2
@@ -193,7 +205,9 @@ def test_four_ranks_detects_and_switches_hierarchical_sgd_from_yaml(tmp_path: Pa
     config = yaml.safe_load((ROOT / "configs" / "straggler.yaml").read_text())
     overlay = yaml.safe_load((ROOT / "examples" / "straggler_demo_stall.yaml").read_text())
     (shipped,) = config["trainer"]["callbacks"]  # the shipped config: the detector alone, no test helper
-    assert overlay["trainer"]["callbacks"][1] == shipped, "the demo overlay's detector differs from the config's"
+    assert overlay["trainer"]["callbacks"][1] == shipped, (
+        "the demo overlay's detector differs from the config's"
+    )
     config["trainer"]["callbacks"] = overlay["trainer"]["callbacks"]
     injector, detector = config["trainer"]["callbacks"]
     assert injector["class_path"] == "fsdp_strategies.testing.StallInjector"
@@ -207,10 +221,11 @@ def test_four_ranks_detects_and_switches_hierarchical_sgd_from_yaml(tmp_path: Pa
              f"--trainer.enable_progress_bar false --trainer.logger lightning.pytorch.loggers.CSVLogger "
              f"--trainer.logger.save_dir {tmp_path} --trainer.logger.name csv --trainer.log_every_n_steps 1 "
              "--trainer.default_root_dir " + str(tmp_path) + " "
-             "--model.dim 64 --model.max_seq_len 32 --model.vocab_size 64 --data.vocab_size 64 --data.seq_len 32 "
+             "--model.dim 64 --model.max_seq_len 32 --model.vocab_size "
+             "64 --data.vocab_size 64 --data.seq_len 32 "
              "--data.num_train 1024")
-    run_python([WORKER, "--out", str(tmp_path), "--devices", "4", "--runs", f"cli:{tmp_path / 'straggler.yaml'}",
-                "--cli-extra", extra], timeout=500)
+    run_python([WORKER, "--out", str(tmp_path), "--devices", "4", "--runs",
+                f"cli:{tmp_path / 'straggler.yaml'}", "--cli-extra", extra], timeout=500)
     rep = json.loads((tmp_path / "straggler.json").read_text())
     assert rep["window"] == 4 and len(rep["hosts"]) == 4
     assert rep["persistent"] == []  # cleared after the injection ended at step 14

@@ -1,4 +1,5 @@
-"""Tensor parallelism (issue #26): 2-D (FSDP x TP) and 3-D (replicate x shard x TP) meshes from the model's plan.
+"""Tensor parallelism (issue #26): 2-D (FSDP x TP) and 3-D (replicate x shard x TP) meshes from the model's
+plan.
 
 Multi-process runs use ``tests/workers/tp_train.py``: models from the real-models matrix (HF Llama with GQA,
 HF Qwen2 -- built in ``__init__`` with one seed, so every strategy starts from the same weights), gradient
@@ -66,7 +67,9 @@ def _planned_are_2d(record: dict, planned: tuple[str, ...], dp_dims: list[str]) 
 
 @pytest.fixture(scope="module")
 def ddp_llama(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("ddp_llama"), "--model", "hf_llama", "--strategy", "ddp", "--devices", "2")
+    return _run(
+        tmp_path_factory.mktemp("ddp_llama"), "--model", "hf_llama", "--strategy", "ddp", "--devices", "2"
+    )
 
 
 @pytest.mark.multiprocess
@@ -75,15 +78,19 @@ def test_fsdp2_2x2_hf_llama_gqa_equals_ddp(tmp_path: Path, ddp_llama: list[dict]
     assert sorted(r["dp_rank"] for r in run) == [0, 0, 1, 1]
     _same_losses(run, ddp_llama)
     for record in run:
-        _planned_are_2d(record, ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight"), ["shard"])
+        _planned_are_2d(
+            record, ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight"), ["shard"]
+        )
 
 
 @pytest.mark.multiprocess
 def test_fsdp2_2x2_tied_embeddings_stay_one_tensor_and_equal_ddp(tmp_path: Path) -> None:
-    # the embedding (vocab-parallel rows) and the head (column-wise: the same rows) are one parameter: still one
-    # after the plan and FSDP, updated once, so the losses follow ddp's
+    # the embedding (vocab-parallel rows) and the head (column-wise: the same rows) are one parameter: still
+    # one after the plan and FSDP, updated once, so the losses follow ddp's
     reference = _run(tmp_path / "ddp", "--model", "hf_llama_tied", "--strategy", "ddp", "--devices", "2")
-    run = _run(tmp_path / "tp", "--model", "hf_llama_tied", "--strategy", "fsdp2", "--tp", "2", "--devices", "4")
+    run = _run(
+        tmp_path / "tp", "--model", "hf_llama_tied", "--strategy", "fsdp2", "--tp", "2", "--devices", "4"
+    )
     assert all(r["tied"] for r in run + reference)
     _same_losses(run, reference)
 
@@ -91,8 +98,8 @@ def test_fsdp2_2x2_tied_embeddings_stay_one_tensor_and_equal_ddp(tmp_path: Path)
 @pytest.mark.multiprocess
 @pytest.mark.torch_range
 def test_hsdp_1x2x2_hf_llama_equals_ddp(tmp_path: Path, ddp_llama: list[dict]) -> None:
-    """Also with activation checkpointing to a memory budget (profiled on DTensor blocks, one choice for all ranks):
-    the same losses as ddp without checkpointing, and the budget met on every rank."""
+    """Also with activation checkpointing to a memory budget (profiled on DTensor blocks, one choice for all
+    ranks): the same losses as ddp without checkpointing, and the budget met on every rank."""
     run = _run(tmp_path, "--model", "hf_llama", "--strategy", "hsdp", "--tp", "2", "--devices", "4",
                "--ac", "budget", "--memory-budget", "0.5")
     _same_losses(run, ddp_llama)
@@ -117,7 +124,9 @@ def test_own_plan_configure_model_runs_unchanged_like_lightning_model_parallel(t
     # written for Lightning's ModelParallelStrategy (parallelize_module + fully_shard in configure_model). No
     # clipping here: Lightning's ModelParallelStrategy cannot clip these gradients (DTensors on two meshes:
     # "All operands in aten.stack.default must have the same mesh"); fsdp2 clips them, see the HF runs
-    reference = _run(tmp_path / "mp", "--model", "own_plan", "--strategy", "lightning_mp", "--tp", "2", clip=False)
+    reference = _run(
+        tmp_path / "mp", "--model", "own_plan", "--strategy", "lightning_mp", "--tp", "2", clip=False
+    )
     run = _run(tmp_path / "ours", "--model", "own_plan", "--strategy", "fsdp2", "--tp", "2", clip=False)
     _same_losses(run, reference)
 
@@ -166,7 +175,9 @@ def test_the_mesh_is_init_device_meshs_and_answers_to_lightnings_dim_names(
 def test_degree_must_divide_the_devices_of_a_node() -> None:
     import lightning.pytorch as pl
 
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree=3 does not divide the 4 devices.*\[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_degree=3 does not divide the 4 devices.*\[1, 2, 4\]"
+    ):
         pl.Trainer(accelerator="cpu", devices=4, strategy=FSDP2Strategy(tensor_parallel_degree=3))
     with pytest.raises(ValueError, match="tensor_parallel_degree"):
         FSDP2Strategy(tensor_parallel_degree=0)
@@ -186,7 +197,9 @@ def test_auto_reads_the_models_own_plan_prefixed_and_refuses_a_model_without_one
     assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"
     assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
     assert find_model_plan(nn.Linear(2, 2)) is None
-    with pytest.raises(TensorParallelPlanError, match=r"holding GPT2LMHeadModel\) carries no tensor-parallel plan.*dict"):
+    with pytest.raises(
+        TensorParallelPlanError, match=r"holding GPT2LMHeadModel\) carries no tensor-parallel plan.*dict"
+    ):
         resolve_plan(MODELS["hf_gpt2"].build(), "auto")
 
 

@@ -1,5 +1,5 @@
-"""Tensor parallelism and the rest of the package (issue #26, item 3): checkpoints, export, FLOPs, accumulation,
-precision, activation checkpointing, compile.
+"""Tensor parallelism and the rest of the package (issue #26, item 3): checkpoints, export, FLOPs,
+accumulation, precision, activation checkpointing, compile.
 
 Every run is ``tests/workers/tp_train.py`` on 4 ranks with the real-models matrix's HF Llama (GQA; built in
 ``__init__`` from one seed, so every run starts from the same weights), AdamW with a scheduler, clipping on.
@@ -56,15 +56,19 @@ def _same_as_ddp(run: list[dict], reference: list[dict], tol: float) -> None:
         want = by_dp[record["dp_rank"]]
         assert len(record["losses"]) == len(want) > 1
         for got, exp in zip(record["losses"], want):
-            assert math.isfinite(got) and abs(got - exp) <= tol * abs(exp), (record["rank"], record["losses"], want)
+            assert math.isfinite(got) and abs(got - exp) <= tol * abs(exp), (
+                record["rank"],
+                record["losses"],
+                want,
+            )
 
 
 @pytest.fixture(scope="module")
 def tp2x2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """fsdp2 2 x 2, 6 steps, a sharded checkpoint after step 3, MFUMonitor counting."""
     tmp = tmp_path_factory.mktemp("tp2x2")
-    run = _run(tmp / "out", "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--batch", "4", "--steps", "6",
-               "--save-at", "3", "--ckpt-dir", str(tmp / "ckpt"), "--mfu")
+    run = _run(tmp / "out", "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--batch", "4", "--steps",
+               "6", "--save-at", "3", "--ckpt-dir", str(tmp / "ckpt"), "--mfu")
     return run, tmp / "ckpt"
 
 
@@ -72,8 +76,8 @@ def tp2x2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
 def dp4x1(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """fsdp2 4 x 1 (no TP), the same global batches, sharded checkpoints after steps 3 and 6, MFUMonitor."""
     tmp = tmp_path_factory.mktemp("dp4x1")
-    run = _run(tmp / "out", "--strategy", "fsdp2", "--tp", "1", "--devices", "4", "--batch", "2", "--steps", "6",
-               "--save-at", "3,6", "--ckpt-dir", str(tmp / "ckpt"), "--mfu")
+    run = _run(tmp / "out", "--strategy", "fsdp2", "--tp", "1", "--devices", "4", "--batch", "2", "--steps",
+               "6", "--save-at", "3,6", "--ckpt-dir", str(tmp / "ckpt"), "--mfu")
     return run, tmp / "ckpt"
 
 
@@ -85,14 +89,16 @@ def test_2x2_and_4x1_train_alike(tp2x2: tuple[list[dict], Path], dp4x1: tuple[li
 @pytest.mark.multiprocess
 def test_save_under_2x2_resume_under_4x1(tmp_path: Path, tp2x2: tuple[list[dict], Path]) -> None:
     uninterrupted, ckpt = tp2x2
-    resumed = _run(tmp_path, "--strategy", "fsdp2", "--tp", "1", "--devices", "4", "--batch", "2", "--steps", "6",
-                   "--resume", str(ckpt / "step3"))
+    resumed = _run(tmp_path, "--strategy", "fsdp2", "--tp", "1", "--devices", "4", "--batch", "2", "--steps",
+                   "6", "--resume", str(ckpt / "step3"))
     assert all(r["steps"] == [4, 5, 6] for r in resumed), [r["steps"] for r in resumed]
     _same_steps(_mean_loss_by_step(resumed), _mean_loss_by_step(uninterrupted), [4, 5, 6])
 
 
 @pytest.mark.multiprocess
-def test_save_under_4x1_resume_under_2x2_and_save_a_full_file(tmp_path: Path, dp4x1: tuple[list[dict], Path]) -> None:
+def test_save_under_4x1_resume_under_2x2_and_save_a_full_file(
+    tmp_path: Path, dp4x1: tuple[list[dict], Path]
+) -> None:
     uninterrupted, ckpt = dp4x1
     resumed = _run(tmp_path / "out", "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--batch", "4",
                    "--steps", "6", "--resume", str(ckpt / "step3"), "--full-file", "--save-at", "6",
@@ -134,7 +140,9 @@ def test_export_of_a_2x2_checkpoint_loads_in_plain_transformers(tmp_path: Path,
 
 
 @pytest.mark.multiprocess
-def test_mfu_counts_what_each_device_does(tp2x2: tuple[list[dict], Path], dp4x1: tuple[list[dict], Path]) -> None:
+def test_mfu_counts_what_each_device_does(
+    tp2x2: tuple[list[dict], Path], dp4x1: tuple[list[dict], Path]
+) -> None:
     # 2 x 2: a TP pair shares 4 samples, each device does half of their matmuls; 4 x 1: 2 samples per device.
     # Same work per device, so the same FLOPs per device (FlopCounterMode sees DTensor ops with their global
     # shapes: counted on the local shards, not twice), and the same samples/tokens credited to each device
@@ -152,13 +160,18 @@ def test_mfu_counts_what_each_device_does(tp2x2: tuple[list[dict], Path], dp4x1:
 
 @pytest.fixture(scope="module")
 def ddp_accumulate(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("ddp_acc"), "--strategy", "ddp", "--devices", "2", "--accumulate", "2")
+    return _run(
+        tmp_path_factory.mktemp("ddp_acc"), "--strategy", "ddp", "--devices", "2", "--accumulate", "2"
+    )
 
 
 @pytest.mark.multiprocess
-def test_accumulation_and_full_activation_checkpointing_under_2x2_equal_ddp(tmp_path: Path,
-                                                                            ddp_accumulate: list[dict]) -> None:
-    run = _run(tmp_path, "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--accumulate", "2", "--ac", "full")
+def test_accumulation_and_full_activation_checkpointing_under_2x2_equal_ddp(
+    tmp_path: Path, ddp_accumulate: list[dict]
+) -> None:
+    run = _run(
+        tmp_path, "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--accumulate", "2", "--ac", "full"
+    )
     assert run[0]["steps"] == [0, 1, 1, 2, 2, 3]  # two micro-batches per optimizer step
     _same_as_ddp(run, ddp_accumulate, TOL)
 
@@ -166,7 +179,7 @@ def test_accumulation_and_full_activation_checkpointing_under_2x2_equal_ddp(tmp_
 @pytest.mark.multiprocess
 def test_bf16_selective_activation_checkpointing_and_compiled_blocks_under_2x2(tmp_path: Path) -> None:
     reference = _run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "2", "--precision", "bf16-mixed")
-    run = _run(tmp_path / "tp", "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--precision", "bf16-mixed",
-               "--ac", "selective_op", "--compile", timeout=560)
+    run = _run(tmp_path / "tp", "--strategy", "fsdp2", "--tp", "2", "--devices", "4", "--precision",
+               "bf16-mixed", "--ac", "selective_op", "--compile", timeout=560)
     assert all(r["compiled"] >= 2 for r in run), [r["compiled"] for r in run]  # both decoder blocks
     _same_as_ddp(run, reference, BF16_TOL)

@@ -28,12 +28,15 @@ def _analytic(dim: int, layers: int, heads: int, kv: int, hidden: int, vocab: in
               causal: bool = False) -> tuple[int, int, int]:
     """(model FLOPs, hardware FLOPs, linear parameter count) of the example's forward + backward."""
     head_dim = dim // heads
-    linear_params = layers * (2 * dim * heads * head_dim + 2 * dim * kv * head_dim + 3 * dim * hidden) + dim * vocab
+    linear_params = (
+        layers * (2 * dim * heads * head_dim + 2 * dim * kv * head_dim + 3 * dim * hidden) + dim * vocab
+    )
     tokens = batch * seq
     attention_fwd = layers * 2 * (2 * batch * heads * seq * seq * head_dim)  # q@k^T and p@v, every head
     scale = 0.5 if causal else 1.0
     model = 3 * 2 * tokens * linear_params + int(3 * attention_fwd * scale)
-    flash_recompute = int(layers * 2 * batch * heads * seq * seq * head_dim * scale)  # q@k^T again in backward
+    # q@k^T again in backward
+    flash_recompute = int(layers * 2 * batch * heads * seq * seq * head_dim * scale)
     return model, model + flash_recompute, linear_params
 
 
@@ -95,14 +98,18 @@ def test_peak_unknown_override_env_and_bad_options(monkeypatch: pytest.MonkeyPat
     assert _peak_flops.lookup_peak_flops("NVIDIA H100 80GB HBM3", "tf32") == pytest.approx(494.7e12)
 
     def fake_trainer(device: str, precision: str = "bf16-mixed") -> SimpleNamespace:
-        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), precision=precision)
+        return SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device(device)), precision=precision
+        )
 
     monkeypatch.delenv(_peak_flops.PEAK_FLOPS_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert MFUMonitor()._resolve_peak(fake_trainer("cuda:0")) == pytest.approx(989.4e12)
     assert MFUMonitor()._resolve_peak(fake_trainer("cuda:0", "16-mixed")) == pytest.approx(989.4e12)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
-    with pytest.warns(UserWarning, match="no dense bf16 peak known for device 'NVIDIA GeForce RTX 4090'") as record:
+    with pytest.warns(
+        UserWarning, match="no dense bf16 peak known for device 'NVIDIA GeForce RTX 4090'"
+    ) as record:
         assert MFUMonitor()._resolve_peak(fake_trainer("cuda:0")) is None
     assert len(record) == 1
     with pytest.warns(UserWarning, match="CPU"):
@@ -115,15 +122,18 @@ def test_peak_unknown_override_env_and_bad_options(monkeypatch: pytest.MonkeyPat
         MFUMonitor()
     monkeypatch.delenv(_peak_flops.PEAK_FLOPS_ENV)
     for kwargs, words in [({"peak_flops": -1.0}, "peak_flops=-1.0"), ({"window": 0}, "window=0"),
-                          ({"warmup_steps": 0}, "warmup_steps=0"), ({"flops_per_batch": 0}, "flops_per_batch=0"),
-                          ({"flops_source": "guess"}, "flops_source='guess'"), ({"peak_dtype": "int4"}, "peak_dtype")]:
+                          ({"warmup_steps": 0}, "warmup_steps=0"),
+                          ({"flops_per_batch": 0}, "flops_per_batch=0"),
+                          ({"flops_source": "guess"}, "flops_source='guess'"),
+                          ({"peak_dtype": "int4"}, "peak_dtype")]:
         with pytest.raises(ValueError, match=words):
             MFUMonitor(**kwargs)
 
 
 def _fit(tmp_path: Path, callbacks: list[pl.Callback], name: str) -> tuple[pl.Trainer, list[dict[str, str]]]:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=2, callbacks=callbacks,
-                         logger=CSVLogger(tmp_path, name=name), log_every_n_steps=1, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=2,
+                         callbacks=callbacks, logger=CSVLogger(tmp_path, name=name), log_every_n_steps=1,
+                         enable_checkpointing=False,
                          enable_model_summary=False, limit_val_batches=1, val_check_interval=6)
     model = LlamaLM(vocab_size=V, dim=D, n_layers=L, n_heads=H, mlp_hidden=M, max_seq_len=S)
     trainer.fit(model, MarkovDataModule(vocab_size=V, seq_len=S, num_train=64, num_val=4, batch_size=4))
@@ -165,7 +175,9 @@ def test_single_device_accumulation_sac_and_sources(tmp_path: Path) -> None:
 
     # user-given and analytic sources
     given = MFUMonitor(window=2, warmup_steps=1, flops_per_batch=lambda batch: 1000 * batch.shape[0])
-    analytic = MFUMonitor(window=2, warmup_steps=1, flops_source="analytic", tokens_per_sample=S, prefix="perf2")
+    analytic = MFUMonitor(
+        window=2, warmup_steps=1, flops_source="analytic", tokens_per_sample=S, prefix="perf2"
+    )
     _fit(tmp_path, [given, analytic], "sources")
     assert given.flops.model == 4000 and given.source == "flops_per_batch (user)"
     norm_params = (2 * L + 1) * D  # the analytic formula's N also counts the RMSNorm weights
@@ -183,7 +195,9 @@ class _Tick(pl.Callback):
         self.now += 1.0
 
 
-def test_accumulation_keeps_mfu_and_tokens_per_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accumulation_keeps_mfu_and_tokens_per_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same micro-batch, same time per micro-batch: accumulation 1 and 4 report the same MFU, TFLOPS, tokens/s
     and samples/s (per micro-batch rates, not 4x or 1/4x); only the per-optimizer-step figures are 4x.
 
@@ -197,15 +211,18 @@ def test_accumulation_keeps_mfu_and_tokens_per_second(tmp_path: Path, monkeypatc
     batch, results = 4, {}
     for acc in (1, 4):
         monitor = MFUMonitor(window=2, warmup_steps=1, peak_flops=1e9, tokens_per_sample=S, prog_bar=False)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=acc, logger=False,
-                             callbacks=[tick, monitor], enable_checkpointing=False, enable_model_summary=False,
-                             enable_progress_bar=False, limit_val_batches=0)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=acc,
+                             logger=False, callbacks=[tick, monitor], enable_checkpointing=False,
+                             enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
         model = LlamaLM(vocab_size=V, dim=D, n_layers=L, n_heads=H, mlp_hidden=M, max_seq_len=S)
-        trainer.fit(model, MarkovDataModule(vocab_size=V, seq_len=S, num_train=128, num_val=4, batch_size=batch))
+        trainer.fit(
+            model, MarkovDataModule(vocab_size=V, seq_len=S, num_train=128, num_val=4, batch_size=batch)
+        )
         results[acc] = ({k: float(v) for k, v in trainer.callback_metrics.items()}, monitor.flops.model)
     (one, flops), (four, flops4) = results[1], results[4]
     assert flops == flops4  # FLOPs of one micro-batch (counted on the first)
-    for name in ("mfu/median", "tflops_per_device/median", "tokens_per_sec", "samples_per_sec", "mfu_cum/median"):
+    for name in ("mfu/median", "tflops_per_device/median", "tokens_per_sec", "samples_per_sec",
+                 "mfu_cum/median"):
         key = f"perf/{name}" if not name.startswith("mfu_cum") else "perf_cum/mfu/median"
         assert four[key] == pytest.approx(one[key], rel=1e-6), name
     # one micro-batch per second (logged values are float32)
@@ -220,12 +237,13 @@ def test_ddp_two_ranks_mfu_config(tmp_path: Path) -> None:
     batch = 4
     run_python([
         str(WORKERS / "mfu_cli.py"), "fit", "--config", str(ROOT / "configs" / "mfu.yaml"),
-        "--trainer.max_steps", "5", "--trainer.val_check_interval", "4", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.max_steps", "5", "--trainer.val_check_interval", "4", "--trainer.default_root_dir",
+        str(tmp_path),
         "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--trainer.callbacks.window", "2",
         "--trainer.callbacks.warmup_steps", "1", "--trainer.callbacks.tokens_per_sample", str(S),
         f"--model.vocab_size={V}", f"--model.dim={D}", f"--model.n_layers={L}", f"--model.n_heads={H}",
-        f"--model.mlp_hidden={M}", f"--model.max_seq_len={S}", f"--data.vocab_size={V}", f"--data.seq_len={S}",
-        f"--data.batch_size={batch}", "--data.num_train=128", "--data.num_val=8",
+        f"--model.mlp_hidden={M}", f"--model.max_seq_len={S}", f"--data.vocab_size={V}",
+        f"--data.seq_len={S}", f"--data.batch_size={batch}", "--data.num_train=128", "--data.num_val=8",
     ], env={"MFU_OUT": str(tmp_path), "FSDP_STRATEGIES_PEAK_FLOPS": "1e11"}, timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     model_flops, hardware_flops, _ = _analytic(D, L, H, H, M, V, batch, S)

@@ -2,10 +2,11 @@
 
 That target runs the fast tests plus the multi-process ones marked ``torch_range`` in two venvs: the floor
 (``TORCH_FLOOR`` on ``TORCH_FLOOR_PYTHON`` with ``TRANSFORMERS_FLOOR``) and the newest (``TORCH_NEWEST`` on
-``TORCH_NEWEST_PYTHON`` with the newest transformers pip resolves); ``tests/conftest.py`` stops a run that imports
-another torch or transformers than the one asked for. The checks here hold the claims to those ends: pyproject's
-lower bounds are the floors, ``requires-python`` admits exactly the Pythons tested, the README and the supported-
-versions table name them, and the torch / transformers / Python running now are inside the claims.
+``TORCH_NEWEST_PYTHON`` with the newest transformers pip resolves); ``tests/conftest.py`` stops a run that
+imports another torch or transformers than the one asked for. The checks here hold the claims to those ends:
+pyproject's lower bounds are the floors, ``requires-python`` admits exactly the Pythons tested, the README and
+the supported- versions table name them, and the torch / transformers / Python running now are inside the
+claims.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def _make_var(name: str) -> str:
 
 def _requirement_text(name: str) -> str:
     specs = re.findall(rf'"{name}\s*([<>=!~][^"]*)"', (ROOT / "pyproject.toml").read_text())
-    assert specs and len(set(specs)) == 1, f"pyproject.toml: {name} is required as {specs} (one range expected)"
+    assert specs and len(set(specs)) == 1, (
+        f"pyproject.toml: {name} is required as {specs} (one range expected)"
+    )
     return specs[0]
 
 
@@ -53,9 +56,14 @@ def _requires_python() -> SpecifierSet:
 
 
 def test_the_claimed_floors_are_the_tested_floors() -> None:
-    torch_floor, transformers_floor = Version(_make_var("TORCH_FLOOR")), Version(_make_var("TRANSFORMERS_FLOOR"))
+    torch_floor, transformers_floor = (
+        Version(_make_var("TORCH_FLOOR")),
+        Version(_make_var("TRANSFORMERS_FLOOR")),
+    )
     assert _lower_bound(_requirement("torch")) == Version(f"{torch_floor.major}.{torch_floor.minor}")
-    assert torch_floor.micro == 0, "the floor run tests the first release of the minor series the claim starts at"
+    assert torch_floor.micro == 0, (
+        "the floor run tests the first release of the minor series the claim starts at"
+    )
     assert _lower_bound(_requirement("transformers")) == transformers_floor
     assert Version(_make_var("TORCH_NEWEST")) > torch_floor
 

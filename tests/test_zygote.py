@@ -1,8 +1,8 @@
 """tests/support/zygote.py: a job forked from the pre-imported server is what ``python ARGS`` would have been.
 
-The whole suite's jobs run through it, so what it changes would change every multi-process test: each check here
-runs the same probe once forked and once as a fresh interpreter and wants the same answers, plus the part only the
-zygote adds (signals forwarded, a killed client taking its job's tree with it)."""
+The whole suite's jobs run through it, so what it changes would change every multi-process test: each check
+here runs the same probe once forked and once as a fresh interpreter and wants the same answers, plus the part
+only the zygote adds (signals forwarded, a killed client taking its job's tree with it)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ import pytest
 from conftest import _env, python_executable
 from support import processes, zygote
 
-pytestmark = [pytest.mark.subprocess,
-              pytest.mark.skipif(os.environ.get(zygote.SOCKET_ENV) == "off", reason=f"{zygote.SOCKET_ENV}=off")]
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(os.environ.get(zygote.SOCKET_ENV) == "off", reason=f"{zygote.SOCKET_ENV}=off"),
+]
 
 PROBE = r'''
 import json, os, sys
@@ -29,7 +31,8 @@ preloaded = "lightning.pytorch" in sys.modules
 out = int(os.environ["PROBE_FD"])
 os.write(out, json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "main": __name__,
     "env": os.environ.get("PROBE_VALUE"), "ppid": os.getppid(), "cpus": sorted(os.sched_getaffinity(0)),
-    "policy": os.sched_getscheduler(0), "nice": os.nice(0), "nofile": __import__("resource").getrlimit(7), "stdin": sys.stdin.read(), "umask": os.umask(0),
+    "policy": os.sched_getscheduler(0), "nice": os.nice(0), "nofile": __import__("resource").getrlimit(7),
+    "stdin": sys.stdin.read(), "umask": os.umask(0),
     "executable": sys.executable, "preloaded": preloaded, "file": globals().get("__file__"), "path": sys.path,
     "faulthandler": __import__("faulthandler").is_enabled(), "extra": __import__("extra_mod").WHERE
     if os.environ.get("PROBE_EXTRA") else None}).encode())
@@ -42,14 +45,15 @@ sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 def _probe(python: str, args: list[str], tmp_path: Path, *, exit_code: int = 0, **env: str) -> dict:
     read, write = os.pipe()
     environment = _env({"PROBE_FD": str(write), "PROBE_VALUE": "v", "PROBE_EXIT": str(exit_code), **env})
-    def as_a_pinned_idle_spare() -> None:  # what the FT launcher does to a group (--pin-cores) and a warm spare
+    # what the FT launcher does to a group (--pin-cores) and a warm spare
+    def as_a_pinned_idle_spare() -> None:
         os.sched_setaffinity(0, {0})
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         os.nice(3)
         resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
-    with processes.start([python, *args], env=environment, cwd=tmp_path, pass_fds=(write,), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with processes.start([python, *args], env=environment, cwd=tmp_path, pass_fds=(write,),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=as_a_pinned_idle_spare) as job:
         os.close(write)
         out, err = job.communicate("stdin data", timeout=120)
@@ -72,7 +76,9 @@ def test_a_forked_job_sees_what_a_fresh_interpreter_sees(form: str, tmp_path: Pa
     assert forked.pop("executable") == python_executable() and fresh.pop("executable") == sys.executable
     assert forked == fresh, (forked, fresh)
     assert forked["returncode"] == 7 and forked["out"] == "to stdout\n" and forked["err"] == "to stderr\n"
-    assert forked["stdin"] == "stdin data" and forked["main"] == "__main__" and forked["argv"][1:] == ["a", "b"]
+    assert (
+        forked["stdin"] == "stdin data" and forked["main"] == "__main__" and forked["argv"][1:] == ["a", "b"]
+    )
     assert forked["cpus"] == [0] and forked["policy"] == os.SCHED_IDLE and forked["nofile"][0] == 512
 
 
@@ -119,11 +125,15 @@ def test_signals_reach_the_job_and_its_death_is_the_clients(tmp_path: Path) -> N
             "signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))\n"
             "print('ready', flush=True)\n"
             "time.sleep(60)\n")
-    with processes.start([python_executable(), "-c", code], env=_env(), stdout=subprocess.PIPE, text=True) as job:
+    with processes.start(
+        [python_executable(), "-c", code], env=_env(), stdout=subprocess.PIPE, text=True
+    ) as job:
         assert job.stdout is not None and job.stdout.readline() == "ready\n"
         job.send_signal(signal.SIGTERM)
         assert job.wait(timeout=30) == 5
-    proc = processes.run([python_executable(), "-c", "import os; os.kill(os.getpid(), 9)"], env=_env(), timeout=60)
+    proc = processes.run(
+        [python_executable(), "-c", "import os; os.kill(os.getpid(), 9)"], env=_env(), timeout=60
+    )
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -153,7 +163,8 @@ def test_the_server_refuses_what_it_cannot_reproduce() -> None:
     assert "flag -X" in zygote._plan(["-X", "dev", "s.py"], server, env, {})
     assert zygote._plan(["-u", "s.py", "a"], server, {**env, "PYTHONFAULTHANDLER": "1"}, {})[0] == "script"
     assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "y"}, {})
-    assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:"}, {})  # '' is the working folder
+    # '' is the working folder
+    assert "differs" in zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:"}, {})
     assert zygote._plan(["s.py"], server, {**env, "PYTHONPATH": "x:x"}, {})[0] == "script"
     assert "differs" in zygote._plan(["s.py"], server, {**env, "TORCHINDUCTOR_X": "1"}, {})
     # what the server's own imports set (inductor's cache folder) does not count as a difference

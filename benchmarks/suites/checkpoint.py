@@ -69,8 +69,9 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and of its live children (DCP's checkpoint process for ``process``), in seconds:
-    what the checkpointing costs in cores, much less sensitive to other work on a shared machine than wall time."""
+    """CPU time of this process and of its live children (DCP's checkpoint process for
+    ``process``), in seconds: what the checkpointing costs in cores, much less sensitive to other work on a
+    shared machine than wall time."""
     total = time.process_time()
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     me = str(os.getpid())
@@ -186,7 +187,8 @@ def _worker(ns: argparse.Namespace) -> None:
                 return
             if step < warmup:
                 return
-            if saving and (step - warmup) % every == every // 2:  # mid-interval: the last write ends before fit
+            # mid-interval: the last write ends before fit
+            if saving and (step - warmup) % every == every // 2:
                 self._saved_at = now
                 self._save(trainer, step)
             else:
@@ -205,7 +207,8 @@ def _worker(ns: argparse.Namespace) -> None:
     model = TimedLM(**size["model"], max_seq_len=size["seq_len"], warmup_steps=2)
     data = MarkovDataModule(vocab_size=size["model"]["vocab_size"], seq_len=size["seq_len"],
                             batch_size=size["global_batch"] // world, num_train=8192, num_val=64)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps,
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, callbacks=[clock])
     trainer.fit(model, data)  # returns once the last background write has committed
@@ -227,7 +230,8 @@ def _worker(ns: argparse.Namespace) -> None:
             "stalls_s": stalls, "median_stall_s": common.median(stalls),
             "save_call_s": per_rank[0]["save_calls"], "median_gap_s": common.median(per_rank[0]["gaps"]),
             "checkpoints": len(stalls), "checkpoint_bytes": clock.size_bytes,
-            "cpu_s": sum(r["cpu_s"] for r in per_rank),  # every rank (and its checkpoint process), measured window
+            # every rank (and its checkpoint process), measured window
+            "cpu_s": sum(r["cpu_s"] for r in per_rank),
             "params": sum(p.numel() for p in model.parameters()),
         }
         Path(ns.out).write_text(json.dumps(result))
@@ -251,8 +255,10 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     every = every or (2 if quick else 10)
     warmup = warmup or (2 if quick else 3)
     if every < 1 or steps < every:
-        raise ValueError(f"--every {every} with --steps {steps}: no checkpoint would be measured. Fix: 1 <= every "
-                         "<= steps.")
+        raise ValueError(
+            f"--every {every} with --steps {steps}: no checkpoint would be measured. Fix: 1 <= every "
+            "<= steps."
+        )
     names = [c for c in CONTENDERS if c in contenders] if contenders else list(LOCAL)  # s3-*: when asked
     unknown = sorted(set(contenders or ()) - set(CONTENDERS))
     if unknown:
@@ -262,11 +268,15 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     if store is not None and store.skipped:
         print(f"checkpoint: {store.skipped}; the s3-* contenders are skipped", file=sys.stderr)
         names = [n for n in names if n not in S3]
-    config = {"size": size, "model": size_config(size), "ranks": RANKS, "reps": reps, "steps": steps, "every": every,
-              "warmup": warmup, "strategy": "fsdp2", "precision": "32-true", "contenders": names, "quick": quick,
-              "stall": "from the save call (end of the step that saves) to the start of the next training_step, "
+    config = {"size": size, "model": size_config(size), "ranks": RANKS, "reps": reps, "steps": steps,
+              "every": every,
+              "warmup": warmup, "strategy": "fsdp2", "precision": "32-true", "contenders": names,
+              "quick": quick,
+              "stall": "from the save call (end of the step that "
+                       "saves) to the start of the next training_step, "
                        "slowest rank",
-              "elapsed": "wall time of the measured steps, until fit returned (last write committed) on every rank",
+              "elapsed": "wall time of the measured steps, until fit "
+                         "returned (last write committed) on every rank",
               "note": common.CPU_NOTE + " The background write shares the 2 cores with the 2 training ranks.",
               "s3": None if store is None else store.skipped or (
                   "a SeaweedFS server on this machine (127.0.0.1)" if store.server is not None
@@ -274,8 +284,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     result = common.header(SUITE, config)
 
     def run_one(name: str, rep: int) -> dict[str, Any]:
-        args = ["--worker", "--contender", name, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
-                "--every", str(every), "--seed", str(rep)]
+        args = ["--worker", "--contender", name, "--size", size, "--steps", str(steps), "--warmup",
+                str(warmup), "--every", str(every), "--seed", str(rep)]
         return common.run_worker(Path(__file__).resolve(), RANKS, args, timeout=1800)
 
     bar = common.progress(len(names) * reps, SUITE) if show_progress else None
@@ -294,7 +304,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                      "cpu_s": [r.get("cpu_s") if isinstance(r, dict) else None for r in rs],
                      "median_stall_s": [r["median_stall_s"] if isinstance(r, dict) else None for r in rs],
                      "median_elapsed_s": common.median(r["elapsed_s"] for r in ok),
-                     "stall_s": common.median(r["median_stall_s"] for r in ok if r["median_stall_s"] is not None)}
+                     "stall_s": common.median(r["median_stall_s"] for r in ok
+                                              if r["median_stall_s"] is not None)}
     result["contenders"] = per
     result["summary"] = _summary(per)
     path = common.write_result(SUITE, result, Path(out_dir))
@@ -343,8 +354,8 @@ def _summary(per: dict[str, Any]) -> list[dict[str, Any]]:
                             "met": None, "rounds": ratio["rounds_paired"]})
     for name, rec in per.items():
         if rec["stall_s"] is not None:
-            summary.append({"ratio": f"{name}: stall per checkpoint (s)", "value": rec["stall_s"], "target": None,
-                            "met": None})
+            summary.append({"ratio": f"{name}: stall per checkpoint (s)", "value": rec["stall_s"],
+                            "target": None, "met": None})
     return summary
 
 
@@ -370,14 +381,18 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
                             [_colour(n) for n in names],
                             ylabel=f"wall time of {cfg['steps']} steps, checkpoint every {cfg['every']} (s)")
     run = next((r for n in names for r in per[n]["runs"] if r.get("checkpoint_bytes")), {})
-    fig.suptitle(f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
-                 f"{run.get('checkpoint_bytes', 0) / 1e6:.0f} MB checkpoint), {result['device_name']}", fontsize=9)
+    fig.suptitle(
+        f"checkpoint: fsdp2, {cfg['ranks']} ranks, {cfg['size']} ({run.get('params', 0) / 1e6:.1f}M params, "
+        f"{run.get('checkpoint_bytes', 0) / 1e6:.0f} MB checkpoint), {result['device_name']}",
+        fontsize=9,
+    )
     return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
+        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int),
+                                          ("--warmup", int),
                                           ("--every", int), ("--seed", int), ("--out", str))))
     else:
         common.suite_main(run, __doc__ or "", add_options=_add_options)

@@ -23,10 +23,16 @@ CONTENDERS = ("fsdp2", "lightning_fsdp", "lightning_model_parallel", "torch_fsdp
               "fsdp2_aa")
 RATIOS = (
     common.RatioSpec("fsdp2", "torch_fsdp2", 1.03, "ours / plain torch FSDP2 loop"),
-    common.RatioSpec("fsdp2", "lightning_model_parallel", 1.00, "ours / Lightning ModelParallelStrategy + fully_shard"),
+    common.RatioSpec(
+        "fsdp2", "lightning_model_parallel", 1.00, "ours / Lightning ModelParallelStrategy + fully_shard"
+    ),
     common.RatioSpec("fsdp2", "lightning_fsdp", 1.00, "ours / Lightning FSDPStrategy (FSDP1)"),
-    common.RatioSpec("lightning_model_parallel", "torch_fsdp2", None, "Lightning's own overhead over plain torch"),
-    common.RatioSpec("fsdp2", "fsdp2_no_autocast", None, "autocast on top of the MixedPrecisionPolicy (bf16-mixed)"),
+    common.RatioSpec(
+        "lightning_model_parallel", "torch_fsdp2", None, "Lightning's own overhead over plain torch"
+    ),
+    common.RatioSpec(
+        "fsdp2", "fsdp2_no_autocast", None, "autocast on top of the MixedPrecisionPolicy (bf16-mixed)"
+    ),
     common.aa_pair("fsdp2"),
 )
 

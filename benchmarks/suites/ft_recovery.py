@@ -7,17 +7,17 @@ Runs of the example model, one after another, each for the same number of commit
   Python, imports, Trainer; it heals from a live peer while the others keep going);
 * ``ft_faults_warm`` -- the same faults with ``--warm-spares``: the killed group is replaced by its standby
   incarnation (already imported and built, waiting without a process group), which heals from a peer;
-* ``ft_nofault_fork`` / ``ft_faults_fork`` -- the same with ``--runner forkserver``: every incarnation's ranks are
-  forked from a server that imported torch, Lightning and torchft once, so a restart skips the imports (and
-  nothing runs between faults). Compared with each other only: forked ranks share their group's session, torchrun
-  starts each rank in its own, and with Linux's autogroup scheduling two ranks sharing a core then step at
-  different speeds (see docs/strategies/ft_launcher.md);
+* ``ft_nofault_fork`` / ``ft_faults_fork`` -- the same with ``--runner forkserver``: every incarnation's ranks
+  are forked from a server that imported torch, Lightning and torchft once, so a restart skips the imports
+  (and nothing runs between faults). Compared with each other only: forked ranks share their group's session,
+  torchrun starts each rank in its own, and with Linux's autogroup scheduling two ranks sharing a core then
+  step at different speeds (see docs/strategies/ft_launcher.md);
 * ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_nofault_fork`` /
   ``diloco_faults_fork`` -- the same with
   ``sync: diloco`` (``sync_every`` 8);
-* ``hsdp_nofault`` / ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing every C
-  steps; with faults, K seconds after each (re)start has taken its first step the whole job is SIGKILLed and
-  restarted from its last checkpoint.
+* ``hsdp_nofault`` / ``hsdp_restart`` -- plain ``hsdp`` on the same G x R ranks as one job, checkpointing
+  every C steps; with faults, K seconds after each (re)start has taken its first step the whole job is
+  SIGKILLed and restarted from its last checkpoint.
 
 The replica groups are pinned to their own CPUs (``fsdp-strategies-ft --pin-cores``, ``auto`` by default:
 the allowed CPUs split evenly), so a group that trains alone while its peer is down cannot borrow the dead
@@ -33,21 +33,22 @@ is marked not comparable where that is off 1 by more than 3%, e.g. warm spares' 
 seconds of fault-free training each fault cost (``lost_s_per_fault`` = (1 - goodput) x span / faults, so
 goodput at another fault interval T is about 1 - lost_s_per_fault / T); the killed group's downtime per fault
 (SIGKILL to its first committed step after it); the seconds each fault cost against the rate just before and
-after it (``local_loss``: robust to a host whose speed drifts between runs) and the goodput that implies at the
-fault interval; survivors' stall per fault (the gap between a survivor's committed steps around a kill, minus its median step
-time); a recovery timeline PNG (committed step and participating groups over wall time, fault marks).
-Committed samples come from the groups' events (``data_samples``: what each group trained in each committed
-step or outer round; a step without a dead group's shard counts fewer samples); for hsdp, committed steps x the
-global batch.
+after it (``local_loss``: robust to a host whose speed drifts between runs) and the goodput that implies at
+the fault interval; survivors' stall per fault (the gap between a survivor's committed steps around a kill,
+minus its median step time); a recovery timeline PNG (committed step and participating groups over wall time,
+fault marks). Committed samples come from the groups' events (``data_samples``: what each group trained in
+each committed step or outer round; a step without a dead group's shard counts fewer samples); for hsdp,
+committed steps x the global batch.
 
     python benchmarks/suites/ft_recovery.py --quick          # ~6 contenders x 1-3 min on 2 CPU cores
     python benchmarks/suites/ft_recovery.py --quick --steps 2400 --kill-every 10
-    python benchmarks/suites/ft_recovery.py                  # full: 2 x 2 ranks, 45 s between faults (~60 min)
+    python benchmarks/suites/ft_recovery.py          # full: 2 x 2 ranks, 45 s between faults (~60 min)
     python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork --keep-other-runs
     python benchmarks/suites/ft_recovery.py --reanalyse     # figures from the stored runs, nothing rerun
     for r in 1 2 3; do python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork \
         --heartbeat-ms 300 --out-dir /tmp/hb300/$r; done
-    python benchmarks/suites/ft_recovery.py --pool /tmp/hb300/1 /tmp/hb300/2 /tmp/hb300/3 --out-dir benchmarks/results
+    python benchmarks/suites/ft_recovery.py --pool /tmp/hb300/1 /tmp/hb300/2 /tmp/hb300/3 \
+        --out-dir benchmarks/results
     python benchmarks/run.py ft_recovery
 """
 
@@ -71,11 +72,13 @@ THIS = Path(__file__).resolve()
 STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
 #: a folder: every worker rank writes a cProfile of its run there (``<group>_<rank>_<pid>.prof``)
 PROFILE_ENV = "FT_RECOVERY_PROFILE_DIR"
-CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_faults_fork", "diloco_nofault",
-              "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork", "hsdp_nofault",
-              "hsdp_restart")
+CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_faults_fork",
+              "diloco_nofault",
+              "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork",
+              "hsdp_nofault", "hsdp_restart")
 #: the fault-free run each faulty one is compared with
-#: (forkserver runs against forkserver runs: forked ranks step faster than torchrun's, see docs/strategies/ft_launcher.md)
+#: (forkserver runs against forkserver runs: forked ranks step faster than torchrun's, see
+#: docs/strategies/ft_launcher.md)
 REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faults_fork": "ft_nofault_fork",
              "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
              "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}
@@ -87,11 +90,15 @@ GOODPUT_TARGET = 0.95
 
 def _target(value: float, targeted: bool) -> dict[str, Any]:
     """A summary row's target fields: the goodput target and whether ``value`` meets it, where it applies."""
-    return {"target_min": GOODPUT_TARGET if targeted else None, "met": value >= GOODPUT_TARGET if targeted else None}
+    return {
+        "target_min": GOODPUT_TARGET if targeted else None,
+        "met": value >= GOODPUT_TARGET if targeted else None,
+    }
 
 
 def _config_differences(stored: dict[str, Any], now: dict[str, Any], keys: Any) -> dict[str, tuple[Any, Any]]:
-    """``{option: (stored, now)}`` for every key of ``keys`` whose value differs between two results' configs."""
+    """``{option: (stored, now)}`` for every key of ``keys`` whose value differs between two results'
+    configs."""
     return {k: (stored.get(k), now.get(k)) for k in keys if stored.get(k) != now.get(k)}
 
 
@@ -117,15 +124,21 @@ def _worker_main(argv: list[str]) -> None:
             path = os.environ.get(STEP_LOG_ENV)
             if path and trainer.global_rank == 0:
                 with open(path, "a") as fh:
-                    fh.write(json.dumps({"t": time.time(), "step": trainer.global_step, "committed": True}) + "\n")
+                    fh.write(
+                        json.dumps({"t": time.time(), "step": trainer.global_step, "committed": True}) + "\n"
+                    )
 
     callbacks: list[pl.Callback] = [StepLog()]
     if ckpt_dir != "-":
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False,
-                                         every_n_train_steps=int(os.environ.get("FT_RECOVERY_CKPT_EVERY", "20")),
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}",
+                                         auto_insert_metric_name=False,
+                                         every_n_train_steps=int(os.environ.get("FT_RECOVERY_CKPT_EVERY",
+                                                                                "20")),
                                          save_top_k=1, monitor="step", mode="max"))
-        done = sorted((p for p in Path(ckpt_dir).glob("step*.ckpt") if (p / ".metadata").exists() or p.is_file()),
-                      key=lambda p: int(p.name[4:-5]))
+        done = sorted(
+            (p for p in Path(ckpt_dir).glob("step*.ckpt") if (p / ".metadata").exists() or p.is_file()),
+            key=lambda p: int(p.name[4:-5]),
+        )
         if done:
             args = [*args, "--ckpt_path", str(done[-1])]
     LightningCLI(LlamaLM, MarkovDataModule, args=args, trainer_defaults={"callbacks": callbacks},
@@ -136,10 +149,11 @@ def _worker_main(argv: list[str]) -> None:
 def _model_args(size: str, steps: int, groups: int, ranks: int) -> list[str]:
     cfg = common.SIZES[size]
     batch = max(1, cfg["global_batch"] // (groups * ranks))
-    args = ["--trainer.max_steps", str(steps), "--trainer.logger", "false", "--trainer.limit_val_batches", "0",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    args = ["--trainer.max_steps", str(steps), "--trainer.logger", "false", "--trainer.limit_val_batches",
+            "0", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--data.seq_len", str(cfg["seq_len"]), "--model.max_seq_len", str(cfg["seq_len"]),
-            "--data.batch_size", str(batch), "--data.num_train", str(batch * groups * ranks * 64), "--data.num_val", "8"]
+            "--data.batch_size", str(batch), "--data.num_train", str(batch * groups * ranks * 64),
+            "--data.num_val", "8"]
     for key, value in cfg["model"].items():
         args += [f"--model.{key}", str(value)]
     if "vocab_size" in cfg["model"]:
@@ -169,12 +183,12 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
     config = {"every_step": "ft_hsdp.yaml", "diloco": "ft_hsdp_diloco.yaml"}[sync]
     command = [str(THIS), "--worker", "-", "fit", "--config", str(ROOT / "configs" / config),
                "--trainer.devices", str(ranks), "--trainer.enable_checkpointing", "false",
-               "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.init_sync", "false",
-               *_model_args(size, steps, groups, ranks)]
+               "--trainer.strategy.init_args.timeout_s", "10", "--trainer.strategy.init_args.init_sync",
+               "false", *_model_args(size, steps, groups, ranks)]
     result = ft_run(command, groups=groups, ranks_per_group=ranks, min_replicas=1 if kill_every else groups,
                     heartbeat_timeout_ms=heartbeat_ms, join_timeout_ms=min(heartbeat_ms, 1000),
-                    kill_every=kill_every, max_restarts=50 if kill_every else 0, events_dir=events, timeout=timeout,
-                    pin_cores=pin_cores, warm_spares=warm_spares, runner=runner,
+                    kill_every=kill_every, max_restarts=50 if kill_every else 0, events_dir=events,
+                    timeout=timeout, pin_cores=pin_cores, warm_spares=warm_spares, runner=runner,
                     env={"PYTHONPATH": os.pathsep.join([str(src or ROOT / "src"), str(ROOT / "examples")])})
     timelines = {g: _read(events / f"group{g}.jsonl") for g in range(groups)}
     faults = [k for k in result.kills if str(k.get("why", "")).startswith(("every", "at step"))]
@@ -186,7 +200,9 @@ def _run_ft(work: Path, size: str, steps: int, groups: int, ranks: int, kill_eve
 
 def _launcher_cores(events: Path) -> dict[str, Any]:
     """The CPUs each replica group's processes were pinned to (from the launcher's start records)."""
-    return {str(r["group"]): r.get("cores") for r in _read(events / "launcher.jsonl") if r.get("event") == "start"}
+    return {
+        str(r["group"]): r.get("cores") for r in _read(events / "launcher.jsonl") if r.get("event") == "start"
+    }
 
 
 def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int, kill_every: float | None,
@@ -199,7 +215,8 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
     saving = [str(ckpt)] if ckpt_every > 0 else ["-"]
     no_ckpt = [] if ckpt_every > 0 else ["--trainer.enable_checkpointing", "false"]
     world = groups * ranks
-    env = common.worker_env({STEP_LOG_ENV: str(log), "FT_RECOVERY_CKPT_EVERY": str(ckpt_every), "OMP_NUM_THREADS": "1",
+    env = common.worker_env({STEP_LOG_ENV: str(log), "FT_RECOVERY_CKPT_EVERY": str(ckpt_every),
+                             "OMP_NUM_THREADS": "1",
                              "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])})
     kills: list[dict[str, Any]] = []
     restarts: list[dict[str, Any]] = []
@@ -212,9 +229,11 @@ def _run_hsdp_restart(work: Path, size: str, steps: int, groups: int, ranks: int
                    *saving, "fit", "--config", str(ROOT / "configs" / "hsdp.yaml"), "--trainer.devices",
                    str(world), *no_ckpt,
                    "--trainer.strategy.init_args.replicate_degree", str(groups),
-                   "--trainer.strategy.init_args.shard_degree", str(ranks), *_model_args(size, steps, groups, ranks)]
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=str(ROOT))
+                   "--trainer.strategy.init_args.shard_degree", str(ranks),
+                   *_model_args(size, steps, groups, ranks)]
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT)
+            )
             if incarnation:
                 restarts.append({"t": time.time(), "restart": incarnation})
             # K seconds of training after each (re)start's first step (a wall-clock fault shorter than
@@ -253,8 +272,8 @@ def _committed(timeline: list[dict[str, Any]]) -> list[tuple[float, int]]:
 
 
 def _goodput(run: dict[str, Any], global_batch: int) -> dict[str, Any]:
-    """Committed steps and samples per second over the whole run: from the first committed step anywhere to the
-    last. Samples: what the groups' events say each committed step (or outer round) trained -- the first
+    """Committed steps and samples per second over the whole run: from the first committed step anywhere to
+    the last. Samples: what the groups' events say each committed step (or outer round) trained -- the first
     record's excluded, as the span starts there; without such records (hsdp) steps x ``global_batch``."""
     points = [p for tl in run["timelines"].values() for p in _committed(tl)]
     if len(points) < 2:
@@ -288,7 +307,8 @@ def _step_time(run: dict[str, Any], groups: int) -> float | None:
 
 POST_FAULT = (3.0, 44.0)
 PRE_FAULT = (-15.0, -1.0)
-POST_FAULT_TOLERANCE = 0.03  # |post_fault_step_ratio - 1| up to which the step-normalised ratio is reported as valid
+# |post_fault_step_ratio - 1| up to which the step-normalised ratio is reported as valid
+POST_FAULT_TOLERANCE = 0.03
 
 
 def _post_fault_step_ratios(run: dict[str, Any], groups: int) -> list[dict[str, Any]]:
@@ -317,7 +337,9 @@ def _downtimes(run: dict[str, Any]) -> list[dict[str, Any]]:
         if timeline is None:
             continue
         after = [t for t, _ in _committed(timeline) if t > kill["t"]]
-        out.append({"fault_t": kill["t"], "group": kill["group"], "down_s": after[0] - kill["t"] if after else None})
+        out.append(
+            {"fault_t": kill["t"], "group": kill["group"], "down_s": after[0] - kill["t"] if after else None}
+        )
     return out
 
 
@@ -327,8 +349,9 @@ LOCAL_BASELINE = ((-20.0, -5.0), (30.0, 40.0))
 
 
 def _progress_points(run: dict[str, Any], global_batch: int) -> list[tuple[float, int]]:
-    """(time, samples) of every commit that advanced training: a group's ``data_samples``; for hsdp, the global
-    batch of each step beyond the furthest step reached so far (steps redone after a restart add nothing)."""
+    """(time, samples) of every commit that advanced training: a group's ``data_samples``; for hsdp, the
+    global batch of each step beyond the furthest step reached so far (steps redone after a restart add
+    nothing)."""
     rows = sorted((r for tl in run["timelines"].values() for r in tl if r.get("committed") and "t" in r),
                   key=lambda r: r["t"])
     if any("data_samples" in r for r in rows):
@@ -343,10 +366,10 @@ def _progress_points(run: dict[str, Any], global_batch: int) -> list[tuple[float
 
 
 def _local_losses(run: dict[str, Any], global_batch: int) -> list[dict[str, Any]]:
-    """Per fault: the seconds of training it cost against the rate just before and after it (``LOCAL_BASELINE``),
-    not against a separate fault-free run, so a host whose speed drifts by several percent over minutes (as this
-    VM's does) does not swamp a loss of a few seconds. Faults whose windows overlap another fault or the run's
-    ends are left out."""
+    """Per fault: the seconds of training it cost against the rate just before and after it
+    (``LOCAL_BASELINE``), not against a separate fault-free run, so a host whose speed drifts by several
+    percent over minutes (as this VM's does) does not swamp a loss of a few seconds. Faults whose windows
+    overlap another fault or the run's ends are left out."""
     points = _progress_points(run, global_batch)
     if not points:
         return []
@@ -360,7 +383,11 @@ def _local_losses(run: dict[str, Any], global_batch: int) -> list[dict[str, Any]
 
     out = []
     for k in kills:
-        if k + reach[0] < start or k + reach[1] > end or any(o != k and k + reach[0] < o < k + reach[1] for o in kills):
+        if (
+            k + reach[0] < start
+            or k + reach[1] > end
+            or any(o != k and k + reach[0] < o < k + reach[1] for o in kills)
+        ):
             continue
         base_s = sum(b - a for a, b in LOCAL_BASELINE)
         rate = sum(samples(k + a, k + b) for a, b in LOCAL_BASELINE) / base_s
@@ -385,7 +412,9 @@ def _stalls(run: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             gaps = [b - a for a, b in itertools.pairwise(times)]
             typical = statistics.median(gaps) if gaps else 0.0
-            out.append({"fault_t": kill["t"], "survivor": gid, "stall_s": max(0.0, after[0] - before[-1] - typical)})
+            out.append(
+                {"fault_t": kill["t"], "survivor": gid, "stall_s": max(0.0, after[0] - before[-1] - typical)}
+            )
     return out
 
 
@@ -394,7 +423,8 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     colors = {"ft_nofault": "tab:gray", "ft_faults": "tab:blue", "diloco_nofault": "tab:olive",
               "diloco_faults": "tab:green", "hsdp_nofault": "tab:pink", "hsdp_restart": "tab:red",
-              "ft_faults_warm": "tab:cyan", "diloco_faults_warm": "tab:purple", "ft_faults_fork": "tab:orange",
+              "ft_faults_warm": "tab:cyan", "diloco_faults_warm": "tab:purple",
+              "ft_faults_fork": "tab:orange",
               "diloco_faults_fork": "tab:brown", "ft_nofault_fork": "gold", "diloco_nofault_fork": "black"}
     shown = next((n for n in ("ft_faults_fork", "ft_faults_warm", "ft_faults") if n in runs), "ft_faults")
     t0s = {name: min((r["t"] for tl in run["timelines"].values() for r in tl if "t" in r), default=0.0)
@@ -411,7 +441,8 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> Path:
         for kill in run["kills"]:
             axes[0].axvline(kill["t"] - t0, color=colors.get(name), ls="--", lw=0.8, alpha=0.6)
         if name == shown:
-            rows = sorted((r["t"] - t0, r.get("participants", 0), r["group"]) for tl in run["timelines"].values()
+            rows = sorted((r["t"] - t0, r.get("participants", 0),
+                           r["group"]) for tl in run["timelines"].values()
                           for r in tl if r.get("committed"))
             for gid in run["timelines"]:
                 xs = [t for t, _, g in rows if g == int(gid)]
@@ -445,7 +476,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     timeout = 900.0 if quick else 3600.0
     names = [] if reanalyse else [n for n in CONTENDERS if not contenders or n in contenders]
     work = Path(out_dir) / "ft_recovery-work"
-    config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps, "kill_every_s": kill_every,
+    config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps,
+              "kill_every_s": kill_every,
               "heartbeat_timeout_ms": heartbeat_ms, "hsdp_ckpt_every": ckpt_every, "quick": quick,
               "pin_cores": pin_cores}
     keep = keep_other_runs or reanalyse
@@ -463,8 +495,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             runs[name] = _run_hsdp_restart(wdir, size, steps, groups, rpg, faults, ckpt_every, timeout)
         else:
             runs[name] = _run_ft(wdir, size, steps, groups, rpg, faults, heartbeat_ms, timeout,
-                                 sync="diloco" if name.startswith("diloco") else "every_step", pin_cores=pin_cores,
-                                 warm_spares=name.endswith("_warm"),
+                                 sync="diloco" if name.startswith("diloco") else "every_step",
+                                 pin_cores=pin_cores, warm_spares=name.endswith("_warm"),
                                  runner="forkserver" if name.endswith("_fork") else "torchrun")
         runs[name]["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     runs = {n: runs[n] for n in CONTENDERS if n in runs}
@@ -472,14 +504,18 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     figures: dict[str, Any] = {}
     for name, r in runs.items():
         figures[name] = {"goodput": _goodput(r, global_batch), "faults": len(r["kills"]),
-                         "restarts": len(r["restarts"]), "returncode": r["returncode"], "cores": r.get("cores")}
+                         "restarts": len(r["restarts"]), "returncode": r["returncode"],
+                         "cores": r.get("cores")}
     summary: list[dict[str, Any]] = []
     for name in FAULTY:
         ref_name = REFERENCE[name]
         good = figures.get(name, {}).get("goodput", {})
         post = _post_fault_step_ratios(runs[name], groups) if name in runs else []
         post_median = statistics.median(x["ratio"] for x in post) if post else None
-        sps, ref = good.get("samples_per_s"), figures.get(ref_name, {}).get("goodput", {}).get("samples_per_s")
+        sps, ref = (
+            good.get("samples_per_s"),
+            figures.get(ref_name, {}).get("goodput", {}).get("samples_per_s"),
+        )
         if ref and sps:
             value = sps / ref
             figures[name]["goodput_vs_nofault"] = value
@@ -488,8 +524,9 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             step_f, step_ref = _step_time(runs[name], groups), _step_time(runs[ref_name], groups)
             if step_f and step_ref and post_median is not None:
                 # the same ratio had both runs stepped at one speed: the host's speed moves by 5-10% between
-                # separate runs here. Only a stand-in for the host's speed where faults leave step times as they
-                # were; where they slow steps (a spare starting up), that slowdown is part of the faults' cost
+                # separate runs here. Only a stand-in for the host's speed where faults leave step times as
+                # they were; where they slow steps (a spare starting up), that slowdown is part of the faults'
+                # cost
                 normalised = value * step_f / step_ref
                 valid = abs(post_median - 1) <= POST_FAULT_TOLERANCE
                 figures[name]["goodput_vs_nofault_step_normalised"] = normalised
@@ -498,19 +535,24 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                 label = f"{name} goodput / {ref_name} at equal full-quorum step time"
                 if not valid:
                     label += f" (not comparable: steps after faults {post_median - 1:+.1%})"
-                summary.append({"ratio": label, "value": normalised, **_target(normalised, name in TARGETED and valid)})
+                summary.append(
+                    {"ratio": label, "value": normalised, **_target(normalised, name in TARGETED and valid)}
+                )
             if figures[name]["faults"]:
                 # the fault-free seconds each fault cost: at interval T, goodput ~ 1 - lost / T
                 lost = (1 - value) * good["seconds"] / figures[name]["faults"]
                 figures[name]["lost_s_per_fault"] = lost
-                summary.append({"ratio": f"{name} fault-free seconds lost per fault", "value": lost, "met": None})
+                summary.append(
+                    {"ratio": f"{name} fault-free seconds lost per fault", "value": lost, "met": None}
+                )
         local = _local_losses(runs[name], global_batch) if name in runs else []
         if local:
             lost_local = statistics.median(x["lost_s"] for x in local)
             estimate = 1 - lost_local / kill_every
             figures[name]["local_loss"] = {"median_lost_s": lost_local, "faults_measured": len(local),
                                            "goodput_at_kill_every": estimate, "per_fault": local}
-            summary.append({"ratio": f"{name} seconds lost per fault vs the local rate, median of {len(local)}",
+            summary.append({"ratio": f"{name} seconds lost per fault vs the "
+                                     f"local rate, median of {len(local)}",
                             "value": lost_local, "met": None})
             summary.append({"ratio": f"{name} goodput at one fault per {kill_every:g} s, from that loss",
                             "value": estimate, **_target(estimate, name in TARGETED)})
@@ -529,9 +571,14 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
         stalls = _stalls(runs[name]) if name in runs else []
         if stalls:
             worst = max(s["stall_s"] for s in stalls)
-            figures[name]["stall_s"] = {"median": statistics.median(s["stall_s"] for s in stalls), "max": worst,
-                                        "per_fault": stalls}
-            summary.append({"ratio": f"{name} survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0})
+            figures[name]["stall_s"] = {
+                "median": statistics.median(s["stall_s"] for s in stalls),
+                "max": worst,
+                "per_fault": stalls,
+            }
+            summary.append(
+                {"ratio": f"{name} survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0}
+            )
     config = {**config, "global_batch": global_batch, "contenders": list(runs), "measured_now": names}
     result = {**common.header("ft_recovery", config), "figures": figures, "summary": summary,
               "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()}}
@@ -542,8 +589,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     return result
 
 
-POOL_KEYS = ("size", "groups", "ranks_per_group", "steps", "kill_every_s", "heartbeat_timeout_ms", "hsdp_ckpt_every",
-             "quick", "pin_cores", "global_batch")
+POOL_KEYS = ("size", "groups", "ranks_per_group", "steps", "kill_every_s", "heartbeat_timeout_ms",
+             "hsdp_ckpt_every", "quick", "pin_cores", "global_batch")
 
 
 def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
@@ -556,7 +603,9 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
     for d in dirs:
         path = common.result_path("ft_recovery", Path(d))
         if not path.exists():
-            raise SystemExit(f"--pool: no ft_recovery result at {path}; run the suite with --out-dir {d} first")
+            raise SystemExit(
+                f"--pool: no ft_recovery result at {path}; run the suite with --out-dir {d} first"
+            )
         rounds.append((path, json.loads(path.read_text())))
     first = rounds[0][1].get("config", {})
     for path, r in rounds[1:]:
@@ -573,12 +622,15 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
             fig = r.get("figures", {}).get(name)
             if not fig:
                 continue
-            per_round.append({"result": str(path), "measured_utc": r.get("runs", {}).get(name, {}).get("measured_utc"),
+            per_round.append({"result": str(path),
+                              "measured_utc": r.get("runs", {}).get(name, {}).get("measured_utc"),
                               "goodput_vs_nofault": fig.get("goodput_vs_nofault"),
-                              "goodput_vs_nofault_step_normalised": fig.get("goodput_vs_nofault_step_normalised")
-                              if fig.get("step_normalised_valid") else None,
+                              "goodput_vs_nofault_step_normalised":
+                                  fig.get("goodput_vs_nofault_step_normalised")
+                                  if fig.get("step_normalised_valid") else None,
                               "post_fault_step_ratio": fig.get("post_fault_step_ratio", {}).get("median"),
-                              "local_lost_s": [x["lost_s"] for x in fig.get("local_loss", {}).get("per_fault", [])],
+                              "local_lost_s": [x["lost_s"] for x in fig.get("local_loss", {}).get("per_fault",
+                                                                                                  [])],
                               "downtime_median_s": fig.get("downtime_s", {}).get("median"),
                               "stall_max_s": fig.get("stall_s", {}).get("max")})
         if not per_round:
@@ -596,15 +648,18 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
             if values:
                 fig_out[f"{key}_median"] = statistics.median(values)
                 summary.append({"ratio": f"{name} {label}, median of {len(values)} rounds",
-                                "value": statistics.median(values), **_target(statistics.median(values), targeted)})
+                                "value": statistics.median(values),
+                                **_target(statistics.median(values), targeted)})
         if lost and kill_every:
             median_lost = statistics.median(lost)
-            fig_out.update(local_lost_s_median=median_lost, goodput_at_kill_every=1 - median_lost / kill_every,
+            fig_out.update(local_lost_s_median=median_lost,
+                           goodput_at_kill_every=1 - median_lost / kill_every,
                            goodput_at_kill_every_range=[1 - lost[-1] / kill_every, 1 - lost[0] / kill_every])
             summary.append({"ratio": f"{name} seconds lost per fault, median of {len(lost)} faults "
                                      f"in {len(per_round)} rounds", "value": median_lost, "met": None})
             summary.append({"ratio": f"{name} goodput at one fault per {kill_every:g} s, from that loss",
-                            "value": 1 - median_lost / kill_every, **_target(1 - median_lost / kill_every, targeted)})
+                            "value": 1 - median_lost / kill_every,
+                            **_target(1 - median_lost / kill_every, targeted)})
         figures[name] = fig_out
     if not figures:
         raise SystemExit(f"--pool: none of {dirs} holds a faulty contender's figures")
@@ -667,17 +722,25 @@ def _add_options(parser: Any) -> None:
     """This suite's own flags (``run``'s keyword arguments of the same names)."""
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between faults")
     parser.add_argument("--heartbeat-ms", type=int, default=None, help="lighthouse heartbeat timeout")
-    parser.add_argument("--ckpt-every", type=int, default=None, help="hsdp_restart: steps between checkpoints")
-    parser.add_argument("--pin-cores", default="auto", help="fsdp-strategies-ft --pin-cores for the replica groups")
+    parser.add_argument(
+        "--ckpt-every", type=int, default=None, help="hsdp_restart: steps between checkpoints"
+    )
+    parser.add_argument(
+        "--pin-cores", default="auto", help="fsdp-strategies-ft --pin-cores for the replica groups"
+    )
     parser.add_argument("--keep-other-runs", action="store_true",
-                        help="rerun only --contenders and keep the other contenders' runs from the last result in "
+                        help="rerun only --contenders and keep the other "
+                             "contenders' runs from the last result in "
                              "--out-dir (same configuration only); ratios are recomputed over all of them")
     parser.add_argument("--reanalyse", action="store_true",
-                        help="run nothing: recompute the figures, summary and plot from the runs stored in the last "
+                        help="run nothing: recompute the figures, summary "
+                             "and plot from the runs stored in the last "
                              "result in --out-dir (same configuration only)")
     parser.add_argument("--pool", nargs="+", metavar="DIR", default=None,
-                        help="run nothing: pool several rounds (each DIR an --out-dir of one run, same configuration) "
-                             "into ft_recovery_pooled-<device>.json/.png in --out-dir: every round's ratio, every "
+                        help="run nothing: pool several rounds (each DIR "
+                             "an --out-dir of one run, same configuration) "
+                             "into ft_recovery_pooled-<device>.json/.png "
+                             "in --out-dir: every round's ratio, every "
                              "fault's local loss and their median")
 
 

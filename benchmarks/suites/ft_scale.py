@@ -1,67 +1,75 @@
-"""ft_scale suite: how torchft's per-step quorum, a fault, a heal, the lighthouse and the launcher's event handling
-scale with the number N of replica groups, on one machine.
+"""ft_scale suite: how torchft's per-step quorum, a fault, a heal, the lighthouse and the launcher's event
+handling scale with the number N of replica groups, on one machine.
 
 Per N (``--groups``, default 2 8 32 128 512 1024), on loopback:
 
 * the **real lighthouse**: ``torchft._torchft.LighthouseServer`` with ``fsdp-strategies-ft``'s options
-  (``min_replicas`` 1, ``join_timeout_ms`` 1000, ``quorum_tick_ms`` 100, ``heartbeat_timeout_ms`` 2000), alone in a
-  process whose CPU time and RSS are read from ``/proc``;
-* **N simulated replica groups** (``benchmarks/workers/ft_scale_worker.py groups``): each a thread with the Rust
-  ``ManagerServer`` + ``ManagerClient`` a real ``torchft.Manager`` uses (heartbeats every 100 ms), running the
-  per-step protocol -- quorum, heal handshake when told to, ``--step-s`` of "training" (a sleep), should_commit --
-  and writing its steps to ``group<G>.jsonl`` in the events-file format. Many groups per process (threads); a few
-  "victim" groups run one per process so that a fault is a real SIGKILL;
-* **the launcher's supervision loop** (``ft_scale_worker.py launcher``): the real ``FTLauncher`` for N groups runs its
-  per-pass concerns every 50 ms over those events files (full runs; ``--quick`` leaves it out: its import of torch
-  and Lightning alone takes most of a minute on a busy 2-core host).
+  (``min_replicas`` 1, ``join_timeout_ms`` 1000, ``quorum_tick_ms`` 100, ``heartbeat_timeout_ms`` 2000), alone
+  in a process whose CPU time and RSS are read from ``/proc``;
+* **N simulated replica groups** (``benchmarks/workers/ft_scale_worker.py groups``): each a thread with the
+  Rust ``ManagerServer`` + ``ManagerClient`` a real ``torchft.Manager`` uses (heartbeats every 100 ms),
+  running the per-step protocol -- quorum, heal handshake when told to, ``--step-s`` of "training" (a sleep),
+  should_commit -- and writing its steps to ``group<G>.jsonl`` in the events-file format. Many groups per
+  process (threads); a few "victim" groups run one per process so that a fault is a real SIGKILL;
+* **the launcher's supervision loop** (``ft_scale_worker.py launcher``): the real ``FTLauncher`` for N groups
+  runs its per-pass concerns every 50 ms over those events files (full runs; ``--quick`` leaves it out: its
+  import of torch and Lightning alone takes most of a minute on a busy 2-core host).
 
-A run at one N: start everything, wait until a quorum holds all N groups, measure ``--duration`` seconds -- the
-first half fault-free (the per-step cost of N), the second half with faults: a live victim group SIGKILLed every
-``fault_group_s / N`` seconds (the fault rate is proportional to N: each group fails once per ``--fault-group-s`` on
-average; at least one fault per N) and restarted at once (a new process, a new replica id; it heals); then a
-fault-free stretch of a heartbeat timeout + 2 s (longer, up to ``--start-timeout``, until every restarted group has
-committed) in which the last fault's survivors and heal are still measured. The sweep
-stops at the first N whose groups cannot all reach one quorum within ``--start-timeout`` (``stopped_at`` says why).
+A run at one N: start everything, wait until a quorum holds all N groups, measure ``--duration`` seconds --
+the first half fault-free (the per-step cost of N), the second half with faults: a live victim group SIGKILLed
+every ``fault_group_s / N`` seconds (the fault rate is proportional to N: each group fails once per
+``--fault-group-s`` on average; at least one fault per N) and restarted at once (a new process, a new replica
+id; it heals); then a fault-free stretch of a heartbeat timeout + 2 s (longer, up to ``--start-timeout``,
+until every restarted group has committed) in which the last fault's survivors and heal are still measured.
+The sweep stops at the first N whose groups cannot all reach one quorum within ``--start-timeout``
+(``stopped_at`` says why).
 
-Full runs also train **real ft_hsdp groups** (``--real-groups``: 2 replica groups x 1 rank, the example's ``tiny``
-model, ``configs/ft_hsdp.yaml``, through ``fsdp-strategies-ft``'s launcher with ``--kill-every``): their own
-per-step quorum / commit / step time from their events files, the survivor's stall and the killed group's heal. They
-run against their own lighthouse, not next to the simulated groups: every member of a torchft quorum joins the
-cross-group process group (``Manager`` configures its gloo/NCCL group with the quorum's whole
-``replica_world_size``), which groups without a model cannot join, so a real group sharing a quorum with them never
-gets past its process-group set-up.
+Full runs also train **real ft_hsdp groups** (``--real-groups``: 2 replica groups x 1 rank, the example's
+``tiny`` model, ``configs/ft_hsdp.yaml``, through ``fsdp-strategies-ft``'s launcher with ``--kill-every``):
+their own per-step quorum / commit / step time from their events files, the survivor's stall and the killed
+group's heal. They run against their own lighthouse, not next to the simulated groups: every member of a
+torchft quorum joins the cross-group process group (``Manager`` configures its gloo/NCCL group with the
+quorum's whole ``replica_world_size``), which groups without a model cannot join, so a real group sharing a
+quorum with them never gets past its process-group set-up.
 
     python benchmarks/suites/ft_scale.py --quick        # N = 2, 8; 4 s each; no launcher loop, no real groups
     python benchmarks/suites/ft_scale.py                # the sweep (about 10 min on 2 busy cores)
     python benchmarks/suites/ft_scale.py --groups 2 32 128 --duration 20 --no-real-groups
-    git archive <commit> src | tar -x -C /tmp/before     # the launcher loop of an earlier commit, for a comparison:
+    # the launcher loop of an earlier commit, for a comparison:
+    git archive <commit> src | tar -x -C /tmp/before
     python benchmarks/suites/ft_scale.py --src /tmp/before/src --no-real-groups --out-dir /tmp/before-results
-    python benchmarks/suites/ft_scale.py --before /tmp/before-results/ft_scale-cpu.json   # both in one table / plot
-    python benchmarks/suites/ft_scale.py --groups 128 512 --heartbeat-interval-ms 1000 --no-real-groups   # fan-in
+    python benchmarks/suites/ft_scale.py --before /tmp/before-results/ft_scale-cpu.json  # both in one table
+    # fan-in:
+    python benchmarks/suites/ft_scale.py --groups 128 512 --heartbeat-interval-ms 1000 --no-real-groups
 
-Result ``results/ft_scale-<device>.json`` (keys are stable; other suites read them), besides ``common.header``'s:
+Result ``results/ft_scale-<device>.json`` (keys are stable; other suites read them), besides
+``common.header``'s:
 
     config{groups, duration_s, step_s, fault_group_s, start_timeout_s, victims_max, pool_processes_max,
-           lighthouse{min_replicas, join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms}, heartbeat_interval_ms,
+           lighthouse{min_replicas, join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms},
+           heartbeat_interval_ms,
            launcher_loop, real_groups, quick, src}
     sweep[ {n, status ("ok" | "failed"), error, processes{pools, victims},
             full_quorum_after_s          start of the groups -> first quorum holding all N
             groups_committed             groups with a committed step (all N when status is ok)
-            quorum_s{p50, p99, max, count}, commit_s{...}, step_s{...}     fault-free half, every group's steps
-            quorum_s_faults{...}, step_s_faults{...}                          the half with faults
+            quorum_s{p50, p99, max, count}, commit_s{...}, step_s{...}  fault-free half, every group's steps
+            quorum_s_faults{...}, step_s_faults{...}                       the half with faults
             committed_steps_per_s        per group, fault-free half; committed_steps_per_s_faults
             faults[ {t, group, pid, replica_id, dropped (a later quorum lacked its replica id),
-                     kill_to_next_commit_s (median over survivors: SIGKILL -> its first commit in a quorum without
-                     the killed id), kill_to_next_commit_max_s, survivor_stall_s (median over survivors: the gap
-                     between its commits around the kill minus its median step), heal_s (restart -> the new
-                     incarnation's first commit), heal_handshake_s, restart_t} ]
+                     kill_to_next_commit_s (median over survivors: SIGKILL -> its first commit in a
+                     quorum without the killed id), kill_to_next_commit_max_s, survivor_stall_s (median
+                     over survivors: the gap between its commits around the kill minus its median step),
+                     heal_s (restart -> the new incarnation's first commit), heal_handshake_s, restart_t} ]
             faults_injected, faults_skipped (no live victim at the time), kill_to_next_commit_s{p50, max},
             survivor_stall_s{p50, max}, heal_s{p50, max}
-            lighthouse{cpu_s_per_s (fault-free half; _faults: the other), rss_bytes_start, rss_bytes_max, hwm_bytes}
+            lighthouse{cpu_s_per_s (fault-free half; _faults: the other), rss_bytes_start, rss_bytes_max,
+                       hwm_bytes}
             participants_rss_bytes       all simulated-group processes at the end
-            pools_cpu_s_per_s            cores the pool processes (all groups but the victims) used, fault-free half
+            pools_cpu_s_per_s            cores the pool processes (all groups but the victims) used,
+                                         fault-free half
             host_load_1min               the host's load average at the end of the fault-free half
-            launcher{pass_s{p50, p99, max}, cpu_fraction, rss_bytes_start, rss_bytes_end, records_retained} | {skipped}
+            launcher{pass_s{p50, p99, max}, cpu_fraction, rss_bytes_start, rss_bytes_end, records_retained}
+                | {skipped}
             events{files, bytes, records, bytes_per_group_step}, errors, error_samples[] } ]
     largest_n, stopped_at
     before_fix{path, src, created_utc, launcher{"<n>": launcher figures of that result + records_read (its
@@ -120,7 +128,11 @@ def _proc(pid: int) -> dict[str, float]:
         return {}
     mem = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.splitlines()
            if line.startswith(("VmRSS:", "VmHWM:"))}
-    return {"cpu_s": (int(fields[11]) + int(fields[12])) / TICK, "rss": mem.get("VmRSS", 0), "hwm": mem.get("VmHWM", 0)}
+    return {
+        "cpu_s": (int(fields[11]) + int(fields[12])) / TICK,
+        "rss": mem.get("VmRSS", 0),
+        "hwm": mem.get("VmHWM", 0),
+    }
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -139,8 +151,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with log.open("ab") as fh:
-        return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=str(ROOT))
+        return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=fh, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, cwd=str(ROOT))
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], sig: int = signal.SIGKILL) -> None:
@@ -184,13 +196,15 @@ def _measure(n: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     events = work / "events"
     events.mkdir(parents=True, exist_ok=True)
     env = common.worker_env({"RUST_LOG": "warn", "PYTHONPATH": os.pathsep.join([str(cfg["src"]),
-                                                                               os.environ.get("PYTHONPATH", "")])})
+                                                                               os.environ.get("PYTHONPATH",
+                                                                                              "")])})
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, Any] = {"n": n, "status": "failed", "error": None}
     try:
         addr_file = work / "lighthouse.addr"
         lh = _spawn(["lighthouse", "--addr-file", str(addr_file),
-                     *[f"--{k.replace('_', '-')}={v}" for k, v in cfg["lighthouse"].items()]], work / "lighthouse.log", env)
+                     *[f"--{k.replace('_', '-')}={v}" for k, v in cfg["lighthouse"].items()]],
+                     work / "lighthouse.log", env)
         procs.append(lh)
         _wait_for(lambda: addr_file.exists(), 30, "the lighthouse did not start", lh, work / "lighthouse.log")
         address = addr_file.read_text().strip()
@@ -199,22 +213,26 @@ def _measure(n: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
         launcher = None
         if cfg["launcher_loop"]:
             ready = work / "launcher.ready"
-            launcher = _spawn(["launcher", "--events-dir", str(events), "--groups", str(n), "--ready-file", str(ready),
-                               "--out", str(work / "launcher.json")], work / "launcher.log", env)
+            launcher = _spawn(["launcher", "--events-dir", str(events), "--groups", str(n), "--ready-file",
+                               str(ready), "--out", str(work / "launcher.json")], work / "launcher.log", env)
             procs.append(launcher)
             _wait_for(ready.exists, 180, "the launcher loop did not start", launcher, work / "launcher.log")
         victims_n = min(cfg["victims_max"], n - 1)
         pool_ids = list(range(victims_n, n))
         pools_n = min(cfg["pool_processes_max"], max(1, math.ceil(len(pool_ids) / GROUPS_PER_POOL)))
-        common_args = ["--lighthouse", address, "--observer", str(n - 1), "--events-dir", str(events), "--step-s", str(cfg["step_s"]),
-                       "--heartbeat-ms", str(cfg["heartbeat_interval_ms"])]
+        common_args = ["--lighthouse", address, "--observer", str(n - 1), "--events-dir", str(events),
+                       "--step-s", str(cfg["step_s"]), "--heartbeat-ms", str(cfg["heartbeat_interval_ms"])]
         t_start = time.time()
         pools = [_spawn(["groups", "--groups", ",".join(map(str, pool_ids[i::pools_n])), *common_args],
                         work / f"pool{i}.log", env) for i in range(pools_n) if pool_ids[i::pools_n]]
         procs += pools
         victims: dict[int, dict[str, Any]] = {}
         for gid in range(victims_n):
-            p = _spawn(["groups", "--groups", str(gid), "--restart", "0", *common_args], work / f"victim{gid}.log", env)
+            p = _spawn(
+                ["groups", "--groups", str(gid), "--restart", "0", *common_args],
+                work / f"victim{gid}.log",
+                env,
+            )
             victims[gid] = {"proc": p, "restart": 0, "started": time.time()}
             procs.append(p)
         out["processes"] = {"pools": len(pools), "victims": victims_n}
@@ -225,9 +243,12 @@ def _measure(n: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
         half = cfg["duration_s"] / 2
         time.sleep(half)
         t_faults = time.time()
-        # the simulated groups' own CPU (the pool processes: all groups but the victims): with the lighthouse's, how
-        # much of the host the harness itself takes (2 cores here: near 2, the latencies are the machine's)
-        out["pools_cpu_s_per_s"] = (sum(_proc(p.pid).get("cpu_s", 0.0) for p in pools) - pool_cpu0) / (t_faults - t0)
+        # the simulated groups' own CPU (the pool processes: all groups but the victims): with the
+        # lighthouse's, how much of the host the harness itself takes (2 cores here: near 2, the latencies are
+        # the machine's)
+        out["pools_cpu_s_per_s"] = (sum(_proc(p.pid).get("cpu_s", 0.0) for p in pools) - pool_cpu0) / (
+            t_faults - t0
+        )
         out["host_load_1min"] = os.getloadavg()[0]
         interval = cfg["fault_group_s"] / n
         faults: list[dict[str, Any]] = []
@@ -240,11 +261,14 @@ def _measure(n: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
                 if victim is None:
                     skipped += 1
                 else:
-                    faults.append(_kill_and_restart(victim, victims[victim], events, work, common_args, env, procs))
+                    faults.append(
+                        _kill_and_restart(victim, victims[victim], events, work, common_args, env, procs)
+                    )
                 next_fault = now + interval
             time.sleep(0.02)
-        # no fault in the last stretch: the last one's survivors see the quorum drop it (a heartbeat timeout at most),
-        # and every restarted group heals (its first commit), however busy the host is (up to --start-timeout)
+        # no fault in the last stretch: the last one's survivors see the quorum drop it (a heartbeat timeout
+        # at most), and every restarted group heals (its first commit), however busy the host is (up to
+        # --start-timeout)
         settle_end = time.time() + cfg["lighthouse"]["heartbeat_timeout_ms"] / 1000 + 2.0
         healed_by = time.time() + cfg["start_timeout_s"]
         while time.time() < settle_end or (time.time() < healed_by and not _all_healed(victims, events)):
@@ -291,7 +315,8 @@ def _wait_for(cond: Any, timeout: float, what: str, proc: subprocess.Popen[bytes
 
 def _wait_full_quorum(events: Path, n: int, t_start: float, timeout: float,
                       procs: list[subprocess.Popen[bytes]]) -> float:
-    """Time of the first committed step whose quorum held all N groups (reading group 0's... any group's file)."""
+    """Time of the first committed step whose quorum held all N groups (reading group 0's... any group's
+    file)."""
     deadline = t_start + timeout
     path = events / f"group{n - 1}.jsonl"
     while time.time() < deadline:
@@ -300,11 +325,15 @@ def _wait_full_quorum(events: Path, n: int, t_start: float, timeout: float,
                 return float(rec["t"])
         dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"a process exited ({dead[0].args[2:4]}, code {dead[0].returncode}) before the quorum "
-                               f"held all {n} groups")
+            raise RuntimeError(
+                f"a process exited ({dead[0].args[2:4]}, code {dead[0].returncode}) before the quorum "
+                f"held all {n} groups"
+            )
         time.sleep(0.2)
-    raise RuntimeError(f"no quorum held all {n} groups within {timeout:g} s (the machine cannot run this N; see "
-                       f"pool logs in the work folder)")
+    raise RuntimeError(
+        f"no quorum held all {n} groups within {timeout:g} s (the machine cannot run this N; see "
+        f"pool logs in the work folder)"
+    )
 
 
 def _live_victim(victims: dict[int, dict[str, Any]], events: Path) -> int | None:
@@ -319,8 +348,10 @@ def _live_victim(victims: dict[int, dict[str, Any]], events: Path) -> int | None
 
 def _all_healed(victims: dict[int, dict[str, Any]], events: Path) -> bool:
     """Whether every victim group's current incarnation has committed a step."""
-    return all(any(r.get("committed") and r.get("pid") == v["proc"].pid for r in _read(events / f"group{gid}.jsonl"))
-               for gid, v in victims.items())
+    return all(
+        any(r.get("committed") and r.get("pid") == v["proc"].pid for r in _read(events / f"group{gid}.jsonl"))
+        for gid, v in victims.items()
+    )
 
 
 def _kill_and_restart(gid: int, v: dict[str, Any], events: Path, work: Path, common_args: list[str],
@@ -350,9 +381,11 @@ def _analyse(n: int, events: Path, t0: float, t_faults: float, t1: float, faults
         "groups_committed": len(committed),
         "quorum_s": _stats([r["quorum_s"] for r in calm]), "commit_s": _stats([r["commit_s"] for r in calm]),
         "step_s": _stats([r["step_s"] for r in calm]),
-        "quorum_s_faults": _stats([r["quorum_s"] for r in stormy]), "step_s_faults": _stats([r["step_s"] for r in stormy]),
+        "quorum_s_faults": _stats([r["quorum_s"] for r in stormy]),
+        "step_s_faults": _stats([r["step_s"] for r in stormy]),
         "committed_steps_per_s": sum(1 for r in calm if r["committed"]) / n / max(1e-9, t_faults - t0),
-        "committed_steps_per_s_faults": sum(1 for r in stormy if r["committed"]) / n / max(1e-9, t1 - t_faults),
+        "committed_steps_per_s_faults": sum(1 for r in stormy if r["committed"]) / n / max(1e-9,
+                                                                                           t1 - t_faults),
         "errors": len(errors), "error_samples": sorted({str(r["error"])[:160] for r in errors})[:5],
     }
     victims = {f["group"] for f in faults}
@@ -375,16 +408,19 @@ def _fault_figures(f: dict[str, Any], timelines: dict[int, list[dict[str, Any]]]
                    n: int) -> dict[str, Any]:
     """The survivors' view of one SIGKILL and the killed group's heal.
 
-    ``dropped``: a quorum recorded by the observer group after the kill lacks the killed incarnation's replica id;
-    ``kill_to_next_commit_s``: per survivor, the kill to its first commit in that quorum (or a later one)."""
+    ``dropped``: a quorum recorded by the observer group after the kill lacks the killed incarnation's replica
+    id; ``kill_to_next_commit_s``: per survivor, the kill to its first commit in that quorum (or a later
+    one)."""
     tk = f["t"]
-    killed_id = next((r.get("replica_id") for r in timelines[f["group"]] if r.get("started") and r["pid"] == f["pid"]),
-                     None)
+    killed_id = next(
+        (r.get("replica_id") for r in timelines[f["group"]] if r.get("started") and r["pid"] == f["pid"]),
+        None,
+    )
     f["replica_id"] = killed_id
     observed = [r for r in timelines[n - 1] if "members" in r and r["t"] > tk]
     drop = next((r for r in observed if killed_id not in r["members"]), None)
-    out: dict[str, Any] = {"dropped": drop is not None, "kill_to_next_commit_s": None, "kill_to_next_commit_max_s": None,
-                           "survivor_stall_s": None}
+    out: dict[str, Any] = {"dropped": drop is not None, "kill_to_next_commit_s": None,
+                           "kill_to_next_commit_max_s": None, "survivor_stall_s": None}
     if drop is not None:
         next_commit, stalls = [], []
         for g in survivors:
@@ -401,7 +437,9 @@ def _fault_figures(f: dict[str, Any], timelines: dict[int, list[dict[str, Any]]]
                    kill_to_next_commit_max_s=max(next_commit) if next_commit else None,
                    survivor_stall_s=statistics.median(stalls) if stalls else None)
     heal = [r for r in timelines[f["group"]] if r.get("committed") and r.get("pid") == f["new_pid"]]
-    handshake = [r["heal_s"] for r in timelines[f["group"]] if r.get("pid") == f["new_pid"] and r.get("heal_s")]
+    handshake = [
+        r["heal_s"] for r in timelines[f["group"]] if r.get("pid") == f["new_pid"] and r.get("heal_s")
+    ]
     out["heal_s"] = heal[0]["t"] - f["restart_t"] if heal else None
     out["heal_handshake_s"] = handshake[0] if handshake else None
     return out
@@ -413,16 +451,19 @@ def _launcher_figures(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     passes = data["passes"][20:]  # the first second: imports settling
     span = (passes[-1][0] - passes[0][0]) if len(passes) > 1 else 0.0
-    return {"pass_s": _stats([p[1] for p in passes]), "cpu_fraction": sum(p[2] for p in passes) / span if span else None,
+    return {"pass_s": _stats([p[1] for p in passes]),
+            "cpu_fraction": sum(p[2] for p in passes) / span if span else None,
             "passes": len(passes), "rss_bytes_start": data["rss"][0][1], "rss_bytes_end": data["rss"][-1][1],
             "records_retained": data.get("records_retained")}
 
 
-# ---------------------------------------------------------------------------------------------- real ft_hsdp groups
+# ---------------------------------------------------------------------------------------------- real ft_hsdp
+# groups
 def _real_groups(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     from suites import ft_recovery
 
-    run = ft_recovery._run_ft(work, "tiny", steps=cfg["real_steps"], groups=2, ranks=1, kill_every=cfg["real_kill_every"],
+    run = ft_recovery._run_ft(work, "tiny", steps=cfg["real_steps"], groups=2, ranks=1,
+                              kill_every=cfg["real_kill_every"],
                               heartbeat_ms=LIGHTHOUSE["heartbeat_timeout_ms"], timeout=600, pin_cores="none")
     recs = {int(g): [r for r in tl if "committed" in r] for g, tl in run["timelines"].items()}
     steady = [r for tl in recs.values() for r in tl if r.get("committed") and not r.get("healed")
@@ -436,14 +477,18 @@ def _real_groups(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         before = [t for t in commits if t <= tk]
         gaps = [b - a for a, b in itertools.pairwise(commits)]
         restart = [r["t"] for r in run["restarts"] if r["group"] == victim and r["t"] >= tk]
-        healed = [r["t"] for r in recs.get(victim, []) if r.get("committed") and restart and r["t"] > restart[0]]
+        healed = [
+            r["t"] for r in recs.get(victim, []) if r.get("committed") and restart and r["t"] > restart[0]
+        ]
         faults.append({"t": tk, "group": victim,
                        "survivor_next_commit_s": after[0] - tk if after else None,
-                       "survivor_stall_s": (after[0] - before[-1] - statistics.median(gaps)) if after and before and gaps
+                       "survivor_stall_s": (after[0] - before[-1] - statistics.median(gaps))
+                           if after and before and gaps
                        else None,
                        "heal_s": healed[0] - tk if healed else None})
     return {"groups": 2, "ranks_per_group": 1, "size": "tiny", "returncode": run["returncode"],
-            "quorum_s": _stats([r.get("quorum_s") for r in steady]), "commit_s": _stats([r.get("commit_s") for r in steady]),
+            "quorum_s": _stats([r.get("quorum_s") for r in steady]),
+            "commit_s": _stats([r.get("commit_s") for r in steady]),
             "step_s": _stats([r.get("step_s") for r in steady]), "faults": faults, "wall_s": run["wall_s"]}
 
 
@@ -460,8 +505,12 @@ def _summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         if s["status"] != "ok":
             rows.append({"ratio": f"N={n}: failed", "value": s.get("error"), "met": False})
             continue
-        add(f"N={n}: quorum latency p50 / p99 [s]", f"{s['quorum_s']['p50']:.4f} / {s['quorum_s']['p99']:.4f}")
-        add(f"N={n}: commit latency p50 / p99 [s]", f"{s['commit_s']['p50']:.4f} / {s['commit_s']['p99']:.4f}")
+        add(
+            f"N={n}: quorum latency p50 / p99 [s]", f"{s['quorum_s']['p50']:.4f} / {s['quorum_s']['p99']:.4f}"
+        )
+        add(
+            f"N={n}: commit latency p50 / p99 [s]", f"{s['commit_s']['p50']:.4f} / {s['commit_s']['p99']:.4f}"
+        )
         add(f"N={n}: committed steps/s per group, fault-free / with faults",
             f"{s['committed_steps_per_s']:.2f} / {s['committed_steps_per_s_faults']:.2f}")
         add(f"N={n}: faults injected (skipped)", f"{s['faults_injected']} ({s['faults_skipped']})")
@@ -478,23 +527,28 @@ def _summary(result: dict[str, Any]) -> list[dict[str, Any]]:
         la = s.get("launcher") or {}
         if "pass_s" in la:
             add(f"N={n}: launcher pass p50 / p99 [ms], CPU [cores]",
-                f"{la['pass_s']['p50'] * 1e3:.2f} / {la['pass_s']['p99'] * 1e3:.2f}, {la['cpu_fraction']:.3f}")
+                f"{la['pass_s']['p50'] * 1e3:.2f} / "
+                f"{la['pass_s']['p99'] * 1e3:.2f}, {la['cpu_fraction']:.3f}")
             add(f"N={n}: launcher RSS growth [MiB], records retained",
                 f"{(la['rss_bytes_end'] - la['rss_bytes_start']) / 2**20:.1f}, {la['records_retained']}")
         old = ((result.get("before_fix") or {}).get("launcher") or {}).get(str(n)) or {}
         if "pass_s" in old:
             add(f"N={n}: BEFORE the fix: launcher pass p50 / p99 [ms], CPU [cores]",
-                f"{old['pass_s']['p50'] * 1e3:.2f} / {old['pass_s']['p99'] * 1e3:.2f}, {old['cpu_fraction']:.3f}")
+                f"{old['pass_s']['p50'] * 1e3:.2f} / "
+                f"{old['pass_s']['p99'] * 1e3:.2f}, {old['cpu_fraction']:.3f}")
             add(f"N={n}: BEFORE the fix: launcher RSS growth [MiB], records retained",
                 f"{(old['rss_bytes_end'] - old['rss_bytes_start']) / 2**20:.1f}, {old['records_retained']}")
     real = result.get("real_groups") or {}
     if "quorum_s" in real:
-        add("real ft_hsdp (2 groups): quorum p50 / p99 [s]", f"{real['quorum_s']['p50']:.4f} / {real['quorum_s']['p99']:.4f}")
+        add(
+            "real ft_hsdp (2 groups): quorum p50 / p99 [s]",
+            f"{real['quorum_s']['p50']:.4f} / {real['quorum_s']['p99']:.4f}",
+        )
         add("real ft_hsdp (2 groups): step p50 [s]", real["step_s"]["p50"])
         for f in real["faults"]:
             add(f"real ft_hsdp: fault at group {f['group']}: survivor's next commit / stall / heal [s]",
-                " / ".join("-" if f[k] is None else f"{f[k]:.2f}" for k in ("survivor_next_commit_s", "survivor_stall_s",
-                                                                            "heal_s")))
+                " / ".join("-" if f[k] is None else f"{f[k]:.2f}" for k in ("survivor_next_commit_s",
+                                                                            "survivor_stall_s", "heal_s")))
     return rows
 
 
@@ -527,7 +581,8 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     ax.legend(fontsize=7)
     ax = axes[2]
     ax.plot(ns, [s["lighthouse"]["cpu_s_per_s"] for s in ok], "o-", label="lighthouse CPU [cores]")
-    ax.plot(ns, [(s.get("launcher") or {}).get("cpu_fraction") for s in ok], "s-", label="launcher loop CPU [cores]")
+    ax.plot(ns, [(s.get("launcher") or {}).get("cpu_fraction") for s in ok], "s-",
+            label="launcher loop CPU [cores]")
     old = (result.get("before_fix") or {}).get("launcher") or {}
     if old:
         xs = [n for n in ns if "cpu_fraction" in (old.get(str(n)) or {})]
@@ -553,14 +608,16 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     if old:
         before_steps = {str(s["n"]): s["events"]["records"] for s in ok}
         xs = [n for n in ns if growth(old.get(str(n)), before_steps[str(n)]) is not None]
-        ax.plot(xs, [growth(old[str(n)], (old[str(n)].get("records_read") or before_steps[str(n)])) for n in xs], "s:",
-                color="tab:red", label="before the fix")
+        ax.plot(xs,
+                [growth(old[str(n)], (old[str(n)].get("records_read") or before_steps[str(n)])) for n in xs],
+                "s:", color="tab:red", label="before the fix")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("replica groups N")
     ax.set_ylabel("launcher RSS growth [MiB per 1,000 group-steps]")
     ax.legend(fontsize=7)
     fig.suptitle(f"ft_scale on {result['device_name']} (torchft {result['versions'].get('torchft')}; step "
-                 f"{result['config']['step_s']} s, one fault per group per {result['config']['fault_group_s']:g} s)",
+                 f"{result['config']['step_s']} s, one fault per "
+                 f"group per {result['config']['fault_group_s']:g} s)",
                  fontsize=9)
     return common.save_figure(fig, path)
 
@@ -576,7 +633,8 @@ def run(quick: bool, out_dir: Path, groups: list[int] | None = None, duration: f
         "fault_group_s": common.pick(fault_group_s, quick, 4.0, 240.0),
         "start_timeout_s": common.pick(start_timeout, quick, 30.0, 120.0),
         "victims_max": 16, "pool_processes_max": 8,
-        "lighthouse": dict(LIGHTHOUSE), "heartbeat_interval_ms": heartbeat_interval_ms or HEARTBEAT_INTERVAL_MS,
+        "lighthouse": dict(LIGHTHOUSE),
+        "heartbeat_interval_ms": heartbeat_interval_ms or HEARTBEAT_INTERVAL_MS,
         "launcher_loop": common.pick(launcher_loop, quick, False, True),
         "real_groups": common.pick(real_groups, quick, False, True),
         "real_steps": 2000, "real_kill_every": 20.0, "quick": quick,
@@ -585,14 +643,16 @@ def run(quick: bool, out_dir: Path, groups: list[int] | None = None, duration: f
     }
     ft_dir = Path(cfg["src"]) / "fsdp_strategies" / "ft"
     if not ((ft_dir / "launch" / "launcher.py").exists() or (ft_dir / "launcher.py").exists()):
-        raise ValueError(f"--src {cfg['src']}: no fsdp_strategies/ft/launch/launcher.py in it. Fix: a checkout's "
-                         "src/ folder "
-                         "(e.g. `git archive <commit> src | tar -x -C /tmp/before`, then --src /tmp/before/src).")
+        raise ValueError(
+            f"--src {cfg['src']}: no fsdp_strategies/ft/launch/launcher.py in it. Fix: a checkout's "
+            "src/ folder "
+            "(e.g. `git archive <commit> src | tar -x -C /tmp/before`, then --src /tmp/before/src)."
+        )
     for n in cfg["groups"]:
         if n < 2:
             raise ValueError(f"--groups {n}: a fault needs a survivor. Fix: N >= 2.")
-    result: dict[str, Any] = {**common.header("ft_scale", cfg), "sweep": [], "failures": [], "largest_n": None,
-                              "stopped_at": None}
+    result: dict[str, Any] = {**common.header("ft_scale", cfg), "sweep": [], "failures": [],
+                              "largest_n": None, "stopped_at": None}
     if before:
         result["before_fix"] = _before_fix(Path(before))
     out_dir = Path(out_dir)
@@ -625,11 +685,13 @@ def run(quick: bool, out_dir: Path, groups: list[int] | None = None, duration: f
 
 
 def _before_fix(path: Path) -> dict[str, Any]:
-    """``--before FILE``: the launcher-loop figures of an earlier result (the same sweep run with ``--src`` of the code
-    before a fix), shown next to this run's in the summary and the plot."""
+    """``--before FILE``: the launcher-loop figures of an earlier result (the same sweep run with ``--src`` of
+    the code before a fix), shown next to this run's in the summary and the plot."""
     if not path.exists():
-        raise ValueError(f"--before {path}: no such result file. Fix: run the suite with --src <old src> --out-dir "
-                         "<folder> first and pass that folder's ft_scale-<device>.json.")
+        raise ValueError(
+            f"--before {path}: no such result file. Fix: run the suite with --src <old src> --out-dir "
+            "<folder> first and pass that folder's ft_scale-<device>.json."
+        )
     old = json.loads(path.read_text())
     return {"path": str(path), "src": old.get("config", {}).get("src"), "created_utc": old.get("created_utc"),
             "launcher": {str(s["n"]): {**(s.get("launcher") or {}), "records_read": s["events"]["records"]}
@@ -655,23 +717,34 @@ def _write(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 def _add_options(parser: Any) -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=None, help="the N to sweep")
-    parser.add_argument("--duration", type=float, default=None, help="measured seconds per N (half of them with faults)")
-    parser.add_argument("--step-s", type=float, default=None, help="simulated groups' seconds of training per step")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="measured seconds per N (half of them with faults)"
+    )
+    parser.add_argument(
+        "--step-s", type=float, default=None, help="simulated groups' seconds of training per step"
+    )
     parser.add_argument("--fault-group-s", type=float, default=None,
-                        help="mean seconds between two faults of one group (faults every FAULT_GROUP_S / N seconds)")
-    parser.add_argument("--start-timeout", type=float, default=None, help="seconds for all N groups to reach a quorum")
+                        help="mean seconds between two faults of one group "
+                             "(faults every FAULT_GROUP_S / N seconds)")
+    parser.add_argument(
+        "--start-timeout", type=float, default=None, help="seconds for all N groups to reach a quorum"
+    )
     parser.add_argument("--src", default=None,
-                        help="import fsdp_strategies from this src/ folder in the launcher loop (default: this checkout's)")
+                        help="import fsdp_strategies from this src/ folder "
+                             "in the launcher loop (default: this checkout's)")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=None,
-                        help=f"simulated groups' heartbeat period (torchft.Manager's heartbeat_interval; default "
+                        help="simulated groups' heartbeat period "
+                             "(torchft.Manager's heartbeat_interval; default "
                              f"{HEARTBEAT_INTERVAL_MS}): the lighthouse's heartbeat fan-in is N / this")
     parser.add_argument("--before", default=None, metavar="FILE",
-                        help="an earlier result (e.g. with --src of the code before a fix): its launcher-loop figures go "
+                        help="an earlier result (e.g. with --src of the code "
+                             "before a fix): its launcher-loop figures go "
                              "next to this run's (before_fix in the JSON)")
     parser.add_argument("--real-groups", action=__import__("argparse").BooleanOptionalAction, default=None,
                         help="also train 2 real ft_hsdp groups (default: on, off with --quick)")
     parser.add_argument("--launcher-loop", action=__import__("argparse").BooleanOptionalAction, default=None,
-                        help="run the launcher's supervision loop over the events files (default: on, off with --quick)")
+                        help="run the launcher's supervision loop over the "
+                             "events files (default: on, off with --quick)")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for col, size in enumerate(sizes):
         ax = axes[0][col]
         cases = [c for c in result["cases"] if c["size"] == size]
-        names = list(dict.fromkeys(n for c in cases for n, r in c["contenders"].items() if r.get("memory_per_rank")))
+        names = list(
+            dict.fromkeys(n for c in cases for n, r in c["contenders"].items() if r.get("memory_per_rank"))
+        )
         for name in names:
             pts = [(c["ranks"], _worst_rank(c["contenders"][name], "total_bytes")) for c in cases
                    if c["contenders"].get(name, {}).get("memory_per_rank")]

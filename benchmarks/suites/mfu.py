@@ -36,9 +36,13 @@ from llama import LlamaLM, MarkovDataModule
 CONTENDERS = ("fsdp2", "fsdp2+sac_full")
 
 
-def _torchtitan_flops_per_token(model: torch.nn.Module, n_layers: int, n_heads: int, head_dim: int, seq: int) -> int:
+def _torchtitan_flops_per_token(
+    model: torch.nn.Module, n_layers: int, n_heads: int, head_dim: int, seq: int
+) -> int:
     params = sum(p.numel() for p in model.parameters())
-    embedding = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    embedding = sum(
+        p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
+    )
     return 6 * (params - embedding) + 12 * n_layers * n_heads * head_dim * seq
 
 
@@ -50,8 +54,10 @@ def _one_run(name: str, size: str, steps: int, warmup: int, precision: str, batc
     if name.endswith("sac_full"):
         callbacks.insert(0, ActivationCheckpointing(mode="full"))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="auto", devices=1, strategy="fsdp2", precision=precision, max_steps=warmup + steps,
-                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator="auto", devices=1, strategy="fsdp2", precision=precision,
+                         max_steps=warmup + steps,
+                         callbacks=callbacks, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     model = LlamaLM(**m, max_seq_len=seq)
     data = MarkovDataModule(vocab_size=m["vocab_size"], seq_len=seq, batch_size=batch,
@@ -96,13 +102,17 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, steps: int |
     precision = precision or ("bf16-mixed" if gpu else "32-true")
     names = [n for n in CONTENDERS if not contenders or n in contenders]
     config = {"contenders": names, "sizes": sizes, "steps": steps, "warmup": warmup, "precision": precision,
-              "quick": quick, "strategy": "fsdp2 on one device", "reported": "cumulative over the measured steps",
+              "quick": quick, "strategy": "fsdp2 on one device",
+              "reported": "cumulative over the measured steps",
               "torchtitan_formula": "6 * N_non_embedding + 12 * L * H * Q * T FLOPs per token"}
     result = common.header("mfu", config)
     cases = []
     for size in sizes:
         batch = max(1, common.size_config(size)["global_batch"] // 2)
-        case = {"size": size, "contenders": {n: _one_run(n, size, steps, warmup, precision, batch) for n in names}}
+        case = {
+            "size": size,
+            "contenders": {n: _one_run(n, size, steps, warmup, precision, batch) for n in names},
+        }
         cases.append(case)
     result["cases"] = cases
     summary = []
@@ -110,7 +120,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, steps: int |
         for name, rec in case["contenders"].items():
             if rec.get("counted_model_flops_per_batch"):
                 summary.append({"size": case["size"], "ratio": f"{name}: counted / torchtitan FLOPs",
-                                "value": rec["counted_model_flops_per_batch"] / rec["torchtitan_flops_per_batch"]})
+                                "value": rec["counted_model_flops_per_batch"]
+                                / rec["torchtitan_flops_per_batch"]})
             for key in ("mfu", "torchtitan_mfu", "hfu", "tflops_per_device"):
                 if rec.get(key) is not None:
                     summary.append({"size": case["size"], "ratio": f"{name}: {key}", "value": rec[key]})
@@ -129,7 +140,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax = axes[0][col]
         names = list(case["contenders"])
         has_peak = any(r.get("mfu") is not None for r in case["contenders"].values())
-        keys = (("mfu", "MFU (FlopCounterMode)"), ("torchtitan_mfu", "MFU (torchtitan formula)"), ("hfu", "HFU")) \
+        keys = (("mfu", "MFU (FlopCounterMode)"), ("torchtitan_mfu", "MFU (torchtitan formula)"),
+                ("hfu", "HFU")) \
             if has_peak else (("tflops_per_device", "TFLOPS (FlopCounterMode)"),
                               ("torchtitan_tflops_per_device", "TFLOPS (torchtitan formula)"))
         width = 0.8 / len(keys)
@@ -142,7 +154,10 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         params = next(iter(case["contenders"].values()))["params"]
         ax.set_title(f"{case['size']} ({params / 1e6:.1f}M params)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"MFU of the example with fsdp2 on {result['device_name']} ({result['config']['precision']})", fontsize=9)
+    fig.suptitle(
+        f"MFU of the example with fsdp2 on {result['device_name']} ({result['config']['precision']})",
+        fontsize=9,
+    )
     return common.save_figure(fig, path)
 
 

@@ -1,4 +1,5 @@
-"""sac suite: activation memory kept for backward against step time -- checkpointing modes, ``budget``, offload.
+"""sac suite: activation memory kept for backward against step time -- checkpointing modes, ``budget``,
+offload.
 
 Contenders, side by side in one process on the same weights and batch (the example Llama, and a Hugging Face
 ``LlamaForCausalLM`` from a random config): ``none``; the fixed modes ``full``, ``selective_op`` (matmul +
@@ -72,14 +73,19 @@ CONTENDERS: dict[str, dict[str, Any]] = {
 #: the fixed modes that ``budget@<mode>`` is compared with at equal kept bytes
 MATCHED = ("selective_op", "selective_layer")
 
-#: this suite's own models (any name of ``common.SIZES`` is the example Llama at that size, half its global batch)
+#: this suite's own models (any name of ``common.SIZES`` is the example Llama at that size, half its global
+#: batch)
 SIZES: dict[str, dict[str, Any]] = {
-    "example-384": {"family": "example", "model": {"vocab_size": 1024, "dim": 384, "n_layers": 4, "n_heads": 6,
-                                                   "n_kv_heads": 3, "mlp_hidden": 1024}, "seq_len": 256, "batch": 2},
-    "hf-llama-384": {"family": "hf_llama", "model": {"vocab_size": 1024, "hidden_size": 384, "intermediate_size": 1024,
+    "example-384": {"family": "example",
+                    "model": {"vocab_size": 1024, "dim": 384, "n_layers": 4, "n_heads": 6,
+                                                   "n_kv_heads": 3, "mlp_hidden": 1024}, "seq_len": 256,
+                                                   "batch": 2},
+    "hf-llama-384": {"family": "hf_llama",
+                     "model": {"vocab_size": 1024, "hidden_size": 384, "intermediate_size": 1024,
                                                      "num_hidden_layers": 4, "num_attention_heads": 6,
                                                      "num_key_value_heads": 3}, "seq_len": 256, "batch": 2},
-    "hf-llama-tiny": {"family": "hf_llama", "model": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+    "hf-llama-tiny": {"family": "hf_llama",
+                      "model": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "num_key_value_heads": 2}, "seq_len": 32, "batch": 4},
     "hf-llama-350m": {"family": "hf_llama", "model": {"vocab_size": 2048, "hidden_size": 1024,
@@ -93,21 +99,28 @@ def _spec(size: str) -> dict[str, Any]:
     if size in SIZES:
         return SIZES[size]
     if size not in common.SIZES:
-        raise ValueError(f"--sizes: unknown size {size!r} for the sac suite. Fix: choose from {sorted(SIZES)} (this "
-                         f"suite's models) or {sorted(common.SIZES)} (the example).")
+        raise ValueError(
+            f"--sizes: unknown size {size!r} for the sac suite. Fix: choose from {sorted(SIZES)} (this "
+            f"suite's models) or {sorted(common.SIZES)} (the example)."
+        )
     cfg = common.size_config(size)  # the example at a runner size: its model, half its global batch
     m = dict(cfg["model"])
     m["n_kv_heads"] = m.get("n_kv_heads") or m["n_heads"]
     m["mlp_hidden"] = m.get("mlp_hidden") or int(8 * m["dim"] / 3 / 64 + 0.999) * 64
-    return {"family": "example", "model": m, "seq_len": cfg["seq_len"], "batch": max(1, cfg["global_batch"] // 2)}
+    return {"family": "example", "model": m, "seq_len": cfg["seq_len"],
+            "batch": max(1, cfg["global_batch"] // 2)}
 
 
-def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Callable[[Any, torch.Tensor], Any]]:
+def _build(
+    spec: dict[str, Any], device: torch.device
+) -> tuple[torch.nn.Module, Callable[[Any, torch.Tensor], Any]]:
     """The model (seed 0) and how to get its logits from input ids."""
     torch.manual_seed(0)
     m, seq = spec["model"], spec["seq_len"]
     if spec["family"] == "example":
-        model = Llama(m["vocab_size"], m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["mlp_hidden"], seq)
+        model = Llama(
+            m["vocab_size"], m["dim"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["mlp_hidden"], seq
+        )
         return model.to(device), lambda mod, x: mod(x)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -115,8 +128,8 @@ def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module,
     return LlamaForCausalLM(config).to(device), lambda mod, x: mod(input_ids=x).logits
 
 
-def _loss(logits_of: Callable[[Any, torch.Tensor], Any], model: torch.nn.Module, tokens: torch.Tensor, vocab: int,
-          bf16: bool) -> torch.Tensor:
+def _loss(logits_of: Callable[[Any, torch.Tensor], Any], model: torch.nn.Module, tokens: torch.Tensor,
+          vocab: int, bf16: bool) -> torch.Tensor:
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = logits_of(model, tokens[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
@@ -158,8 +171,8 @@ CUDA_GRAD_RTOL = 1e-5
 
 def _grad_check(name: str, grads: list[torch.Tensor | None], ref: list[torch.Tensor | None],
                 names: list[str]) -> dict[str, Any]:
-    """Equality with ``none``'s gradients (bitwise on a CPU, within ``CUDA_GRAD_RTOL`` of each tensor's largest
-    entry on CUDA); raises (the suite stops) on the first that differs."""
+    """Equality with ``none``'s gradients (bitwise on a CPU, within ``CUDA_GRAD_RTOL`` of each tensor's
+    largest entry on CUDA); raises (the suite stops) on the first that differs."""
     worst = 0.0
     for pname, g, r in zip(names, grads, ref):
         cuda = g is not None and g.device.type == "cuda"
@@ -175,11 +188,14 @@ def _grad_check(name: str, grads: list[torch.Tensor | None], ref: list[torch.Ten
             ok = torch.equal(g, r)
         if not ok:
             diff = None if g is None or r is None else float((g - r).abs().max())
-            raise AssertionError(f"sac: contender {name!r}: the gradient of {pname} differs from none's (max abs "
-                                 f"difference {diff}): this configuration does not compute what no checkpointing "
-                                 "computes, so its figures would be meaningless.")
+            raise AssertionError(
+                f"sac: contender {name!r}: the gradient of {pname} differs from none's (max abs "
+                f"difference {diff}): this configuration does not compute what no checkpointing "
+                "computes, so its figures would be meaningless."
+            )
     cuda = any(g is not None and g.device.type == "cuda" for g in grads)
-    compared = (f"max |diff| <= {CUDA_GRAD_RTOL:g} x the tensor's largest |entry| (CUDA atomics), every parameter"
+    compared = (f"max |diff| <= {CUDA_GRAD_RTOL:g} x the tensor's "
+                "largest |entry| (CUDA atomics), every parameter"
                 if cuda else "torch.equal, fp32, every parameter")
     return {"equal_to_none": True, "compared": compared, "params": len(names),
             "max_relative_difference": worst if cuda else 0.0}
@@ -203,10 +219,10 @@ def _planning(planner: BudgetPlanner | None) -> Iterator[None]:
         yield
 
 
-def _measure(name: str, opts: dict[str, Any], base: torch.nn.Module, step: dict[str, Any], budget: float | None,
-             ref: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Prepare one contender, run ``budget``'s planning steps, then measure one step: kept bytes (and offloaded
-    bytes, peak CUDA), gradients against ``none``'s, FLOPs."""
+def _measure(name: str, opts: dict[str, Any], base: torch.nn.Module, step: dict[str, Any],
+             budget: float | None, ref: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Prepare one contender, run ``budget``'s planning steps, then measure one step: kept bytes (and
+    offloaded bytes, peak CUDA), gradients against ``none``'s, FLOPs."""
     device, tokens, vocab, bf16 = step["device"], step["tokens"], step["vocab"], step["bf16"]
     logits_of = step["logits_of"]
     model, planner, stats = _prepare(name, opts, base, budget, step["offload_min_bytes"])
@@ -251,9 +267,9 @@ def _measure(name: str, opts: dict[str, Any], base: torch.nn.Module, step: dict[
                    "recompute_overhead": flops.hardware / flops.model - 1})
     if planner is not None:
         report = planner.report()
-        record["budget"] = {k: report.get(k) for k in ("memory_budget", "none_bytes", "floor_bytes", "predicted_bytes",
-                                                       "measured_bytes", "recompute_flops", "full_recompute_flops",
-                                                       "kept_calls")}
+        record["budget"] = {k: report.get(k) for k in ("memory_budget", "none_bytes", "floor_bytes",
+                                                       "predicted_bytes", "measured_bytes", "recompute_flops",
+                                                       "full_recompute_flops", "kept_calls")}
     return model, record
 
 
@@ -267,7 +283,9 @@ def _derive(case: dict[str, Any]) -> None:
         return
     steps = len(base["step_s"]) // max(1, case["reps"])
     for rec in recs.values():
-        rec["rep_medians_s"] = [statistics.median(rec["step_s"][i:i + steps]) for i in range(0, len(rec["step_s"]), steps)]
+        rec["rep_medians_s"] = [
+            statistics.median(rec["step_s"][i : i + steps]) for i in range(0, len(rec["step_s"]), steps)
+        ]
     base_extra = base["hardware_flops"] - base["model_flops"]
     for name, rec in recs.items():
         rec["kept_vs_none"] = rec["kept_bytes"] / base["kept_bytes"]
@@ -309,12 +327,13 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
         contenders: list[str] | None = None, offload_min_bytes: int | None = None, note: str | None = None,
         threads: int | None = None, **_: Any) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
-    # SavedBytes.alive() runs gc.collect() (several times per budget contender): leave the objects of the imports
-    # (torch, Lightning, transformers) out of every collection -- seconds per run on a small CPU
+    # SavedBytes.alive() runs gc.collect() (several times per budget contender): leave the objects of the
+    # imports (torch, Lightning, transformers) out of every collection -- seconds per run on a small CPU
     from transformers import LlamaForCausalLM  # noqa: F401  (imported before the freeze)
 
     gc.freeze()
-    if not gpu:  # one intra-op thread: on a small shared CPU, spinning OpenMP threads make tiny ops 10-100x slower
+    # one intra-op thread: on a small shared CPU, spinning OpenMP threads make tiny ops 10-100x slower
+    if not gpu:
         torch.set_num_threads(threads or 1)
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     sizes = common.pick(sizes, quick, ["tiny", "hf-llama-tiny"],
@@ -329,19 +348,24 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
     if contenders and not names:
         raise ValueError(f"--contenders {' '.join(contenders)}: none of them is in the sac suite. "
                          f"Fix: choose from {list(CONTENDERS)}.")
-    config = {"contenders": {n: CONTENDERS[n] for n in names}, "sizes": {s: _spec(s) for s in sizes}, "reps": reps,
-              "steps": steps, "warmup": warmup, "precision": precision, "quick": quick,
+    config = {"contenders": {n: CONTENDERS[n] for n in names}, "sizes": {s: _spec(s) for s in sizes},
+              "reps": reps, "steps": steps, "warmup": warmup, "precision": precision, "quick": quick,
               "offload_min_bytes": offload_min_bytes, "torch_threads": torch.get_num_threads(),
-              "kept_bytes": "storages created in forward still alive after it (weights excluded), on a step after "
+              "kept_bytes": "storages created in forward still alive "
+                            "after it (weights excluded), on a step after "
                             "budget's two planning steps",
-              "recompute_flops": "hardware - model FLOPs of one step (count_step_flops) less none's (the attention "
+              "recompute_flops": "hardware - model FLOPs of one step "
+                                 "(count_step_flops) less none's (the attention "
                                  "scores every SDPA backward recomputes)",
-              "memory_saved_pct_per_pct_time_lost": "(1 - kept on device / none) x 100 over the step-time overhead "
+              "memory_saved_pct_per_pct_time_lost": "(1 - kept on device / none) x "
+                                                    "100 over the step-time overhead "
                                                     "in %; None where no step time is lost",
               "budget_met": "kept bytes <= memory_budget x none's kept bytes x 1.05",
-              "budget_at": "budget@<mode>: memory_budget = <mode>'s kept bytes / none's, rounded up at 1e-6 (the "
+              "budget_at": "budget@<mode>: memory_budget = <mode>'s "
+                           "kept bytes / none's, rounded up at 1e-6 (the "
                            "planner compares floats: exactly the fraction can miss the same set by rounding)",
-              "step": "forward + backward of one batch, one process; after warmup steps each, the contenders take "
+              "step": "forward + backward of one batch, one process; "
+                      "after warmup steps each, the contenders take "
                       "one step each in turn (reps x steps cycles, the starting contender rotating)",
               "time_vs_none": "median over cycles of a contender's step time / none's in the same cycle"}
     result = common.header("sac", config)
@@ -356,9 +380,10 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
                                generator=torch.Generator(device=device).manual_seed(1))
         step = {"device": device, "tokens": tokens, "vocab": vocab, "bf16": bf16, "logits_of": logits_of,
                 "offload_min_bytes": offload_min_bytes}
-        case: dict[str, Any] = {"size": size, "family": spec["family"], "params": sum(p.numel() for p in base.parameters()),
-                                "batch": spec["batch"], "seq_len": spec["seq_len"], "reps": reps, "contenders": {}, "skipped": {},
-                                "failed": {}}
+        case: dict[str, Any] = {"size": size, "family": spec["family"],
+                                "params": sum(p.numel() for p in base.parameters()),
+                                "batch": spec["batch"], "seq_len": spec["seq_len"], "reps": reps,
+                                "contenders": {}, "skipped": {}, "failed": {}}
         models, ref = {}, {}
         for name in names:
             opts = CONTENDERS[name]
@@ -368,26 +393,31 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
                 if match not in case["contenders"] or "none" not in case["contenders"]:
                     case["skipped"][name] = f"needs the contenders none and {match} measured first"
                     continue
-                # rounded up at 1e-6 of none: exactly the fraction can miss the very same set by float rounding
+                # rounded up at 1e-6 of none: exactly the fraction can miss the very same set by float
+                # rounding
                 budget = math.ceil(1e6 * case["contenders"][match]["kept_bytes"]
                                    / case["contenders"]["none"]["kept_bytes"]) / 1e6
             if name != "none" and "grads" not in ref:
-                raise ValueError(f"sac: contender {name!r} is compared with none's gradients. Fix: keep none in "
-                                 "--contenders.")
+                raise ValueError(
+                    f"sac: contender {name!r} is compared with none's gradients. Fix: keep none in "
+                    "--contenders."
+                )
             try:
                 models[name], case["contenders"][name] = _measure(name, opts, base, step, budget, ref)
             except BudgetNotMetError as err:
                 case["skipped"][name] = str(err)
             except AssertionError:
                 raise  # gradients differ from none's: stop, nothing here may be reported as measured
-            except Exception as err:  # a configuration that does not run is reported, the others still measured
+            # a configuration that does not run is reported, the others still measured
+            except Exception as err:
                 case["failed"][name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         ref.clear()
         for model in models.values():
             for _ in range(warmup):
                 _timed_step(model, step)
         order = list(models)
-        for cycle in range(reps * steps):  # interleaved step by step (A B C, B C A, ...): a slow phase hits all alike
+        # interleaved step by step (A B C, B C A, ...): a slow phase hits all alike
+        for cycle in range(reps * steps):
             for name in order[cycle % len(order):] + order[:cycle % len(order)]:
                 case["contenders"][name]["step_s"].append(_timed_step(models[name], step))
         _derive(case)
@@ -405,14 +435,15 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, reps: int | 
 
 
 def summary(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The targets: each ``budget`` met (measured / target <= 1.05), and ``budget`` against the fixed mode with
-    the same kept bytes (recomputed GFLOP, fixed -> budget)."""
+    """The targets: each ``budget`` met (measured / target <= 1.05), and ``budget`` against the fixed mode
+    with the same kept bytes (recomputed GFLOP, fixed -> budget)."""
     rows: list[dict[str, Any]] = []
     for c in cases:
         for name, rec in c["contenders"].items():
             b = rec.get("budget")
             if b:
-                rows.append({"size": c["size"], "ratio": f"{name}: kept / target ({b['memory_budget']:.3f} x none)",
+                rows.append({"size": c["size"],
+                             "ratio": f"{name}: kept / target ({b['memory_budget']:.3f} x none)",
                              "value": b["measured_over_target"], "target": 1.05, "met": b["met"]})
         for cmp in c.get("equal_bytes", []):
             f, b = (x / 1e9 for x in cmp["recompute_flops"])
@@ -420,42 +451,58 @@ def summary(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                      f"{cmp['fixed']} -> {cmp['budget']}",
                          "value": f"{f:.3g} -> {b:.3g}", "met": cmp["budget_recomputes_at_most"]})
         for name, reason in c.get("skipped", {}).items():
-            rows.append({"size": c["size"], "ratio": f"{name}: skipped", "value": reason.split(". Fix")[0][-120:]})
+            rows.append(
+                {"size": c["size"], "ratio": f"{name}: skipped", "value": reason.split(". Fix")[0][-120:]}
+            )
         for name, error in c.get("failed", {}).items():
             rows.append({"size": c["size"], "ratio": f"{name}: FAILED", "value": error[:160], "met": False})
     return rows
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
-    """Per model: one row per contender (the suite's table, printed by the suite and rendered on the docs site)."""
+    """Per model: one row per contender (the suite's table, printed by the suite and rendered on the docs
+    site)."""
     out: list[str] = []
     for c in result.get("cases", []):
         recs = c["contenders"]
-        out += [f"`{c['size']}` ({c['family']}, {c['params'] / 1e6:.2f}M params, batch {c['batch']} x {c['seq_len']} "
-                f"tokens; kept bytes of `none`: {recs['none']['kept_bytes'] / 2**20:.1f} MiB)" if "none" in recs
+        out += [f"`{c['size']}` ({c['family']}, {c['params'] / 1e6:.2f}M "
+                f"params, batch {c['batch']} x {c['seq_len']} "
+                f"tokens; kept bytes of `none`: {recs['none']['kept_bytes'] / 2**20:.1f} MiB)"
+                    if "none" in recs
                 else f"`{c['size']}`", "",
                 "| contender | kept MiB | kept / none | on device / none | step ms | step time vs none | "
-                "recompute GFLOP | % memory saved per % time lost | budget: target -> predicted, measured / target | "
+                "recompute GFLOP | % memory saved per % time lost "
+                "| budget: target -> predicted, measured / target | "
                 "grads = none |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for name, rec in recs.items():
             b = rec.get("budget")
             per = rec.get("memory_saved_pct_per_pct_time_lost")
-            budget_cell = (f"{b['memory_budget']:.3f} -> {b['predicted_bytes'] / max(b['none_bytes'], 1):.3f}, "
-                           f"**{b['measured_over_target']:.3f}**{'' if b['met'] else ' (missed)'}") if b else "-"
+            budget_cell = (
+                (
+                    f"{b['memory_budget']:.3f} -> {b['predicted_bytes'] / max(b['none_bytes'], 1):.3f}, "
+                    f"**{b['measured_over_target']:.3f}**{'' if b['met'] else ' (missed)'}"
+                )
+                if b
+                else "-"
+            )
             grads = rec.get("gradients", {})
+            grads_cell = "reference" if grads.get("reference") else (
+                "bitwise" if grads.get("equal_to_none") else "?")
             out.append(
                 f"| `{name}` | {rec['kept_bytes'] / 2**20:.1f} | {rec.get('kept_vs_none', 0):.3f} | "
                 f"{rec.get('kept_on_device_vs_none', 0):.3f} | {rec['median_step_s'] * 1e3:.1f} | "
                 f"{rec.get('time_overhead_pct', 0):+.1f}% | {rec.get('recompute_flops', 0) / 1e9:.3g} | "
                 f"{'-' if per is None else f'{per:.2f}'} | {budget_cell} | "
-                f"{'reference' if grads.get('reference') else ('bitwise' if grads.get('equal_to_none') else '?')} |")
+                f"{grads_cell} |")
         out.append("")
         for cmp in c.get("equal_bytes", []):
             f, b = (x / 1e9 for x in cmp["recompute_flops"])
-            out.append(f"- equal bytes: `{cmp['fixed']}` keeps {cmp['kept_vs_none'][0]:.3f} and recomputes {f:.3g} "
-                       f"GFLOP; `{cmp['budget']}` keeps {cmp['kept_vs_none'][1]:.3f} and recomputes {b:.3g} GFLOP "
-                       f"(step time {cmp['time_vs_none'][0]:.3f} vs {cmp['time_vs_none'][1]:.3f} of none).")
+            out.append(
+                f"- equal bytes: `{cmp['fixed']}` keeps {cmp['kept_vs_none'][0]:.3f} and recomputes {f:.3g} "
+                f"GFLOP; `{cmp['budget']}` keeps {cmp['kept_vs_none'][1]:.3f} and recomputes {b:.3g} GFLOP "
+                f"(step time {cmp['time_vs_none'][0]:.3f} vs {cmp['time_vs_none'][1]:.3f} of none)."
+            )
         for name, reason in c.get("skipped", {}).items():
             out.append(f"- `{name}` skipped: {reason}")
         for name, error in c.get("failed", {}).items():
@@ -484,14 +531,15 @@ def plot(result: dict[str, Any], path: Path) -> Path:
                 label += f" (target {rec['budget']['memory_budget']:.2f})"
             if offload:
                 label += " [device bytes]"
-            ax.annotate(label, (rec["time_overhead_pct"], y), xytext=(4, 3 - 9 * (i % 2)), textcoords="offset points",
-                        fontsize=7,
+            ax.annotate(label, (rec["time_overhead_pct"], y), xytext=(4, 3 - 9 * (i % 2)),
+                        textcoords="offset points", fontsize=7,
                         color=color)
         ax.axvline(0, color="grey", lw=0.5)
         ax.set_xlabel("step time over none (%), median")
         ax.set_ylabel("activation bytes kept for backward / none")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{case['size']} ({case['family']}, {case['params'] / 1e6:.1f}M params, batch {case['batch']}x"
+        ax.set_title(f"{case['size']} ({case['family']}, "
+                     f"{case['params'] / 1e6:.1f}M params, batch {case['batch']}x"
                      f"{case['seq_len']})", fontsize=9)
         ax = axes[1][col]
         names = [n for n in recs if "recompute_flops" in recs[n]]
@@ -500,14 +548,16 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("recomputed GFLOP per step (hardware - model, less none's)")
         ax.tick_params(axis="x", labelrotation=35, labelsize=7)
     fig.suptitle(f"activation checkpointing, budget and offload on {result['device_name']} "
-                 f"({result['config']['precision']}); offload: bytes left on the device (host copies excluded)",
+                 f"({result['config']['precision']}); offload: "
+                 "bytes left on the device (host copies excluded)",
                  fontsize=9)
     return common.save_figure(fig, path)
 
 
 def _options(parser: Any) -> None:
     parser.add_argument("--offload-min-bytes", type=int, default=None,
-                        help="saved tensors smaller than this stay on the device (default: 1 MiB on GPUs, 0 on CPU)")
+                        help="saved tensors smaller than this stay on the "
+                             "device (default: 1 MiB on GPUs, 0 on CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default 1)")
     parser.add_argument("--note", default=None, help="appended to the result's note (e.g. what else ran)")
 

@@ -87,7 +87,9 @@ def _worker(ns: argparse.Namespace) -> None:
             self.losses: list[float] = []
             self.t0 = self.t1 = 0.0
 
-        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
+        ) -> None:
             if trainer.global_step == warmup:
                 normal = torch.tensor([_median(self.step_ends)], dtype=torch.float64)
                 dist.all_reduce(normal, op=dist.ReduceOp.MAX)  # one agreed stall length on every rank
@@ -114,10 +116,11 @@ def _worker(ns: argparse.Namespace) -> None:
     if ns.contender in ("sync_ddp", "clean_ddp", "clean_ddp_detector"):
         strategy: Any = "ddp"
     elif ns.contender in ("post_local_sgd", "clean_post_local_sgd"):
-        strategy = DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=ns.period, local_sgd_warmup=warmup,
-                                    local_group_size=1)
+        strategy = DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=ns.period,
+                                    local_sgd_warmup=warmup, local_group_size=1)
     else:
-        strategy = DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels=hierarchy_levels(ns.period, world),
+        strategy = DDPHooksStrategy(comm_hook="hierarchical_sgd",
+                                    hierarchy_levels=hierarchy_levels(ns.period, world),
                                     local_sgd_warmup=warmup, local_group_size=1)
     clock = Clock()
     callbacks: list[pl.Callback] = [clock]
@@ -131,7 +134,8 @@ def _worker(ns: argparse.Namespace) -> None:
     model = LlamaLM(**size["model"], max_seq_len=size["seq_len"], warmup_steps=2)
     data = MarkovDataModule(vocab_size=size["model"]["vocab_size"], seq_len=size["seq_len"],
                             batch_size=BATCH_PER_RANK, num_train=8192, num_val=256)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps,
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, callbacks=callbacks)
     trainer.fit(model, data)
@@ -172,7 +176,9 @@ def _median(values: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- model
-def predicted_speedup(p: float, factor: float, ranks: int, period: int, trials: int = 20000, seed: int = 0) -> float:
+def predicted_speedup(
+    p: float, factor: float, ranks: int, period: int, trials: int = 20000, seed: int = 0
+) -> float:
     """Expected sync-DDP time / local-SGD time under the stall model (Monte Carlo; compute time 1 per step).
 
     Synchronous: every step waits for the slowest rank. Local SGD with a global sync every ``period``
@@ -229,12 +235,13 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     flakes: list[str] = []
 
     def run_one(name: str, rep: int) -> dict[str, Any]:
-        args = ["--worker", "--contender", name, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
-                "--p", str(p), "--factor", str(factor), "--seed", str(rep), "--stall-s", str(stall_by_round.get(rep, 0)),
-                "--period", str(period), "--stall-kind", stall_kind]
+        args = ["--worker", "--contender", name, "--size", size, "--steps", str(steps), "--warmup",
+                str(warmup), "--p", str(p), "--factor", str(factor), "--seed", str(rep), "--stall-s",
+                str(stall_by_round.get(rep, 0)), "--period", str(period), "--stall-kind", stall_kind]
         try:
             out = common.run_worker(Path(__file__).resolve(), n, args, timeout=1200)
-        except common.WorkerError as exc:  # a job killed by a signal on the shared machine: one retry, recorded
+        # a job killed by a signal on the shared machine: one retry, recorded
+        except common.WorkerError as exc:
             flakes.append(f"{name} round {rep}: {str(exc)[-400:]}")
             out = common.run_worker(Path(__file__).resolve(), n, args, timeout=1200)
         if name == "clean_ddp":
@@ -273,7 +280,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                         "met": None if not loss_rel else (common.median(loss_rel) or 0) <= 0.02})
     if per.get("clean_ddp", {}).get("runs") and per.get("clean_post_local_sgd", {}).get("runs"):
         ratio = common.paired_ratio(per["clean_post_local_sgd"]["elapsed_s"], per["clean_ddp"]["elapsed_s"])
-        summary.append({"ratio": "clean_post_local_sgd/clean_ddp time (no stalls: the all-reduce saving alone)",
+        summary.append({"ratio": "clean_post_local_sgd/clean_ddp time "
+                                 "(no stalls: the all-reduce saving alone)",
                         "value": ratio["value"], "per_round": ratio["per_round"], "target": None, "met": None,
                         "throughput_x": None if not ratio["value"] else 1 / ratio["value"]})
     if per.get("clean_ddp", {}).get("runs") and per.get("clean_ddp_detector", {}).get("runs"):
@@ -283,7 +291,8 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                         "value": None if ratio["value"] is None else ratio["value"] - 1,
                         "per_round": [x - 1 for x in ratio["per_round"]], "target": 0.01,
                         "met": None if ratio["value"] is None else ratio["value"] - 1 <= 0.01})
-        summary.append({"ratio": "detector own wall time / train time (hooks + gathers, incl. waiting for a core)",
+        summary.append({"ratio": "detector own wall time / train time "
+                                 "(hooks + gathers, incl. waiting for a core)",
                         "value": common.median(own), "per_round": own, "target": 0.01,
                         "met": (common.median(own) or 1) <= 0.01})
         cpu = [r["detector"]["detector_cpu_frac"] for r in per["clean_ddp_detector"]["runs"]]
@@ -296,12 +305,15 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     result["model_prediction"] = {
         "post_local_sgd_upper_bound": predicted_speedup(p, factor, n, period),
         "infinite_period_upper_bound": (1 + (factor - 1) * (1 - (1 - p) ** n)) / (1 + (factor - 1) * p),
-        "upper_bound_by_ranks_period_8_16_32": {r: [predicted_speedup(p, factor, r, q, trials=4000) for q in (8, 16, 32)]
-                                                 for r in (4, 16, 64, 256)},
-        "note": "Monte Carlo of the stall model with free communication and no CPU sharing: the most a local-SGD "
-                "global period can gain by hiding stalls (a synchronous step waits for any stalled rank, a local "
-                "window only for the rank with the most stall time in it). The gain grows with the rank count: "
-                "the blog's 2.08-3.25x were at 64-256 GPUs, where almost every synchronous step holds a stall.",
+        "upper_bound_by_ranks_period_8_16_32": {
+            r: [predicted_speedup(p, factor, r, q, trials=4000) for q in (8, 16, 32)]
+            for r in (4, 16, 64, 256)
+        },
+        "note": "Monte Carlo of the stall model with free "
+        "communication and no CPU sharing: the most a local-SGD "
+        "global period can gain by hiding stalls (a synchronous step waits for any stalled rank, a local "
+        "window only for the rank with the most stall time in it). The gain grows with the rank count: "
+        "the blog's 2.08-3.25x were at 64-256 GPUs, where almost every synchronous step holds a stall.",
     }
     path = common.write_result(SUITE if n == RANKS else f"{SUITE}_{n}ranks", result, Path(out_dir))
     result["json_path"] = str(path)
@@ -314,9 +326,14 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
     per = result["contenders"]
     names = [n for n in per if per[n]["runs"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "samples_per_s", "throughput (samples/s)"), (axes[1], "val_loss", "final val loss")):
-        common.bars_with_points(ax, names, [common.median(per[n][key]) for n in names], [per[n][key] for n in names],
-                                ["C1" if n in STALLED else "C0" for n in names], ylabel=label, rotation=20, fontsize=8)
+    for ax, key, label in (
+        (axes[0], "samples_per_s", "throughput (samples/s)"),
+        (axes[1], "val_loss", "final val loss"),
+    ):
+        common.bars_with_points(ax, names, [common.median(per[n][key]) for n in names],
+                                [per[n][key] for n in names],
+                                ["C1" if n in STALLED else "C0" for n in names], ylabel=label, rotation=20,
+                                fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"straggler: {cfg['ranks']} ranks, stalls p={cfg['stall_probability_per_rank_step']} x"
                  f"{cfg['stall_factor']} step, {cfg['steps']} steps, {result['device_name']}", fontsize=9)
@@ -325,8 +342,10 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int), ("--warmup", int),
-                                     ("--p", float), ("--factor", float), ("--seed", int), ("--stall-s", float),
+        _worker(common.parse_worker_args((("--contender", str), ("--size", str), ("--steps", int),
+                                          ("--warmup", int),
+                                     ("--p", float), ("--factor", float), ("--seed", int),
+                                     ("--stall-s", float),
                                      ("--out", str), ("--period", int), ("--stall-kind", str))))
     else:
         common.suite_main(run, __doc__ or "", add_options=_add_options)

@@ -53,20 +53,25 @@ def parse_args(contenders: tuple[str, ...]) -> argparse.Namespace:
                              "writes <out>.profile-<kind>.txt. Off in benchmark runs.")
     # variants of a contender (benchmarks/gpu.py); off in the timing suites
     parser.add_argument("--compile-blocks", action="store_true",
-                        help="torch.compile each TransformerBlock before sharding it (fsdp2/hsdp and the plain FSDP2 loops)")
+                        help="torch.compile each TransformerBlock before "
+                             "sharding it (fsdp2/hsdp and the plain FSDP2 loops)")
     parser.add_argument("--compile-backend", default=None,
-                        help="torch.compile backend for --compile-blocks (default: inductor; 'aot_eager' on CPU smoke runs)")
+                        help="torch.compile backend for --compile-blocks "
+                             "(default: inductor; 'aot_eager' on CPU smoke runs)")
     parser.add_argument("--cpu-offload", action="store_true",
-                        help="keep sharded parameters, gradients and optimizer state on the CPU (FSDP contenders)")
+                        help="keep sharded parameters, gradients and "
+                             "optimizer state on the CPU (FSDP contenders)")
     parser.add_argument("--accumulate", type=int, default=1,
-                        help="accumulate_grad_batches (Lightning contenders); --steps / --warmup count micro-batches, "
+                        help="accumulate_grad_batches (Lightning contenders); "
+                             "--steps / --warmup count micro-batches, "
                              "and the gradient bytes each rank holds after every backward are recorded")
     parser.add_argument("--accumulation", choices=("sharded", "no_sync"), default=None,
                         help="FSDP2Strategy(accumulation=...) of fsdp2 / hsdp (default: the strategy's own)")
     parser.add_argument("--grad-bytes", action="store_true",
                         help="record the gradient bytes each backward leaves (also without --accumulate)")
     parser.add_argument("--mfu", action="store_true",
-                        help="add MFUMonitor (Lightning contenders) and record its MFU/HFU/TFLOPS of the measured steps")
+                        help="add MFUMonitor (Lightning contenders) and "
+                             "record its MFU/HFU/TFLOPS of the measured steps")
     args = parser.parse_args()
     args.model = json.loads(args.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,7 +123,8 @@ def adamw(model: torch.nn.Module, hp: dict[str, Any]) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": hp.get("weight_decay", 0.1)}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": hp.get("weight_decay", 0.1)},
+         {"params": no_decay, "weight_decay": 0.0}],
         lr=hp.get("lr", 3e-3), betas=(0.9, 0.95), foreach=True,
     )
 
@@ -160,7 +166,9 @@ class StepProfiler:
         if self.kind == "torch":
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            )
             self._prof = profile(activities=activities)
             self._prof.__enter__()
         elif self.kind == "python":
@@ -191,7 +199,9 @@ class StepProfiler:
         self._prof = None
 
 
-def memory_snapshot(module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
+def memory_snapshot(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> dict[str, Any]:
     """Bytes this rank holds (local shards only), measured with ``fsdp_strategies.testing``."""
     snap: dict[str, Any] = {
         "param_bytes": param_bytes(module),
@@ -205,7 +215,9 @@ def memory_snapshot(module: torch.nn.Module, optimizer: torch.optim.Optimizer, d
     return snap
 
 
-def finish(args: argparse.Namespace, clock: StepClock, memory: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+def finish(
+    args: argparse.Namespace, clock: StepClock, memory: dict[str, Any], extra: dict[str, Any] | None = None
+) -> None:
     """Gather every rank's record; rank 0 writes the worker's JSON result."""
     record = {"rank": dist.get_rank() if dist.is_initialized() else 0, "times_s": clock.times,
               "losses": clock.losses, "memory": memory}
@@ -218,7 +230,8 @@ def finish(args: argparse.Namespace, clock: StepClock, memory: dict[str, Any], e
         return
     records.sort(key=lambda r: r["rank"])
     n = min(len(r["times_s"]) for r in records)
-    per_step = [max(r["times_s"][i] for r in records) for i in range(n)]  # a step ends when the slowest rank does
+    # a step ends when the slowest rank does
+    per_step = [max(r["times_s"][i] for r in records) for i in range(n)]
     result = {
         "contender": args.contender,
         "world_size": args.world_size,

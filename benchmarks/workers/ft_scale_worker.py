@@ -1,31 +1,33 @@
-"""The processes of the ft_scale suite (``benchmarks/suites/ft_scale.py``): a lighthouse, simulated replica groups,
-and the launcher's supervision loop over their events files.
+"""The processes of the ft_scale suite (``benchmarks/suites/ft_scale.py``): a lighthouse, simulated replica
+groups, and the launcher's supervision loop over their events files.
 
     python ft_scale_worker.py lighthouse --addr-file F --min-replicas 1 --join-timeout-ms 1000 \\
         --quorum-tick-ms 100 --heartbeat-timeout-ms 2000
-    python ft_scale_worker.py groups --lighthouse http://host:port --groups 0,1,2 --events-dir D --step-s 0.1 \\
-        [--restart 0] [--heartbeat-ms 100] [--quorum-timeout-s 60]
+    python ft_scale_worker.py groups --lighthouse http://host:port --groups 0,1,2 --events-dir D \\
+        --step-s 0.1 [--restart 0] [--heartbeat-ms 100] [--quorum-timeout-s 60]
     python ft_scale_worker.py launcher --events-dir D --groups N --ready-file F --out F
 
-``lighthouse``: torchft's Rust lighthouse (``torchft._torchft.LighthouseServer``, what ``fsdp-strategies-ft`` starts,
-with its options) alone in this process, so its CPU time and memory can be read from ``/proc/<pid>``.
+``lighthouse``: torchft's Rust lighthouse (``torchft._torchft.LighthouseServer``, what ``fsdp-strategies-ft``
+starts, with its options) alone in this process, so its CPU time and memory can be read from ``/proc/<pid>``.
 
-``groups``: one thread per simulated replica group, each with its own ``ManagerServer`` (the Rust manager a real
-``torchft.Manager`` runs on its group's rank 0: it heartbeats to the lighthouse every ``--heartbeat-ms`` and
-forwards quorum requests) and a ``ManagerClient`` (what every rank of a real group calls), running ``ft_hsdp``'s
-per-step protocol with no model: ``_quorum`` (blocks until the lighthouse forms the step's quorum), the heal
-handshake when the quorum says so (``_checkpoint_metadata`` from the recovery source; the step jumps to the
-quorum's max step), ``--step-s`` of "training" (a sleep: forward, backward, all-reduce), ``should_commit``. Each
-step appends one line to ``<events-dir>/group<G>.jsonl`` in :class:`fsdp_strategies.ft.protocol.EventLog`'s step
-format (``t``, ``group``, ``step``, ``committed``, ``participants``, ``quorum_id``, ``healed``, ``quorum_s``,
-``commit_s``, ``step_s``) plus ``heal_s``, ``pid``, ``restart`` and ``error``; a ``started`` record carries the
-incarnation's replica id, and the ``--observer`` group's step records carry each new quorum's ``members``. Many groups share one process (threads:
-the Rust calls release the GIL), so 1,024 fit on a small machine. The module loads ``torchft/_torchft*.so`` by
-itself, without ``import torchft`` (which imports torch): a restarted group costs a process start, not a torch import.
+``groups``: one thread per simulated replica group, each with its own ``ManagerServer`` (the Rust manager a
+real ``torchft.Manager`` runs on its group's rank 0: it heartbeats to the lighthouse every ``--heartbeat-ms``
+and forwards quorum requests) and a ``ManagerClient`` (what every rank of a real group calls), running
+``ft_hsdp``'s per-step protocol with no model: ``_quorum`` (blocks until the lighthouse forms the step's
+quorum), the heal handshake when the quorum says so (``_checkpoint_metadata`` from the recovery source; the
+step jumps to the quorum's max step), ``--step-s`` of "training" (a sleep: forward, backward, all-reduce),
+``should_commit``. Each step appends one line to ``<events-dir>/group<G>.jsonl`` in
+:class:`fsdp_strategies.ft.protocol.EventLog`'s step format (``t``, ``group``, ``step``, ``committed``,
+``participants``, ``quorum_id``, ``healed``, ``quorum_s``, ``commit_s``, ``step_s``) plus ``heal_s``, ``pid``,
+``restart`` and ``error``; a ``started`` record carries the incarnation's replica id, and the ``--observer``
+group's step records carry each new quorum's ``members``. Many groups share one process (threads: the Rust
+calls release the GIL), so 1,024 fit on a small machine. The module loads ``torchft/_torchft*.so`` by itself,
+without ``import torchft`` (which imports torch): a restarted group costs a process start, not a torch import.
 
-``launcher``: the real :class:`fsdp_strategies.ft.launch.launcher.FTLauncher` for N groups, whose supervision pass (the
-concerns of its ``run`` loop: finished? exits? spares? faults?) runs every 50 ms over the groups' events files as
-they grow. Writes per-pass wall and CPU seconds and its own RSS over time to ``--out`` when it gets SIGTERM.
+``launcher``: the real :class:`fsdp_strategies.ft.launch.launcher.FTLauncher` for N groups, whose supervision
+pass (the concerns of its ``run`` loop: finished? exits? spares? faults?) runs every 50 ms over the groups'
+events files as they grow. Writes per-pass wall and CPU seconds and its own RSS over time to ``--out`` when it
+gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from typing import Any
 
 
 def torchft_core() -> Any:
-    """``torchft._torchft`` (the Rust extension) loaded from its file, without importing the torchft package."""
+    """``torchft._torchft`` (the Rust extension) loaded from its file, without importing the torchft
+    package."""
     if "torchft._torchft" in sys.modules:
         return sys.modules["torchft._torchft"]
     spec = importlib.util.find_spec("torchft")
@@ -65,8 +68,9 @@ def torchft_core() -> Any:
 # ---------------------------------------------------------------------------------------------- lighthouse
 def lighthouse_main(ns: argparse.Namespace) -> None:
     core = torchft_core()
-    server = core.LighthouseServer(bind="127.0.0.1:0", min_replicas=ns.min_replicas, join_timeout_ms=ns.join_timeout_ms,
-                                   quorum_tick_ms=ns.quorum_tick_ms, heartbeat_timeout_ms=ns.heartbeat_timeout_ms)
+    server = core.LighthouseServer(bind="127.0.0.1:0", min_replicas=ns.min_replicas,
+                                   join_timeout_ms=ns.join_timeout_ms, quorum_tick_ms=ns.quorum_tick_ms,
+                                   heartbeat_timeout_ms=ns.heartbeat_timeout_ms)
     port = int(server.address().rsplit(":", 1)[1])
     tmp = Path(f"{ns.addr_file}.tmp")
     tmp.write_text(f"http://127.0.0.1:{port}")
@@ -76,7 +80,8 @@ def lighthouse_main(ns: argparse.Namespace) -> None:
         time.sleep(3600)
 
 
-# ---------------------------------------------------------------------------------------------- simulated groups
+# ---------------------------------------------------------------------------------------------- simulated
+# groups
 def _participant(core: Any, gid: int, ns: argparse.Namespace, stop: threading.Event) -> None:
     connect = timedelta(seconds=10)
     quorum_timeout = timedelta(seconds=ns.quorum_timeout_s)
@@ -91,7 +96,8 @@ def _participant(core: Any, gid: int, ns: argparse.Namespace, stop: threading.Ev
         try:
             server = core.ManagerServer(replica_id=replica_id, lighthouse_addr=ns.lighthouse,
                                         hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="127.0.0.1:0",
-                                        world_size=1, heartbeat_interval=timedelta(milliseconds=ns.heartbeat_ms),
+                                        world_size=1,
+                                        heartbeat_interval=timedelta(milliseconds=ns.heartbeat_ms),
                                         connect_timeout=connect, quorum_retries=0)
             client = core.ManagerClient(server.address(), connect_timeout=connect)
         except Exception as exc:
@@ -102,10 +108,12 @@ def _participant(core: Any, gid: int, ns: argparse.Namespace, stop: threading.Ev
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
-                q = client._quorum(group_rank=0, step=step, checkpoint_metadata=f"sim:{gid}:{step}", shrink_only=False,
+                q = client._quorum(group_rank=0, step=step, checkpoint_metadata=f"sim:{gid}:{step}",
+                                   shrink_only=False,
                                    timeout=quorum_timeout, commit_failures=0, init_sync=True)
             except Exception as exc:
-                write({"error": f"quorum: {type(exc).__name__}: {exc}"[:300], "quorum_s": time.perf_counter() - t0})
+                write({"error": f"quorum: {type(exc).__name__}: {exc}"[:300],
+                       "quorum_s": time.perf_counter() - t0})
                 continue
             t_quorum = time.perf_counter()
             heal_s = None
@@ -128,9 +136,11 @@ def _participant(core: Any, gid: int, ns: argparse.Namespace, stop: threading.Ev
             if ok:
                 step += 1
             members = {}
-            if gid == ns.observer and q.quorum_id != last_quorum:  # one group records each new quorum's members
+            # one group records each new quorum's members
+            if gid == ns.observer and q.quorum_id != last_quorum:
                 members, last_quorum = {"members": list(q.replica_ids)}, q.quorum_id
-            write({"step": step, "committed": ok, "participants": q.replica_world_size, "quorum_id": q.quorum_id,
+            write({"step": step, "committed": ok, "participants": q.replica_world_size,
+                   "quorum_id": q.quorum_id,
                    "healed": bool(q.heal), "quorum_s": t_quorum - t0, "commit_s": done - t_commit,
                    "step_s": done - t0, "heal_s": heal_s, **members})
         server.shutdown()
@@ -154,9 +164,11 @@ def groups_main(ns: argparse.Namespace) -> None:
     os._exit(0)
 
 
-# ---------------------------------------------------------------------------------------------- the launcher's loop
+# ---------------------------------------------------------------------------------------------- the
+# launcher's loop
 class _Running:
-    """Stands in for a group's process: alive (the suite, not this launcher, kills and restarts the groups)."""
+    """Stands in for a group's process: alive (the suite, not this launcher, kills and restarts the
+    groups)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -224,7 +236,9 @@ def main() -> None:
     gr.add_argument("--restart", type=int, default=0)
     gr.add_argument("--heartbeat-ms", type=int, default=100)
     gr.add_argument("--quorum-timeout-s", type=float, default=60.0)
-    gr.add_argument("--observer", type=int, default=-1, help="this group records every new quorum's replica ids")
+    gr.add_argument(
+        "--observer", type=int, default=-1, help="this group records every new quorum's replica ids"
+    )
     la = sub.add_parser("launcher")
     la.add_argument("--events-dir", required=True)
     la.add_argument("--groups", type=int, required=True)

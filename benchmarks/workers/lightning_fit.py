@@ -46,7 +46,8 @@ CONTENDERS = ("fsdp2", "fsdp2_no_autocast", "fsdp2_hang_watchdog", "hsdp", "ddp_
 
 
 class HandShardedLlamaLM(LlamaLM):
-    """What a user of Lightning's ``ModelParallelStrategy`` writes: ``fully_shard`` per block, then the model."""
+    """What a user of Lightning's ``ModelParallelStrategy`` writes: ``fully_shard`` per block, then the
+    model."""
 
     @override
     def configure_model(self) -> None:
@@ -70,8 +71,9 @@ class StepTimer(Callback):
         self.mfu = mfu  # an MFUMonitor placed after this callback (--mfu), read at the end
         self.clock: _shared.StepClock | None = None
         self.profiler = _shared.StepProfiler(args.profile, args.out)
-        # --accumulate > 1: after every backward, the bytes of this rank's local ``.grad`` tensors (FSDP2 without
-        # gradient sync keeps unsharded gradients outside ``.grad``: the device's allocated bytes show those)
+        # --accumulate > 1: after every backward, the bytes of this rank's local ``.grad`` tensors (FSDP2
+        # without gradient sync keeps unsharded gradients outside ``.grad``: the device's allocated bytes show
+        # those)
         self.grad_bytes_held: list[int] = []
         self.allocated_after_backward: list[int] = []
         self.fsdp_grad_bytes: list[dict[str, int]] = []  # FSDP2's own state after every backward, by kind
@@ -90,7 +92,9 @@ class StepTimer(Callback):
                 self.fsdp_grad_bytes.append(fsdp_gradient_bytes(pl_module))
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.clock is None:
             self.clock = _shared.StepClock(pl_module.device)
             self.clock.start()
@@ -179,13 +183,15 @@ def make_strategy(args: Any) -> Any:
         return fsdp_strategies.FSDP2Strategy(block_class_names=blocks, autocast=False, **variant)
     if args.contender == "hsdp":
         return fsdp_strategies.HSDPStrategy(replicate_degree=args.replicate,
-                                            shard_degree=args.world_size // args.replicate, block_class_names=blocks,
-                                            **variant)
+                                            shard_degree=args.world_size // args.replicate,
+                                            block_class_names=blocks, **variant)
     if args.contender == "ddp_hooks":
         from lightning.pytorch.strategies import StrategyRegistry
 
         if "ddp_hooks" not in StrategyRegistry:
-            raise SystemExit("strategy 'ddp_hooks' is not registered by fsdp_strategies (not implemented yet)")
+            raise SystemExit(
+                "strategy 'ddp_hooks' is not registered by fsdp_strategies (not implemented yet)"
+            )
         return "ddp_hooks"
     if args.contender == "lightning_ddp":
         return "ddp"

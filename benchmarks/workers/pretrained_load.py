@@ -1,30 +1,34 @@
-"""One job of the pretrained_load suite: get a pretrained HF model onto the ranks, measure each rank's peak memory.
+"""One job of the pretrained_load suite: get a pretrained HF model onto the ranks, measure each rank's peak
+memory.
 
 Started by ``torchrun`` (``benchmarks/suites/pretrained_load.py``); every rank measures its own process:
 
-1. everything the routes import (torch, Lightning, transformers, the Llama modelling code, safetensors, DCP, FSDP,
-   fsdp_strategies' HF loading) is imported first, so no route pays for an import inside the window;
+1. everything the routes import (torch, Lightning, transformers, the Llama modelling code, safetensors, DCP,
+   FSDP, fsdp_strategies' HF loading) is imported first, so no route pays for an import inside the window;
 2. at a fixed point before the model exists, the kernel's peak counter is reset (``echo 5 >
    /proc/self/clear_refs`` sets VmHWM to the current RSS) and VmRSS is read: the Lightning routes in a
    Callback's ``setup`` (before ``configure_model`` and the strategy's setup), ``init_from_pretrained`` and
    ``transformers_single`` just before the model is constructed (the process group already started);
-3. at ``on_fit_start`` (the model loaded, sharded or wrapped: ready to train) VmHWM is read: the peak RSS growth
-   of the window is ``VmHWM - VmRSS(at 2)``. VmHWM counts anonymous and file-backed pages together (safetensors
-   are memory-mapped: the pages a rank touches count while mapped); a thread samples ``/proc/self/status`` every
-   2 ms for the split (``RssAnon``/``RssFile`` peaks, lower bounds: a peak shorter than the period can be missed);
+3. at ``on_fit_start`` (the model loaded, sharded or wrapped: ready to train) VmHWM is read: the peak RSS
+   growth of the window is ``VmHWM - VmRSS(at 2)``. VmHWM counts anonymous and file-backed pages together
+   (safetensors are memory-mapped: the pages a rank touches count while mapped); a thread samples
+   ``/proc/self/status`` every 2 ms for the split (``RssAnon``/``RssFile`` peaks, lower bounds: a peak shorter
+   than the period can be missed);
 4. then the loaded weights are checked: the loss of the reference batch (``--ref``: the same tokens on every
    rank) must equal the loss the suite computed with plain ``transformers`` on the model it saved --
    so a broken load (random weights, a wrong shard) fails the job instead of looking cheap;
 5. one training step (``max_steps=1``) runs, and rank 0 writes every rank's record to ``--out``.
 
 Routes (``--contender``):
-  fsdp2_configure_model  ``from_pretrained`` in ``configure_model`` under ``fsdp2``: meta build, shard, read own shards
+  fsdp2_configure_model  ``from_pretrained`` in ``configure_model`` under ``fsdp2``: meta build, shard, read
+                         own shards
   fsdp2_yaml             ``from_config`` in ``configure_model`` + ``FSDP2Strategy(pretrained=DIR)``
-  init_from_pretrained   ``from_pretrained`` in the LightningModule's ``__init__``, Lightning's ``ddp`` (full model
-                         on every rank; the window also covers DDP's wrapping, reported apart as ``after_init``)
-  transformers_single    ``AutoModelForCausalLM.from_pretrained`` in one plain process (the size reference; also
-                         measured after the reference forward, ``after_forward``: its weights stay memory-mapped and
-                         untouched until used)
+  init_from_pretrained   ``from_pretrained`` in the LightningModule's ``__init__``, Lightning's ``ddp`` (full
+                         model on every rank; the window also covers DDP's wrapping, reported apart as
+                         ``after_init``)
+  transformers_single    ``AutoModelForCausalLM.from_pretrained`` in one plain process (the size reference;
+                         also measured after the reference forward, ``after_forward``: its weights stay
+                         memory-mapped and untouched until used)
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ def status() -> dict[str, int]:
 
 
 class Window:
-    """The measured window: reset the peak counter and read the start at :meth:`start`, the peak at :meth:`peak`."""
+    """The measured window: reset the peak counter and read the start at :meth:`start`, the peak at
+    :meth:`peak`."""
 
     def __init__(self) -> None:
         self.start_status: dict[str, int] = {}
@@ -173,7 +178,8 @@ class LoadLM(pl.LightningModule):
 
 
 class Probe(pl.Callback):
-    """Opens the window in ``setup`` (unless already open), closes it at ``on_fit_start``, checks the weights."""
+    """Opens the window in ``setup`` (unless already open), closes it at ``on_fit_start``, checks the
+    weights."""
 
     def __init__(self, window: Window, ref: torch.Tensor) -> None:
         self.window, self.ref = window, ref
@@ -191,7 +197,8 @@ class Probe(pl.Callback):
             self.memory["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(pl_module.device)
         was_training = pl_module.training
         pl_module.eval()
-        with torch.no_grad():  # through the LightningModule's own __call__: FSDP2's root hooks gather the shards
+        # through the LightningModule's own __call__: FSDP2's root hooks gather the shards
+        with torch.no_grad():
             self.ref_loss = float(pl_module(self.ref.to(pl_module.device)))
         pl_module.train(was_training)
 
@@ -201,7 +208,8 @@ class Probe(pl.Callback):
 
 
 def model_facts(model: torch.nn.Module) -> dict[str, Any]:
-    """Bytes of the model as ``transformers`` holds it (every parameter and buffer once) and its largest tensor."""
+    """Bytes of the model as ``transformers`` holds it (every parameter and buffer once) and its largest
+    tensor."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
     sizes = [t.numel() * t.element_size() for t in tensors]
     return {"params": sum(p.numel() for p in model.parameters()), "model_bytes": sum(sizes),
@@ -216,8 +224,9 @@ def run_single(ns: argparse.Namespace, ref: torch.Tensor) -> dict[str, Any]:
     memory = window.stop()
     with torch.no_grad():
         loss = float(model(input_ids=ref, labels=ref).loss)
-    # transformers keeps the parameters of an mmap-ed safetensors file that needs no conversion on the mapping,
-    # untouched until used: the RSS once the forward has read every weight is the model-size reference
+    # transformers keeps the parameters of an mmap-ed safetensors file that needs no conversion on the
+    # mapping, untouched until used: the RSS once the forward has read every weight is the model-size
+    # reference
     window.mark("after_forward")
     return {"rank": 0, "memory": memory, "ref_loss": loss, "train_loss": None, **model_facts(model)}
 
@@ -232,7 +241,8 @@ def run_lightning(ns: argparse.Namespace, ref: torch.Tensor) -> dict[str, Any]:
         strategy = FSDP2Strategy(pretrained=ns.folder)
     else:
         strategy = FSDP2Strategy()
-    trainer = pl.Trainer(accelerator=ns.accelerator, devices=world, num_nodes=1, strategy=strategy, precision="32-true",
+    trainer = pl.Trainer(accelerator=ns.accelerator, devices=world, num_nodes=1, strategy=strategy,
+                         precision="32-true",
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
     if ns.contender == "init_from_pretrained":
@@ -269,15 +279,18 @@ def main() -> None:
     bad = [r["rank"] for r in records if r["ref_loss"] is None
            or not math.isfinite(r["ref_loss"]) or abs(r["ref_loss"] - ns.ref_loss) > ns.tolerance]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(ns.out).write_text(json.dumps({"contender": ns.contender, "per_rank": records, "ref_loss": ns.ref_loss,
+        Path(ns.out).write_text(json.dumps({"contender": ns.contender, "per_rank": records,
+                                            "ref_loss": ns.ref_loss,
                                             "weights_ok": not bad, "world_size": len(records)}))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     if bad:
         losses = {r["rank"]: r["ref_loss"] for r in records}
-        sys.exit(f"{ns.contender}: the loaded weights are not the pretrained ones: reference-batch loss per rank "
-                 f"{losses} != {ns.ref_loss} (tolerance {ns.tolerance}) on ranks {bad}")
+        sys.exit(
+            f"{ns.contender}: the loaded weights are not the pretrained ones: reference-batch loss per rank "
+            f"{losses} != {ns.ref_loss} (tolerance {ns.tolerance}) on ranks {bad}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ start the rest again in a fresh process. Runs (``--runs``):
   ft_hsdp           ``FTHSDPStrategy`` with one replica group and a lighthouse started in this process
                     (torchft ``ProcessGroupNCCL`` on a GPU); every step must commit.
   async_checkpoint:<mode>  ``FSDP2Strategy(async_checkpoint=<mode>)`` (``thread``, ``process``) saving every
-                    2 steps; the last checkpoint must pass ``verify_checkpoint`` and a resume from it continue.
+                    2 steps; the last checkpoint must pass ``verify_checkpoint`` and a resume from it
+                    continue.
   activation_offload  ``ActivationCheckpointing(mode="none", offload=True)`` (pinned host copies on a side
                     stream): bytes offloaded, peak memory and losses next to the same run without offload.
   straggler         ``StragglerDetector`` (CUDA-event timing on a GPU, process CPU time on a CPU) next to the
-                    same quantity measured by hand at the same hooks (``torch.cuda.Event`` / CPU time), per window.
+                    same quantity measured by hand at the same hooks (``torch.cuda.Event`` / CPU time),
+                    per window.
   mfu_peak          the dense-peak table lookup on the real device name, and the peak ``MFUMonitor``
                     resolves for a short run on the device (no override).
 """
@@ -52,7 +54,8 @@ for _p in (ROOT / "benchmarks", ROOT / "examples", ROOT / "src"):
 
 # ft_hsdp last: a hang in its replica process group (the riskiest path) costs only what comes after it
 SMOKE_RUNS = ("fsdp2", "hsdp", "async_checkpoint:thread", "async_checkpoint:process", "activation_offload",
-              "straggler", "mfu_peak", "ddp_hooks:allreduce", "ddp_hooks:bf16_compress", "ddp_hooks:fp16_compress",
+              "straggler", "mfu_peak", "ddp_hooks:allreduce", "ddp_hooks:bf16_compress",
+              "ddp_hooks:fp16_compress",
               "ddp_hooks:powersgd", "ddp_hooks:post_local_sgd", "ddp_hooks:hierarchical_sgd", "ft_hsdp")
 
 
@@ -68,7 +71,11 @@ def sac_main(ns: argparse.Namespace) -> None:
         result = sac.run(quick=False, out_dir=Path(tmp), sizes=[name], reps=ns.reps, steps=ns.steps,
                          warmup=ns.warmup, precision=ns.precision)
     [case] = result["cases"]
-    out = {"config": result["config"], "case": case, "device_type": "cuda" if torch.cuda.is_available() else "cpu"}
+    out = {
+        "config": result["config"],
+        "case": case,
+        "device_type": "cuda" if torch.cuda.is_available() else "cpu",
+    }
     _write_json(Path(ns.out), out)
 
 
@@ -108,7 +115,8 @@ class StepRecorder(pl.Callback):
 
 
 def _fit(strategy: Any, size: dict[str, Any], steps: int, precision: str, callbacks: list[Any],
-         batch: int | None = None, ckpt_path: str | None = None, **trainer_kwargs: Any) -> tuple[pl.Trainer, StepRecorder]:
+         batch: int | None = None, ckpt_path: str | None = None,
+         **trainer_kwargs: Any) -> tuple[pl.Trainer, StepRecorder]:
     """One short fit of the example on the one device; returns (trainer, step recorder)."""
     from llama import LlamaLM, MarkovDataModule
 
@@ -117,9 +125,9 @@ def _fit(strategy: Any, size: dict[str, Any], steps: int, precision: str, callba
     recorder = StepRecorder()
     pl.seed_everything(0, verbose=False)
     kwargs = {"logger": False, "enable_checkpointing": False, **trainer_kwargs}
-    trainer = pl.Trainer(accelerator="auto", devices=1, strategy=strategy, precision=precision, max_steps=steps,
-                         callbacks=[recorder, *callbacks], enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, **kwargs)
+    trainer = pl.Trainer(accelerator="auto", devices=1, strategy=strategy, precision=precision,
+                         max_steps=steps, callbacks=[recorder, *callbacks], enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **kwargs)
     model = LlamaLM(**m, max_seq_len=seq, warmup_steps=1)
     data = MarkovDataModule(vocab_size=m["vocab_size"], seq_len=seq, batch_size=batch,
                             num_train=batch * (steps + 1), num_val=batch)
@@ -153,7 +161,11 @@ def smoke_fsdp(name: str, quick: bool, precision: str) -> dict[str, Any]:
     trainer, recorder = _fit(strategy, _size(quick, "medium"), steps, precision, [])
     rec = _common_record(trainer, recorder, steps)
     mesh = getattr(strategy, "device_mesh", None)
-    rec["mesh"] = {"dim_names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)} if mesh is not None else None
+    rec["mesh"] = (
+        {"dim_names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)}
+        if mesh is not None
+        else None
+    )
     if cuda_peak := _cuda_peak():
         rec["peak_cuda_bytes"] = cuda_peak
     return rec
@@ -174,8 +186,8 @@ def smoke_async_checkpoint(mode: str, quick: bool, precision: str) -> dict[str, 
         def run(max_steps: int, ckpt: str | None) -> tuple[Any, Any]:
             saver = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1, save_last=True)
             strategy = FSDP2Strategy(block_class_names=["TransformerBlock"], async_checkpoint=mode)
-            return _fit(strategy, size, max_steps, precision, [saver], ckpt_path=ckpt, enable_checkpointing=True,
-                        default_root_dir=tmp)
+            return _fit(strategy, size, max_steps, precision, [saver], ckpt_path=ckpt,
+                        enable_checkpointing=True, default_root_dir=tmp)
 
         t0 = time.perf_counter()
         trainer, recorder = run(steps, None)
@@ -210,11 +222,14 @@ def smoke_activation_offload(quick: bool, precision: str) -> dict[str, Any]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        cb = [ActivationCheckpointing(mode="none", offload=True, offload_min_bytes=1 << 16)] if offload else []
+        cb = (
+            [ActivationCheckpointing(mode="none", offload=True, offload_min_bytes=1 << 16)] if offload else []
+        )
         trainer, recorder = _fit("fsdp2", size, steps, precision, cb, batch=batch)
         stats = cb[0].offload_stats if cb else None
         runs["offload" if offload else "baseline"] = {
-            **_common_record(trainer, recorder, steps), "losses": recorder.losses, "peak_cuda_bytes": _cuda_peak(),
+            **_common_record(trainer, recorder, steps), "losses": recorder.losses,
+            "peak_cuda_bytes": _cuda_peak(),
             "offloaded": None if stats is None else {"blocks": stats.blocks, "tensors": stats.tensors,
                                                      "bytes": stats.bytes}}
     base, off = runs["baseline"], runs["offload"]
@@ -243,7 +258,9 @@ def smoke_ddp_hooks(hook: str, quick: bool, precision: str) -> dict[str, Any]:
                                          "numel_before_compression": ps["total_numel_before_compression"],
                                          "numel_after_compression": ps["total_numel_after_compression"]}
         if rec["status"] == "ok" and not ps["total_numel_after_compression"]:
-            rec.update(status="failed", reason="PowerSGD never compressed a gradient (numel_after_compression=0)")
+            rec.update(
+                status="failed", reason="PowerSGD never compressed a gradient (numel_after_compression=0)"
+            )
     if hook in ("post_local_sgd", "hierarchical_sgd") and rec["status"] == "ok" \
             and not state.get("averager", {}).get("step"):
         rec.update(status="failed", reason=f"the {hook} averager never stepped")
@@ -255,7 +272,8 @@ def smoke_ft_hsdp(quick: bool, precision: str) -> dict[str, Any]:
         from torchft.coordination import LighthouseServer
     except ImportError as exc:
         return {"status": "skipped", "reason": f"torchft is not importable here ({exc}). Fix: install it "
-                                               "(benchmarks/gpu_pack.py packs a wheel for machines without network)."}
+                                               "(benchmarks/gpu_pack.py packs a "
+                                               "wheel for machines without network)."}
     from fsdp_strategies import FTHSDPStrategy
 
     steps = 4 if quick else 6
@@ -263,7 +281,8 @@ def smoke_ft_hsdp(quick: bool, precision: str) -> dict[str, Any]:
                                   heartbeat_timeout_ms=5000)
     try:
         port = int(lighthouse.address().rsplit(":", 1)[1])
-        strategy = FTHSDPStrategy(lighthouse_addr=f"http://127.0.0.1:{port}", replica_group_id=0, num_replica_groups=1,
+        strategy = FTHSDPStrategy(lighthouse_addr=f"http://127.0.0.1:{port}", replica_group_id=0,
+                                  num_replica_groups=1,
                                   min_replica_size=1, init_sync=False, timeout_s=120, quorum_timeout_s=120,
                                   block_class_names=["TransformerBlock"])
         trainer, recorder = _fit(strategy, _size(quick, "medium"), steps, precision, [])
@@ -271,7 +290,9 @@ def smoke_ft_hsdp(quick: bool, precision: str) -> dict[str, Any]:
         lighthouse.shutdown()
     rec = _common_record(trainer, recorder, steps)
     rec["ft_stats"] = dict(strategy.ft_stats)
-    rec["replica_pg"] = "torchft ProcessGroupNCCL" if strategy.root_device.type == "cuda" else "torchft ProcessGroupGloo"
+    rec["replica_pg"] = (
+        "torchft ProcessGroupNCCL" if strategy.root_device.type == "cuda" else "torchft ProcessGroupGloo"
+    )
     if rec["status"] == "ok" and strategy.ft_stats["committed"] != steps:
         rec.update(status="failed", reason=f"{strategy.ft_stats['committed']} of {steps} steps committed")
     return rec
@@ -306,7 +327,9 @@ def smoke_straggler(quick: bool, precision: str) -> dict[str, Any]:
 
     hand = HandTimer()
     with tempfile.TemporaryDirectory(prefix="gpu-straggler-") as tmp:
-        detector = StragglerDetector(window=window, skip_first=skip_first, report_path=str(Path(tmp) / "r.json"))
+        detector = StragglerDetector(
+            window=window, skip_first=skip_first, report_path=str(Path(tmp) / "r.json")
+        )
         size = _size(quick, "gpu-350m")
         trainer, recorder = _fit("fsdp2", size, steps, precision, [hand, detector],
                                  batch=None if quick else max(1, size["global_batch"] // 2))
@@ -326,7 +349,8 @@ def smoke_straggler(quick: bool, precision: str) -> dict[str, Any]:
             continue
         hand_busy = sum(per_batch[b]["busy_clamped_s"] for b in batches) / len(batches)
         det_busy = window_result["mean_self"][0] - window_result["data"][0]
-        compare.append({"window": k, "batches": batches, "detector_busy_s": det_busy, "hand_busy_s": hand_busy,
+        compare.append({"window": k, "batches": batches, "detector_busy_s": det_busy,
+                        "hand_busy_s": hand_busy,
                         "hand_raw_busy_s": sum(per_batch[b]["busy_s"] for b in batches) / len(batches),
                         "relative_difference": det_busy / hand_busy - 1 if hand_busy else None})
     rec.update({
@@ -369,8 +393,10 @@ def smoke_mfu_peak(quick: bool, precision: str) -> dict[str, Any]:
                 "mfu_monitor_peak": monitor.peak, "mfu_monitor_dtype": dtype,
                 "agrees": monitor.peak == lookup_peak_flops(name, dtype)})
     if not cuda:
-        rec["peak_check"] = {"skipped": "no CUDA device name to look up (CPUs have no table entry; MFUMonitor "
-                                        "resolved None, as documented)"}
+        rec["peak_check"] = {
+            "skipped": "no CUDA device name to look up (CPUs have no table entry; MFUMonitor "
+            "resolved None, as documented)"
+        }
     elif rec["table_key"] is None and rec["status"] == "ok":
         rec.update(status="failed", reason=f"no peak-table entry matches the device name {name!r}")
     if rec["status"] == "ok" and not rec["agrees"]:
@@ -416,7 +442,9 @@ def smoke_main(ns: argparse.Namespace) -> None:
         except Exception as exc:  # recorded; the next run goes on in this process
             rec = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
                    "error_tail": "".join(traceback.format_exc()).splitlines()[-25:]}
-        rec.update({"name": name, "event": "done", "wall_s": time.perf_counter() - t0, "precision": precision})
+        rec.update(
+            {"name": name, "event": "done", "wall_s": time.perf_counter() - t0, "precision": precision}
+        )
         _append(out, rec)
     import torch.distributed as dist
 
@@ -425,7 +453,9 @@ def smoke_main(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("sac")
     p.add_argument("--model", required=True, help="LlamaLM keyword arguments as JSON")

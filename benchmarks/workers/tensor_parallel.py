@@ -3,10 +3,11 @@
 Contenders:
   fsdp2_tp2         ``FSDP2Strategy(tensor_parallel_degree=2, tp_plan=<the example's plan>)``: the plan of
                     ``configs/fsdp2_tp.yaml``, read from that file, applied by the strategy
-  lightning_mp_tp2  Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)`` with
-                    the same plan written by hand in ``configure_model`` (:class:`HandTensorParallelLlamaLM`:
-                    ``parallelize_module`` on ``device_mesh["tensor_parallel"]``, then ``fully_shard`` per block
-                    and the root on ``device_mesh["data_parallel"]``, as Lightning's docs show)
+  lightning_mp_tp2  Lightning's ``ModelParallelStrategy(data_parallel_size=world/2, tensor_parallel_size=2)``
+                    with the same plan written by hand in ``configure_model``
+                    (:class:`HandTensorParallelLlamaLM`: ``parallelize_module`` on
+                    ``device_mesh["tensor_parallel"]``, then ``fully_shard`` per block and the root on
+                    ``device_mesh["data_parallel"]``, as Lightning's docs show)
   torch_tp2         a plain torch loop doing the same on an ``init_device_mesh`` (meta-device model,
                     materialised after sharding)
 
@@ -17,8 +18,8 @@ rank of a tensor-parallel pair reads the same ``global_batch / (world / 2)`` seq
 (Lightning's ``ModelParallelStrategy`` cannot clip gradients that live on two meshes). Launch with torchrun::
 
     torchrun --nproc_per_node 4 benchmarks/workers/tensor_parallel.py --contender fsdp2_tp2 \\
-        --model '{"vocab_size": 128, "dim": 256, "n_layers": 4, "n_heads": 8}' --seq-len 64 --global-batch 16 \\
-        --steps 8 --out /tmp/r.json
+        --model '{"vocab_size": 128, "dim": 256, "n_layers": 4, "n_heads": 8}' --seq-len 64 \\
+        --global-batch 16 --steps 8 --out /tmp/r.json
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def check_same_plan() -> None:
 
 
 class HandTensorParallelLlamaLM(LlamaLM):
-    """What a user of Lightning's ``ModelParallelStrategy`` writes: the TP plan by hand, then ``fully_shard``."""
+    """What a user of Lightning's ``ModelParallelStrategy`` writes: the TP plan by hand, then
+    ``fully_shard``."""
 
     @override
     def configure_model(self) -> None:
@@ -127,10 +129,16 @@ def torch_loop(args: Any) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)
-    mesh = init_device_mesh(device.type, (args.world_size // TP, TP), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(
+        device.type, (args.world_size // TP, TP), mesh_dim_names=("data_parallel", "tensor_parallel")
+    )
     dp = mesh["data_parallel"]
     bf16 = args.precision == "bf16-mixed"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     model = build_model(args, device, on_meta=True)
     parallelize_module(model, mesh["tensor_parallel"], hand_plan())
     for block in model.layers:
@@ -160,7 +168,8 @@ def torch_loop(args: Any) -> None:
         scheduler.step()
         clock.stop(loss.detach())
     memory = _shared.memory_snapshot(model, optimizer, device)
-    _shared.finish(args, clock, memory, {"tensor_parallel_degree": TP, "data_parallel_size": args.world_size // TP,
+    _shared.finish(args, clock, memory,
+                   {"tensor_parallel_degree": TP, "data_parallel_size": args.world_size // TP,
                                          "device_type": device.type})
     dist.destroy_process_group()
 
@@ -168,8 +177,10 @@ def torch_loop(args: Any) -> None:
 def main() -> None:
     args = _shared.parse_args(CONTENDERS)
     if args.world_size % TP or args.global_batch % (args.world_size // TP):
-        raise SystemExit(f"--nproc_per_node {args.world_size}: needs a multiple of {TP} ranks whose data-parallel "
-                         f"count ({args.world_size // TP}) divides --global-batch={args.global_batch}")
+        raise SystemExit(
+            f"--nproc_per_node {args.world_size}: needs a multiple of {TP} ranks whose data-parallel "
+            f"count ({args.world_size // TP}) divides --global-batch={args.global_batch}"
+        )
     check_same_plan()
     args.batch_per_rank = args.global_batch // (args.world_size // TP)  # per data-parallel rank
     pl.seed_everything(args.seed, verbose=False)

@@ -8,7 +8,8 @@ Contenders:
 The model is the example's ``Llama`` (built by ``LlamaLM.configure_model``, used as a plain
 ``nn.Module``); FSDP2 models are built on the meta device and materialised per shard, as a
 hand-written large-model loop would. ``--compile-blocks`` compiles each block before sharding it
-(the strategy's order: both call ``fsdp_strategies.parallel.parallelize``), ``--cpu-offload`` passes ``CPUOffloadPolicy`` to ``fully_shard`` (FSDP2 loops). Launch with torchrun, e.g.::
+(the strategy's order: both call ``fsdp_strategies.parallel.parallelize``), ``--cpu-offload`` passes
+``CPUOffloadPolicy`` to ``fully_shard`` (FSDP2 loops). Launch with torchrun, e.g.::
 
     torchrun --nproc_per_node 2 benchmarks/workers/torch_loop.py --contender torch_fsdp2 \\
         --model '{"dim": 128, "n_layers": 2, "n_heads": 4}' --seq-len 64 --global-batch 16 \\
@@ -50,8 +51,8 @@ def shard(model: torch.nn.Module, mesh, mp_policy, offload: bool = False,  # typ
     from fsdp_strategies.parallel import parallelize
 
     parallelize(model, mesh, block_class_names=[TransformerBlock.__name__], compile_blocks=compile_blocks,
-                compile_options={"backend": compile_backend} if compile_backend else None, mp_policy=mp_policy,
-                cpu_offload=offload)
+                compile_options={"backend": compile_backend} if compile_backend else None,
+                mp_policy=mp_policy, cpu_offload=offload)
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> None:
@@ -75,8 +76,10 @@ def main() -> None:
     if args.mfu:
         raise SystemExit("--mfu: MFUMonitor is a Lightning callback; the plain loops report step times only.")
     if (args.compile_blocks or args.cpu_offload) and args.contender == "torch_ddp":
-        raise SystemExit("--compile-blocks / --cpu-offload: not available for torch_ddp. Fix: use them with the "
-                         "FSDP2 loops (torch_fsdp2, torch_hsdp).")
+        raise SystemExit(
+            "--compile-blocks / --cpu-offload: not available for torch_ddp. Fix: use them with the "
+            "FSDP2 loops (torch_fsdp2, torch_hsdp)."
+        )
 
     if args.contender == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -93,13 +96,18 @@ def main() -> None:
         else:
             mesh = init_device_mesh(device.type, (args.replicate, world // args.replicate),
                                     mesh_dim_names=("replicate", "shard"))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         model = build_model(args, device, on_meta=True)
         shard(model, mesh, mp, offload=args.cpu_offload, compile_blocks=args.compile_blocks,
               compile_backend=args.compile_backend)
         from fsdp_strategies.parallel import buffers_to, parameter_device
 
-        materialise(model, parameter_device(device, args.cpu_offload))  # CPUOffloadPolicy: parameters on the CPU
+        # CPUOffloadPolicy: parameters on the CPU
+        materialise(model, parameter_device(device, args.cpu_offload))
         if args.cpu_offload:
             buffers_to(model, device)
         raw = model

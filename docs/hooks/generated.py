@@ -15,8 +15,8 @@ result file that does not exist, fails the build):
   largest -- case of each), with its value, target and verdict, linked to the file's section;
 * ``{{ diff A B }}``: the unified diff between two files of the repository (e.g. the worked port in
   docs/port.md, whose files a test trains), so the page shows exactly what is tested;
-* ``{{ hf_tp_plans }}``: which model families of the installed ``transformers`` carry a tensor-parallel plan in
-  their config (``base_model_tp_plan``) and whether this package applies every style in it.
+* ``{{ hf_tp_plans }}``: which model families of the installed ``transformers`` carry a tensor-parallel plan
+  in their config (``base_model_tp_plan``) and whether this package applies every style in it.
 
 The PNGs next to the JSON files are copied into the site (``assets/benchmarks/``) and embedded. No
 figure is typed into a page: rerunning a benchmark and rebuilding updates the site.
@@ -104,14 +104,17 @@ def _cases(data: dict[str, Any]) -> list[str]:
     return [*bench_common.case_table(data), ""] if bench_common.has_case_table(data) else []
 
 
-_RUN_COLUMNS = {"samples_per_s": "samples/s", "elapsed_s": "wall s", "median_stall_s": "stall per checkpoint s",
+_RUN_COLUMNS = {"samples_per_s": "samples/s", "elapsed_s": "wall s",
+                "median_stall_s": "stall per checkpoint s",
                 "cpu_s": "CPU s", "val_loss": "final val loss", "checkpoint_bytes": "checkpoint bytes"}
 
 
 def _contenders(data: dict[str, Any]) -> list[str]:
     """Suites that keep runs per contender (checkpoint, straggler): each round's values."""
     contenders = data.get("contenders")
-    if not isinstance(contenders, dict) or not all(isinstance(v, dict) and "runs" in v for v in contenders.values()):
+    if not isinstance(contenders, dict) or not all(
+        isinstance(v, dict) and "runs" in v for v in contenders.values()
+    ):
         return []
     runs = [r for v in contenders.values() for r in v["runs"] if isinstance(r, dict)]
     keys = [k for k in _RUN_COLUMNS if any(r.get(k) is not None for r in runs)]
@@ -131,12 +134,15 @@ def _figures(data: dict[str, Any]) -> list[str]:
         if not isinstance(fig, dict):
             continue
         if "rounds" in fig:
-            rows = [[i, r.get("measured_utc"), r.get("goodput_vs_nofault"), r.get("goodput_vs_nofault_step_normalised"),
-                     r.get("post_fault_step_ratio"),
-                     f"{_fmt(min(r['local_lost_s']))} to {_fmt(max(r['local_lost_s']))}" if r.get("local_lost_s") else "-",
-                     r.get("downtime_median_s"), r.get("stall_max_s")] for i, r in enumerate(fig["rounds"], 1)]
+            rows = [[i, r.get("measured_utc"), r.get("goodput_vs_nofault"),
+                     r.get("goodput_vs_nofault_step_normalised"), r.get("post_fault_step_ratio"),
+                     f"{_fmt(min(r['local_lost_s']))} to {_fmt(max(r['local_lost_s']))}"
+                         if r.get("local_lost_s") else "-",
+                     r.get("downtime_median_s"), r.get("stall_max_s")] for i,
+                     r in enumerate(fig["rounds"], 1)]
             out += [f"`{name}`, round by round:", "", *_table(
-                ["round", "measured (UTC)", "goodput", "goodput at equal step time", "step time after a fault / before",
+                ["round", "measured (UTC)", "goodput", "goodput at equal step time",
+                 "step time after a fault / before",
                  "lost per fault (local) s", "killed group down, median s", "survivors' stall, max s"], rows)]
         elif "goodput" in fig:
             local = fig.get("local_loss") or {}
@@ -150,12 +156,17 @@ def _figures(data: dict[str, Any]) -> list[str]:
                              (fig.get("downtime_s") or {}).get("median"),
                              (fig.get("stall_s") or {}).get("median"), (fig.get("stall_s") or {}).get("max")])
         elif "median_samples_per_s" in fig:
-            switches = [", ".join(f"to {s.get('to')} at step {s.get('step')} (cost {_fmt(s.get('cost'))})" for s in run)
+            switches = [", ".join(f"to {s.get('to')} at step {s.get('step')} (cost {_fmt(s.get('cost'))})"
+                                  for s in run)
                         or "none" for run in fig.get("switches", [])]
-            switch.append([f"`{name}`", fig.get("median_samples_per_s"), fig.get("samples_per_s"), "; ".join(switches)])
+            switch.append(
+                [f"`{name}`", fig.get("median_samples_per_s"), fig.get("samples_per_s"), "; ".join(switches)]
+            )
     if recovery:
-        out += _table(["run", "faults", "committed samples/s", "goodput", "at equal step time (n/c: not comparable)",
-                       "step time after a fault / before", "lost per fault (local, median) s", "goodput at the kill period",
+        out += _table(["run", "faults", "committed samples/s", "goodput",
+                       "at equal step time (n/c: not comparable)",
+                       "step time after a fault / before", "lost per fault (local, median) s",
+                       "goodput at the kill period",
                        "killed group down, median s", "survivors' stall median s", "stall max s"], recovery)
     if switch:
         out += _table(["contender", "median samples/s", "per round", "switches per round"], switch)
@@ -182,8 +193,10 @@ def _ft_sync(data: dict[str, Any]) -> list[str]:
     by_mode = data.get("by_mode") or {}
     if by_mode:
         out += _table(["mode", "held-out loss vs `every_step`, per seed", "median", "max", "seeds within 2%"],
-                      [[f"`{m}`", [f"{v * 100:+.2f}%" for v in b.get("heldout_loss_vs_every_step_per_seed", [])],
-                        f"{b.get('median', 0) * 100:+.2f}%", f"{b.get('max', 0) * 100:+.2f}%", b.get("within_2pct_seeds")]
+                      [[f"`{m}`",
+                        [f"{v * 100:+.2f}%" for v in b.get("heldout_loss_vs_every_step_per_seed", [])],
+                        f"{b.get('median', 0) * 100:+.2f}%", f"{b.get('max', 0) * 100:+.2f}%",
+                        b.get("within_2pct_seeds")]
                        for m, b in by_mode.items()])
     if data.get("outer_overrides"):
         out += [f"Outer optimizer overrides: {_fmt(data['outer_overrides'])}.", ""]
@@ -213,25 +226,33 @@ def _pretrained_notes(data: dict[str, Any], overhead_size: Any) -> list[str]:
         where = f"{case['size']}, {case['ranks']} rank{'s' if case['ranks'] > 1 else ''}"
         single = case["contenders"].get("transformers_single") or {}
         if single.get("worst_rank") and _worst_mark(single, "after_forward", "peak_growth_bytes") is not None:
-            notes.append(f"- `transformers_single` ({where}): {_mib(single['worst_rank']['peak_growth_bytes'])} MiB "
-                         "peak RSS when `from_pretrained` returns -- the parameters stay memory-mapped, untouched -- and "
-                         f"{_mib(_worst_mark(single, 'after_forward', 'peak_growth_bytes'))} MiB once a forward has read "
-                         f"every weight ({_mib(_worst_mark(single, 'after_forward', 'file_growth_bytes'))} MiB of it "
-                         "file-backed pages).")
+            notes.append(
+                f"- `transformers_single` ({where}): {_mib(single['worst_rank']['peak_growth_bytes'])} MiB "
+                "peak RSS when `from_pretrained` returns -- the "
+                "parameters stay memory-mapped, untouched -- and "
+                f"{_mib(_worst_mark(single, 'after_forward', 'peak_growth_bytes'))} "
+                "MiB once a forward has read "
+                f"every weight ({_mib(_worst_mark(single, 'after_forward', 'file_growth_bytes'))} MiB of it "
+                "file-backed pages)."
+            )
         init = case["contenders"].get("init_from_pretrained") or {}
         if init.get("worst_rank") and _worst_mark(init, "after_init", "peak_growth_bytes") is not None:
-            notes.append(f"- `init_from_pretrained` ({where}): {_mib(_worst_mark(init, 'after_init', 'peak_growth_bytes'))}"
+            notes.append(f"- `init_from_pretrained` ({where}): "
+                         f"{_mib(_worst_mark(init, 'after_init', 'peak_growth_bytes'))}"
                          " MiB peak RSS after `__init__` (the weights mapped, untouched), "
                          f"{_mib(init['worst_rank']['peak_growth_bytes'])} MiB by `on_fit_start` "
-                         f"({_mib(init['worst_rank']['peak_anon_growth_bytes'])} MiB anonymous): Lightning's `ddp` set-up "
-                         "reads and copies the full model on every rank (DDP's broadcast from rank 0, its gradient "
+                         f"({_mib(init['worst_rank']['peak_anon_growth_bytes'])} "
+                         "MiB anonymous): Lightning's `ddp` set-up "
+                         "reads and copies the full model on every rank "
+                         "(DDP's broadcast from rank 0, its gradient "
                          "buckets).")
     return [*notes, ""] if notes else []
 
 
 def pretrained_load(data: dict[str, Any]) -> list[str]:
-    """pretrained_load: per model size, rank count and route the worst rank's peak memory while the pretrained model
-    gets onto the ranks, against model/N and the budget model/N + largest tensor + the route's fixed overhead."""
+    """pretrained_load: per model size, rank count and route the worst rank's peak memory while the pretrained
+    model gets onto the ranks, against model/N and the budget model/N + largest tensor + the route's fixed
+    overhead."""
     if data.get("suite") != "pretrained_load" or not isinstance(data.get("models"), dict):
         return []
     overhead_size = (data.get("config") or {}).get("overhead_size")
@@ -241,7 +262,8 @@ def pretrained_load(data: dict[str, Any]) -> list[str]:
         model = data["models"].get(case["size"], {})
         for name, rec in case["contenders"].items():
             if not rec.get("worst_rank"):
-                rows.append([case["size"], case["ranks"], f"`{name}`", "failed: " + _fmt((rec.get("errors") or ["-"])[0]
+                rows.append([case["size"], case["ranks"], f"`{name}`",
+                             "failed: " + _fmt((rec.get("errors") or ["-"])[0]
                                                                                         .splitlines()[0])]
                             + ["-"] * 8)
                 continue
@@ -251,36 +273,45 @@ def pretrained_load(data: dict[str, Any]) -> list[str]:
                 fixed.append([case["ranks"], f"`{name}`", _mib(worst["peak_growth_bytes"]),
                               _mib(worst["peak_anon_growth_bytes"]), _verdict(rec.get("weights_ok"))])
                 continue
-            rows.append([f"{case['size']} ({model.get('params', 0) / 1e6:.1f}M, {_mib(model.get('model_bytes'))} MiB)",
+            rows.append([f"{case['size']} ({model.get('params', 0) / 1e6:.1f}M, "
+                         f"{_mib(model.get('model_bytes'))} MiB)",
                          case["ranks"], f"`{name}`", _verdict(rec.get("weights_ok")),
                          _mib(worst["peak_growth_bytes"]), _mib(worst["peak_anon_growth_bytes"]),
                          _mib(worst["peak_file_growth_bytes"]), _mib(rec.get("model_share_bytes")),
-                         f"{rss['ratio_to_share']:.2f}" if rss else "-", f"{anon['ratio_to_share']:.2f}" if anon else "-",
+                         f"{rss['ratio_to_share']:.2f}" if rss else "-",
+                         f"{anon['ratio_to_share']:.2f}" if anon else "-",
                          f"{_mib(rss.get('budget_bytes'))} / {_mib(anon.get('budget_bytes'))}",
                          f"{_verdict(rss.get('met'))} / {_verdict(anon.get('met'))}"])
     out += _table(["model (params, fp32 bytes)", "ranks", "route", "weights = pretrained", "peak RSS MiB",
                    "peak anonymous MiB", "peak file-backed MiB", "model/N MiB", "RSS / (model/N)",
-                   "anonymous / (model/N)", "budget MiB (RSS / anonymous)", "within budget (RSS / anonymous)"], rows)
+                   "anonymous / (model/N)", "budget MiB (RSS / anonymous)",
+                   "within budget (RSS / anonymous)"], rows)
     out += _pretrained_notes(data, overhead_size)
-    sizes = ", ".join(f"`{s}` {_mib(m.get('model_bytes'))} MiB, largest tensor {_mib(m.get('largest_tensor_bytes'))} "
+    sizes = ", ".join(f"`{s}` {_mib(m.get('model_bytes'))} MiB, largest "
+                      f"tensor {_mib(m.get('largest_tensor_bytes'))} "
                       f"MiB" for s, m in data["models"].items() if s != overhead_size)
     if fixed:
-        out += [f"Fixed overhead of each route (its worst-rank peak on the `{overhead_size}` model, the same layers and "
-                f"tensors at {_mib(data['models'].get(overhead_size, {}).get('model_bytes'))} MiB); model sizes: "
+        out += ["Fixed overhead of each route (its worst-rank peak "
+                f"on the `{overhead_size}` model, the same layers and "
+                f"tensors at {_mib(data['models'].get(overhead_size, {}).get('model_bytes'))} "
+                "MiB); model sizes: "
                 f"{sizes}.", "",
-                *_table(["ranks", "route", "overhead RSS MiB", "overhead anonymous MiB", "weights = pretrained"], fixed)]
+                *_table(["ranks", "route", "overhead RSS MiB", "overhead anonymous MiB",
+                         "weights = pretrained"], fixed)]
     return out
 
 
 def _sac(data: dict[str, Any]) -> list[str]:
-    """The sac suite (checkpointing modes, ``budget``, offload): per model a row per contender, with the suite's
-    own renderer (``benchmarks/suites/sac.py``)."""
+    """The sac suite (checkpointing modes, ``budget``, offload): per model a row per contender, with the
+    suite's own renderer (``benchmarks/suites/sac.py``)."""
     cases = data.get("cases") if data.get("suite") == "sac" else None
     if not isinstance(cases, list) or not cases or not all("family" in c for c in cases):
         return []
     import importlib.util  # the suite by its path (imports torch and the package)
 
-    spec = importlib.util.spec_from_file_location("bench_suite_sac", ROOT / "benchmarks" / "suites" / "sac.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_suite_sac", ROOT / "benchmarks" / "suites" / "sac.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -298,7 +329,8 @@ def _summary(data: dict[str, Any]) -> list[str]:
     has_x = any("throughput_x" in r for r in rows)
     if not has_x:
         table = [row[:-3] + row[-2:] for row in table]
-    return ["Summary:", "", *_table([*head, "measure", "value", "per round", *(["throughput x"] if has_x else []),
+    return ["Summary:", "",
+            *_table([*head, "measure", "value", "per round", *(["throughput x"] if has_x else []),
                                      "target", "target met"], table)]
 
 
@@ -310,33 +342,40 @@ def _extra(data: dict[str, Any]) -> list[str]:
 
 
 def memory_per_rank(data: dict[str, Any]) -> list[str]:
-    """Per case and contender: the worst rank's parameter / gradient / optimizer-state bytes (local shards) and peak
-    RSS, with the loss of each round's first and last step (the contenders train the same model)."""
+    """Per case and contender: the worst rank's parameter / gradient / optimizer-state bytes (local shards)
+    and peak RSS, with the loss of each round's first and last step (the contenders train the same model)."""
     out: list[str] = []
     for case in data.get("cases") or []:
         rows = []
         for name, rec in case["contenders"].items():
             per_rank = rec.get("memory_per_rank") if isinstance(rec, dict) else None
             if not per_rank:
-                rows.append([f"`{name}`", *["-"] * 7, rec.get("skipped", "failed") if isinstance(rec, dict) else "-"])
+                rows.append(
+                    [f"`{name}`", *["-"] * 7, rec.get("skipped", "failed") if isinstance(rec, dict) else "-"]
+                )
                 continue
-            worst = {k: max(m[k] for m in per_rank) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes",
+            worst = {k: max(m[k] for m in per_rank) for k in ("param_bytes", "grad_bytes",
+                                                              "optimizer_state_bytes",
                                                               "total_bytes", "max_rss_bytes")}
-            losses = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in zip(rec.get("loss_first") or [], rec.get("loss_last") or []))
+            losses = ", ".join(
+                f"{a:.3f} -> {b:.3f}" for a, b in zip(rec.get("loss_first") or [], rec.get("loss_last") or [])
+            )
             rows.append([f"`{name}`", rec.get("median_s") and f"{rec['median_s'] * 1e3:.1f}", len(per_rank),
-                         *[_mib(worst[k]) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "total_bytes",
-                                                    "max_rss_bytes")], losses or "-"])
+                         *[_mib(worst[k]) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes",
+                                                    "total_bytes", "max_rss_bytes")], losses or "-"])
         params = f", {case['params'] / 1e6:.2f}M params" if case.get("params") else ""
         out += [f"`{case['size']}`{params}, {case['ranks']} ranks (worst rank; MiB):", "",
-                *_table(["contender", "median step ms", "ranks reporting", "params", "grads", "optimizer state",
-                         "params + grads + optimizer", "peak RSS", "loss, first -> last step, per round"], rows)]
+                *_table(["contender", "median step ms", "ranks reporting", "params", "grads",
+                         "optimizer state",
+                         "params + grads + optimizer", "peak RSS", "loss, first -> last step, per round"],
+                         rows)]
     return out
 
 
 def hf_tp_plans() -> str:
-    """The model families of the installed ``transformers`` (``CONFIG_MAPPING``: model type -> config class) whose
-    config class declares ``base_model_tp_plan`` (a class attribute: nothing is instantiated), split by whether every
-    style in it is one this package applies; and the families without a plan."""
+    """The model families of the installed ``transformers`` (``CONFIG_MAPPING``: model type -> config class)
+    whose config class declares ``base_model_tp_plan`` (a class attribute: nothing is instantiated), split by
+    whether every style in it is one this package applies; and the families without a plan."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
@@ -354,7 +393,8 @@ def hf_tp_plans() -> str:
             continue
         styles = sorted(set(plan.values()))
         other = [s for s in styles if s not in STYLES]
-        row = [f"`{model_type}`", f"`{config_class.__name__}`", len(plan), ", ".join(f"`{s}`" for s in styles)]
+        row = [f"`{model_type}`", f"`{config_class.__name__}`", len(plan),
+               ", ".join(f"`{s}`" for s in styles)]
         if other:
             partly.append([*row, ", ".join(f"`{s}`" for s in other)])
         else:
@@ -362,24 +402,35 @@ def hf_tp_plans() -> str:
     head = ["model type", "config class", "plan entries", "styles"]
     return "\n".join([
         f"Generated from the installed `transformers` {transformers.__version__} when this site was built: "
-        f"{len(CONFIG_MAPPING_NAMES)} model types, **{len(applied)}** with a plan that uses only the styles above, "
-        f"**{len(partly)}** with a plan that uses styles this package does not apply, **{len(without)}** without "
+        f"{len(CONFIG_MAPPING_NAMES)} model types, **{len(applied)}** "
+        "with a plan that uses only the styles above, "
+        f"**{len(partly)}** with a plan that uses styles this "
+        f"package does not apply, **{len(without)}** without "
         "a plan.", "",
         f"### Families whose plan uses only the styles above ({len(applied)})", "",
-        "`tp_plan: auto` applies these plans as they are (a plan of few entries splits only those layers: see the "
+        "`tp_plan: auto` applies these plans as they are (a "
+        "plan of few entries splits only those layers: see the "
         "entries column).", "", *_table(head, applied),
         f"### Families whose plan uses other styles ({len(partly)})", "",
-        "`tp_plan: auto` refuses these before training: it names the style it does not apply, or, for packed MoE "
-        "experts, the plan entries that name parameters rather than modules. A dict plan may name the layers that take "
-        "the four styles, but what it leaves out stays whole on every TP rank, which is right only where that "
-        "parameter's gradient is the same on every TP rank (not for a norm applied per head after a column-wise "
-        "projection, such as Qwen3's `q_norm` / `k_norm`, which their plans mark `replicated_with_grad_allreduce`). "
+        "`tp_plan: auto` refuses these before training: it "
+        "names the style it does not apply, or, for packed MoE "
+        "experts, the plan entries that name parameters rather "
+        "than modules. A dict plan may name the layers that take "
+        "the four styles, but what it leaves out stays whole "
+        "on every TP rank, which is right only where that "
+        "parameter's gradient is the same on every TP rank "
+        "(not for a norm applied per head after a column-wise "
+        "projection, such as Qwen3's `q_norm` / `k_norm`, which "
+        "their plans mark `replicated_with_grad_allreduce`). "
         "Not tested here.", "",
         *_table([*head, "styles not applied here"], partly),
         f"### Families without a plan ({len(without)})", "",
-        "These need a dict `tp_plan` (or a `configure_model` that applies its own). Composite models are listed by "
-        "their top-level config: one whose language model has a config of its own with a plan (e.g. a vision-language "
-        "model) is listed here; `auto` uses the outermost submodule that carries a plan, and whether it finds the "
+        "These need a dict `tp_plan` (or a `configure_model` "
+        "that applies its own). Composite models are listed by "
+        "their top-level config: one whose language model has a "
+        "config of its own with a plan (e.g. a vision-language "
+        "model) is listed here; `auto` uses the outermost "
+        "submodule that carries a plan, and whether it finds the "
         "language model's is not tested.", "",
         '??? note "The model types without a plan"', "", "    " + ", ".join(f"`{t}`" for t in without), "",
     ])
@@ -394,7 +445,11 @@ def section(path: Path, page_dir: str, level: int = 3) -> str:
     if isinstance(when, str):
         facts.append(f"written {when}")
     if versions:
-        facts.append(", ".join(f"{k} {versions[k]}" for k in ("torch", "lightning", "torchft", "git_commit") if k in versions))
+        facts.append(
+            ", ".join(
+                f"{k} {versions[k]}" for k in ("torch", "lightning", "torchft", "git_commit") if k in versions
+            )
+        )
     if data.get("host_load_at_start") is not None:
         facts.append(f"host load at start {_fmt(data['host_load_at_start'])}")
     lines = [f"{'#' * level} `{path.name}` {{ #{stem} }}", "", " · ".join(facts), ""]
@@ -412,7 +467,8 @@ def section(path: Path, page_dir: str, level: int = 3) -> str:
 
 
 def matrix(path_name: str) -> str:
-    """Real-models matrix: one row per model x strategy, one column per callback set, the precisions that pass."""
+    """Real-models matrix: one row per model x strategy, one column per callback set, the precisions that
+    pass."""
     results = _load(path_name)
     rows: dict[tuple[str, str], dict[str, list[str]]] = {}
     columns: list[str] = ["none"]
@@ -421,14 +477,19 @@ def matrix(path_name: str) -> str:
         label = "+".join(c["callbacks"]) or "none"
         if label not in columns:
             columns.append(label)
-        mark = f"{'ok' if not r['problems'] else 'FAIL'} {c['precision'].replace('-true', '').replace('-mixed', 'm')}"
+        mark = (
+            f"{'ok' if not r['problems'] else 'FAIL'} "
+            f"{c['precision'].replace('-true', '').replace('-mixed', 'm')}"
+        )
         if c.get("resume"):
             mark += " +resume"
         rows.setdefault((c["model"], c["strategy"]), {}).setdefault(label, []).append(mark)
     # a callback set's name may wrap after "_" and "+" (not inside a word): nine columns fit a 1400 px window
     heads = [col.replace("_", "_<wbr>").replace("+", "+<wbr>") for col in columns]
-    lines = _table(["model", "strategy", *heads],
-                   [[m, s, *(", ".join(by.get(col, ["-"])) for col in columns)] for (m, s), by in rows.items()])
+    lines = _table(
+        ["model", "strategy", *heads],
+        [[m, s, *(", ".join(by.get(col, ["-"])) for col in columns)] for (m, s), by in rows.items()],
+    )
     passed = sum(not r["problems"] for r in results)
     lines.append(f"**{passed} of {len(results)} cells pass** (`benchmarks/results/{path_name}`).")
     return "\n".join(lines)
@@ -438,7 +499,8 @@ def gpu_results(page_dir: str) -> str:
     files = [p for p in _result_files() if json.loads(p.read_text()).get("device", "cpu") != "cpu"]
     if not files:
         return ("!!! note \"No GPU figures have been measured yet\"\n"
-                "    `benchmarks/results/` holds no result measured on a GPU: every figure on this site comes from "
+                "    `benchmarks/results/` holds no result measured "
+                "on a GPU: every figure on this site comes from "
                 "a CPU. A GPU result file appears here when it is added and the site rebuilt.\n")
     return "\n".join(section(p, page_dir) for p in files)
 
@@ -509,7 +571,8 @@ def file_diff(a: str, b: str) -> str:
     return "\n".join(["```diff", *lines, "```"])
 
 
-# ------------------------------------------------------------------------------------------------ mkdocs events
+# ------------------------------------------------------------------------------------------------ mkdocs
+# events
 def on_files(files: Files, config: Any) -> Files:
     for png in sorted(RESULTS.glob("*.png")):
         files.append(File.generated(config, f"{ASSETS}/{png.name}", abs_src_path=str(png)))
@@ -533,7 +596,11 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         if kind == "pretrained_load" and arg:
             data = _load(arg)
             png = _png(Path(arg).stem, data)
-            figure = [f"![{Path(arg).stem}]({posixpath.relpath(f'{ASSETS}/{png.name}', page_dir or '.')})", ""] if png else []
+            figure = (
+                [f"![{Path(arg).stem}]({posixpath.relpath(f'{ASSETS}/{png.name}', page_dir or '.')})", ""]
+                if png
+                else []
+            )
             return "\n".join([*pretrained_load(data), *figure])
         if kind == "memory_per_rank" and arg:
             return "\n".join(memory_per_rank(_load(arg)))

@@ -28,7 +28,10 @@ _REGISTERED = {
     "fsdp2": (FSDP2Strategy, "FSDP2 (fully_shard) per transformer block, on a 1-D mesh"),
     "hsdp": (HSDPStrategy, "FSDP2 on a 2-D (replicate, shard) DeviceMesh"),
     "ft_hsdp": (FTHSDPStrategy, "fault-tolerant HSDP: FSDP2 in a replica group, torchft across groups"),
-    "ddp_hooks": (DDPHooksStrategy, "DDP with comm hooks (compression, PowerSGD, post-local / hierarchical SGD)"),
+    "ddp_hooks": (
+        DDPHooksStrategy,
+        "DDP with comm hooks (compression, PowerSGD, post-local / hierarchical SGD)",
+    ),
 }
 STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTERED)
 
@@ -36,7 +39,9 @@ STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTERED)
 def _register(name: str, cls: type, description: str) -> None:
     existing = StrategyRegistry.get(name) if name in StrategyRegistry else None
     if existing is not None and existing.get("strategy") is not cls:
-        raise RuntimeError(f"Strategy name {name!r} is already registered by {existing.get('strategy')}; not shadowing it.")
+        raise RuntimeError(
+            f"Strategy name {name!r} is already registered by {existing.get('strategy')}; not shadowing it."
+        )
     StrategyRegistry.register(name, cls, description=description, override=True)
 
 
@@ -46,6 +51,8 @@ for _name, (_cls, _description) in _REGISTERED.items():
 # gloo's worker threads must finish before the interpreter finalizes (see fsdp_strategies.runtime.clean_exit)
 register_clean_exit()
 
-__all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy", "FSDP2Strategy",
-           "FTHSDPStrategy", "GarbageCollection", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor", "QuorumMember", "StragglerDetector",
+__all__ = ["PREEMPT_EXIT_CODE", "STRATEGY_NAMES", "ActivationCheckpointing", "DDPHooksStrategy",
+           "FSDP2Strategy",
+           "FTHSDPStrategy", "GarbageCollection", "HSDPStrategy", "LocalAveragingSwitch", "MFUMonitor",
+           "QuorumMember", "StragglerDetector",
            "export_consolidated", "export_hf", "parallelize", "verify_checkpoint"]

@@ -93,7 +93,8 @@ LIGHTNING_META_FILE: str = _METADATA_FILENAME
 
 # ------------------------------------------------------------------------------ fabric helpers (imports)
 def has_meta_tensors(module: nn.Module) -> bool:
-    """Whether ``module`` has parameters or buffers on the meta device (``_has_meta_device_parameters_or_buffers``)."""
+    """Whether ``module`` has parameters or buffers on the meta device
+    (``_has_meta_device_parameters_or_buffers``)."""
     return bool(_has_meta_device_parameters_or_buffers(module))
 
 
@@ -118,7 +119,8 @@ def is_stateful_loader(obj: object) -> bool:
 
 
 def rebuild_loader_with_sampler(dataloader: DataLoader, sampler: Sampler[Any]) -> DataLoader:
-    """A copy of a training loader with another sampler, built as Lightning injects its own (``_update_dataloader``)."""
+    """A copy of a training loader with another sampler, built as Lightning injects its own
+    (``_update_dataloader``)."""
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 
@@ -129,7 +131,8 @@ def init_process_group(strategy: Any) -> None:
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:
-    """Publish ``mesh`` as ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (both read ``_device_mesh``)."""
+    """Publish ``mesh`` as ``strategy.device_mesh`` and ``LightningModule.device_mesh`` (both read
+    ``_device_mesh``)."""
     strategy._device_mesh = mesh
     module = strategy.lightning_module
     if module is not None:
@@ -137,13 +140,15 @@ def set_device_mesh(strategy: Any, mesh: Any) -> None:
 
 
 def saves_distributed_checkpoint(strategy: Any) -> bool:
-    """``ModelParallelStrategy(save_distributed_checkpoint=...)``, stored as ``_save_distributed_checkpoint``."""
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``, stored as
+    ``_save_distributed_checkpoint``."""
     return bool(strategy._save_distributed_checkpoint)
 
 
 def forward_redirection(strategy: Any, wrapper: nn.Module, original: pl.LightningModule, method: str,
                         *args: Any, **kwargs: Any) -> Any:
-    """Run ``original.<method>`` through ``wrapper.__call__`` so its forward hooks fire (``_forward_redirection``)."""
+    """Run ``original.<method>`` through ``wrapper.__call__`` so its forward hooks fire
+    (``_forward_redirection``)."""
     return strategy._forward_redirection(wrapper, original, method, *args, **kwargs)
 
 
@@ -227,7 +232,8 @@ def restore_sigterm_broadcast(loop: Any) -> None:
 
 
 def in_lightning_hook(module: Any) -> bool:
-    """Whether Lightning is inside one of ``module``'s hooks, where ``self.log`` works (``_current_fx_name``)."""
+    """Whether Lightning is inside one of ``module``'s hooks, where ``self.log`` works
+    (``_current_fx_name``)."""
     return module is not None and getattr(module, "_current_fx_name", None) is not None
 
 
@@ -245,7 +251,8 @@ def before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx
 
 
 def forward_signal_to_launched_ranks(strategy: Any, signum: int) -> bool:
-    """Send ``signum`` to the processes Lightning's subprocess launcher started (its ``procs``); False if none."""
+    """Send ``signum`` to the processes Lightning's subprocess launcher started (its ``procs``); False if
+    none."""
     launcher = getattr(strategy, "launcher", None)
     if launcher is None or not getattr(launcher, "procs", None):
         return False

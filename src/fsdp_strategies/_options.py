@@ -1,7 +1,7 @@
 """Option checks shared by every strategy and callback: one spelling of each rule and of its error.
 
-Every check raises :class:`OptionError` (a ``ValueError``) with the shape ``<name>=<value> is invalid. Fix: <what
-to give>.``
+Every check raises :class:`OptionError` (a ``ValueError``) with the shape
+``<name>=<value> is invalid. Fix: <what to give>.``
 at ``__init__`` time (before any process group exists). Allowed string values come from the
 ``Literal`` type of the parameter (:func:`choices`), so the values are written once, in the signature
 that LightningCLI also reads.
@@ -27,16 +27,17 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 class OptionError(ValueError):
     """A bad option value of a strategy or callback: the message names the option, the value and the fix.
 
-    A ``ValueError``; :class:`fsdp_strategies.cli.ArgumentParser` reports it as one ``error:`` line instead of a
-    traceback, wherever it is raised (while LightningCLI instantiates the classes, or later on a rank). An
-    exception that must keep another type (a ``FileNotFoundError`` for a missing folder) counts as an option error
-    when its class sets ``option_error = True`` (:func:`is_option_error`)."""
+    A ``ValueError``; :class:`fsdp_strategies.cli.ArgumentParser` reports it as one ``error:`` line instead of
+    a traceback, wherever it is raised (while LightningCLI instantiates the classes, or later on a rank). An
+    exception that must keep another type (a ``FileNotFoundError`` for a missing folder) counts as an option
+    error when its class sets ``option_error = True`` (:func:`is_option_error`)."""
 
     option_error = True
 
 
 def is_option_error(exc: BaseException) -> bool:
-    """Whether ``exc`` reports a bad option value (:class:`OptionError` or a class with ``option_error = True``)."""
+    """Whether ``exc`` reports a bad option value (:class:`OptionError` or a class with
+    ``option_error = True``)."""
     return bool(getattr(type(exc), "option_error", False))
 
 
@@ -65,10 +66,12 @@ def _fail(name: str, value: Any, fix: str, prefix: str = "") -> OptionError:
 
 def check_int(name: str, value: Any, low: int = 0, high: int | None = None, *, optional: bool = False,
               fix: str | None = None, prefix: str = "") -> Any:
-    """An ``int`` (not a ``bool``) in ``[low, high]``; ``None`` passes when ``optional``. Returns ``value``."""
+    """An ``int`` (not a ``bool``) in ``[low, high]``; ``None`` passes when ``optional``. Returns
+    ``value``."""
     if value is None and optional:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    if isinstance(value, bool) or not isinstance(value,
+                                                 int) or value < low or (high is not None and value > high):
         if fix is None:
             fix = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
             fix += ", or leave it unset." if optional else "."
@@ -76,8 +79,8 @@ def check_int(name: str, value: Any, low: int = 0, high: int | None = None, *, o
     return value
 
 
-def check_number(name: str, value: Any, *, positive: bool = True, optional: bool = False, fix: str | None = None,
-                 prefix: str = "") -> Any:
+def check_number(name: str, value: Any, *, positive: bool = True, optional: bool = False,
+                 fix: str | None = None, prefix: str = "") -> Any:
     """A real number (not a ``bool``), ``> 0`` when ``positive`` (``>= 0`` otherwise). Returns ``value``."""
     if value is None and optional:
         return value

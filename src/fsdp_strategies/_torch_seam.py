@@ -60,12 +60,14 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
-    """Whether ``module.compile()`` (``_compiled_call_impl``) or ``torch.compile(module)`` (``_orig_mod``) applies."""
+    """Whether ``module.compile()`` (``_compiled_call_impl``) or ``torch.compile(module)`` (``_orig_mod``)
+    applies."""
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
 def is_op_overload(op: Any) -> bool:
-    """Whether ``op`` is one overload (``torch.ops.aten.mm.default``), not a packet (``torch._ops.OpOverload``)."""
+    """Whether ``op`` is one overload (``torch.ops.aten.mm.default``), not a packet
+    (``torch._ops.OpOverload``)."""
     return isinstance(op, torch._ops.OpOverload)
 
 
@@ -92,7 +94,8 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 
 def inside_autograd_backward() -> bool:
-    """Whether the autograd engine is running a backward pass now (``torch._C._current_graph_task_id() != -1``)."""
+    """Whether the autograd engine is running a backward pass now
+    (``torch._C._current_graph_task_id() != -1``)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -193,7 +196,8 @@ def fsdp_gradient_holders(module: torch.nn.Module) -> list[tuple[str, torch.Tens
 
 def dtensor_rng_per_shard(mesh: Any) -> bool:
     """Whether DTensor gives each shard of ``mesh`` its own random stream (CUDA-like devices, not CPU):
-    ``torch.distributed.tensor._random.is_rng_supported_mesh``, without the warning it prints for a CPU mesh."""
+    ``torch.distributed.tensor._random.is_rng_supported_mesh``, without the warning it prints for a CPU
+    mesh."""
     import warnings
 
     from torch.distributed.tensor._random import is_rng_supported_mesh
@@ -205,18 +209,21 @@ def dtensor_rng_per_shard(mesh: Any) -> bool:
 
 def fsdp_lazy_init(module: torch.nn.Module) -> None:
     """Make ``module`` (an ``FSDPModule``) the FSDP2 root now, as its first forward would
-    (``FSDPModule._get_fsdp_state()._lazy_init()``, private): afterwards its sub-units may be called on their own
-    (FSDP2 names as root the first module whose forward runs, and refuses a root above an initialised unit)."""
+    (``FSDPModule._get_fsdp_state()._lazy_init()``, private): afterwards its sub-units may be called on their
+    own (FSDP2 names as root the first module whose forward runs, and refuses a root above an initialised
+    unit)."""
     module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
 
 
 def loader_iterator(dataloader: Any) -> Any:
-    """A ``DataLoader``'s kept iterator with ``persistent_workers`` (``DataLoader._iterator``); else ``None``."""
+    """A ``DataLoader``'s kept iterator with ``persistent_workers`` (``DataLoader._iterator``); else
+    ``None``."""
     return getattr(dataloader, "_iterator", None)
 
 
 def shutdown_loader_workers(iterator: Any) -> None:
-    """Stop a multi-process loader iterator's workers now (``_MultiProcessingDataLoaderIter._shutdown_workers``)."""
+    """Stop a multi-process loader iterator's workers now
+    (``_MultiProcessingDataLoaderIter._shutdown_workers``)."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     if isinstance(iterator, _MultiProcessingDataLoaderIter):
@@ -233,8 +240,8 @@ def default_stager_reusable() -> bool:
     """
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
     try:
         for _ in range(2):
             stager.stage({"probe": torch.zeros(1)})
@@ -303,7 +310,8 @@ def numpy_pickle_globals() -> list[Any]:
     import numpy as np
 
     multiarray = getattr(np, "_core", None) or np.core
-    found: list[Any] = [multiarray.multiarray.scalar, multiarray.multiarray._reconstruct, np.ndarray, np.dtype]
+    found: list[Any] = [multiarray.multiarray.scalar, multiarray.multiarray._reconstruct, np.ndarray,
+                        np.dtype]
     found += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
     return found
 

@@ -8,12 +8,13 @@ attempt, ...) and the one useful line sits a few levels deep. :class:`ArgumentPa
 jsonargparse's message but puts a one-line explanation first, with a fix (the closest valid value
 or option name), built from that message and from the named class's signature.
 
-A bad option *value* that a strategy or callback refuses itself (:class:`~fsdp_strategies._options.OptionError`:
-``memory_budget: 1.5``, ``every_n_steps: 0``, a ``tensor_parallel_degree`` that does not divide the devices, a
-``tp_plan`` glob that matches nothing) is reported the same way, as one ``error: Class: option=value ... Fix: ...``
-line: raised while LightningCLI instantiates the classes, with the usage line and exit status 2; raised later on a
-rank, with exit status 1 (the parser installs a ``sys.excepthook`` for that exception type only).
-``FSDP_STRATEGIES_TRACEBACK=1`` shows the full traceback instead.
+A bad option *value* that a strategy or callback refuses itself
+(:class:`~fsdp_strategies._options.OptionError`: ``memory_budget: 1.5``, ``every_n_steps: 0``, a
+``tensor_parallel_degree`` that does not divide the devices, a ``tp_plan`` glob that matches nothing) is
+reported the same way, as one ``error: Class: option=value ... Fix: ...`` line: raised while LightningCLI
+instantiates the classes, with the usage line and exit status 2; raised later on a rank, with exit status 1
+(the parser installs a ``sys.excepthook`` for that exception type only). ``FSDP_STRATEGIES_TRACEBACK=1`` shows
+the full traceback instead.
 
 Use it with any LightningCLI::
 
@@ -75,7 +76,9 @@ def _init_options(cls: Any) -> list[str]:
             params = list(inspect.signature(init).parameters.values())[1:]
         except (TypeError, ValueError):
             break
-        names += [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in names]
+        names += [
+            p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in names
+        ]
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return names
@@ -192,8 +195,10 @@ def explain_error(message: str, parser: Any = None) -> str | None:
         group, option = m.groups()
         keys = [k.split(".")[-1] for k in _parser_keys(parser) if k.rsplit(".", 1)[0] == group]
         closest = _closest(option, keys)
-        found = [f"{group} has no option {option!r}. Fix: " + (f"did you mean {closest!r}?" if closest
-                                                                else f"see --help for the options of {group}.")]
+        found = [
+            f"{group} has no option {option!r}. Fix: "
+            + (f"did you mean {closest!r}?" if closest else f"see --help for the options of {group}.")
+        ]
     if not found and (m := MESSAGE.UNRECOGNIZED.search(lines[0] if lines else "")):
         keys = _parser_keys(parser)
         for arg in m.group(1).split():
@@ -221,8 +226,8 @@ def _option_error(exc: BaseException | None) -> BaseException | None:
 
 
 def _owner(tb: types.TracebackType | None) -> str | None:
-    """The class whose ``__init__`` (or method) raised: the last frame of the traceback with a ``self`` that is
-    one of this package's strategies or callbacks."""
+    """The class whose ``__init__`` (or method) raised: the last frame of the traceback with a ``self`` that
+    is one of this package's strategies or callbacks."""
     owner = None
     while tb is not None:
         obj = tb.tb_frame.f_locals.get("self")
@@ -249,9 +254,10 @@ def _led_by(message: str, owner: str | None) -> str:
 
 
 def _union_option_error(exc: BaseException) -> str | None:
-    """jsonargparse tries each member of a union (a strategy is ``str | Strategy``) and raises a new error that
-    quotes each member's message, so the class's own exception is not in the chain: take the quoted message
-    that has this package's ``Fix:`` (jsonargparse's own messages never do), and the class from ``class_path``."""
+    """jsonargparse tries each member of a union (a strategy is ``str | Strategy``) and raises a new error
+    that quotes each member's message, so the class's own exception is not in the chain: take the quoted
+    message that has this package's ``Fix:`` (jsonargparse's own messages never do), and the class from
+    ``class_path``."""
     members = (MESSAGE.UNION_MEMBER_ERROR.match(line) for line in str(exc).splitlines())
     found = [m.group(1).rstrip() for m in members if m and "Fix: " in m.group(1)]
     if not found:

@@ -46,7 +46,8 @@ class HostPauseSource(Protocol):
     """
 
     def take_host_pause_s(self) -> float:
-        """Seconds of deliberate pauses on this rank since the previous call (0.0 when none); resets the count."""
+        """Seconds of deliberate pauses on this rank since the previous call (0.0 when none); resets the
+        count."""
         ...
 
 
@@ -64,7 +65,8 @@ class LocalAveragingSwitch(Protocol):
         ...
 
     def set_local_sgd(self, enabled: bool, average: bool = True) -> None:
-        """Turn local averaging on (``True``) or back to synchronous steps (``False``, averaging first if ``average``)."""
+        """Turn local averaging on (``True``) or back to synchronous steps (``False``, averaging first if
+        ``average``)."""
         ...
 
 
@@ -113,13 +115,14 @@ class QuorumMember(Protocol):
 
 @runtime_checkable
 class SyncModeSwitch(Protocol):
-    """A strategy that switches, by itself, between every-step cross-group reduction and semi-synchronous rounds
-    while stragglers cost too much (``ft_hsdp(straggler_sync=...)``). The decision is the strategy's: it is
-    agreed across replica groups inside a step that commits; the callback supplies the policy and the measurement.
+    """A strategy that switches, by itself, between every-step cross-group reduction and semi-synchronous
+    rounds while stragglers cost too much (``ft_hsdp(straggler_sync=...)``). The decision is the strategy's:
+    it is agreed across replica groups inside a step that commits; the callback supplies the policy and the
+    measurement.
 
-    Protocol: call :meth:`configure_sync_switch` once before training (``setup``) on every rank; then, after each
-    measurement window, :meth:`report_sync_cost` with a value that is identical on every rank of the group (e.g.
-    computed from a window all ranks gathered), derived from :meth:`sync_cost_counters`.
+    Protocol: call :meth:`configure_sync_switch` once before training (``setup``) on every rank; then, after
+    each measurement window, :meth:`report_sync_cost` with a value that is identical on every rank of the
+    group (e.g. computed from a window all ranks gathered), derived from :meth:`sync_cost_counters`.
     """
 
     @property
@@ -138,13 +141,13 @@ class SyncModeSwitch(Protocol):
         ...
 
     def configure_sync_switch(self, threshold: float, patience: int) -> None:
-        """Switch to rounds above ``threshold`` (fraction of the step time) for ``patience`` boundaries, back below
-        half of it for ``patience`` boundaries."""
+        """Switch to rounds above ``threshold`` (fraction of the step time) for ``patience`` boundaries, back
+        below half of it for ``patience`` boundaries."""
         ...
 
     def sync_cost_counters(self) -> tuple[float, float]:
-        """Cumulative ``(cross_s, extra_s)`` of this rank: every-step-equivalent cross-group seconds, and seconds to
-        add to the wall time for the every-step-equivalent wall time."""
+        """Cumulative ``(cross_s, extra_s)`` of this rank: every-step-equivalent cross-group seconds, and
+        seconds to add to the wall time for the every-step-equivalent wall time."""
         ...
 
     def report_sync_cost(self, cost: float) -> None:

@@ -10,7 +10,8 @@
 * A slow link between replica groups: :class:`SlowLink` (which groups, how slow, when) and
   :class:`SlowLinkInjector` (a callback that delays that group's cross-group all-reduces under ``ft_hsdp`` by
   wrapping its torchft manager's ``allreduce``; the strategy has no hook for it).
-* :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across processes.
+* :func:`state_digest`: a hash of this rank's tensors (shards of DTensors), to compare states across
+  processes.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ __all__ = ["SLOW_LINK_ENV", "HangInjector", "KeptBytes", "SlowLink", "SlowLinkIn
            "StragglerInjection", "fsdp_gradient_bytes", "grad_bytes", "hang_forever", "optimizer_state_bytes",
            "param_bytes", "state_digest"]
 
-#: JSON of a :class:`SlowLink` (e.g. ``{"groups": [1], "seconds_per_mb": 2.0, "start_step": 8, "end_step": 40}``),
-#: read by ``SlowLinkInjector()`` when it is given no link
+#: JSON of a :class:`SlowLink` (e.g.
+#: ``{"groups": [1], "seconds_per_mb": 2.0, "start_step": 8, "end_step": 40}``), read by
+#: ``SlowLinkInjector()`` when it is given no link
 SLOW_LINK_ENV = "FSDP_STRATEGIES_SLOW_LINK"
 
 
@@ -82,7 +84,9 @@ def fsdp_gradient_bytes(module: nn.Module) -> dict[str, int]:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return _bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    return _bytes(
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    )
 
 
 class KeptBytes(SavedBytes):
@@ -126,12 +130,16 @@ class StragglerInjection:
         if self.delay_s < 0:
             raise ValueError(f"inject.delay_s={self.delay_s!r} is negative. Fix: seconds >= 0.")
         if not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
-                             "or 0.02 (rare stalls).")
+            raise ValueError(
+                f"inject.probability={self.probability!r} is not in [0, 1]. Fix: e.g. 1.0 (persistent) "
+                "or 0.02 (rare stalls)."
+            )
         if self.kind not in _INJECTION_KINDS:
             raise ValueError(f"inject.kind={self.kind!r} is unknown. Fix: one of {list(_INJECTION_KINDS)}.")
         if self.end_step is not None and self.end_step <= self.start_step:
-            raise ValueError(f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}.")
+            raise ValueError(
+                f"inject.end_step={self.end_step} must be after inject.start_step={self.start_step}."
+            )
 
 
 class StallInjector(Callback):
@@ -160,9 +168,11 @@ class StallInjector(Callback):
         detectors = [i for i, c in enumerate(callbacks) if isinstance(c, StragglerDetector)]
         if self in callbacks and detectors and detectors[0] < callbacks.index(self):
             raise ValueError(
-                "StallInjector is listed after StragglerDetector in trainer.callbacks, so its stalls would fall "
+                "StallInjector is listed after StragglerDetector "
+                "in trainer.callbacks, so its stalls would fall "
                 "inside the step the detector times. Fix: list fsdp_strategies.testing.StallInjector before "
-                "fsdp_strategies.callbacks.StragglerDetector.")
+                "fsdp_strategies.callbacks.StragglerDetector."
+            )
         self._rng = random.Random(self.inject.seed + trainer.global_rank)
 
     def _due(self, trainer: pl.Trainer) -> bool:
@@ -188,7 +198,9 @@ class StallInjector(Callback):
                 pass
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         due = self._due(trainer)
         if self.inject.kind == "spin":
             self._in_step_due = due  # spent inside the step, before its backward
@@ -196,7 +208,9 @@ class StallInjector(Callback):
             self._stall()  # the rank is away before its step
 
     @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         if self._in_step_due:  # the batch's first backward (manual optimization may call several)
             self._in_step_due = False
             self._stall()
@@ -230,13 +244,14 @@ def hang_forever() -> None:
 # ---------------------------------------------------------------------------------------------- slow links
 @dataclass
 class SlowLink:
-    """A persistently slow replica group, modelled as a slow link: every cross-group all-reduce of a chosen group
-    is delayed by ``latency_s + seconds_per_mb * MB`` (a host that sleeps: the link is slow, not the CPU).
+    """A persistently slow replica group, modelled as a slow link: every cross-group all-reduce of a chosen
+    group is delayed by ``latency_s + seconds_per_mb * MB`` (a host that sleeps: the link is slow, not the
+    CPU).
 
     Attributes:
         groups: replica group ids whose link is slow.
-        seconds_per_mb: delay per MB (1e6 bytes) sent; FSDP's per-step gradient all-reduces and an outer sync's
-            pseudo-gradient all-reduces move the same bytes, so the model charges both alike.
+        seconds_per_mb: delay per MB (1e6 bytes) sent; FSDP's per-step gradient all-reduces and an outer
+            sync's pseudo-gradient all-reduces move the same bytes, so the model charges both alike.
         latency_s: delay per all-reduce call.
         start_step: first committed step (``Trainer.global_step`` during the step) in which the link is slow.
         end_step: the link is slow before this committed step (None = until the end).
@@ -250,11 +265,15 @@ class SlowLink:
 
     def __post_init__(self) -> None:
         if self.seconds_per_mb < 0 or self.latency_s < 0:
-            raise ValueError(f"slow_link: seconds_per_mb={self.seconds_per_mb!r}, latency_s={self.latency_s!r} must be "
-                             ">= 0. Fix: e.g. seconds_per_mb=2.0.")
+            raise ValueError(
+                f"slow_link: seconds_per_mb={self.seconds_per_mb!r}, latency_s={self.latency_s!r} must be "
+                ">= 0. Fix: e.g. seconds_per_mb=2.0."
+            )
         if self.end_step is not None and self.end_step <= self.start_step:
-            raise ValueError(f"slow_link.end_step={self.end_step} must be after start_step={self.start_step}. Fix: a "
-                             "larger end_step, or null.")
+            raise ValueError(
+                f"slow_link.end_step={self.end_step} must be after start_step={self.start_step}. Fix: a "
+                "larger end_step, or null."
+            )
 
     def delay_s(self, nbytes: int, step: int) -> float:
         if step < self.start_step or (self.end_step is not None and step >= self.end_step):
@@ -266,11 +285,11 @@ class SlowLinkInjector(Callback):
     """Puts a :class:`SlowLink` under the cross-group all-reduces of the chosen ``ft_hsdp`` replica groups.
 
     ``link=None`` reads :data:`SLOW_LINK_ENV`; when that is unset too, it does nothing (off by default). At
-    ``setup`` (after the strategy has built its ``torchft.Manager``, before the model is sharded) it wraps that
-    manager's ``allreduce`` on this process, which every cross-group all-reduce of the strategy goes through
-    (FSDP's gradient reductions, the outer sync's pseudo-gradients, the switch vote): the delay happens on every
-    rank of the group, before the all-reduce starts, so the other groups wait for it. Nothing in the strategy
-    knows about it. ``delayed_s`` sums this rank's delays.
+    ``setup`` (after the strategy has built its ``torchft.Manager``, before the model is sharded) it wraps
+    that manager's ``allreduce`` on this process, which every cross-group all-reduce of the strategy goes
+    through (FSDP's gradient reductions, the outer sync's pseudo-gradients, the switch vote): the delay
+    happens on every rank of the group, before the all-reduce starts, so the other groups wait for it. Nothing
+    in the strategy knows about it. ``delayed_s`` sums this rank's delays.
     """
 
     def __init__(self, link: SlowLink | dict[str, Any] | None = None) -> None:
@@ -287,9 +306,11 @@ class SlowLinkInjector(Callback):
             return
         manager = getattr(strategy, "manager", None)
         if manager is None or not callable(getattr(manager, "allreduce", None)):
-            raise ValueError(f"SlowLinkInjector needs ft_hsdp (a torchft manager whose cross-group all-reduces it "
-                             f"delays); the strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove "
-                             "the callback.")
+            raise ValueError(
+                f"SlowLinkInjector needs ft_hsdp (a torchft manager whose cross-group all-reduces it "
+                f"delays); the strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove "
+                "the callback."
+            )
         link, allreduce = self.link, manager.allreduce
 
         def slow_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -304,7 +325,8 @@ class SlowLinkInjector(Callback):
 
 # ---------------------------------------------------------------------------------------------- states
 def state_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality checks."""
+    """SHA-1 over the bytes of this rank's tensors (shards of DTensors), in key order -- for equality
+    checks."""
     h = hashlib.sha1()
     for key in sorted(tensors):
         t = local(tensors[key]).detach().contiguous().cpu().reshape(-1)

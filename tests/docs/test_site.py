@@ -1,4 +1,5 @@
-"""The built documentation site, opened in headless Chromium (run by ``make docs`` after ``mkdocs build --strict``).
+"""The built documentation site, opened in headless Chromium (run by ``make docs`` after
+``mkdocs build --strict``).
 
 Not collected by ``make test`` (its pytest line passes ``--ignore=tests/docs``): it needs the built ``site/``
 and a Chromium. A missing site or browser is a failure, never a skip.
@@ -65,12 +66,15 @@ def dump_dom(page: str) -> str:
          "--virtual-time-budget=3000", "--dump-dom", path.as_uri()],
         timeout=120,
     )
-    assert proc.returncode == 0 and "<html" in proc.stdout, f"chromium failed on {page}: {proc.stderr[-2000:]}"
+    assert proc.returncode == 0 and "<html" in proc.stdout, (
+        f"chromium failed on {page}: {proc.stderr[-2000:]}"
+    )
     return proc.stdout
 
 
 class _Tables(HTMLParser):
-    """Collects the rows of every table introduced by a ``Parameters:`` section title (mkdocstrings' tables)."""
+    """Collects the rows of every table introduced by a ``Parameters:`` section title (mkdocstrings'
+    tables)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,8 +133,13 @@ def _fixed_by_super_call(cls: type) -> set[str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
     fixed: set[str] = set()
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
-                and isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", None) == "super"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "__init__"
+            and isinstance(node.func.value, ast.Call)
+            and getattr(node.func.value.func, "id", None) == "super"
+        ):
             fixed |= {kw.arg for kw in node.keywords if kw.arg is not None}
     return fixed
 
@@ -214,7 +223,8 @@ def test_performance_page_has_a_generated_section_and_figure_per_result_file() -
 def test_gpu_page_states_what_was_measured() -> None:
     text = dump_dom("gpu")
     gpu_files = [p for p in RESULTS.glob("*.json")
-                 if isinstance(data := json.loads(p.read_text()), dict) and data.get("device", "cpu") != "cpu"]
+                 if isinstance(data := json.loads(p.read_text()), dict) and data.get("device",
+                                                                                     "cpu") != "cpu"]
     if gpu_files:
         for path in gpu_files:
             assert f'id="{path.stem}"' in text

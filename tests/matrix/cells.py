@@ -52,10 +52,11 @@ PRECISIONS = ["32-true", "bf16-mixed"]
 
 def cell(model: str, strategy: str, callbacks: Iterable[str] = (), precision: str = "32-true",
          resume: bool = False, eager_init: bool = False) -> dict[str, Any]:
-    """One cell. ``eager_init``: a model that builds its layers in ``configure_model`` is built for real on every
-    rank (the strategy's ``meta_init=False``) from the same seed as the reference, so its losses are compared with
-    the reference's instead of only checked to be finite and falling."""
-    c = {"model": model, "strategy": strategy, "callbacks": list(callbacks), "precision": precision, "resume": resume}
+    """One cell. ``eager_init``: a model that builds its layers in ``configure_model`` is built for real on
+    every rank (the strategy's ``meta_init=False``) from the same seed as the reference, so its losses are
+    compared with the reference's instead of only checked to be finite and falling."""
+    c = {"model": model, "strategy": strategy, "callbacks": list(callbacks), "precision": precision,
+         "resume": resume}
     if eager_init:
         c["eager_init"] = True
     return c
@@ -80,7 +81,8 @@ def full_cells(world: int) -> list[dict[str, Any]]:
                     cells.append(cell(model, strategy, (), precision, eager_init=True))
     if world == 2:
         cells += [_reference("hf_llama", "bf16-true"), cell("hf_llama", "fsdp2", (), "bf16-true"),
-                  cell("hf_llama", "fsdp2", (), resume=True), cell("hf_llama", "hsdp")]  # hsdp: 2 replicas x 1 shard
+                  # hsdp: 2 replicas x 1 shard
+                  cell("hf_llama", "fsdp2", (), resume=True), cell("hf_llama", "hsdp")]
     return cells
 
 
@@ -88,7 +90,8 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
     """The representative cut: every model once under the sharded strategy, the rest on the HF Llama."""
     if world == 4:
         return [_reference("hf_llama", "32-true"), cell("hf_llama", "hsdp"),
-                _reference("hf_llama", "bf16-mixed"), cell("hf_llama", "hsdp", ["sac_selective_op", "mfu"], "bf16-mixed"),
+                _reference("hf_llama", "bf16-mixed"),
+                cell("hf_llama", "hsdp", ["sac_selective_op", "mfu"], "bf16-mixed"),
                 _reference("hf_t5", "32-true"), cell("hf_t5", "hsdp"),
                 _reference("hf_clip", "32-true"), cell("hf_clip", "hsdp"),
                 _reference("mps_style_llama", "32-true"), cell("mps_style_llama", "hsdp"),
@@ -96,9 +99,12 @@ def ci_cells(world: int) -> list[dict[str, Any]]:
     cells = []
     for model in MODELS:
         cells += [_reference(model, "32-true"), cell(model, "fsdp2")]
-        if MODELS[model].meta_init:  # built on the meta device above; built like the reference here: same losses
+        # built on the meta device above; built like the reference here: same losses
+        if MODELS[model].meta_init:
             cells.append(cell(model, "fsdp2", eager_init=True))
-    cells += [cell("hf_llama", "fsdp2", [name]) for name in ("sac_full", "sac_selective_op", "sac_selective_layer")]
+    cells += [
+        cell("hf_llama", "fsdp2", [name]) for name in ("sac_full", "sac_selective_op", "sac_selective_layer")
+    ]
     cells += [_reference("hf_llama", "bf16-mixed"),
               cell("hf_llama", "fsdp2", ["sac_selective_op", "mfu", "straggler"], "bf16-mixed"),
               cell("hf_llama", "ddp_hooks", ["sac_selective_op", "mfu", "straggler"]),
@@ -133,8 +139,10 @@ def run_cells(cells: list[dict[str, Any]], world: int, work: Path, timeout: floa
 
 
 def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks: Iterable[str] = (),
-                steps: int = 30, kill_at: int = 4, sleep_alone: float = 1.5, timeout: float = 300) -> dict[str, Any]:
-    """One ft_hsdp cell: 2 replica groups x 1 rank, group 1 SIGKILLed at committed step ``kill_at``, then healed.
+                steps: int = 30, kill_at: int = 4, sleep_alone: float = 1.5,
+                timeout: float = 300) -> dict[str, Any]:
+    """One ft_hsdp cell: 2 replica groups x 1 rank, group 1 SIGKILLed at committed step ``kill_at``, then
+    healed.
 
     The survivor trains alone at ``sleep_alone`` s per step, so the killed group's restart (a fresh Python
     with torch, Lightning and transformers to import) has ``(steps - kill_at) * sleep_alone`` seconds to
@@ -146,14 +154,20 @@ def run_ft_cell(model: str, work: Path, *, precision: str = "32-true", callbacks
     cmd = [sys.executable, "-m", "fsdp_strategies.ft", "--groups", "2", "--ranks-per-group", "1",
            "--min-replicas", "1", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "500",
            "--kill-at-steps", f"1@{kill_at}", "--max-restarts", "2", "--events-dir", str(events),
-           "--timeout", str(timeout - 20), "--", str(HERE / "ft_worker.py"), "--model", model, "--precision", precision,
+           "--timeout", str(timeout - 20), "--", str(HERE / "ft_worker.py"), "--model", model, "--precision",
+           precision,
            "--callbacks", ",".join(callbacks), "--steps", str(steps), "--sleep-alone", str(sleep_alone),
            "--out", str(out)]
     proc = processes.run(cmd, timeout=timeout, env=env, cwd=str(ROOT))
     launcher = [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()] \
         if (events / "launcher.jsonl").exists() else []
-    groups = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("group*_rank*.json"))} if out.exists() else {}
-    return {"cell": cell(model, "ft_hsdp", callbacks, precision), "returncode": proc.returncode, "steps": steps,
+    groups = (
+        {p.name: json.loads(p.read_text()) for p in sorted(out.glob("group*_rank*.json"))}
+        if out.exists()
+        else {}
+    )
+    return {"cell": cell(model, "ft_hsdp", callbacks, precision), "returncode": proc.returncode,
+            "steps": steps,
             "out": str(out), "launcher": launcher, "groups": groups, "stderr_tail": proc.stderr[-3000:]}
 
 
@@ -169,7 +183,10 @@ def max_loss_deviation(result: dict[str, Any], reference: dict[str, Any]) -> flo
 
 def analytic_flops(inputs: dict[str, Any]) -> float:
     tokens = inputs["samples"] * inputs["seq"]
-    return 6 * inputs["matmul_params"] * tokens + 12 * inputs["layers"] * inputs["attn_width"] * inputs["seq"] * tokens
+    return (
+        6 * inputs["matmul_params"] * tokens
+        + 12 * inputs["layers"] * inputs["attn_width"] * inputs["seq"] * tokens
+    )
 
 
 def check_cell(result: dict[str, Any], reference: dict[str, Any] | None) -> list[str]:
@@ -180,10 +197,14 @@ def check_cell(result: dict[str, Any], reference: dict[str, Any] | None) -> list
     problems = []
     if result["global_step"] != STEPS:
         problems.append(f"trained {result['global_step']} steps, not {STEPS}")
-    meta_init = MODELS[c["model"]].meta_init and c["strategy"] in ("fsdp2", "hsdp") and not c.get("eager_init")
+    meta_init = (
+        MODELS[c["model"]].meta_init and c["strategy"] in ("fsdp2", "hsdp") and not c.get("eager_init")
+    )
     if reference is None and c != _reference(c["model"], c["precision"]) and not meta_init:
-        problems.append(f"no result of its reference cell ({MODELS[c['model']].reference}, {c['precision']}) to "
-                        "compare with: a cell without a reference proves nothing")
+        problems.append(
+            f"no result of its reference cell ({MODELS[c['model']].reference}, {c['precision']}) to "
+            "compare with: a cell without a reference proves nothing"
+        )
     if meta_init:
         for rank, losses in enumerate(result["losses"]):
             if not all(x == x for x in losses) or not losses[-1] < losses[0]:
@@ -218,7 +239,9 @@ def check_cell(result: dict[str, Any], reference: dict[str, Any] | None) -> list
         if c["model"].startswith("hf_") and result.get("use_cache_after_fit") is False:
             problems.append("config.use_cache was not restored after fit")
     if c.get("resume"):
-        for rank, (straight, resumed) in enumerate(zip(result["losses"], result["resumed_losses"], strict=True)):
+        for rank, (straight, resumed) in enumerate(
+            zip(result["losses"], result["resumed_losses"], strict=True)
+        ):
             if resumed is None or any(_rel(a, b) > 1e-5 for a, b in zip(resumed, straight[2:], strict=True)) \
                     or len(resumed) != len(straight) - 2:
                 problems.append(f"rank {rank}: resumed losses {resumed} != uninterrupted {straight[2:]}")
@@ -232,7 +255,9 @@ def check_ft_cell(result: dict[str, Any]) -> list[str]:
     kills = [e for e in result["launcher"] if e["event"] == "kill"]
     starts = [e for e in result["launcher"] if e["event"] == "start"]
     if len(kills) != 1 or len(starts) != 3:
-        problems.append(f"expected one kill and one restart, launcher saw {len(kills)} kills, {len(starts)} starts")
+        problems.append(
+            f"expected one kill and one restart, launcher saw {len(kills)} kills, {len(starts)} starts"
+        )
     groups = result["groups"]
     if len(groups) != 2:
         return [*problems, f"{len(groups)} of 2 groups wrote results"]
@@ -252,7 +277,8 @@ def check_ft_cell(result: dict[str, Any]) -> list[str]:
 
 
 def replay_problems(result: dict[str, Any], lr_scale: float = 1.0) -> list[str]:
-    """The cell against its independent reference: its committed steps replayed in plain torch (ft_replay.py)."""
+    """The cell against its independent reference: its committed steps replayed in plain torch
+    (ft_replay.py)."""
     try:
         rep = replay(result["cell"]["model"], Path(result["out"]), lr_scale)
     except (AssertionError, FileNotFoundError) as e:
@@ -260,8 +286,10 @@ def replay_problems(result: dict[str, Any], lr_scale: float = 1.0) -> list[str]:
     tol = TOLERANCE["32-true"]
     problems = []
     if rep["steps"] != result["steps"] or rep["finals"] != 2 or rep["losses_compared"] < rep["steps"]:
-        problems.append(f"replay: {rep['steps']} committed steps (want {result['steps']}), {rep['finals']} final "
-                        f"weights, {rep['losses_compared']} losses compared")
+        problems.append(
+            f"replay: {rep['steps']} committed steps (want {result['steps']}), {rep['finals']} final "
+            f"weights, {rep['losses_compared']} losses compared"
+        )
     if rep["loss_deviation"] > tol or rep["weight_deviation"] > tol:
         problems.append(f"replay: losses differ by {rep['loss_deviation']:.2e}, weights by "
                         f"{rep['weight_deviation']:.2e} (tolerance {tol:.0e})")
@@ -280,12 +308,15 @@ def _label(c: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Markdown: one row per model x strategy, one column per callback set; each cell: passes per precision."""
+    """Markdown: one row per model x strategy, one column per callback set; each cell: passes per
+    precision."""
     rows: dict[tuple[str, str], dict[str, list[str]]] = {}
     for r in results:
         c = r["cell"]
         problems = r["problems"]
-        mark = f"{'ok' if not problems else 'FAIL'} {c['precision'].replace('-true', '').replace('-mixed', 'm')}"
+        mark = (
+            f"{'ok' if not problems else 'FAIL'} {c['precision'].replace('-true', '').replace('-mixed', 'm')}"
+        )
         if c.get("resume"):
             mark += " +resume"
         if c.get("eager_init"):
@@ -294,7 +325,9 @@ def table(results: list[dict[str, Any]]) -> str:
     columns = ["none", *("+".join(s) for s in CALLBACK_SETS[1:])]
     lines = ["| model | strategy | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for (model, strategy), by in rows.items():
-        lines.append(f"| {model} | {strategy} | " + " | ".join(", ".join(by.get(col, ["-"])) for col in columns) + " |")
+        lines.append(
+            f"| {model} | {strategy} | " + " | ".join(", ".join(by.get(col, ["-"])) for col in columns) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -306,7 +339,8 @@ def main() -> None:
     parser.add_argument("--only-ft", action="store_true", help="only the ft_hsdp cells")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="only these models' cells")
     parser.add_argument("--merge", action="store_true",
-                        help="with --models: replace only these models' cells in --out, keep the other models' cells")
+                        help="with --models: replace only these models' "
+                             "cells in --out, keep the other models' cells")
     args = parser.parse_args()
 
     def pick(world: int) -> list[dict[str, Any]]:
@@ -320,18 +354,24 @@ def main() -> None:
             for r in batch:
                 r["problems"] = check_cell(r, reference_for(r, batch))
             results += batch
-            print(f"{world} ranks: {sum(not r['problems'] for r in batch)}/{len(batch)} cells pass", flush=True)
+            print(
+                f"{world} ranks: {sum(not r['problems'] for r in batch)}/{len(batch)} cells pass", flush=True
+            )
         if not args.skip_ft:
             ft_models = [m for m in MODELS if MODELS[m].reference == "ddp"] if args.full else ["hf_llama"]
             ft_models = [m for m in ft_models if args.models is None or m in args.models]
             for model in ft_models:
                 for precision in (PRECISIONS if args.full else ["32-true"]):
                     r = run_ft_cell(model, Path(tmp), precision=precision,
-                                    callbacks=["sac_selective_op", "mfu", "straggler"] if precision != "32-true" else ())
+                                    callbacks=["sac_selective_op", "mfu",
+                                               "straggler"] if precision != "32-true" else ())
                     r["problems"] = check_ft_cell(r)
                     r.pop("stderr_tail", None) if not r["problems"] else None
                     results.append(r)
-                    print(f"ft_hsdp {model} {precision}: {'ok' if not r['problems'] else r['problems']}", flush=True)
+                    print(
+                        f"ft_hsdp {model} {precision}: {'ok' if not r['problems'] else r['problems']}",
+                        flush=True,
+                    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.merge and args.models and Path(args.out).exists():
         kept = [r for r in json.loads(Path(args.out).read_text()) if r["cell"]["model"] not in args.models]

@@ -65,7 +65,8 @@ class StepRecorder(pl.Callback):
             torch.save(_full_state(pl_module), self.out / "init.pt")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.position = int(trainer.strategy.manager.current_step())  # the batch is already the committed step's
+        # the batch is already the committed step's
+        self.position = int(trainer.strategy.manager.current_step())
         torch.save(batch, self.out / f"batch_g{self.group}_s{self.position}.pt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -73,8 +74,8 @@ class StepRecorder(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         line = {"group": self.group, "pid": os.getpid(), "position": self.position,
                 "step_after": int(manager.current_step()), "committed": trainer.strategy.last_step_committed,
-                "participating": bool(manager.is_participating()), "participants": int(manager.num_participants()),
-                "loss": float(loss.detach().float())}
+                "participating": bool(manager.is_participating()),
+                "participants": int(manager.num_participants()), "loss": float(loss.detach().float())}
         with open(self.out / f"steps_g{self.group}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
             f.flush()
@@ -117,8 +118,10 @@ def main() -> None:
     steps = StepRecorder(out, int(os.environ.get("REPLICA_GROUP_ID", "0")))
     provide_demo_text(out)  # also makes the output folder the working folder
     trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, precision=args.precision,
-                         default_root_dir=out,  # where callbacks write their files (e.g. the straggler report)
-                         max_steps=args.steps, callbacks=[recorder, pace, steps, *extra.values()], logger=False,
+                         # where callbacks write their files (e.g. the straggler report)
+                         default_root_dir=out,
+                         max_steps=args.steps, callbacks=[recorder, pace, steps, *extra.values()],
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     dataset = spec.dataset()

@@ -151,37 +151,45 @@ class HFContrastive(_HFModule):
 def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
+                                        num_hidden_layers=LAYERS,
+                                        num_attention_heads=HEADS, num_key_value_heads=2,
+                                        max_position_embeddings=64))
 
 
 def _qwen2() -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64,
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
+                                        num_hidden_layers=LAYERS,
+                                        num_attention_heads=HEADS, num_key_value_heads=2,
+                                        max_position_embeddings=64,
                                         use_sliding_window=True, sliding_window=8, max_window_layers=1))
 
 
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS,
+                                      n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
 
 
 def _bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                      num_attention_heads=HEADS, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
+                                      num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, max_position_embeddings=64,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
 def _t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=FFN, num_layers=2,
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=FFN,
+                                               num_layers=2,
                                                num_decoder_layers=3, num_heads=HEADS, dropout_rate=0.0,
                                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
 
@@ -189,8 +197,10 @@ def _t5() -> nn.Module:
 def _vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=DIM, intermediate_size=FFN,
-                                               num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_labels=10,
+    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=DIM,
+                                               intermediate_size=FFN,
+                                               num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                               num_labels=10,
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
@@ -215,7 +225,9 @@ def _lightning_demo() -> pl.LightningModule:
 def _example_llama() -> pl.LightningModule:
     from llama import LlamaLM
 
-    return LlamaLM(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, max_seq_len=SEQ, lr=LR, warmup_steps=1)
+    return LlamaLM(
+        vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, max_seq_len=SEQ, lr=LR, warmup_steps=1
+    )
 
 
 @dataclass(frozen=True)
@@ -237,8 +249,10 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "hf_llama": ModelSpec(lambda: HFCausalLM(_llama), TokenSequences, {"LlamaDecoderLayer": LAYERS}, (LAYERS, DIM)),
-    "hf_qwen2": ModelSpec(lambda: HFCausalLM(_qwen2), TokenSequences, {"Qwen2DecoderLayer": LAYERS}, (LAYERS, DIM)),
+    "hf_llama": ModelSpec(lambda: HFCausalLM(_llama), TokenSequences, {"LlamaDecoderLayer": LAYERS},
+                          (LAYERS, DIM)),
+    "hf_qwen2": ModelSpec(lambda: HFCausalLM(_qwen2), TokenSequences, {"Qwen2DecoderLayer": LAYERS},
+                          (LAYERS, DIM)),
     "hf_gpt2": ModelSpec(lambda: HFCausalLM(_gpt2), TokenSequences, {"GPT2Block": LAYERS}, (LAYERS, DIM)),
     "hf_bert": ModelSpec(lambda: HFMaskedLM(_bert), TokenSequences, {"BertLayer": LAYERS}, (LAYERS, DIM)),
     "hf_t5": ModelSpec(lambda: HFSeq2Seq(_t5), Pairs, {"T5Block": 5}),
@@ -282,5 +296,6 @@ class ModelParallelStyleLM(pl.LightningModule):
 
 MODELS["mps_style_llama"] = ModelSpec(ModelParallelStyleLM, TokenSequences, {"TransformerBlock": LAYERS},
                                       (LAYERS, DIM), seq=SEQ - 1, reference="lightning_mp")
-MODELS["example_llama"] = ModelSpec(_example_llama, TokenSequences, {"TransformerBlock": LAYERS}, (LAYERS, DIM),
-                                    seq=SEQ - 1, meta_init=True)
+MODELS["example_llama"] = ModelSpec(
+    _example_llama, TokenSequences, {"TransformerBlock": LAYERS}, (LAYERS, DIM), seq=SEQ - 1, meta_init=True
+)

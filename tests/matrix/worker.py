@@ -1,6 +1,7 @@
 """Runs many cells of the real-models matrix inside one process-group start (torchrun, gloo, CPU).
 
-Usage: ``torchrun --nproc_per_node W tests/matrix/worker.py --cells cells.json --out results.jsonl --tmp DIR``.
+Usage:
+``torchrun --nproc_per_node W tests/matrix/worker.py --cells cells.json --out results.jsonl --tmp DIR``.
 
 A cell is ``{"model", "strategy", "callbacks", "precision", "resume"}``. For each, every rank builds
 the model with the same seed, trains ``STEPS`` steps with a fresh ``Trainer`` and the given
@@ -64,7 +65,9 @@ def _strategy(name: str, world: int, eager_init: bool = False) -> Any:
     if name == "lightning_mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=120))
+        return ModelParallelStrategy(
+            data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=120)
+        )
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -83,7 +86,8 @@ def _callbacks(names: list[str]) -> dict[str, pl.Callback]:
 
 
 def _fit(cell: dict[str, Any], world: int, *, max_steps: int, ckpt_dir: Path | None = None,
-         ckpt_path: str | None = None) -> tuple[pl.Trainer, pl.LightningModule, LossRecorder, dict[str, pl.Callback]]:
+         ckpt_path: str | None = None) -> tuple[pl.Trainer, pl.LightningModule, LossRecorder,
+                                                dict[str, pl.Callback]]:
     spec = MODELS[cell["model"]]
     pl.seed_everything(0, verbose=False)
     model = spec.build()
@@ -91,9 +95,13 @@ def _fit(cell: dict[str, Any], world: int, *, max_steps: int, ckpt_dir: Path | N
     extra = _callbacks(cell["callbacks"])
     callbacks: list[pl.Callback] = [recorder, *extra.values()]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="ckpt-{step}", every_n_train_steps=2, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=ckpt_dir, filename="ckpt-{step}", every_n_train_steps=2, save_top_k=-1)
+        )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=_strategy(cell["strategy"], world, cell.get("eager_init", False)), precision=cell["precision"],
+        accelerator="cpu", devices=world,
+        strategy=_strategy(cell["strategy"], world, cell.get("eager_init", False)),
+        precision=cell["precision"],
         max_steps=max_steps, callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=True,
@@ -134,7 +142,10 @@ def run_cell(cell: dict[str, Any], world: int, tmp: Path) -> dict[str, Any]:
     dist.barrier()
     start = time.perf_counter()
     trainer, model, recorder, extra = _fit(cell, world, max_steps=STEPS, ckpt_dir=ckpt_dir)
-    result: dict[str, Any] = {"seconds": round(time.perf_counter() - start, 2), "global_step": trainer.global_step}
+    result: dict[str, Any] = {
+        "seconds": round(time.perf_counter() - start, 2),
+        "global_step": trainer.global_step,
+    }
     result["losses"] = [recorder.losses]
     result["blocks"] = {name: _block_fractions(model, name) for name in spec.blocks}
     keys = sorted(model.state_dict())
@@ -152,7 +163,9 @@ def run_cell(cell: dict[str, Any], world: int, tmp: Path) -> dict[str, Any]:
     result["use_cache_after_fit"] = getattr(cfg, "use_cache", None)
     if ckpt_dir is not None:
         dist.barrier()
-        step2 = sorted(str(p) for p in ckpt_dir.iterdir() if "step=2" in p.name and not p.name.endswith(".tmp"))
+        step2 = sorted(
+            str(p) for p in ckpt_dir.iterdir() if "step=2" in p.name and not p.name.endswith(".tmp")
+        )
         if not step2:
             raise RuntimeError(f"no step-2 checkpoint in {sorted(p.name for p in ckpt_dir.iterdir())}")
         _, _, resumed, _ = _fit(cell, world, max_steps=STEPS, ckpt_path=step2[0])
@@ -180,7 +193,10 @@ def main() -> None:
         try:
             result = run_cell(cell, world, tmp)
         except Exception as err:  # recorded per cell; the test decides whether it was expected
-            result = {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+            result = {
+                "error": f"{type(err).__name__}: {err}"[:2000],
+                "traceback": traceback.format_exc()[-3000:],
+            }
             print(f"[rank {rank}] cell {cell} failed:\n{result['traceback']}", file=sys.stderr, flush=True)
         for key in ("losses", "resumed_losses"):  # every rank gathers both, whatever happened to it
             gathered: list[Any] = [None] * world

@@ -46,7 +46,8 @@ from fsdp_strategies.testing import HangInjector, state_digest  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 ENV_KEYS = ("SLURMD_NODENAME", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "SLURM_NODEID", "RANK",
-            "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
+            "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS",
+            "TORCHFT_LIGHTHOUSE")
 
 
 def _ranks(group: Any) -> list[int]:
@@ -68,7 +69,9 @@ class SlurmProbe(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         group = os.environ.get("REPLICA_GROUP_ID")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.path = self.out / (f"rank{trainer.global_rank}" + (f"-group{group}" if group is not None else "") + ".jsonl")
+        self.path = self.out / (
+            f"rank{trainer.global_rank}" + (f"-group{group}" if group is not None else "") + ".jsonl"
+        )
         atexit.register(lambda: self.write(event="exit"))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -96,7 +99,9 @@ class SlurmProbe(pl.Callback):
         if self.sleep:
             time.sleep(self.sleep)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self.write(event="exception", type=type(exception).__name__, message=str(exception)[:300],
                    global_step=trainer.global_step)
 
@@ -107,7 +112,9 @@ class SlurmProbe(pl.Callback):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"opt{i}.{j}.{key}"] = value
-        self.write(event="end", global_step=trainer.global_step, digest=state_digest(tensors), tensors=len(tensors))
+        self.write(
+            event="end", global_step=trainer.global_step, digest=state_digest(tensors), tensors=len(tensors)
+        )
 
 
 def main() -> None:
@@ -123,8 +130,8 @@ def main() -> None:
     if os.environ.get("SLURM_TEST_CKPT"):
         callbacks.append(ModelCheckpoint(dirpath=os.environ["SLURM_TEST_CKPT"], save_last=True, save_top_k=0,
                                          every_n_train_steps=1000))
-    LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks}, save_config_callback=None,
-                 parser_class=ArgumentParser)
+    LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks},
+                 save_config_callback=None, parser_class=ArgumentParser)
     if dist.is_initialized():  # as examples/train_llama.py
         dist.destroy_process_group()
 

@@ -1,16 +1,17 @@
-"""The SLURM scripts on a real SLURM cluster: two ``slurmd`` nodes on this machine (``tests/slurm/cluster.sh``).
+"""The SLURM scripts on a real SLURM cluster: two ``slurmd`` nodes on this machine
+(``tests/slurm/cluster.sh``).
 
 Run with ``make test-slurm`` (it starts the cluster, runs ``pytest tests/slurm -m slurm`` and stops it);
 without a running cluster every test here is skipped, saying so. ``make test`` leaves this folder out.
 The jobs are ``examples/slurm/*.sbatch`` as shipped, with environment overrides (``GPUS_PER_NODE=2``,
-``TRAIN_SCRIPT=tests/slurm/slurm_train.py``, a probe around the example's LightningCLI) and the CLI arguments of
-a tiny CPU model; ``sbatch``'s own options (``--cpus-per-task``, ``--gpus-per-node=0``, ``--output``, ``--nodes``)
-override the scripts' ``#SBATCH`` lines, as on any cluster. ``ft_hsdp.sbatch`` runs with ``NODES_PER_GROUP=1``
-(a replica group per node) and its groups' events files (``FSDP_STRATEGIES_FT_EVENTS``): as shipped, with one
-group's job step SIGKILLed (restarted by the script, heals), and with ``scancel --signal=TERM`` (requeued, no
-group restart). ``hsdp.sbatch`` with a rank that hangs (``HangWatchdog`` ends it with status 81): requeued
-without the stuck rank's node. Job states come from ``scontrol show job`` (no ``sacct``
-without ``slurmdbd``; the cluster keeps finished jobs for an hour).
+``TRAIN_SCRIPT=tests/slurm/slurm_train.py``, a probe around the example's LightningCLI) and the CLI arguments
+of a tiny CPU model; ``sbatch``'s own options (``--cpus-per-task``, ``--gpus-per-node=0``, ``--output``,
+``--nodes``) override the scripts' ``#SBATCH`` lines, as on any cluster. ``ft_hsdp.sbatch`` runs with
+``NODES_PER_GROUP=1`` (a replica group per node) and its groups' events files (``FSDP_STRATEGIES_FT_EVENTS``):
+as shipped, with one group's job step SIGKILLed (restarted by the script, heals), and with
+``scancel --signal=TERM`` (requeued, no group restart). ``hsdp.sbatch`` with a rank that hangs
+(``HangWatchdog`` ends it with status 81): requeued without the stuck rank's node. Job states come from
+``scontrol show job`` (no ``sacct`` without ``slurmdbd``; the cluster keeps finished jobs for an hour).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ CONF = Path(os.environ.get("SLURM_TEST_DIR", "/var/tmp/fsdp_strategies-slurm")) 
 os.environ.setdefault("SLURM_CONF", str(CONF))
 TINY = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.limit_val_batches=0",
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.vocab_size=64",
-        "--data.vocab_size=64", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.max_seq_len=32",
+        "--data.vocab_size=64", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+        "--model.max_seq_len=32",
         "--data.seq_len=32", "--data.batch_size=4", "--data.num_train=512", "--data.num_val=8"]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE"}
 
 pytestmark = pytest.mark.slurm
 
@@ -48,8 +51,10 @@ def _cluster_up() -> str | None:
         return "sinfo did not answer within 20 s"
     nodes = dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
     if out.returncode != 0 or set(nodes) != {"n1", "n2"}:
-        return f"no two-node test cluster (SLURM_CONF={os.environ['SLURM_CONF']}): `make test-slurm` starts one " \
-               f"({out.stderr.strip()[:200]})"
+        return (
+            f"no two-node test cluster (SLURM_CONF={os.environ['SLURM_CONF']}): `make test-slurm` starts one "
+            f"({out.stderr.strip()[:200]})"
+        )
     return None
 
 
@@ -61,16 +66,20 @@ def cluster() -> None:
 
 
 def job_info(job: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30, check=True
+    )
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def submit(script: str, args: list[str], *, env: dict[str, str], out: Path, sbatch: list[str] = ()) -> str:
-    """``sbatch examples/slurm/SCRIPT ARGS`` from the repository root with the test's environment; the job id."""
+    """``sbatch examples/slurm/SCRIPT ARGS`` from the repository root with the test's environment; the job
+    id."""
     full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "TRAIN_SCRIPT": "tests/slurm/slurm_train.py", "SLURM_TEST_OUT": str(out / "rec"),
-                **env}
-    cmd = ["sbatch", "--parsable", f"--chdir={ROOT}", "--cpus-per-task=2", "--gpus-per-node=0", "--time=00:15:00",
+                "PYTHONUNBUFFERED": "1", "TRAIN_SCRIPT": "tests/slurm/slurm_train.py",
+                "SLURM_TEST_OUT": str(out / "rec"), **env}
+    cmd = ["sbatch", "--parsable", f"--chdir={ROOT}", "--cpus-per-task=2", "--gpus-per-node=0",
+           "--time=00:15:00",
            f"--output={out}/%x-%j.out", *sbatch, str(ROOT / "examples" / "slurm" / script), *args]
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -78,7 +87,8 @@ def submit(script: str, args: list[str], *, env: dict[str, str], out: Path, sbat
 
 
 def wait_job(job: str, out: Path, timeout: float = 420, restarts: int = 0) -> dict[str, str]:
-    """Poll until the job is in a final state (after ``restarts`` requeues); cancel it and fail on the timeout."""
+    """Poll until the job is in a final state (after ``restarts`` requeues); cancel it and fail on the
+    timeout."""
     deadline = time.monotonic() + timeout
     ended = None  # since when the job is in a final state without the requeues expected
     while time.monotonic() < deadline:
@@ -88,8 +98,10 @@ def wait_job(job: str, out: Path, timeout: float = 420, restarts: int = 0) -> di
         if info["JobState"] in TERMINAL:  # a requeue leaves the final state within a second: fail fast
             ended = ended or time.monotonic()
             if time.monotonic() - ended > 20:
-                pytest.fail(f"job {job} ended {info['JobState']} without being requeued ({restarts} expected)\n"
-                            f"{info}\n{_output(out)}")
+                pytest.fail(
+                    f"job {job} ended {info['JobState']} without being requeued ({restarts} expected)\n"
+                    f"{info}\n{_output(out)}"
+                )
         else:
             ended = None
         time.sleep(2)
@@ -98,7 +110,9 @@ def wait_job(job: str, out: Path, timeout: float = 420, restarts: int = 0) -> di
 
 
 def _output(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-5000:]}" for p in sorted(out.glob("*.out")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-5000:]}" for p in sorted(out.glob("*.out"))
+    )
 
 
 def records(out: Path) -> dict[str, list[dict]]:
@@ -111,7 +125,9 @@ def wait_for_step(out: Path, step: int, job: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         recs = records(out)
-        if recs and all(any(r["event"] == "step" and r["global_step"] >= step for r in rs) for rs in recs.values()):
+        if recs and all(
+            any(r["event"] == "step" and r["global_step"] >= step for r in rs) for rs in recs.values()
+        ):
             return
         if job_info(job)["JobState"] in TERMINAL:
             pytest.fail(f"job {job} ended before step {step}\n{_output(out)}")
@@ -154,11 +170,15 @@ def test_hsdp_sbatch_two_nodes_shard_groups_are_the_nodes(tmp_path: Path) -> Non
         start = rs[0]
         shard, replicate = start["mesh"]["groups"]["shard"], start["mesh"]["groups"]["replicate"]
         # the shard group is exactly the ranks of this rank's node; the replicate group one rank per node
-        assert shard == sorted(r for r, n in node_of.items() if n == node_of[start["global_rank"]]), (shard, node_of)
+        assert shard == sorted(r for r, n in node_of.items() if n == node_of[start["global_rank"]]), (
+            shard,
+            node_of,
+        )
         assert sorted(node_of[r] for r in replicate) == ["n1", "n2"], (replicate, node_of)
         losses = [r["loss"] for r in rs if r["event"] == "step"]
         assert [r["global_step"] for r in rs if r["event"] == "step"] == list(range(1, 21))
-        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # the loss falls (ln 64 = 4.16 at the start)
+        # the loss falls (ln 64 = 4.16 at the start)
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
         assert rs[-2]["event"] == "end" and rs[-2]["global_step"] == 20 and rs[-1]["event"] == "exit"
     # replicas (same shard position on the other node) end with identical state
     digest = {rs[0]["global_rank"]: rs[-2]["digest"] for rs in recs.values()}
@@ -170,7 +190,8 @@ def test_hsdp_sbatch_two_nodes_shard_groups_are_the_nodes(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------------------------------- preemption
 MAX_STEPS = 40
-GRACE_S = 20.0  # preempt_grace_s, below the low partition's GraceTime (60 s) and torchrun's 30 s shutdown wait
+# preempt_grace_s, below the low partition's GraceTime (60 s) and torchrun's 30 s shutdown wait
+GRACE_S = 20.0
 
 
 def _preempt_args(ckpt: Path) -> list[str]:
@@ -214,9 +235,11 @@ def test_preempt_checkpoint_requeue_and_exact_resume(tmp_path: Path, how: str,
     if high is not None:
         assert job_info(high)["JobState"] == "COMPLETED"
     output = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("hsdp-*.out"))
-    # srun's status is not 75: torchrun, signalled itself, exits 1 (srun reported 1, or 143 when srun was signalled too)
-    assert re.search(rf"hsdp.sbatch: the ranks were stopped by SIGTERM \(status \d+\); requeueing job {job}\n", output), \
-        output[-5000:]
+    # srun's status is not 75: torchrun, signalled itself, exits 1 (srun reported 1, or 143 when srun was
+    # signalled too)
+    assert re.search(
+        rf"hsdp.sbatch: the ranks were stopped by SIGTERM \(status \d+\); requeueing job {job}\n", output
+    ), output[-5000:]
 
     recs = records(tmp_path)
     assert sorted(recs) == [f"rank{r}" for r in range(4)], sorted(recs)
@@ -224,12 +247,15 @@ def test_preempt_checkpoint_requeue_and_exact_resume(tmp_path: Path, how: str,
     for name, rs in recs.items():
         first, second = _runs(rs)  # exactly two runs: the preempted one and the requeued one
         assert first[0]["env"]["SLURM_RESTART_COUNT"] in (None, "0") and first[0]["global_step"] == 0
-        # every rank stopped with the preemption, at the same step, and its process exited within the grace time
+        # every rank stopped with the preemption, at the same step, and its process exited within the grace
+        # time
         (exc,) = [r for r in first if r["event"] == "exception"]
         assert exc["type"] == "Preempted", exc
         stopped_at.add(exc["global_step"])
         exit_t = [r["t"] for r in first if r["event"] == "exit"]
-        assert exit_t, f"{name}: no clean exit -- ended by the preempt_grace_s watchdog or killed\n{output[-5000:]}"
+        assert exit_t, (
+            f"{name}: no clean exit -- ended by the preempt_grace_s watchdog or killed\n{output[-5000:]}"
+        )
         assert exit_t[0] - signalled < GRACE_S, (name, exit_t[0] - signalled)
         assert not any(r["event"] == "end" for r in first)
         # the requeued run: same job, SLURM_RESTART_COUNT=1, resumed at the checkpointed step, ran to the end
@@ -285,16 +311,20 @@ FT_ARGS = ["--trainer.strategy.init_args.timeout_s=10", "--trainer.strategy.init
 
 
 def _ft_submit(out: Path, ports: int, args: list[str], env: dict[str, str] = {}) -> str:  # noqa: B006
-    """``ft_hsdp.sbatch`` on both nodes; rendezvous ports ``ports``, ``ports + 1``, the lighthouse ``ports + 9``."""
+    """``ft_hsdp.sbatch`` on both nodes; rendezvous ports ``ports``, ``ports + 1``, the lighthouse
+    ``ports + 9``."""
     return submit("ft_hsdp.sbatch", [*args, *FT_ARGS], out=out, sbatch=["--nodes=2"],
                   env={**FT_ENV, "RDZV_PORT": str(ports), "LIGHTHOUSE_PORT": str(ports + 9),
-                       "FSDP_STRATEGIES_FT_EVENTS": str(out / "events" / "group{replica_group_id}.jsonl"), **env})
+                       "FSDP_STRATEGIES_FT_EVENTS": str(out / "events" / "group{replica_group_id}.jsonl"),
+                       **env})
 
 
 def events(out: Path, group: int) -> list[dict]:
     """Group ``group``'s events file (its rank 0 writes a line per step, every run of the group appends)."""
     path = out / "events" / f"group{group}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
 
 
 def _ft_output(out: Path) -> str:
@@ -308,9 +338,13 @@ def _check_ft_starts(recs: dict[str, list[dict]], job: str, lighthouse_port: int
         group = int(name.rsplit("group", 1)[1])
         env = rs[0]["env"]
         assert rs[0]["event"] == "start" and rs[0]["strategy"] == "FTHSDPStrategy", rs[0]
-        assert (env["SLURM_JOB_ID"], env["SLURMD_NODENAME"], env["REPLICA_GROUP_ID"]) == (job, f"n{group + 1}",
+        assert (env["SLURM_JOB_ID"], env["SLURMD_NODENAME"], env["REPLICA_GROUP_ID"]) == (job,
+                                                                                          f"n{group + 1}",
                                                                                          str(group)), env
-        assert (env["NUM_REPLICA_GROUPS"], env["TORCHFT_LIGHTHOUSE"]) == ("2", f"http://n1:{lighthouse_port}"), env
+        assert (env["NUM_REPLICA_GROUPS"], env["TORCHFT_LIGHTHOUSE"]) == (
+            "2",
+            f"http://n1:{lighthouse_port}",
+        ), env
         assert rs[0]["mesh"]["shape"] == [2], rs[0]["mesh"]  # FSDP2 over the group's 2 ranks
 
 
@@ -321,10 +355,14 @@ def _committed(evs: list[dict]) -> list[int]:
 @pytest.mark.multiprocess
 def test_ft_hsdp_job_lighthouse_and_two_replica_groups(tmp_path: Path) -> None:
     steps = 20
-    job = _ft_submit(tmp_path, 29620, [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"])
+    job = _ft_submit(
+        tmp_path, 29620, [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"]
+    )
     info = wait_job(job, tmp_path)
     output = _ft_output(tmp_path)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), f"{info}\n{output}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+        f"{info}\n{output}"
+    )
     assert info["NodeList"] == "n[1-2]" and "restart" not in output, output[-5000:]
     recs = records(tmp_path)
     _check_ft_starts(recs, job, 29629)
@@ -333,7 +371,8 @@ def test_ft_hsdp_job_lighthouse_and_two_replica_groups(tmp_path: Path) -> None:
         assert [r["global_step"] for r in step_recs] == list(range(1, steps + 1)), name
         assert all(r["committed"] and r["participants"] == 2 for r in step_recs), (name, step_recs)
         losses = [r["loss"] for r in step_recs]
-        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # the loss falls (ln 64 = 4.16 at first)
+        # the loss falls (ln 64 = 4.16 at first)
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
         assert rs[-2]["event"] == "end" and rs[-2]["global_step"] == steps and rs[-1]["event"] == "exit"
     # the groups committed the same steps, and torchft's averaging left them with the same state
     committed = [_committed(events(tmp_path, g)) for g in (0, 1)]
@@ -353,7 +392,8 @@ def _group_step(job: str, node: str) -> str:
 @pytest.mark.multiprocess
 def test_ft_hsdp_job_group_step_killed_restarts_and_heals(tmp_path: Path) -> None:
     steps = 40  # 1 s per step: group 0 trains ~30 s alone, the restart took 12-15 s here
-    job = _ft_submit(tmp_path, 29640, [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"],
+    job = _ft_submit(tmp_path, 29640,
+                     [f"--trainer.max_steps={steps}", "--trainer.enable_checkpointing=false"],
                      env={"SLURM_TEST_STEP_SLEEP": "1"})
     wait_for_step(tmp_path, 5, job)
     step = _group_step(job, "n2")
@@ -361,7 +401,9 @@ def test_ft_hsdp_job_group_step_killed_restarts_and_heals(tmp_path: Path) -> Non
     killed = time.time()
     info = wait_job(job, tmp_path)
     output = _ft_output(tmp_path)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), f"{info}\n{output}"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+        f"{info}\n{output}"
+    )
     assert "ft_hsdp.sbatch: replica group 1 failed; restart 1 of 3." in output, output[-5000:]
     assert "replica group 0 failed" not in output and "requeue" not in output, output[-5000:]
 
@@ -399,16 +441,21 @@ def test_ft_hsdp_job_sigterm_requeues_without_group_restart(tmp_path: Path) -> N
     steps, ckpt = 30, tmp_path / "ckpt"
     job = _ft_submit(tmp_path, 29660, [f"--trainer.max_steps={steps}",
                                        "--trainer.strategy.init_args.checkpoint_on_preempt=true",
-                                       f"--trainer.strategy.init_args.preempt_grace_s={GRACE_S:g}", "--ckpt_path=last"],
+                                       f"--trainer.strategy.init_args.preempt_grace_s={GRACE_S:g}",
+                                       "--ckpt_path=last"],
                      env={"SLURM_TEST_CKPT": str(ckpt), "SLURM_TEST_STEP_SLEEP": "0.5"})
     wait_for_step(tmp_path, 5, job)
     subprocess.run(["scancel", "--signal=TERM", job], timeout=60, check=True)
     info = wait_job(job, tmp_path, timeout=480, restarts=1)
     output = _ft_output(tmp_path)
-    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), f"{info}\n{output}"
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), (
+        f"{info}\n{output}"
+    )
     # the groups were not started again after the SIGTERM: the job was requeued instead
     assert "restart 1 of" not in output, output[-5000:]
-    assert f"ft_hsdp.sbatch: the replica groups were stopped by SIGTERM; requeueing job {job}\n" in output, output[-5000:]
+    assert f"ft_hsdp.sbatch: the replica groups were stopped by SIGTERM; requeueing job {job}\n" in output, (
+        output[-5000:]
+    )
     recs = records(tmp_path)
     assert sorted(recs) == [f"rank{r}-group{g}" for r in (0, 1) for g in (0, 1)], sorted(recs)
     for name, rs in recs.items():
@@ -417,7 +464,8 @@ def test_ft_hsdp_job_sigterm_requeues_without_group_restart(tmp_path: Path) -> N
         (exc,) = [r for r in first if r["event"] == "exception"]
         assert exc["type"] == "Preempted" and [r for r in first if r["event"] == "exit"], (name, first[-3:])
         assert second[0]["env"]["SLURM_RESTART_COUNT"] == "1" and second[0]["env"]["SLURM_JOB_ID"] == job
-        assert second[0]["global_step"] > 0, second[0]  # resumed from a preemption checkpoint (--ckpt_path last)
+        # resumed from a preemption checkpoint (--ckpt_path last)
+        assert second[0]["global_step"] > 0, second[0]
         assert second[-2]["event"] == "end" and second[-2]["global_step"] == steps, (name, second[-3:])
     assert sorted(p.name for p in ckpt.glob("last-preempt-group*.ckpt")) == \
         ["last-preempt-group0.ckpt", "last-preempt-group1.ckpt"], sorted(p.name for p in ckpt.iterdir())

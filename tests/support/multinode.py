@@ -31,24 +31,34 @@ def torchrun_args(*, nnodes: int | str, nproc_per_node: int | str, rdzv_endpoint
                   script: str, script_args: Sequence[str] = ()) -> list[str]:
     """The arguments after ``torchrun`` for one agent (node) of a multi-node job."""
     return [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", f"--rdzv-backend={RDZV_BACKEND}",
-            f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0", script, *script_args]
+            f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", "--max-restarts=0", script,
+            *script_args]
 
 
-def lighthouse_args(*, min_replicas: int | str, port: int | str, heartbeat_timeout_ms: int | str = 5000) -> list[str]:
+def lighthouse_args(
+    *, min_replicas: int | str, port: int | str, heartbeat_timeout_ms: int | str = 5000
+) -> list[str]:
     """The arguments after ``torchft_lighthouse`` (its own job step / process)."""
-    return [f"--min_replicas={min_replicas}", f"--bind=[::]:{port}", f"--heartbeat_timeout_ms={heartbeat_timeout_ms}"]
+    return [
+        f"--min_replicas={min_replicas}",
+        f"--bind=[::]:{port}",
+        f"--heartbeat_timeout_ms={heartbeat_timeout_ms}",
+    ]
 
 
-def hsdp_script_args(config: str, *, nnodes: int | str, devices: int | str, extra: Sequence[str] = ()) -> list[str]:
+def hsdp_script_args(
+    config: str, *, nnodes: int | str, devices: int | str, extra: Sequence[str] = ()
+) -> list[str]:
     """What ``examples/slurm/hsdp.sbatch`` passes to the training script: HSDP with both degrees ``auto``."""
     return ["fit", "--config", config, f"--trainer.num_nodes={nnodes}", f"--trainer.devices={devices}",
-            "--trainer.strategy.init_args.replicate_degree=auto", "--trainer.strategy.init_args.shard_degree=auto",
-            *extra]
+            "--trainer.strategy.init_args.replicate_degree=auto",
+            "--trainer.strategy.init_args.shard_degree=auto", *extra]
 
 
 def start_lighthouse(*, port: int, min_replicas: int, heartbeat_timeout_ms: int, log: Path,
                      timeout: float = 60) -> subprocess.Popen[bytes]:
-    """``torchft_lighthouse`` (the venv's, next to this Python) as its own process, listening once this returns."""
+    """``torchft_lighthouse`` (the venv's, next to this Python) as its own process, listening once this
+    returns."""
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     args = lighthouse_args(min_replicas=min_replicas, port=port, heartbeat_timeout_ms=heartbeat_timeout_ms)
     with log.open("wb") as fh:
@@ -63,11 +73,15 @@ def start_lighthouse(*, port: int, min_replicas: int, heartbeat_timeout_ms: int,
             time.sleep(0.2)
     proc.kill()
     proc.wait()
-    raise RuntimeError(f"torchft_lighthouse {' '.join(args)} did not listen within {timeout} s (exit {proc.returncode}; "
-                       f"log {log})")
+    raise RuntimeError(
+        f"torchft_lighthouse {' '.join(args)} did not listen within {timeout} s (exit {proc.returncode}; "
+        f"log {log})"
+    )
 
 
-def ft_hsdp_script_args(config: str, *, nnodes: int | str, devices: int | str, extra: Sequence[str] = ()) -> list[str]:
+def ft_hsdp_script_args(
+    config: str, *, nnodes: int | str, devices: int | str, extra: Sequence[str] = ()
+) -> list[str]:
     """What ``examples/slurm/ft_hsdp.sbatch`` passes to the training script of one replica group."""
     return ["fit", "--config", config, f"--trainer.num_nodes={nnodes}", f"--trainer.devices={devices}",
             "--trainer.strategy.init_args.shard_degree=auto", *extra]

@@ -1,30 +1,31 @@
 """Separate "hosts" on one machine: Linux network namespaces with their own addresses on a bridge.
 
-A :class:`Hosts` (a context manager) builds up to 8 hosts ``fsdpns0``, ``fsdpns1``, ...: each is a network namespace with its
-loopback up and one interface ``eth0`` (a veth pair whose other end, ``fsdpnsv<i>``, is a port of the bridge
-``fsdpnsbr`` in the root namespace) holding ``10.77.0.<i+1>/24``. Traffic between two hosts crosses both hosts'
-veth pairs and the bridge; traffic inside one host (its ranks talking to its own address) stays on that
-namespace's loopback. So:
+A :class:`Hosts` (a context manager) builds up to 8 hosts ``fsdpns0``, ``fsdpns1``, ...: each is a network
+namespace with its loopback up and one interface ``eth0`` (a veth pair whose other end, ``fsdpnsv<i>``, is a
+port of the bridge ``fsdpnsbr`` in the root namespace) holding ``10.77.0.<i+1>/24``. Traffic between two hosts
+crosses both hosts' veth pairs and the bridge; traffic inside one host (its ranks talking to its own address)
+stays on that namespace's loopback. So:
 
 * a host's **link is cut** by setting its bridge-side end down (:meth:`Hosts.cut` / :meth:`Hosts.restore`,
   :meth:`Hosts.cut_for`): the host keeps its address and its sockets, and its packets are dropped in both
-  directions, as when a cable or a top-of-rack switch fails -- nobody is told, TCP retransmits until the link is
-  back or a timeout fires;
+  directions, as when a cable or a top-of-rack switch fails -- nobody is told, TCP retransmits until the link
+  is back or a timeout fires;
 * a host's **link is shaped** with the ``tbf`` qdisc on both ends of its veth pair (:meth:`Hosts.shape`):
-  traffic to and from the host is limited to the rate; inside the host nothing changes. (``netem`` is not in every
-  kernel -- not in this machine's -- so there is no added delay, only a bandwidth limit.)
+  traffic to and from the host is limited to the rate; inside the host nothing changes. (``netem`` is not in
+  every kernel -- not in this machine's -- so there is no added delay, only a bandwidth limit.)
 
-Processes run in a host through ``ip netns exec`` (:meth:`Host.argv`), which enters the namespace and ``exec``s the
-command: the pid is the one :mod:`processes` started, so :meth:`Hosts.start` / :meth:`Hosts.run` are the usual
-tree-killing helpers and the suite's leak check sees everything a test left behind. Only the network is separate:
-file system, pids and hostname are shared (``socket.gethostname()`` resolves to 127.0.0.1 everywhere, so programs
-must be told their host's address: torchrun ``--local-addr`` and, on the rendezvous host, ``--rdzv-conf=is_host=1``;
-``GLOO_SOCKET_IFNAME`` (:meth:`Host.env`); ft_hsdp's ``hostname``).
+Processes run in a host through ``ip netns exec`` (:meth:`Host.argv`), which enters the namespace and
+``exec``s the command: the pid is the one :mod:`processes` started, so :meth:`Hosts.start` / :meth:`Hosts.run`
+are the usual tree-killing helpers and the suite's leak check sees everything a test left
+behind. Only the network is separate: file system, pids and hostname are shared (``socket.gethostname()``
+resolves to 127.0.0.1 everywhere, so programs must be told their host's address: torchrun ``--local-addr``
+and, on the rendezvous host, ``--rdzv-conf=is_host=1``; ``GLOO_SOCKET_IFNAME`` (:meth:`Host.env`); ft_hsdp's
+``hostname``).
 
 The names are fixed, so one :class:`Hosts` exists at a time on the machine: it holds an exclusive ``flock`` on
-``$TMPDIR/fsdp_strategies_netns.lock`` while it lives, and on entry removes whatever an earlier, killed run left
-(namespaces, bridge, veth ends with these names) -- safe because that run no longer holds the lock. Teardown (also
-after a failure) deletes the namespaces, the veth ends and the bridge.
+``$TMPDIR/fsdp_strategies_netns.lock`` while it lives, and on entry removes whatever an earlier, killed run
+left (namespaces, bridge, veth ends with these names) -- safe because that run no longer holds the lock.
+Teardown (also after a failure) deletes the namespaces, the veth ends and the bridge.
 
 :func:`unavailable` says why hosts cannot be built here (not root, no ``ip``, namespaces refused), for a skip.
 """
@@ -72,7 +73,8 @@ _UNAVAILABLE: list[str | None] = []
 
 
 def unavailable() -> str | None:
-    """Why network-namespace hosts cannot be built on this machine (None: they can). Checked once per process."""
+    """Why network-namespace hosts cannot be built on this machine (None: they can). Checked once per
+    process."""
     if _UNAVAILABLE:
         return _UNAVAILABLE[0]
     reason = None
@@ -93,8 +95,8 @@ def unavailable() -> str | None:
 
 @dataclass(frozen=True)
 class Host:
-    """One namespace host: ``name`` (the namespace), its address ``ip`` on ``eth0``, and ``veth``, the bridge-side
-    end of its link in the root namespace."""
+    """One namespace host: ``name`` (the namespace), its address ``ip`` on ``eth0``, and ``veth``, the
+    bridge-side end of its link in the root namespace."""
 
     index: int
     name: str
@@ -106,8 +108,8 @@ class Host:
         return ["ip", "netns", "exec", self.name, *cmd]
 
     def env(self) -> dict[str, str]:
-        """Variables a distributed program in this host needs: gloo on the host's interface (not the loopback that
-        the shared hostname resolves to)."""
+        """Variables a distributed program in this host needs: gloo on the host's interface (not the loopback
+        that the shared hostname resolves to)."""
         return {"GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
 
 
@@ -175,17 +177,22 @@ class Hosts:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     fh.close()
-                    raise TimeoutError(f"another run has held {LOCK} (namespace hosts) for {self.lock_timeout_s} s: "
-                                       "only one set of hosts exists at a time. Fix: wait for it, or end it.") from None
+                    raise TimeoutError(
+                        f"another run has held {LOCK} (namespace hosts) for {self.lock_timeout_s} s: "
+                        "only one set of hosts exists at a time. Fix: wait for it, or end it."
+                    ) from None
                 time.sleep(0.5)
         self._lock = fh
 
     # ------------------------------------------------------------------ processes
     def start(self, host: Host, cmd: Sequence[str], **popen_kwargs: Any) -> processes.Job:
-        """Start ``cmd`` inside ``host`` (a :class:`processes.Job`: its whole tree is killed when it is closed)."""
+        """Start ``cmd`` inside ``host`` (a :class:`processes.Job`: its whole tree is killed when it is
+        closed)."""
         return processes.start(host.argv(cmd), **popen_kwargs)
 
-    def run(self, host: Host, cmd: Sequence[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    def run(
+        self, host: Host, cmd: Sequence[str], *, timeout: float, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
         """:func:`processes.run` of ``cmd`` inside ``host``."""
         return processes.run(host.argv(cmd), timeout=timeout, **kwargs)
 
@@ -199,8 +206,8 @@ class Hosts:
         _ip("link", "set", host.veth, "up")
 
     def cut_for(self, host: Host, seconds: float) -> threading.Thread:
-        """Cut ``host``'s link now and restore it ``seconds`` later (in a background thread, returned: join it to
-        wait for the restore). The link also comes back at teardown."""
+        """Cut ``host``'s link now and restore it ``seconds`` later (in a background thread, returned: join it
+        to wait for the restore). The link also comes back at teardown."""
         self.cut(host)
 
         def restore_later() -> None:
@@ -214,8 +221,9 @@ class Hosts:
         return thread
 
     def shape(self, host: Host, rate_mbit: float) -> None:
-        """Limit ``host``'s link to ``rate_mbit`` Mbit/s in each direction (``tbf`` on both ends of its veth pair:
-        the bridge side shapes what the host receives, ``eth0`` inside it what it sends)."""
+        """Limit ``host``'s link to ``rate_mbit`` Mbit/s in each direction
+        (``tbf`` on both ends of its veth pair: the bridge side shapes what the host receives, ``eth0`` inside
+        it what it sends)."""
         if rate_mbit <= 0:
             raise ValueError(f"shape(rate_mbit={rate_mbit}): a rate in Mbit/s > 0. Fix: e.g. 10.")
         rate_bytes = rate_mbit * 1e6 / 8
@@ -233,13 +241,15 @@ class Hosts:
                 _tc("qdisc", "del", "dev", *argv, "root", netns=netns)
 
     def tx_bytes(self, host: Host) -> int:
-        """Bytes ``host`` has sent over its link (``eth0``'s counter inside it; loopback traffic not counted)."""
+        """Bytes ``host`` has sent over its link (``eth0``'s counter inside it; loopback traffic not
+        counted)."""
         proc = processes.run(host.argv(["cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes"]), timeout=30)
         return int(proc.stdout.strip())
 
 
 def cleanup() -> None:
-    """Remove every namespace, veth end and bridge with this module's names (an earlier run's leftovers too)."""
+    """Remove every namespace, veth end and bridge with this module's names (an earlier run's leftovers
+    too)."""
     listed = processes.run(["ip", "-o", "netns", "list"], timeout=30).stdout.split("\n")
     for line in listed:
         name = line.split(" ")[0].strip()

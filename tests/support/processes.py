@@ -1,4 +1,5 @@
-"""Every process a test or trial script starts, started one way: in a session of its own, killed as a whole tree.
+"""Every process a test or trial script starts, started one way: in a session of its own, killed as a whole
+tree.
 
 Why: ``subprocess.run(timeout=...)`` kills only its direct child. A job's real work runs further down --
 Lightning's rank 1, torchrun's workers (each in a session of its own), the FT launcher's replica groups --
@@ -6,10 +7,10 @@ and those stay blocked in gloo for up to the collective timeout (30 min), slowin
 
 * :func:`start` starts the command in a new session (``start_new_session=True``); :class:`Job` is a
   ``Popen`` that, when it is closed (``with`` block, :meth:`Job.kill_tree`) while anything of it is alive,
-  SIGKILLs the command's whole tree: every descendant (``fsdp_strategies.ft.launch.process_tree``, psutil; whatever
-  session it moved to) and every process of the command's session.
-* :func:`run` is ``subprocess.run`` on top of it: on a timeout, a failure of the caller or a ``KeyboardInterrupt``
-  the whole tree goes, then the error is raised as before.
+  SIGKILLs the command's whole tree: every descendant (``fsdp_strategies.ft.launch.process_tree``, psutil;
+  whatever session it moved to) and every process of the command's session.
+* :func:`run` is ``subprocess.run`` on top of it: on a timeout, a failure of the caller or a
+  ``KeyboardInterrupt`` the whole tree goes, then the error is raised as before.
 * :func:`leaked_processes` lists the live descendants of this process. ``tests/conftest.py`` makes the
   pytest process a *child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``), so a grandchild whose parent died
   is re-parented to pytest instead of to init and still shows up there; after every test it fails the test
@@ -42,8 +43,8 @@ _PR_SET_CHILD_SUBREAPER = 36
 #: that are not a job of the test: inductor's compile-worker pool (``compile_blocks``), DCP's async checkpoint
 #: daemon (``async_checkpoint="process"`` in-process). Matched against the command line.
 LONG_LIVED_HELPERS = ("torch/_inductor/compile_worker", "torch._inductor.compile_worker",
-                      "torch.distributed.checkpoint._async_process_executor", "multiprocessing.resource_tracker",
-                      "multiprocessing.forkserver",
+                      "torch.distributed.checkpoint._async_process_executor",
+                      "multiprocessing.resource_tracker", "multiprocessing.forkserver",
                       "fsdp-tests-s3-server")  # tests/support/s3_server.py: one per test module
 
 
@@ -97,26 +98,29 @@ class Job(subprocess.Popen):  # type: ignore[type-arg]
     """A ``Popen`` in a session of its own whose whole tree is killed when it is closed while alive."""
 
     def kill_tree(self) -> list[int]:
-        """SIGKILL the command, its descendants and its session; reap the command. Returns the pids signalled."""
+        """SIGKILL the command, its descendants and its session; reap the command. Returns the pids
+        signalled."""
         killed = kill_tree(self.pid, sid=self.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.wait(timeout=30)
         return killed
 
     def __exit__(self, *exc: Any) -> None:
-        # the descendants may outlive a command that exited by itself (a launcher whose rank hangs): always sweep
+        # the descendants may outlive a command that exited by itself (a launcher whose rank hangs): always
+        # sweep
         kill_tree(self.pid, sid=self.pid)
         super().__exit__(*exc)
 
 
-#: Called with the command before every start. ``tests/conftest.py`` sets it to fail a test that starts a process
-#: without the ``multiprocess`` or ``subprocess`` marker, so that ``-m "not multiprocess"`` and the other
-#: selections by marker mean what they say.
+#: Called with the command before every start. ``tests/conftest.py`` sets it to fail a test that starts a
+#: process without the ``multiprocess`` or ``subprocess`` marker, so that ``-m "not multiprocess"`` and the
+#: other selections by marker mean what they say.
 before_start: Callable[[Sequence[str]], None] | None = None
 
 
 def check_start(cmd: Sequence[str]) -> None:
-    """Run :data:`before_start` for ``cmd`` (every start goes through here, also those that cannot use :func:`start`)."""
+    """Run :data:`before_start` for ``cmd`` (every start goes through here, also those that cannot use
+    :func:`start`)."""
     if before_start is not None:
         before_start(cmd)
 
@@ -126,13 +130,15 @@ def start(cmd: Sequence[str], **popen_kwargs: Any) -> Job:
     check_start(cmd)
     popen_kwargs.setdefault("start_new_session", True)
     if not popen_kwargs["start_new_session"]:
-        raise ValueError("start(start_new_session=False): a job runs in a session of its own so that its whole "
-                         "tree can be found and killed. Fix: leave start_new_session alone.")
+        raise ValueError(
+            "start(start_new_session=False): a job runs in a session of its own so that its whole "
+            "tree can be found and killed. Fix: leave start_new_session alone."
+        )
     return Job(list(cmd), **popen_kwargs)
 
 
-def run(cmd: Sequence[str], *, timeout: float, capture_output: bool = True, text: bool = True, check: bool = False,
-        **popen_kwargs: Any) -> subprocess.CompletedProcess[Any]:
+def run(cmd: Sequence[str], *, timeout: float, capture_output: bool = True, text: bool = True,
+        check: bool = False, **popen_kwargs: Any) -> subprocess.CompletedProcess[Any]:
     """``subprocess.run`` whose timeout (or any exception, Ctrl-C included) kills the command's whole tree."""
     if capture_output:
         popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -149,9 +155,11 @@ def run(cmd: Sequence[str], *, timeout: float, capture_output: bool = True, text
     return proc
 
 
-def leaked_processes(ignore: Sequence[str] = LONG_LIVED_HELPERS, ignore_pids: Collection[int] = ()) -> dict[int, str]:
-    """Live descendants of this process (zombies, torch's own long-lived helpers and ``ignore_pids`` aside): pid ->
-    command line."""
+def leaked_processes(
+    ignore: Sequence[str] = LONG_LIVED_HELPERS, ignore_pids: Collection[int] = ()
+) -> dict[int, str]:
+    """Live descendants of this process (zombies, torch's own long-lived helpers and ``ignore_pids`` aside):
+    pid -> command line."""
     me = os.getpid()
     found = {}
     for pid in process_tree(me):

@@ -19,7 +19,9 @@ def _global_batches(datamodule, global_batch: int) -> DataLoader:  # type: ignor
     return DataLoader(dataset, batch_size=global_batch, sampler=sampler, drop_last=True)
 
 
-def reference_run(global_batch: int, steps: int, num_train: int, clip: float = 0.0) -> dict[str, torch.Tensor]:
+def reference_run(
+    global_batch: int, steps: int, num_train: int, clip: float = 0.0
+) -> dict[str, torch.Tensor]:
     """Train the plain model in this process on the same global batches as a W-rank run."""
     pl.seed_everything(1234, verbose=False)
     model = LlamaLM(**MODEL)

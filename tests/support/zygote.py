@@ -1,26 +1,29 @@
-"""The test suite's Python jobs, forked from one process that has already imported torch, Lightning and the package.
+"""The test suite's Python jobs, forked from one process that has already imported torch, Lightning and the
+package.
 
-Why: most of ``make test``'s multi-process time went to starting Python -- every rank of every job imports torch,
-Lightning, torchmetrics and transformers, ~5 s of CPU each, twice per two-rank job (Lightning starts rank 1 only
-after rank 0 has imported everything), on a 2-core machine. Here one *server* per pytest process pays that once;
-each job is a fork of it, so only what the job itself does costs time.
+Why: most of ``make test``'s multi-process time went to starting Python -- every rank of every job imports
+torch, Lightning, torchmetrics and transformers, ~5 s of CPU each, twice per two-rank job (Lightning starts
+rank 1 only after rank 0 has imported everything), on a 2-core machine. Here one *server* per pytest process
+pays that once; each job is a fork of it, so only what the job itself does costs time.
 
 How, without changing what a job sees:
 
 * :func:`install_shim` writes ``python-zygote`` next to the venv's Python: a tiny stdlib-only client. The test
-  helpers (``conftest.run_python``) start it instead of ``python``; the server sets ``sys.executable`` to it in
-  every job, so what a job starts with ``sys.executable`` -- Lightning's rank 1, torchrun's workers -- is forked
-  from the server too.
+  helpers (``conftest.run_python``) start it instead of ``python``; the server sets ``sys.executable`` to it
+  in every job, so what a job starts with ``sys.executable`` -- Lightning's rank 1, torchrun's workers -- is
+  forked from the server too.
 * The client sends its arguments, environment, working directory, umask, CPU affinity, scheduling policy,
   niceness, resource limits and every file descriptor it inherited (stdio and any ``pass_fds``) over a Unix
   socket. The server forks; the child becomes the job: a new session,
-  the same descriptor numbers, that environment, ``sys.argv``/``sys.path[0]`` as ``python`` would set them, fresh
-  ``random``/NumPy/torch seeds, ``os.getppid()`` answering the client's parent; then it runs the script, ``-m``
-  module or ``-c`` code as ``__main__`` and exits through the interpreter's normal shutdown (atexit handlers, threads, flush).
-* The client stays the job's stand-in for its parent: it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to
-  the job and exits with the job's status (or dies of the same signal). If the client is killed (a test's timeout
-  kills its tree), the server kills the job's whole tree. SIGABRT to the client (how the FT launcher's
-  ``--timeout`` asks a stuck group for its stacks) makes the server do the same to the job's tree.
+  the same descriptor numbers, that environment, ``sys.argv``/``sys.path[0]`` as ``python`` would set them,
+  fresh ``random``/NumPy/torch seeds, ``os.getppid()`` answering the client's parent; then it runs the script,
+  ``-m`` module or ``-c`` code as ``__main__`` and exits through the interpreter's normal shutdown (atexit
+  handlers, threads, flush).
+* The client stays the job's stand-in for its parent: it forwards
+  SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to the job and exits with the job's status (or dies of the
+  same signal). If the client is killed (a test's timeout kills its tree), the server kills the job's whole
+  tree. SIGABRT to the client (how the FT launcher's ``--timeout`` asks a stuck group for its stacks) makes
+  the server do the same to the job's tree.
 * Anything the server cannot reproduce exactly -- another interpreter flag, or an environment variable read at
   import time (``PYTHON*``, ``OMP_*``, ``TORCHINDUCTOR_*``, ... see :data:`IMPORT_TIME_ENV`) that differs from
   the server's -- is run by the client ``exec``-ing the real Python instead: slower, never different. Two such
@@ -28,9 +31,9 @@ How, without changing what a job sees:
   ``PYTHONPATH`` that only adds folders holding none of the preloaded modules (a test's helper modules).
 
 What it cannot give a job is its client's pid: ``os.getpid()`` in the job is the fork's. A job whose parent
-matches the pid its ``Popen`` returned against one the child reports itself (``benchmarks/suites/ft_scale.py``)
-runs unforked: ``run_python(..., env={"FSDP_TESTS_ZYGOTE": "off"})``, which its descendants inherit.
-``FSDP_TESTS_ZYGOTE=off`` turns it off for a whole pytest run.
+matches the pid its ``Popen`` returned against one the child reports itself
+(``benchmarks/suites/ft_scale.py``) runs unforked: ``run_python(..., env={"FSDP_TESTS_ZYGOTE": "off"})``,
+which its descendants inherit. ``FSDP_TESTS_ZYGOTE=off`` turns it off for a whole pytest run.
 """
 
 from __future__ import annotations
@@ -48,14 +51,15 @@ SHIM_NAME = "python-zygote"
 #: imported once by the server (in this order); each job starts with them loaded
 PRELOAD = ("numpy", "torch", "torch.distributed", "torchmetrics", "transformers", "lightning.pytorch",
            "jsonargparse", "lightning.pytorch.cli", "fsdp_strategies", "fsdp_strategies.ft.strategy")
-#: environment variables a module may read while it is imported: a job whose value differs from the server's runs
-#: in a fresh interpreter instead (prefixes)
+#: environment variables a module may read while it is imported: a job whose value differs from the server's
+#: runs in a fresh interpreter instead (prefixes)
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_LOGS",
                    "TORCH_COMPILE", "TORCH_SHOW", "FSDP_STRATEGIES_EXPECT", "FSDP_STRATEGIES_LIGHTNING",
                    "HF_", "TRANSFORMERS", "TOKENIZERS")
 #: what a client sends its server when it gets SIGABRT (:func:`_ask_for_stacks`)
 STACKS_REQUEST = b"S"
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
 
 
@@ -126,7 +130,11 @@ def _scheduling() -> dict:
     (a warm spare's ``SCHED_IDLE``), niceness and resource limits."""
     import resource
 
-    limits = {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+    limits = {
+        name: resource.getrlimit(getattr(resource, name))
+        for name in dir(resource)
+        if name.startswith("RLIMIT_")
+    }
     return {"affinity": sorted(os.sched_getaffinity(0)), "policy": os.sched_getscheduler(0),
             "priority": os.sched_getparam(0).sched_priority, "nice": os.getpriority(os.PRIO_PROCESS, 0),
             "rlimits": limits}
@@ -197,10 +205,10 @@ def client(args: list[str]) -> None:
 
 
 def _ask_for_stacks(conn: socket.socket) -> None:
-    """SIGABRT to the client: the FT launcher's ``--timeout`` asks every process of a stuck group for its Python
-    stacks that way (``fsdp_strategies.ft.launch.process_tree.dump_stacks``). The job's processes descend from the
-    server, not from this client, so the server does it for the job's tree; the job then ends of SIGABRT and
-    so does this client."""
+    """SIGABRT to the client: the FT launcher's ``--timeout`` asks every process of a stuck group for its
+    Python stacks that way (``fsdp_strategies.ft.launch.process_tree.dump_stacks``). The job's processes
+    descend from the server, not from this client, so the server does it for the job's tree; the job then ends
+    of SIGABRT and so does this client."""
     try:
         conn.send(STACKS_REQUEST)
     except OSError:  # the server is gone: so is the job
@@ -334,8 +342,8 @@ def _run_as_main(kind: str, target: str) -> None:
 
 
 def _job_tree(job: int, client_jobs: dict[int, int]) -> list[int]:
-    """``job`` and its descendants, parents before children, where a descendant that is a client stands for its
-    job's tree (a job's own ``python`` children -- torchrun's ranks -- are forked from the server too)."""
+    """``job`` and its descendants, parents before children, where a descendant that is a client stands for
+    its job's tree (a job's own ``python`` children -- torchrun's ranks -- are forked from the server too)."""
     from fsdp_strategies.ft.launch.process_tree import process_tree
 
     tree = []
@@ -360,7 +368,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def serve(path: str, shim: str) -> None:
-    """Import :data:`PRELOAD`, listen on ``path`` and fork a job per request until the parent process exits."""
+    """Import :data:`PRELOAD`, listen on ``path`` and fork a job per request until the parent process
+    exits."""
     import ctypes
     import gc
     import importlib
@@ -411,7 +420,8 @@ def serve(path: str, shim: str) -> None:
                 break
             if pid == 0:
                 break
-            try:  # what the job left running in its session goes with it, as `processes.Job` sweeps its session
+            # what the job left running in its session goes with it, as `processes.Job` sweeps its session
+            try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass

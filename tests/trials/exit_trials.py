@@ -1,4 +1,5 @@
-"""Back-to-back short 2-rank jobs; every one must exit 0 (no ``terminate called without an active exception``).
+"""Back-to-back short 2-rank jobs; every one must exit 0 (no
+``terminate called without an active exception``).
 
     python tests/trials/exit_trials.py --runs 50                    # the strategies: fit/validate/test/...
     python tests/trials/exit_trials.py --runs 50 --mode collectives # plain gloo collectives + fsdp_strategies
@@ -7,8 +8,8 @@
 
 Modes ``lightning`` (tests/workers/exit_job.py under Lightning's launcher, ``--strategy`` fsdp2 by
 default), ``collectives`` (both ranks started directly with RANK/WORLD_SIZE set) and
-``torch_loop`` (``benchmarks/workers/torch_loop.py --contender torch_fsdp2`` under torchrun). Prints one line per
-failed run (exit status and the output's last lines) and a summary; returns 1 if any run failed.
+``torch_loop`` (``benchmarks/workers/torch_loop.py --contender torch_fsdp2`` under torchrun). Prints one line
+per failed run (exit status and the output's last lines) and a summary; returns 1 if any run failed.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: boo
         for rank in (0, 1):
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
             cmd = [py, str(JOB), "collectives", *(["--without-fix"] if without_fix else [])]
-            procs.append(processes.start(cmd, env=renv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         text=True))
+            procs.append(
+                processes.start(
+                    cmd, env=renv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
         try:
             outs = [p.communicate(timeout=timeout)[0] for p in procs]
         finally:
@@ -56,9 +60,11 @@ def run_once(mode: str, work: Path, *, strategy: str = "fsdp2", without_fix: boo
     if mode == "lightning":
         cmd = [py, str(JOB), "lightning", "--strategy", strategy, "--root", str(work)]
     elif mode == "torch_loop":
-        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
+        cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+               "--master_addr=127.0.0.1",
                f"--master_port={env['MASTER_PORT']}", str(ROOT / "benchmarks" / "workers" / "torch_loop.py"),
-               "--contender", "torch_fsdp2", "--model", '{"dim": 64, "n_layers": 2, "n_heads": 4}', "--seq-len", "32",
+               "--contender", "torch_fsdp2", "--model", '{"dim": 64, "n_layers": 2, "n_heads": 4}',
+               "--seq-len", "32",
                "--global-batch", "8", "--steps", "2", "--out", str(work / "torch_loop.json")]
     else:
         raise ValueError(mode)
@@ -71,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--mode", choices=("lightning", "collectives", "torch_loop"), default="lightning")
     parser.add_argument("--strategy", default="fsdp2", help="lightning mode: the strategy name")
-    parser.add_argument("--without-fix", action="store_true", help="collectives mode: do not import fsdp_strategies")
+    parser.add_argument(
+        "--without-fix", action="store_true", help="collectives mode: do not import fsdp_strategies"
+    )
     args = parser.parse_args(argv)
     failures: list[tuple[int, int]] = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="exit-trials-") as tmp:
         for i in range(args.runs):
-            code, out = run_once(args.mode, Path(tmp) / str(i), strategy=args.strategy, without_fix=args.without_fix)
+            code, out = run_once(
+                args.mode, Path(tmp) / str(i), strategy=args.strategy, without_fix=args.without_fix
+            )
             if code != 0:
                 failures.append((i, code))
                 tail = "\n    ".join(out.splitlines()[-6:])

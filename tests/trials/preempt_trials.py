@@ -59,8 +59,8 @@ STEPS = 24
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
-                "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK",
+                "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
         env.pop(key, None)
     import socket
 
@@ -76,15 +76,17 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def command(strategy: str, root: Path, *, resume: bool = False, steps: int = STEPS, step_sleep: float = 0.0,
             grace: float = 25.0, also_reference: Path | None = None) -> list[str]:
     """The job for ``strategy`` (its launch path), writing under ``root``."""
-    worker = [str(WORKER), "--strategy", strategy, "--root", str(root), "--steps", str(steps), "--devices", "2",
-              "--step-sleep", str(step_sleep), "--grace", str(grace), *(["--resume"] if resume else []),
+    worker = [str(WORKER), "--strategy", strategy, "--root", str(root), "--steps", str(steps), "--devices",
+              "2", "--step-sleep", str(step_sleep), "--grace", str(grace), *(["--resume"] if resume else []),
               *(["--also-reference", str(also_reference)] if also_reference else [])]
     py = sys.executable
     if strategy in ("fsdp2", "ddp_hooks"):
         return [py, *worker]
     if strategy == "hsdp":
-        return [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
-                f"--master_port={job_env()['MASTER_PORT']}", "--shutdown-timeout", str(int(grace) + 5), *worker]
+        return [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={job_env()['MASTER_PORT']}", "--shutdown-timeout", str(int(grace) + 5),
+                *worker]
     return [py, "-m", "fsdp_strategies.ft", "--groups", "1", "--ranks-per-group", "2", "--max-restarts", "0",
             "--events-dir", str(root / "ft_events"), "--grace", str(grace + 5), "--", *worker]
 
@@ -107,8 +109,12 @@ def losses(root: Path, rank: int) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in events(root, rank) if r["event"] == "step"}
 
 
-def run_job(strategy: str, root: Path, *, resume: bool, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return processes.run(command(strategy, root, resume=resume, **kw), timeout=timeout, env=job_env(), cwd=ROOT)
+def run_job(
+    strategy: str, root: Path, *, resume: bool, timeout: float = 600, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    return processes.run(
+        command(strategy, root, resume=resume, **kw), timeout=timeout, env=job_env(), cwd=ROOT
+    )
 
 
 def _tree_alive(pids: list[int]) -> list[int]:
@@ -147,7 +153,8 @@ class Trial:
     rank_rcs: list[Any] = field(default_factory=list)
     hung: bool = False
     stop_s: float | None = None
-    exit_s: float | None = None  # SIGTERM -> the ranks' SystemExit (the rest of stop_s is interpreter teardown)
+    # SIGTERM -> the ranks' SystemExit (the rest of stop_s is interpreter teardown)
+    exit_s: float | None = None
     signalled_at_step: int | None = None
     mid_save: bool = False
     mid_val: bool = False
@@ -184,12 +191,13 @@ def _newest_checkpoint(ckpt: Path) -> tuple[int, Path] | None:
 
 def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: dict[int, Any] | str | None,
           window_s: float = 3.0, step_sleep: float = 0.05, steps: int = STEPS) -> Trial:
-    """One SIGTERM trial. ``reference``: the uninterrupted run's figures, ``"inline"`` (the resume job runs the
-    uninterrupted fit afterwards in the same processes, which saves a job), or None (no resume)."""
+    """One SIGTERM trial. ``reference``: the uninterrupted run's figures, ``"inline"`` (the resume job runs
+    the uninterrupted fit afterwards in the same processes, which saves a job), or None (no resume)."""
     root = work / f"{strategy}-{mode}-{rng.randrange(10**6)}"
     delay = rng.uniform(0, window_s)
     t = Trial(strategy, mode, round(delay, 3))
-    proc = processes.start(command(strategy, root, step_sleep=step_sleep, steps=steps), stdout=subprocess.PIPE,
+    proc = processes.start(command(strategy, root, step_sleep=step_sleep, steps=steps),
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=ROOT)
     try:
         deadline = time.time() + 300
@@ -204,7 +212,9 @@ def trial(strategy: str, mode: str, rng: random.Random, work: Path, reference: d
             proc.wait()
             return t
         # "all": every process of the job, launchers included -- what a scheduler's job-wide SIGTERM does
-        victims = {"all": _tree_alive(process_tree(proc.pid)), "one": [ranks[-1]], "launcher": [proc.pid]}[mode]
+        victims = {"all": _tree_alive(process_tree(proc.pid)), "one": [ranks[-1]], "launcher": [proc.pid]}[
+            mode
+        ]
         t0 = time.time()
         for pid in victims:
             os.kill(pid, signal.SIGTERM)
@@ -272,7 +282,9 @@ def reference_run(strategy: str, work: Path, steps: int = STEPS) -> dict[int, An
     root = work / f"{strategy}-reference"
     res = run_job(strategy, root, resume=False, steps=steps)
     if res.returncode != 0:
-        raise RuntimeError(f"reference run of {strategy} exited {res.returncode}:\n{(res.stdout + res.stderr)[-4000:]}")
+        raise RuntimeError(
+            f"reference run of {strategy} exited {res.returncode}:\n{(res.stdout + res.stderr)[-4000:]}"
+        )
     return load_run(root)
 
 
@@ -298,8 +310,8 @@ def _same_as_reference(root: Path, reference: dict[int, Any], t: Trial) -> bool:
 def launcher_status(strategy: str) -> int:
     """What the job's top process returns: 75 from Lightning's launcher (rank 0), and from fsdp-strategies-ft
     both when it got the SIGTERM itself and when only its group's rank did (the group is preempted, not
-    restarted, and no group finished: requeue). torchrun reports its workers' non-zero exit as its own failure (1);
-    fsdp-strategies-ft reads their status from torchrun's failure summary."""
+    restarted, and no group finished: requeue). torchrun reports its workers' non-zero exit as its own failure
+    (1); fsdp-strategies-ft reads their status from torchrun's failure summary."""
     return 1 if strategy == "hsdp" else PREEMPT_EXIT_CODE
 
 
@@ -319,7 +331,8 @@ def summarise(trials: list[Trial]) -> dict[str, Any]:
             "trials": len(ts), "hangs": sum(t.hung for t in ts),
             "launcher_exit": sorted({t.rc for t in ts}, key=str),
             "ranks_exit_75": f"{sum(c == PREEMPT_EXIT_CODE for t in ts for c in t.rank_rcs)}/{2 * len(ts)}",
-            "stop_s_max": max(stops, default=None), "stop_s_median": statistics.median(stops) if stops else None,
+            "stop_s_max": max(stops, default=None),
+            "stop_s_median": statistics.median(stops) if stops else None,
             "exit_s_max": max((t.exit_s for t in ts if t.exit_s is not None), default=None),
             "preempt_checkpoints": sum(t.preempt_step is not None for t in ts),
             "mid_save": sum(t.mid_save for t in ts), "mid_val": sum(t.mid_val for t in ts),

@@ -28,7 +28,10 @@ def main() -> None:
     with log.open("a") as f:
         f.write(mine + "\n")
     if args.contender == "broken":
-        print("Traceback (most recent call last):\nRuntimeError: the broken contender always fails", file=sys.stderr)
+        print(
+            "Traceback (most recent call last):\nRuntimeError: the broken contender always fails",
+            file=sys.stderr,
+        )
         sys.exit(1)
     step = {"steady": 0.010, "flaky": 0.020}[args.contender] * (1 + args.seed)
     times = [step] * args.steps

@@ -35,8 +35,10 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from fsdp_strategies import DDPHooksStrategy  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
-TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
-TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 512, "num_val": 32, "shuffle": False}
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+              "warmup_steps": 2}
+TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 512, "num_val": 32,
+             "shuffle": False}
 
 
 class Recorder(pl.Callback):
@@ -60,7 +62,9 @@ class Recorder(pl.Callback):
         if trainer.state.fn == "fit" and batch_idx == 0:
             self.val_in_sync.append((trainer.global_step, self._params_in_sync(trainer, pl_module)))
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
         self.save_in_sync.append((trainer.global_step, self._params_in_sync(trainer, pl_module)))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -71,9 +75,14 @@ class Recorder(pl.Callback):
             state = strategy.comm_state_dict()
             ps = state.get("powersgd")
             if ps is not None:
-                summary = {"iter": ps["iter"], "error": {k: v.double().abs().sum().item() for k, v in ps["error_dict"].items()}}
+                summary = {
+                    "iter": ps["iter"],
+                    "error": {k: v.double().abs().sum().item() for k, v in ps["error_dict"].items()},
+                }
             if "averager" in state:
-                summary.update(averager_step=state["averager"]["step"], hook_iter=state["post_local_sgd"]["iter"])
+                summary.update(
+                    averager_step=state["averager"]["step"], hook_iter=state["post_local_sgd"]["iter"]
+                )
         gathered: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(gathered, summary)
         self.start_states = gathered
@@ -103,9 +112,10 @@ class Recorder(pl.Callback):
 class StallProbe(pl.Callback):
     """Rank 1 is held after 4 steps until rank 0 has finished 9 (a file rank 0 writes then), or 120 s.
 
-    With local steps (no collective per step, not even DDP's buffer broadcast) rank 0 runs on and rank 1 sees the
-    file; if any step before the next averaging synchronised the ranks, rank 0 could not finish 9 steps while rank 1
-    is held, and rank 1 gives up after 120 s without seeing it. An order of events, not a wall-clock threshold.
+    With local steps (no collective per step, not even DDP's buffer broadcast) rank 0 runs on and rank 1 sees
+    the file; if any step before the next averaging synchronised the ranks, rank 0 could not finish 9 steps
+    while rank 1 is held, and rank 1 gives up after 120 s without seeing it. An order of events, not a
+    wall-clock threshold.
     """
 
     def __init__(self, flag: Path) -> None:
@@ -148,14 +158,16 @@ def _strategy(name: str, bucket_cap_mb: float | None = None) -> Any:
     if name == "ddp":
         return DDPStrategy(**cap) if cap else "ddp"  # Lightning's own, the reference
     if name == "post_local_sgd_period8":
-        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=8, local_sgd_warmup=2, local_group_size=1,
-                                **cap)
+        return DDPHooksStrategy(
+            comm_hook="post_local_sgd", local_sgd_period=8, local_sgd_warmup=2, local_group_size=1, **cap
+        )
     if name == "post_local_sgd":
-        return DDPHooksStrategy(comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1,
-                                **cap)
+        return DDPHooksStrategy(
+            comm_hook="post_local_sgd", local_sgd_period=2, local_sgd_warmup=3, local_group_size=1, **cap
+        )
     if name == "hierarchical_sgd":
-        return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2, 4: 4}, local_sgd_warmup=3,
-                                local_group_size=1, **cap)
+        return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2, 4: 4},
+                                local_sgd_warmup=3, local_group_size=1, **cap)
     if name == "hierarchical_sgd_2":  # 2 ranks: one level, both ranks every 2 steps
         return DDPHooksStrategy(comm_hook="hierarchical_sgd", hierarchy_levels={2: 2}, local_sgd_warmup=3,
                                 local_group_size=1, **cap)
@@ -178,7 +190,8 @@ class _RandomTokens(LightningTransformer):
 
 
 def _demo_fit(hook: str, devices: int, rec: pl.Callback) -> pl.Trainer:
-    """The issue's setting: demo Transformer, 2 ranks, DDP's default buckets, the hook compressing from step 3."""
+    """The issue's setting: demo Transformer, 2 ranks, DDP's default buckets, the hook compressing from step
+    3."""
     strategy = DDPHooksStrategy(comm_hook=hook, powersgd_start_iter=2, gradient_as_bucket_view=False)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=5, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -209,8 +222,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--runs", required=True)
-    parser.add_argument("--cli-extra", default="", help="space-separated LightningCLI overrides for cli: runs")
-    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size of the non-cli runs")
+    parser.add_argument(
+        "--cli-extra", default="", help="space-separated LightningCLI overrides for cli: runs"
+    )
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="DDP bucket size of the non-cli runs"
+    )
     args = parser.parse_args()
     out_dir = Path(args.out).parent
     results: dict[str, Any] = {}
@@ -232,7 +249,8 @@ def main() -> None:
         elif run.startswith("stall:"):
             # rank 1 stalls during local steps: rank 0 must not wait for it before the next averaging
             probe = StallProbe(out_dir / f"{run[6:]}.rank0_ahead")
-            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:], cap), max_steps=12,
+            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_strategy(run[6:], cap),
+                                 max_steps=12,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
@@ -243,12 +261,16 @@ def main() -> None:
             name = run[6:]
             root = out_dir / f"ckpt_{name}"
             trainer = _trainer(_strategy(name, 25.0), args.steps, args.devices, root / "recap", [rec])
-            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
+            trainer.fit(
+                LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt")
+            )
         elif run.startswith("resume:"):
             # continuous run with a checkpoint at step 6, then a second run resumed from it
             name = run[7:]
             root = out_dir / f"ckpt_{name}"
-            ckpt_cb = ModelCheckpoint(dirpath=str(root), every_n_train_steps=6, save_top_k=-1, filename="{step}")
+            ckpt_cb = ModelCheckpoint(
+                dirpath=str(root), every_n_train_steps=6, save_top_k=-1, filename="{step}"
+            )
             trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec, ckpt_cb])
             trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA))
             results[f"continuous:{name}"] = {"rows": rec.rows, "ckpt": str(root / "step=6.ckpt"),
@@ -256,7 +278,9 @@ def main() -> None:
             pl.seed_everything(1234, workers=True)
             rec = Recorder()
             trainer = _trainer(_strategy(name, cap), args.steps, args.devices, root, [rec])
-            trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt"))
+            trainer.fit(
+                LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path=str(root / "step=6.ckpt")
+            )
         elif run.startswith("acc"):  # accK:NAME -- accumulate_grad_batches=K, --steps optimizer steps
             accumulate, name = run[3:].split(":", 1)
             root = out_dir / run.replace(":", "_")

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, HSDPStrategy
 from llama import LlamaLM, MarkovDataModule
 
-MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+         "warmup_steps": 2}
 
 
 def main() -> None:

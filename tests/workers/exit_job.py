@@ -3,11 +3,12 @@
 Modes:
   collectives  plain torch.distributed (gloo): 200 synchronous all-reduces, then the end of the script --
                the pattern that aborts at interpreter exit without fsdp_strategies' exit handling (4-6 of
-               10 two-rank runs here); ``import fsdp_strategies`` installs it, ``--without-fix`` leaves it out (the
-               control). One rank per process: RANK/WORLD_SIZE/MASTER_* from the environment (torchrun, or a
-               test that starts both ranks). (Forking the jobs from one process does not reproduce the abort.)
-  lightning    ``fsdp2`` (or ``--strategy``) through Lightning's launcher: fit, validate, test and predict of a
-               tiny Llama, then the end of the script.
+               10 two-rank runs here); ``import fsdp_strategies`` installs it, ``--without-fix`` leaves it out
+               (the control). One rank per process: RANK/WORLD_SIZE/MASTER_* from the environment (torchrun,
+               or a test that starts both ranks). (Forking the jobs from one process does not reproduce the
+               abort.)
+  lightning    ``fsdp2`` (or ``--strategy``) through Lightning's launcher: fit, validate, test and predict of
+               a tiny Llama, then the end of the script.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def lightning(strategy: str, root: Path) -> None:
     data = MarkovDataModule(vocab_size=64, seq_len=32, batch_size=4, num_train=64, num_val=16)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, default_root_dir=str(root))
+                         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
+                         default_root_dir=str(root))
     trainer.fit(model, data)
     trainer.validate(model, data)
     trainer.test(model, data.val_dataloader())

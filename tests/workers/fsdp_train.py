@@ -20,11 +20,14 @@ import fsdp_strategies
 from fsdp_strategies import testing as _memory
 from llama import LlamaLM, MarkovDataModule
 
-MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+         "warmup_steps": 2}
 
 
 def data_module(batch_size: int, num_train: int) -> MarkovDataModule:
-    return MarkovDataModule(vocab_size=64, seq_len=32, batch_size=batch_size, num_train=num_train, num_val=16, shuffle=False)
+    return MarkovDataModule(
+        vocab_size=64, seq_len=32, batch_size=batch_size, num_train=num_train, num_val=16, shuffle=False
+    )
 
 
 class ProbedLM(LlamaLM):
@@ -51,7 +54,9 @@ class EagerLM(ProbedLM):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+        )
 
 
 class ProbePrecision(pl.Callback):
@@ -77,7 +82,11 @@ class ProbePrecision(pl.Callback):
             self.handle.remove()
             self.seen["master_weight"] = str(pl_module.model.layers[0].attention.wq.weight.dtype)
             self.seen["loss"] = str(outputs["loss"].dtype)
-            state = pl_module.model.layers[0]._get_fsdp_state() if hasattr(pl_module.model.layers[0], "_get_fsdp_state") else None
+            state = (
+                pl_module.model.layers[0]._get_fsdp_state()
+                if hasattr(pl_module.model.layers[0], "_get_fsdp_state")
+                else None
+            )
             if state is not None:
                 self.seen["fsdp_param_dtype"] = str(state._mp_policy.param_dtype)
                 self.seen["fsdp_reduce_dtype"] = str(state._mp_policy.reduce_dtype)
@@ -198,7 +207,9 @@ class BreakWrite(pl.Callback):
             result = real(writer, plan, planner)
             if self.count == self.nth and self.mode == "kill":
                 result.wait()
-                print(f"rank {me}: SIGKILL in the middle of the background write", file=sys.stderr, flush=True)
+                print(
+                    f"rank {me}: SIGKILL in the middle of the background write", file=sys.stderr, flush=True
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
@@ -216,12 +227,15 @@ class DumpAtTrainEnd(pl.Callback):
 
 
 class RecordBatches(pl.Callback):
-    """(global_step, epoch, checksum of this rank's batch) for every micro-batch: resume must not replay data."""
+    """(global_step, epoch, checksum of this rank's batch) for every micro-batch: resume must not replay
+    data."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, int, int]] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:  # type: ignore[no-untyped-def]
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int
+    ) -> None:  # type: ignore[no-untyped-def]
         self.seen.append((trainer.global_step, trainer.current_epoch, int(batch.sum())))
 
 
@@ -234,7 +248,8 @@ class RecordLosses(pl.Callback):
 
 
 class RecordStartState(pl.Callback):
-    """Full parameters and optimizer state (by parameter name) when training starts, i.e. right after a resume."""
+    """Full parameters and optimizer state (by parameter name) when training starts, i.e. right after a
+    resume."""
 
     def __init__(self) -> None:
         self.params: dict[str, torch.Tensor] = {}
@@ -248,7 +263,8 @@ class RecordStartState(pl.Callback):
 
 
 class StopAt(pl.Callback):
-    """Stop after ``step`` optimizer steps while ``max_steps`` (and so the LR schedule) stays the full run's."""
+    """Stop after ``step`` optimizer steps while ``max_steps`` (and so the LR schedule) stays the full
+    run's."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -276,14 +292,16 @@ def dump(trainer: pl.Trainer, model: pl.LightningModule, a: argparse.Namespace, 
         "reduce_calls": counter.reduces if counter else None,
         "gather_calls": counter.gathers if counter else None, "built_on_meta": ProbedLM.built_on_meta,
         "local_is_meta": any(getattr(p, "to_local", lambda p=p: p)().is_meta for p in model.parameters()),
-        "batches": batches.seen, "precision_probe": probe.seen, "losses": losses.values, "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers],
+        "batches": batches.seen, "precision_probe": probe.seen, "losses": losses.values,
+        "compiled": [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers],
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
-        "start_params": start.params if start else None, "start_opt_state": start.opt_state if start else None,
+        "start_params": start.params if start else None,
+        "start_opt_state": start.opt_state if start else None,
     }
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[dict | None] = [None] * world
-    small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "gather_calls", "built_on_meta",
-                                    "local_is_meta")}
+    small = {k: record[k] for k in ("param_bytes", "opt_bytes", "reduce_calls", "gather_calls",
+                                    "built_on_meta", "local_is_meta")}
     if accumulation is not None:
         small.update(micro_batches=accumulation.rows, full_grad_bytes=accumulation.full_grad_bytes,
                      fsdp_units=accumulation.fsdp_units)
@@ -357,7 +375,9 @@ def main() -> None:
     if start:
         callbacks.append(start)
     if a.record_at_train_end:  # before the strategy's own on_train_end (e.g. a failing background write)
-        callbacks.append(DumpAtTrainEnd(lambda: dump(trainer, model, a, batches, probe, losses, counter, start)))
+        callbacks.append(
+            DumpAtTrainEnd(lambda: dump(trainer, model, a, batches, probe, losses, counter, start))
+        )
     trainer = pl.Trainer(
         accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, precision=a.precision,
         accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip or None, callbacks=callbacks,

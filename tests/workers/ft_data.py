@@ -14,8 +14,8 @@ Under gradient accumulation a record holds the step's micro-batches.
                        ``ids`` one list per micro-batch
     FT_DATA_CKPT       folder: a ModelCheckpoint writes ``step=N.ckpt`` there every FT_DATA_CKPT_EVERY steps
     FT_DATA_RESUME     checkpoint to resume from (``fit(ckpt_path=...)``)
-    FT_DATA_HEAL_KILL  "GROUP:INCARNATION,...": that incarnation of the group SIGKILLs itself (torchrun + ranks)
-                       while applying the state it fetched from a live peer (a kill during heal)
+    FT_DATA_HEAL_KILL  "GROUP:INCARNATION,...": that incarnation of the group SIGKILLs itself (torchrun +
+                       ranks) while applying the state it fetched from a live peer (a kill during heal)
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class Recorder(pl.Callback):
 
 
 class HealKillingFTHSDP(FTHSDPStrategy):
-    """Kills its own replica group while applying a healed state, in the incarnations FT_DATA_HEAL_KILL names."""
+    """Kills its own replica group while applying a healed state, in the incarnations FT_DATA_HEAL_KILL
+    names."""
 
     def _load_heal_state(self, state: dict[str, Any]) -> None:
         incarnation = int(os.environ.get("FT_RESTART_COUNT", "0"))
@@ -107,7 +108,9 @@ class HealKillingFTHSDP(FTHSDPStrategy):
                    for item in os.environ.get("FT_DATA_HEAL_KILL", "").split(",") if item]
         if (self.replica_group_id, incarnation) in victims:
             print(f"FT_DATA: group {self.replica_group_id} kills itself during its heal", flush=True)
-            out = Path(os.environ["FT_DATA_OUT"]) / f"group{self.replica_group_id}_rank{self.global_rank}.jsonl"
+            out = (
+                Path(os.environ["FT_DATA_OUT"]) / f"group{self.replica_group_id}_rank{self.global_rank}.jsonl"
+            )
             with out.open("a") as fh:
                 fh.write(json.dumps({"incarnation": incarnation, "killed_in_heal": True,
                                      "step": int(self.manager.current_step())}) + "\n")
@@ -125,7 +128,8 @@ def main() -> None:
     if ckpt:
         callbacks.append(ModelCheckpoint(dirpath=ckpt, filename="{step}", save_top_k=-1,
                                          every_n_train_steps=int(os.environ.get("FT_DATA_CKPT_EVERY", "1"))))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=int(os.environ["FT_DATA_STEPS"]),
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy,
+                         max_steps=int(os.environ["FT_DATA_STEPS"]),
                          accumulate_grad_batches=int(os.environ.get("FT_DATA_ACCUMULATE", "1")), logger=False,
                          enable_checkpointing=bool(ckpt), enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)

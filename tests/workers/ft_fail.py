@@ -1,4 +1,5 @@
-"""Worker: a replica group that always fails at start, with a Python error (for the FT launcher's give-up test).
+"""Worker: a replica group that always fails at start, with a Python error (for the FT launcher's give-up
+test).
 
 Group 0 fails (``FT_FAIL_GROUPS``, default ``0``); other groups sleep ``FT_OK_SLEEP`` seconds (default 3)
 and exit 0, as a group that finished its training would. With ``FT_AFFINITY_DIR`` each start first writes
@@ -20,6 +21,8 @@ if os.environ.get("FT_AFFINITY_DIR"):
 if group in os.environ.get("FT_FAIL_GROUPS", "0").split(","):
     print(f"group {group} start #{os.environ.get('FT_RESTART_COUNT')}: loading data", flush=True)
     print("some warning on stderr", file=sys.stderr, flush=True)
-    raise RuntimeError(f"cannot read the dataset shard of group {group} (restart {os.environ.get('FT_RESTART_COUNT')})")
+    raise RuntimeError(
+        f"cannot read the dataset shard of group {group} (restart {os.environ.get('FT_RESTART_COUNT')})"
+    )
 time.sleep(float(os.environ.get("FT_OK_SLEEP", "3")))
 print(f"group {group} done", flush=True)

@@ -11,14 +11,17 @@ cross-group all-reduce, and dumps the final shards, full parameters and step cou
                        every rank) just before its CALL-th cross-group all-reduce of committed step STEP
                        (sync="local_sgd"/"diloco": of the outer sync that ends at inner step STEP)
     FT_TEST_SLEEP      seconds to sleep after each step (paces training so restarts overlap it)
-    FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum`` after STEP
-    FT_TEST_STRAGGLER  "GROUP:RANK:DELAY": the first incarnation of GROUP runs StragglerDetector(action="evict") with
-                       rank RANK stalled DELAY s per step (the whole group must leave the quorum together)
+    FT_TEST_LEAVE      "GROUP:INCARNATION:STEP": that incarnation of the group calls ``leave_quorum``
+                       after STEP
+    FT_TEST_STRAGGLER  "GROUP:RANK:DELAY": the first incarnation of GROUP runs
+                       StragglerDetector(action="evict") with rank RANK stalled DELAY s per step (the whole
+                       group must leave the quorum together)
     FT_TEST_CKPT       folder: add a ModelCheckpoint saving every FT_TEST_CKPT_EVERY steps (``step<N>.ckpt``)
     FT_TEST_BREAK_WRITE  "GROUP:N": the first incarnation of GROUP dies right after its N-th DCP shard write
     FT_TEST_SLEEP_ALONE  seconds to sleep after a step committed by fewer groups than NUM_REPLICA_GROUPS
-    FT_TEST_AWAIT_SPARES  "STEP:N": after committed step STEP, the first incarnation waits until N warm spares are
-                       ready (``*.ready`` files beside the events file): a kill after STEP then hits a ready spare
+    FT_TEST_AWAIT_SPARES  "STEP:N": after committed step STEP, the first incarnation waits until N warm
+                       spares are ready (``*.ready`` files beside the events file): a kill after STEP then
+                       hits a ready spare
     (semi-sync: every outer sync also writes ``syncs/group<G>_rank<R>_inc<I>_m<MANAGER STEP>.pt``: this rank's
     DiLoCo backup, local parameters and outer momentum before the sync, parameters and momentum after it, and
     whether it committed, with how many groups and whether this group healed -- the inputs and outputs of one
@@ -138,7 +141,8 @@ class FTProbe(pl.Callback):
                 if _outer(strategy) is not None and strategy._committed_step() == step:
                     sync_calls["n"] += 1
                     if sync_calls["n"] == call:
-                        print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of the sync at {step}",
+                        print(f"FT_TEST: group {group} kills itself in "
+                              f"all-reduce #{call} of the sync at {step}",
                               flush=True)
                         kill_own_group()
                         time.sleep(60)
@@ -158,7 +162,10 @@ class FTProbe(pl.Callback):
             if strategy.manager.current_step() == step:
                 calls["n"] += 1
                 if calls["n"] == call:
-                    print(f"FT_TEST: group {group} kills itself in all-reduce #{call} of step {step}", flush=True)
+                    print(
+                        f"FT_TEST: group {group} kills itself in all-reduce #{call} of step {step}",
+                        flush=True,
+                    )
                     kill_own_group()  # torchrun agent + every rank of this group
                     time.sleep(60)
             original(reduce_output, op)
@@ -180,7 +187,8 @@ class FTProbe(pl.Callback):
             calls["n"] += 1
             if calls["n"] == nth:
                 result.wait()
-                print(f"FT_TEST: group {self.group} rank {trainer.global_rank} dies in the middle of checkpoint "
+                print(f"FT_TEST: group {self.group} rank "
+                      f"{trainer.global_rank} dies in the middle of checkpoint "
                       f"write #{nth} ({writer.path})", flush=True)
                 kill_own_group()
                 time.sleep(60)
@@ -189,7 +197,8 @@ class FTProbe(pl.Callback):
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
     def _dump_syncs(self, trainer: pl.Trainer) -> None:
-        """Wrap the strategy's OuterSync.sync (once) to save each outer step's inputs and outputs (see above)."""
+        """Wrap the strategy's OuterSync.sync (once) to save each outer step's inputs and outputs (see
+        above)."""
         outer = _outer(trainer.strategy)
         if outer is None or getattr(outer, "_probe_dumps", False):
             return
@@ -217,15 +226,19 @@ class FTProbe(pl.Callback):
             after = {"params": {n: local(p) for n, p in fragment._model_fragment.named_parameters()},
                      "momentum": {n: None if b is None else local(b) for n, b in momentum(fragment).items()}}
             path = folder / f"group{self.group}_rank{trainer.global_rank}_inc{self.incarnation}_m{step}.pt"
-            torch.save({"before": before, "after": after, "committed": bool(committed), "healed": bool(outer.healed),
+            torch.save({"before": before, "after": after, "committed": bool(committed),
+                        "healed": bool(outer.healed),
                         "participants": int(outer.last_participants), "manager_step": step},
                        path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)  # a SIGKILL of the group mid-write leaves no torn record
+            # a SIGKILL of the group mid-write leaves no torn record
+            os.replace(path.with_suffix(".tmp"), path)
             return committed
 
         outer.sync = dumping_sync
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._dump_syncs(trainer)
         self._before = state_digest(_shards(trainer, pl_module))
         self._step_before = trainer.global_step
@@ -249,21 +262,24 @@ class FTProbe(pl.Callback):
             full = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
             self._held = {**self._held, "full": full}
         record = {"held": self._held,
-            "incarnation": self.incarnation, "step_before": self._step_before, "step_after": trainer.global_step,
+            "incarnation": self.incarnation, "step_before": self._step_before,
+            "step_after": trainer.global_step,
             "before": self._before, "after": state_digest(_shards(trainer, pl_module)),
             "loss": float(outputs["loss"]) if isinstance(outputs, dict) else None,
             "batch_sum": self._batch, "epoch": self._epoch, "batch_idx": batch_idx,
             "lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         }
         if isinstance(strategy, FTHSDPStrategy):
-            record.update(committed=strategy.last_step_committed, manager_step=int(strategy.manager.current_step()),
+            record.update(committed=strategy.last_step_committed,
+                          manager_step=int(strategy.manager.current_step()),
                           participants=int(strategy.manager.num_participants()),
                           allreduces=self.allreduces - self._allreduces_before)
             if _outer(strategy) is not None:  # sync local_sgd/diloco, or straggler_sync
                 model = {k: v for k, v in pl_module.state_dict().items()}
                 record.update(syncs=int(strategy.ft_stats["syncs"]), model=state_digest(model),
                               model_before=self._model_before, outer_before=self._outer_before,
-                              outer=state_digest(_outer_state(strategy)), healed=bool(_outer(strategy).healed),
+                              outer=state_digest(_outer_state(strategy)),
+                              healed=bool(_outer(strategy).healed),
                               sync_participants=_outer(strategy).last_participants,
                               semi_before=self._semi_before, semi=bool(strategy._semi.active),
                               switches=int(strategy.ft_stats.get("switches", 0)))
@@ -272,7 +288,10 @@ class FTProbe(pl.Callback):
         leave = os.environ.get("FT_TEST_LEAVE")
         if leave and isinstance(strategy, FTHSDPStrategy):
             group, incarnation, step = (int(x) for x in leave.split(":"))
-            if (group, incarnation) == (strategy.replica_group_id, self.incarnation) and trainer.global_step >= step:
+            if (group, incarnation) == (
+                strategy.replica_group_id,
+                self.incarnation,
+            ) and trainer.global_step >= step:
                 strategy.leave_quorum(f"test eviction at step {trainer.global_step}")
         die_at = os.environ.get("FT_TEST_ALL_DIE_AT")
         if die_at and self.incarnation == 0 and trainer.global_step == int(die_at):
@@ -320,14 +339,20 @@ class FTProbe(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
                   for k, v in {**_shards(trainer, pl_module), **_outer_state(trainer.strategy)}.items()}
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()}
+        full = {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pl_module.state_dict().items()
+        }
         strategy = trainer.strategy
         dump = {"shards": shards, "full": full, "global_step": trainer.global_step,
-                "incarnation": self.incarnation, "preimported": PREIMPORTED, "pid": os.getpid(), "ppid": os.getppid(),
-                "manager_step": int(strategy.manager.current_step()) if isinstance(strategy, FTHSDPStrategy) else None,
+                "incarnation": self.incarnation, "preimported": PREIMPORTED, "pid": os.getpid(),
+                "ppid": os.getppid(),
+                "manager_step": int(strategy.manager.current_step()) if isinstance(strategy,
+                                                                                   FTHSDPStrategy) else None,
                 "ft_stats": dict(strategy.ft_stats) if isinstance(strategy, FTHSDPStrategy) else None,
-                "ft_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ft/")},
-                "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
+                "ft_metrics": {k: float(v) for k,
+                               v in trainer.callback_metrics.items() if k.startswith("ft/")},
+                "val_loss": float(trainer.callback_metrics["val_loss"])
+                    if "val_loss" in trainer.callback_metrics
                 else None}
         torch.save(dump, self.out / f"{self._tag(trainer)}.pt")
 
@@ -381,7 +406,8 @@ def main() -> None:
         if group == os.environ.get("REPLICA_GROUP_ID"):
             callbacks.append(NaNOutputAt(int(rank), int(step)))
     if os.environ.get("FT_TEST_CKPT"):
-        callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}", save_top_k=-1,
+        callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_TEST_CKPT"], filename="step{step}",
+                                         save_top_k=-1,
                                          every_n_train_steps=int(os.environ.get("FT_TEST_CKPT_EVERY", "4")),
                                          save_on_train_epoch_end=False, auto_insert_metric_name=False))
     hang = os.environ.get("FT_TEST_HANG")
@@ -402,7 +428,8 @@ def main() -> None:
         _, rank, delay = straggler.split(":")
         callbacks.append(StallInjector(StragglerInjection(ranks=[int(rank)], delay_s=float(delay))))
         callbacks.append(StragglerDetector(action="evict", window=4, skip_first=1, patience=1,
-                                           report_path=os.path.join(os.environ["FT_TEST_OUT"], "straggler.json")))
+                                           report_path=os.path.join(os.environ["FT_TEST_OUT"],
+                                                                    "straggler.json")))
     LightningCLI(LlamaLM, MarkovDataModule, trainer_defaults={"callbacks": callbacks},
                  save_config_kwargs={"overwrite": True})
 

@@ -4,8 +4,8 @@
 
 Runs the config through LightningCLI (Lightning's launcher re-executes this script once per rank), then
 ``validate``; every rank writes ``DIR/rank<N>.json``: its collections, whether automatic collection was on
-before ``fit``, during training and validation (a probe callback), after ``fit`` and after ``validate``, and the
-StragglerDetector's report (gathered, the same numbers on every rank).
+before ``fit``, during training and validation (a probe callback), after ``fit`` and after ``validate``, and
+the StragglerDetector's report (gathered, the same numbers on every rank).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     args, overrides = parser.parse_known_args()
     out = Path(args.out)
-    cli = LightningCLI(LlamaLM, MarkovDataModule, run=False, save_config_callback=None, parser_class=ArgumentParser,
-                       args=["--config", args.config, *overrides])
+    cli = LightningCLI(LlamaLM, MarkovDataModule, run=False, save_config_callback=None,
+                       parser_class=ArgumentParser, args=["--config", args.config, *overrides])
     trainer, model = cli.trainer, cli.model
     probe = GCStateProbe()
     trainer.callbacks.append(probe)

@@ -21,7 +21,9 @@ def kill_own_group() -> None:
     """SIGKILL the group's root, every rank under it (siblings first), then this rank."""
     cmdline = Path(f"/proc/{GROUP_ROOT}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     if GROUP_ROOT <= 1 or "pytest" in cmdline:
-        raise RuntimeError(f"kill_own_group: the recorded group root {GROUP_ROOT} ({cmdline!r}) is not a replica "
-                           "group's root; refusing to kill it")
+        raise RuntimeError(
+            f"kill_own_group: the recorded group root {GROUP_ROOT} ({cmdline!r}) is not a replica "
+            "group's root; refusing to kill it"
+        )
     kill_tree(GROUP_ROOT)
     os.kill(os.getpid(), signal.SIGKILL)  # this rank was orphaned already when the root was gone

@@ -74,8 +74,8 @@ def run(name: str, work: Path) -> None:
     model_name, strategy_name, sharded = RUNS[name]
     pl.seed_everything(0, verbose=False)
     module = FineTune(str(work / "pretrained" / model_name), model_name in SEQ2SEQ)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(strategy_name, sharded), max_steps=STEPS,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy(strategy_name, sharded),
+                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     data = Pairs(n=32, seq=SEQ) if model_name in SEQ2SEQ else TokenSequences(n=32, seq=SEQ)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=4, shuffle=False))

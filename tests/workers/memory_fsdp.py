@@ -3,12 +3,13 @@
 Importable (``build``, ``loss_of``, ``run_variant``) for the in-process tests; as a torchrun script it runs
 every variant under FSDP2 on the ranks it is started with and writes ``OUT/rank<R>.json``:
 
-    torchrun --nproc_per_node 2 memory_fsdp.py --out DIR [--models example_llama,hf_llama,hf_qwen2] [--steps 3]
+    torchrun --nproc_per_node 2 memory_fsdp.py --out DIR [--models example_llama,hf_llama,hf_qwen2] \\
+        [--steps 3]
 
 Each variant starts from the same weights (seeded build) and sees the same rank-dependent batches; per step it
 records the loss, the bytes the forward left alive for backward (``SavedBytes``, weights excluded; on CPU that
-includes offload's host copies), the bytes offload moved to the host and, after the first backward, a checksum of
-this rank's gradient shards. ``budget`` variants also record the planner's
+includes offload's host copies), the bytes offload moved to the host and, after the first backward, a checksum
+of this rank's gradient shards. ``budget`` variants also record the planner's
 report. The models are ones nobody here wrote (Hugging Face Llama and Qwen2 from tiny random configs) and the
 example's Llama.
 """
@@ -60,14 +61,16 @@ def build(name: str) -> nn.Module:
     if name == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
+                             num_hidden_layers=LAYERS,
                              num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ,
                              use_cache=False)
         return LlamaForCausalLM(config)
     if name == "hf_qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        config = Qwen2Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
+                             num_hidden_layers=LAYERS,
                              num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ,
                              use_cache=False)
         return Qwen2ForCausalLM(config)
@@ -86,7 +89,9 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def prepare(name: str, label: str, agree: Any = None, offload_min_bytes: int = 0) -> tuple[nn.Module, BudgetPlanner | None]:
+def prepare(
+    name: str, label: str, agree: Any = None, offload_min_bytes: int = 0
+) -> tuple[nn.Module, BudgetPlanner | None]:
     mode, budget, offload = VARIANTS[label]
     model = build(name)
     if mode is not None:
@@ -97,11 +102,14 @@ def prepare(name: str, label: str, agree: Any = None, offload_min_bytes: int = 0
     return model, planner
 
 
-def step(name: str, model: nn.Module, planner: BudgetPlanner | None, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+def step(
+    name: str, model: nn.Module, planner: BudgetPlanner | None, tokens: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """One forward (the planner around it), the bytes it left alive for backward, then backward."""
     from fsdp_strategies.memory.saved_bytes import plain_tensors, storage_key
 
-    weights = {storage_key(t) for t in plain_tensors([*model.parameters(), *model.buffers()])}  # DTensor: local shard
+    # DTensor: local shard
+    weights = {storage_key(t) for t in plain_tensors([*model.parameters(), *model.buffers()])}
     kept = SavedBytes()
     with kept, planner.forward() if planner is not None else contextlib.nullcontext():
         loss = loss_of(name, model, tokens)
@@ -152,7 +160,8 @@ def main() -> None:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            stats = apply_activation_offload(model) if VARIANTS[label][2] else None  # applied already: its counters
+            # applied already: its counters
+            stats = apply_activation_offload(model) if VARIANTS[label][2] else None
             run: dict[str, Any] = {"losses": [], "kept": [], "offloaded": []}
             for i in range(args.steps):
                 before = stats.bytes if stats is not None else 0

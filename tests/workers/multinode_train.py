@@ -1,4 +1,5 @@
-"""Worker of ``tests/test_multinode.py`` (and the Lightning-range smoke): the example's LightningCLI with a probe.
+"""Worker of ``tests/test_multinode.py`` (and the Lightning-range smoke): the example's LightningCLI with a
+probe.
 
 The arguments are one or more LightningCLI argument lists separated by ``::``; each runs as one
 ``fit`` in the same processes, one after the other (the second reuses the process group, so one
@@ -31,7 +32,11 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
 
 
 def _ranks(group: Any) -> list[int]:
-    return sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    return (
+        sorted(dist.get_process_group_ranks(group))
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
 
 
 def _digest(module: torch.nn.Module) -> str:
@@ -63,12 +68,16 @@ class MultinodeProbe(pl.Callback):
             rec["mesh"] = {"names": names, "shape": list(mesh.shape),
                            "groups": {name: _ranks(mesh.get_group(name)) for name in names}}
             param = next(pl_module.parameters())
-            rec["param"] = {"placements": [str(p) for p in param.placements], "local": list(param.to_local().shape),
-                            "full": list(param.shape)}
+            rec["param"] = {
+                "placements": [str(p) for p in param.placements],
+                "local": list(param.to_local().shape),
+                "full": list(param.shape),
+            }
         if isinstance(strategy, fsdp_strategies.DDPHooksStrategy):
             rec["hierarchy_levels"] = {str(k): v for k, v in (strategy.hierarchy_levels or {}).items()}
             rec["local_group_size"] = strategy.local_group_size
-            averager = getattr(trainer.optimizers[0], "averager", None)  # torch's PostLocalSGDOptimizer.averager
+            # torch's PostLocalSGDOptimizer.averager
+            averager = getattr(trainer.optimizers[0], "averager", None)
             groups = getattr(averager, "period_process_group_dict", {})  # torch's HierarchicalModelAverager
             rec["averager_groups"] = {str(period): _ranks(group) for period, group in groups.items()}
         if isinstance(strategy, fsdp_strategies.FTHSDPStrategy):
@@ -94,8 +103,10 @@ class MultinodeProbe(pl.Callback):
 def main(argv: list[str]) -> None:
     expected = os.environ.get("FSDP_STRATEGIES_EXPECT_LIGHTNING")  # set by `make test-lightning-range`
     if expected and lightning.__version__ != expected:
-        raise SystemExit(f"multinode_train.py: expected lightning {expected}, imported {lightning.__version__} "
-                         f"({lightning.__file__})")
+        raise SystemExit(
+            f"multinode_train.py: expected lightning {expected}, imported {lightning.__version__} "
+            f"({lightning.__file__})"
+        )
     fits: list[list[str]] = [[]]
     for arg in argv:
         if arg == "::":
@@ -105,8 +116,8 @@ def main(argv: list[str]) -> None:
     sys.argv = sys.argv[:1]  # the arguments go in through ``args``
     for index, args in enumerate(fits):
         # no config.yaml written to the working directory (the repository root)
-        LightningCLI(LlamaLM, MarkovDataModule, args=args, trainer_defaults={"callbacks": [MultinodeProbe(index)]},
-                     save_config_callback=None)
+        LightningCLI(LlamaLM, MarkovDataModule, args=args,
+                     trainer_defaults={"callbacks": [MultinodeProbe(index)]}, save_config_callback=None)
     if dist.is_initialized():  # as examples/train_llama.py: no gloo subgroups left to interpreter exit
         dist.destroy_process_group()
 

@@ -3,8 +3,8 @@ and ``on_train_end``, ``pl_module.model.generate(...)`` in a callback, then ``tr
 ``trainer.predict`` after ``fit``.
 
 ``python outside_calls.py STRATEGY OUT FOLDER`` (``STRATEGY``: ``ddp``, ``fsdp2``, ``hsdp``, ``fsdp2_tp``,
-``ft_hsdp``; ranks from torchrun / the FT launcher). At every call the sharded model's output is compared with a
-plain ``transformers`` model on CPU holding the same (gathered) weights: logits to 1e-5, generated tokens
+``ft_hsdp``; ranks from torchrun / the FT launcher). At every call the sharded model's output is compared with
+a plain ``transformers`` model on CPU holding the same (gathered) weights: logits to 1e-5, generated tokens
 equal. Each rank appends ``{"where", "max_diff", "tokens_equal"}`` lines to ``OUT/rank<R>.jsonl``.
 """
 
@@ -99,7 +99,8 @@ def main() -> None:
     os.environ["OUTSIDE_OUT"] = str(out)
     pl.seed_everything(0)
     data = DataLoader(CountingSequences(128, 16, 16), batch_size=4)
-    trainer = pl.Trainer(strategy=_strategy(name), accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+    trainer = pl.Trainer(strategy=_strategy(name), accelerator="cpu",
+                         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                          max_steps=4, val_check_interval=2, limit_val_batches=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[GenerateSamples()])

@@ -29,7 +29,8 @@ from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy, FTHSDPStrategy, HSD
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
 STRATEGIES = ("fsdp2", "hsdp", "ddp_hooks", "ft_hsdp")
-TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+              "warmup_steps": 2}
 TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 4, "num_val": 16, "num_train": 256}
 
 
@@ -99,12 +100,15 @@ def main() -> None:
     parser.add_argument("--devices", default="2", help="ranks (per replica group); the same under torchrun")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--val-every", type=int, default=8)
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="pace training (seconds after each step)")
+    parser.add_argument(
+        "--step-sleep", type=float, default=0.0, help="pace training (seconds after each step)"
+    )
     parser.add_argument("--grace", type=float, default=25.0)
     parser.add_argument("--no-checkpoint-on-preempt", action="store_true")
     parser.add_argument("--resume", action="store_true", help="ckpt_path='last'")
     parser.add_argument("--also-reference", type=Path, default=None,
-                        help="then run the uninterrupted fit in the same processes, writing under this folder")
+                        help="then run the uninterrupted fit in the "
+                             "same processes, writing under this folder")
     args = parser.parse_args()
     try:
         fit(args, args.root, resume=args.resume)
@@ -127,8 +131,8 @@ def fit(args: argparse.Namespace, root: Path, resume: bool) -> None:
         accelerator="cpu", devices=devices, strategy=make_strategy(args.strategy, args.grace,
                                                                    not args.no_checkpoint_on_preempt),
         max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, val_check_interval=args.val_every, limit_val_batches=2, callbacks=[events, ckpt],
-        default_root_dir=str(root))
+        num_sanity_val_steps=0, val_check_interval=args.val_every, limit_val_batches=2,
+        callbacks=[events, ckpt], default_root_dir=str(root))
     trainer.fit(LlamaLM(**TINY_MODEL), MarkovDataModule(**TINY_DATA), ckpt_path="last" if resume else None)
     events.write(event="end", step=trainer.global_step)
     state = trainer.lightning_module.state_dict()

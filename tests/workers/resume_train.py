@@ -31,7 +31,8 @@ from fsdp_strategies import DDPHooksStrategy, FSDP2Strategy  # noqa: E402
 from fsdp_strategies.runtime.resume_position import skip_consumed_batches  # noqa: E402
 from llama import LlamaLM, MarkovDataModule, MarkovSequences  # noqa: E402
 
-TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+              "warmup_steps": 2}
 TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_val": 8}
 
 
@@ -89,7 +90,8 @@ class Rows(IterableDataset):
 
 
 class StatefulLoader(DataLoader):
-    """A loader Lightning treats as resumable (``state_dict``/``load_state_dict``): it saves and restores it."""
+    """A loader Lightning treats as resumable (``state_dict``/``load_state_dict``): it saves and restores
+    it."""
 
     loaded_states: list[dict[str, Any]] = []
 
@@ -146,7 +148,9 @@ class Recorder(pl.Callback):
         self.batch_idx: list[int] = []
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         items = [batch[k] for k in sorted(batch)] if isinstance(batch, dict) else [batch]
         self.batches.append(torch.stack([t.detach().clone() for t in items]))
         self.batch_idx.append(batch_idx)
@@ -165,16 +169,16 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def _fit(strategy: Strategy, module: pl.LightningModule, data: ResumeData, steps: int, root: Path, devices: int,
-         accumulate: int, callbacks: list[pl.Callback], ckpt_path: str | None = None,
+def _fit(strategy: Strategy, module: pl.LightningModule, data: ResumeData, steps: int, root: Path,
+         devices: int, accumulate: int, callbacks: list[pl.Callback], ckpt_path: str | None = None,
          val_check_interval: int | None = None) -> tuple[pl.Trainer, Recorder]:
     rec = Recorder()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=1 if val_check_interval else 0,
-                         val_check_interval=val_check_interval or 1.0, accumulate_grad_batches=accumulate, callbacks=[rec, *callbacks],
-                         default_root_dir=str(root))
+                         val_check_interval=val_check_interval or 1.0, accumulate_grad_batches=accumulate,
+                         callbacks=[rec, *callbacks], default_root_dir=str(root))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, rec
 
@@ -185,7 +189,8 @@ def _params(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     return {k: getattr(v, "to_local", lambda v=v: v)().detach().clone() for k, v in state.items()}
 
 
-def stop_and_resume(root: Path, *, strategy: Callable[[], Strategy], steps: int, stop_at: int, sampler: str = "default",
+def stop_and_resume(root: Path, *, strategy: Callable[[], Strategy], steps: int, stop_at: int,
+                    sampler: str = "default",
                     accumulate: int = 1, devices: int = 1, data_kwargs: dict[str, Any] | None = None,
                     uninterrupted: bool = True, val_check_interval: int | None = None) -> dict[str, Any]:
     """Run the uninterrupted fit, then the stopped + resumed pair; return what each saw and its final weights.
@@ -201,8 +206,8 @@ def stop_and_resume(root: Path, *, strategy: Callable[[], Strategy], steps: int,
         pl.seed_everything(7)
         full, full_rec = _fit(strategy(), module_cls(**TINY_MODEL), ResumeData(sampler, **data_kwargs), steps,
                               root / "full", devices, accumulate, [], **val)
-        out = {"full_batches": full_rec.batches, "full_batch_idx": full_rec.batch_idx, "full_params": _params(full),
-               "full_global_step": full.global_step}
+        out = {"full_batches": full_rec.batches, "full_batch_idx": full_rec.batch_idx,
+               "full_params": _params(full), "full_global_step": full.global_step}
 
     pl.seed_everything(7)
     trigger = {} if val_check_interval else {"every_n_train_steps": stop_at}
@@ -236,7 +241,8 @@ def main() -> None:
     parser.add_argument("--strategies", default="ddp,fsdp2")
     args = parser.parse_args()
     factories: dict[str, Callable[[], Strategy]] = {
-        "ddp": lambda: SkipDDP(), "fsdp2": lambda: FSDP2Strategy(block_class_names=["TransformerBlock"]),  # calls it itself
+        # calls it itself
+        "ddp": lambda: SkipDDP(), "fsdp2": lambda: FSDP2Strategy(block_class_names=["TransformerBlock"]),
         "ddp_hooks": lambda: DDPHooksStrategy(),  # calls it itself
     }
     results: dict[str, Any] = {}

@@ -5,8 +5,9 @@ does) or, with ``--ft``, per replica group by ``fsdp-strategies-ft``. The model 
 the root, a 0-d gate inside each block (so block units ignore parameters too) and a frozen 0-d offset.
 
 Each run records, on rank 0 into ``--out`` (JSON), every rank's losses and final 0-d parameter values (the
-test checks the ranks agree), and under ``ddp`` the gradient norms before clipping; ``--ckpt`` adds a sharded checkpoint at step 2 and a run resumed from it,
-recording the 0-d parameters and their optimizer state right after the resume and right after step 2.
+test checks the ranks agree), and under ``ddp`` the gradient norms before clipping; ``--ckpt`` adds a sharded
+checkpoint at step 2 and a run resumed from it, recording the 0-d parameters and their optimizer state right
+after the resume and right after step 2.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def scalar_state(module: pl.LightningModule, optimizer: torch.optim.Optimizer) -
     named = dict(module.named_parameters())
     out: dict[str, Any] = {"values": {n: _plain(named[n]) for n in SCALARS}, "types": {
         n: type(named[n]).__name__ for n in SCALARS}}
-    out["optimizer"] = {n: {k: _plain(v) for k, v in optimizer.state.get(named[n], {}).items()} for n in SCALARS}
+    out["optimizer"] = {
+        n: {k: _plain(v) for k, v in optimizer.state.get(named[n], {}).items()} for n in SCALARS
+    }
     return out
 
 
@@ -116,7 +119,11 @@ class Record(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # type: ignore[no-untyped-def]
         # before clipping; plain gradients (ddp) only: the test checks that clipping was active
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None and not hasattr(p.grad, "full_tensor")]
+        grads = [
+            p.grad
+            for p in pl_module.parameters()
+            if p.grad is not None and not hasattr(p.grad, "full_tensor")
+        ]
         if len(grads) == len([p for p in pl_module.parameters() if p.requires_grad]):
             self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
@@ -136,17 +143,18 @@ def _strategy(name: str, world: int, init_sync: bool = True) -> Any:
     if name in ("fsdp2", "fsdp2_meta"):
         return fsdp_strategies.FSDP2Strategy(block_class_names=["GatedBlock"], timeout=timedelta(seconds=120))
     if name == "hsdp":
-        return fsdp_strategies.HSDPStrategy(replicate_degree=2, shard_degree=world // 2, block_class_names=["GatedBlock"],
-                                            timeout=timedelta(seconds=120))
+        return fsdp_strategies.HSDPStrategy(replicate_degree=2, shard_degree=world // 2,
+                                            block_class_names=["GatedBlock"], timeout=timedelta(seconds=120))
     if name == "ft_hsdp":
         # init_sync (the default): the first step heals every group from a peer chosen per rank
-        return fsdp_strategies.FTHSDPStrategy(block_class_names=["GatedBlock"], timeout_s=20, connect_timeout_s=10,
-                                              init_sync=init_sync)
+        return fsdp_strategies.FTHSDPStrategy(
+            block_class_names=["GatedBlock"], timeout_s=20, connect_timeout_s=10, init_sync=init_sync
+        )
     raise ValueError(name)
 
 
-def fit(name: str, world: int, *, accumulate: int = 1, ckpt_dir: Path | None = None, resume: str | None = None,
-        init_sync: bool = True) -> tuple[pl.Trainer, Record]:
+def fit(name: str, world: int, *, accumulate: int = 1, ckpt_dir: Path | None = None,
+        resume: str | None = None, init_sync: bool = True) -> tuple[pl.Trainer, Record]:
     meta = name == "fsdp2_meta"
     # fsdp2_meta: built on the meta device in configure_model, materialised by reset_parameters, with each
     # rank seeded differently
@@ -155,13 +163,17 @@ def fit(name: str, world: int, *, accumulate: int = 1, ckpt_dir: Path | None = N
     record = Record()
     callbacks: list[pl.Callback] = [record]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="ckpt-{step}", every_n_train_steps=2, save_top_k=-1))
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(name, world, init_sync), max_steps=STEPS,
-                         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP,
+        callbacks.append(
+            ModelCheckpoint(dirpath=ckpt_dir, filename="ckpt-{step}", every_n_train_steps=2, save_top_k=-1)
+        )
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(name, world, init_sync),
+                         max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP,
                          callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0)
-    trainer.fit(model, train_dataloaders=DataLoader(dataset(), batch_size=BATCH, shuffle=False), ckpt_path=resume)
+    trainer.fit(
+        model, train_dataloaders=DataLoader(dataset(), batch_size=BATCH, shuffle=False), ckpt_path=resume
+    )
     return trainer, record
 
 
@@ -180,10 +192,13 @@ def run(name: str, world: int, tmp: Path, ckpt: bool, accumulate: int) -> dict[s
     final = scalar_state(trainer.lightning_module, trainer.optimizers[0])
     result: dict[str, Any] = {"losses": _gather(record.losses), "final": _gather(final["values"]),
                               "types": final["types"], "global_step": trainer.global_step,
-                              "grad_norms": record.grad_norms, "start": _gather(record.start and record.start["values"])}
+                              "grad_norms": record.grad_norms,
+                              "start": _gather(record.start and record.start["values"])}
     if ckpt_dir is not None:
         dist.barrier()
-        step2 = sorted(str(p) for p in ckpt_dir.iterdir() if "step=2" in p.name and not p.name.endswith(".tmp"))
+        step2 = sorted(
+            str(p) for p in ckpt_dir.iterdir() if "step=2" in p.name and not p.name.endswith(".tmp")
+        )
         result["checkpoint"] = step2
         result["saved"] = record.after
         _, resumed = fit(name, world, accumulate=accumulate, resume=step2[0])
@@ -195,8 +210,12 @@ def run(name: str, world: int, tmp: Path, ckpt: bool, accumulate: int) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", default="ddp,fsdp2")
-    parser.add_argument("--ckpt", default="", help="runs that also save a sharded checkpoint and resume from it")
-    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches of the torchrun runs")
+    parser.add_argument(
+        "--ckpt", default="", help="runs that also save a sharded checkpoint and resume from it"
+    )
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="accumulate_grad_batches of the torchrun runs"
+    )
     parser.add_argument("--ft", action="store_true", help="one ft_hsdp run in this replica group")
     parser.add_argument("--no-init-sync", action="store_true", help="ft_hsdp's init_sync=False")
     parser.add_argument("--out", required=True)
@@ -204,7 +223,9 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
     if args.ft:  # started by fsdp-strategies-ft: this group's ranks; Lightning starts the process group
-        trainer, record = fit("ft_hsdp", int(os.environ.get("WORLD_SIZE", "1")), init_sync=not args.no_init_sync)
+        trainer, record = fit(
+            "ft_hsdp", int(os.environ.get("WORLD_SIZE", "1")), init_sync=not args.no_init_sync
+        )
         final = scalar_state(trainer.lightning_module, trainer.optimizers[0])
         group = os.environ.get("REPLICA_GROUP_ID", "0")
         out.mkdir(parents=True, exist_ok=True)

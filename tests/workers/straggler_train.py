@@ -24,12 +24,13 @@ from fsdp_strategies.callbacks import StragglerDetector  # noqa: E402
 from fsdp_strategies.testing import StallInjector, StragglerInjection  # noqa: E402
 from llama import LlamaLM, MarkovDataModule  # noqa: E402
 
-TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2, "warmup_steps": 2}
+TINY_MODEL = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "lr": 1e-2,
+              "warmup_steps": 2}
 TINY_DATA = {"vocab_size": 64, "seq_len": 32, "batch_size": 8, "num_train": 1024, "num_val": 16}
-# min_excess_s: a rank must need >= 0.06 s per step more than the others before anything counts. Self time is CPU
-# time on CPU devices (a rank descheduled by a loaded 2-core machine does not accrue it), so only host jitter in the
-# data segment can reach it; every injected stall below is >= 2.5 times larger, so they are found even when the
-# machine is busy, and the clean run stays clean.
+# min_excess_s: a rank must need >= 0.06 s per step more than the others before anything counts. Self time is
+# CPU time on CPU devices (a rank descheduled by a loaded 2-core machine does not accrue it), so only host
+# jitter in the data segment can reach it; every injected stall below is >= 2.5 times larger, so they are
+# found even when the machine is busy, and the clean run stays clean.
 DETECT = {"window": 6, "patience": 2, "skip_first": 2, "min_excess_s": 0.06}
 
 # run -> (strategy, detector options, the stall a StallInjector listed before the detector makes)
@@ -69,7 +70,8 @@ def main() -> None:
             report = None if run == "clean" else str(out / f"{run}.json")
             detector = StragglerDetector(**DETECT, **options, report_path=report,
                                          hosts_file=str(out / f"{run}_hosts.txt"))
-            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+            trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
+                                 max_steps=args.steps,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, limit_val_batches=0,
                                  callbacks=[detector] if stall is None else [StallInjector(stall), detector],

@@ -5,11 +5,11 @@
         [--ac full|selective_op|budget [--memory-budget F]] [--compile] [--mfu]
 
 Models come from the real-models matrix (tests/matrix/models.py; HF models built in ``__init__`` from tiny
-random configs with the same seed everywhere, so every strategy starts from the same weights). Each rank writes
-``DIR/rank<R>.json``: its data-parallel rank, its losses, and for every parameter the DTensor placements, mesh
-dims and local/global element counts; the global step after each loss; with ``--mfu`` the FLOPs per batch the
-``MFUMonitor`` counted on this rank. ``--save-at`` writes ``D/step<N>`` (a sharded folder, or one file with
-``--full-file``) after optimizer step N; ``--resume`` starts from a checkpoint.
+random configs with the same seed everywhere, so every strategy starts from the same weights). Each rank
+writes ``DIR/rank<R>.json``: its data-parallel rank, its losses, and for every parameter the DTensor
+placements, mesh dims and local/global element counts; the global step after each loss; with ``--mfu`` the
+FLOPs per batch the ``MFUMonitor`` counted on this rank. ``--save-at`` writes ``D/step<N>`` (a sharded folder,
+or one file with ``--full-file``) after optimizer step N; ``--resume`` starts from a checkpoint.
 """
 
 from __future__ import annotations
@@ -55,11 +55,16 @@ class Probe(pl.Callback):
         params = {}
         for name, p in pl_module.named_parameters():
             if isinstance(p, DTensor):
-                params[name] = {"placements": [str(x) for x in p.placements], "mesh": list(p.device_mesh.mesh_dim_names),
+                params[name] = {"placements": [str(x) for x in p.placements],
+                                "mesh": list(p.device_mesh.mesh_dim_names),
                                 "local": p.to_local().numel(), "global": p.numel()}
             else:
                 params[name] = {"placements": None, "mesh": None, "local": p.numel(), "global": p.numel()}
-        kwargs = trainer.strategy.distributed_sampler_kwargs if hasattr(trainer.strategy, "distributed_sampler_kwargs") else {}
+        kwargs = (
+            trainer.strategy.distributed_sampler_kwargs
+            if hasattr(trainer.strategy, "distributed_sampler_kwargs")
+            else {}
+        )
         record = {"rank": trainer.global_rank, "dp_rank": (kwargs or {}).get("rank", trainer.global_rank),
                   "losses": self.losses, "steps": self.steps, "params": params,
                   "compiled": sum(_torch_seam.is_compiled_module(m) for m in pl_module.modules())}
@@ -93,15 +98,17 @@ EXAMPLE_PLAN = {"model.layers.*.attention.wq": "colwise", "model.layers.*.attent
 
 
 class OwnPlanLM(pl.LightningModule):
-    """A ``configure_model`` written for Lightning's ``ModelParallelStrategy``: it applies its own TP plan with
-    ``parallelize_module`` on ``device_mesh["tensor_parallel"]``, then ``fully_shard`` on ``["data_parallel"]``."""
+    """A ``configure_model`` written for Lightning's ``ModelParallelStrategy``: it applies its own TP plan
+    with ``parallelize_module`` on ``device_mesh["tensor_parallel"]``, then ``fully_shard`` on
+    ``["data_parallel"]``."""
 
     def __init__(self) -> None:
         super().__init__()
         from matrix.models import _example_llama
 
         self.inner = _example_llama()
-        self.inner.configure_model()  # built and initialised here (same weights everywhere); configure_model shards
+        # built and initialised here (same weights everywhere); configure_model shards
+        self.inner.configure_model()
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -109,8 +116,10 @@ class OwnPlanLM(pl.LightningModule):
 
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         for block in self.inner.model.layers:
-            parallelize_module(block, tp, {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                                           "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            parallelize_module(block, tp,
+                               {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                                           "attention.wv": ColwiseParallel(),
+                                           "attention.wo": RowwiseParallel(),
                                            "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
                                            "mlp.w2": RowwiseParallel()})
             fully_shard(block, mesh=dp)
@@ -124,13 +133,15 @@ class OwnPlanLM(pl.LightningModule):
 
 
 def tied_llama() -> pl.LightningModule:
-    """The matrix's HF Llama with its LM head tied to the embedding (one tensor, vocab-parallel in both roles)."""
+    """The matrix's HF Llama with its LM head tied to the embedding (one tensor, vocab-parallel in both
+    roles)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from matrix.models import DIM, FFN, HEADS, LAYERS, VOCAB, HFCausalLM
 
     return HFCausalLM(lambda: LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)))
 
 
@@ -143,8 +154,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="per data-parallel rank")
     parser.add_argument("--clip", type=float, default=None)
-    parser.add_argument("--plan", default=None, help="a JSON dict plan, 'example' (EXAMPLE_PLAN); default: auto")
-    parser.add_argument("--save-at", default="", help="comma-separated optimizer steps to save a checkpoint after")
+    parser.add_argument(
+        "--plan", default=None, help="a JSON dict plan, 'example' (EXAMPLE_PLAN); default: auto"
+    )
+    parser.add_argument(
+        "--save-at", default="", help="comma-separated optimizer steps to save a checkpoint after"
+    )
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
     parser.add_argument("--full-file", action="store_true", help="fsdp2: save_distributed_checkpoint=False")
@@ -158,22 +173,33 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0)
     spec = MODELS[{"own_plan": "example_llama", "hf_llama_tied": "hf_llama"}.get(args.model, args.model)]
-    module = OwnPlanLM() if args.model == "own_plan" else tied_llama() if args.model == "hf_llama_tied" else spec.build()
+    module = (
+        OwnPlanLM()
+        if args.model == "own_plan"
+        else tied_llama()
+        if args.model == "hf_llama_tied"
+        else spec.build()
+    )
     plan = EXAMPLE_PLAN if args.plan == "example" else json.loads(args.plan) if args.plan else "auto"
     if args.strategy == "fsdp2":
-        strategy: Any = FSDP2Strategy(tensor_parallel_degree=args.tp, tp_plan=plan, compile_blocks=args.compile,
+        strategy: Any = FSDP2Strategy(tensor_parallel_degree=args.tp, tp_plan=plan,
+                                      compile_blocks=args.compile,
                                       save_distributed_checkpoint=not args.full_file)
     elif args.strategy == "lightning_mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp)
+        strategy = ModelParallelStrategy(
+            data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp
+        )
     elif args.strategy == "hsdp":
         strategy = HSDPStrategy(replicate_degree=1, tensor_parallel_degree=args.tp, tp_plan=plan,
                                 compile_blocks=args.compile)
     else:
         strategy = args.strategy
     save_at = tuple(int(s) for s in args.save_at.split(",") if s)
-    callbacks: list[pl.Callback] = [Probe(Path(args.out), save_at, Path(args.ckpt_dir) if args.ckpt_dir else None)]
+    callbacks: list[pl.Callback] = [
+        Probe(Path(args.out), save_at, Path(args.ckpt_dir) if args.ckpt_dir else None)
+    ]
     if args.ac:
         from fsdp_strategies.callbacks import ActivationCheckpointing
 

@@ -1,4 +1,5 @@
-"""Activation checkpointing as a callback: Lightning glue over :mod:`fsdp_strategies.parallel.activation_checkpointing`.
+"""Activation checkpointing as a callback: Lightning glue over
+:mod:`fsdp_strategies.parallel.activation_checkpointing`.
 
 What the transform does (full, selective-op, selective-layer; nothing replaced; its place in the order
 tensor parallelism -> checkpoint -> compile -> shard) is described there. This callback adds what Lightning
@@ -30,7 +31,8 @@ needs:
   :class:`~fsdp_strategies.memory.BudgetPlanner` sees the first two training forwards whole, inside any
   dispatch mode another callback opened for the step: the first profiles and chooses (rank 0's choice
   broadcast by the strategy, so every rank recomputes alike), the second measures. The choice, the
-  prediction and the measurement are logged (rank 0) and kept in :attr:`ActivationCheckpointing.budget_report`.
+  prediction and the measurement are logged (rank 0) and kept in
+  :attr:`ActivationCheckpointing.budget_report`.
 * ``offload`` wraps the blocks with :func:`fsdp_strategies.memory.apply_activation_offload`, after
   checkpointing and before the strategy shards.
 """
@@ -80,23 +82,25 @@ class ActivationCheckpointing(Callback):
             (matmuls, attention kernels, reduce-scatter: costly to recompute) and recompute the
             rest (norms, activations, rotary, elementwise: cheap but memory-hungry).
             ``selective_layer`` -- fully checkpoint every ``layer_interval``-th block only.
-            ``budget`` -- keep what fits ``memory_budget`` and costs most to recompute: the first training step
-            profiles one block per kind on the real batch and chooses which op outputs to keep, the second
-            measures (both logged); see :mod:`fsdp_strategies.memory.budget`.
+            ``budget`` -- keep what fits ``memory_budget`` and costs most to recompute: the first training
+            step profiles one block per kind on the real batch and chooses which op outputs to keep, the
+            second measures (both logged); see :mod:`fsdp_strategies.memory.budget`.
             ``none`` -- checkpoint nothing (with ``offload: true``: offload only).
-        memory_budget: for ``budget``: bytes kept for backward as a fraction (0 < f <= 1) of what the step keeps
-            without checkpointing (the whole model: blocks, embeddings, head and loss). A value below what
-            recomputing every block keeps is an error at the first step naming the lowest reachable fraction.
+        memory_budget: for ``budget``: bytes kept for backward as a fraction (0 < f <= 1) of what the step
+            keeps without checkpointing (the whole model: blocks, embeddings, head and loss). A value below
+            what recomputing every block keeps is an error at the first step naming the lowest reachable
+            fraction.
         offload: move what autograd saves inside the blocks that are not checkpointed to host memory (pinned,
             asynchronous copies on CUDA) and back for backward: every block with ``none``, the blocks between
-            ``selective_layer``'s checkpointed ones (with the other modes every block is checkpointed and nothing is
-            left to move: a warning says so); see :mod:`fsdp_strategies.memory.offload`.
+            ``selective_layer``'s checkpointed ones (with the other modes every block is checkpointed and
+            nothing is left to move: a warning says so); see :mod:`fsdp_strategies.memory.offload`.
         offload_min_bytes: saved tensors smaller than this stay on the device.
         block_class_names: class names of the blocks; empty: the same heuristic as the strategies.
         layer_interval: for ``selective_layer``, checkpoint blocks ``n-1, 2n-1, ...`` (1 = all).
         save_ops: op names whose outputs ``selective_op`` keeps, as ``namespace.op[.overload]``
             strings (default
-            :data:`~fsdp_strategies.parallel.activation_checkpointing.DEFAULT_SAVE_OPS`); replaces the default list.
+            :data:`~fsdp_strategies.parallel.activation_checkpointing.DEFAULT_SAVE_OPS`); replaces the default
+            list.
         extra_save_ops: op names added to ``save_ops`` (extend the default from YAML).
         save_every_nth_matmul: keep only every n-th matmul output in a block (2 = every other,
             recomputing the rest); attention and other listed ops are always kept.
@@ -122,25 +126,34 @@ class ActivationCheckpointing(Callback):
         check_int("offload_min_bytes", offload_min_bytes, 0, prefix="ActivationCheckpointing: ")
         if mode == "budget":
             if memory_budget is None:
-                raise OptionError("ActivationCheckpointing: mode='budget' needs memory_budget. Fix: set memory_budget to "
-                                 "the fraction of activation memory to keep, e.g. memory_budget: 0.5.")
+                raise OptionError(
+                    "ActivationCheckpointing: mode='budget' needs memory_budget. Fix: set memory_budget to "
+                    "the fraction of activation memory to keep, e.g. memory_budget: 0.5."
+                )
             check_number("memory_budget", memory_budget, prefix="ActivationCheckpointing: ",
                          fix="a fraction 0 < memory_budget <= 1, e.g. 0.5.")
             if memory_budget > 1:
-                raise OptionError(f"ActivationCheckpointing: memory_budget={memory_budget!r} is above 1. Fix: a fraction "
-                                 "0 < memory_budget <= 1 of the activation memory kept without checkpointing (1 = "
-                                 "keep as much as without checkpointing, recompute as little as possible).")
+                raise OptionError(
+                    f"ActivationCheckpointing: memory_budget={memory_budget!r} is above 1. Fix: a fraction "
+                    "0 < memory_budget <= 1 of the activation memory kept without checkpointing (1 = "
+                    "keep as much as without checkpointing, recompute as little as possible)."
+                )
         elif memory_budget is not None:
-            raise OptionError(f"ActivationCheckpointing: memory_budget only applies to mode='budget', got mode={mode!r}. "
-                             "Fix: remove memory_budget or set mode: budget.")
+            raise OptionError(
+                f"ActivationCheckpointing: memory_budget only applies to mode='budget', got mode={mode!r}. "
+                "Fix: remove memory_budget or set mode: budget."
+            )
         if mode == "none" and not offload:
-            raise OptionError("ActivationCheckpointing: mode='none' without offload does nothing. Fix: offload: true, "
-                             "or a checkpointing mode (full, selective_op, selective_layer, budget).")
+            raise OptionError(
+                "ActivationCheckpointing: mode='none' without offload does nothing. Fix: offload: true, "
+                "or a checkpointing mode (full, selective_op, selective_layer, budget)."
+            )
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if mode != "selective_op" and (save_ops is not None or extra_save_ops or save_every_nth_matmul != 1):
             raise OptionError(
-                f"save_ops / extra_save_ops / save_every_nth_matmul only apply to mode='selective_op', got mode={mode!r}. "
+                "save_ops / extra_save_ops / save_every_nth_matmul "
+                f"only apply to mode='selective_op', got mode={mode!r}. "
                 "Fix: remove them or set mode: selective_op."
             )
         ops = list(DEFAULT_SAVE_OPS if save_ops is None else save_ops) + list(extra_save_ops or [])
@@ -167,7 +180,8 @@ class ActivationCheckpointing(Callback):
     def apply(self, module: nn.Module) -> list[nn.Module]:
         """Checkpoint ``module``'s blocks now (idempotent); returns the blocks newly checkpointed."""
         new = apply_activation_checkpointing(
-            module, self.mode, block_class_names=self.block_class_names or None, layer_interval=self.layer_interval,
+            module, self.mode, block_class_names=self.block_class_names or None,
+            layer_interval=self.layer_interval,
             save_ops=[n for n in self.save_ops if resolve_or_none(n) is not None],
             save_every_nth_matmul=self.save_every_nth_matmul, preserve_rng_state=self.preserve_rng_state,
         )
@@ -176,13 +190,18 @@ class ActivationCheckpointing(Callback):
             self.offload_stats = apply_activation_offload(
                 module, block_class_names=self.block_class_names or None, min_bytes=self.offload_min_bytes)
             if self.offload_stats.blocks:
-                rank_zero_info(f"ActivationCheckpointing: offloading saved activations of >= {self.offload_min_bytes} "
-                               f"bytes in {self.offload_stats.blocks} uncheckpointed block(s) to host memory")
+                rank_zero_info(
+                    f"ActivationCheckpointing: offloading saved activations of >= {self.offload_min_bytes} "
+                    f"bytes in {self.offload_stats.blocks} uncheckpointed block(s) to host memory"
+                )
             else:
-                rank_zero_warn(f"ActivationCheckpointing: offload: true moves nothing with mode={self.mode!r}: every block "
-                               "is checkpointed, and a checkpointed block keeps only its input (and what selective "
-                               "checkpointing keeps, which stays on the device). Fix: mode: selective_layer (offload "
-                               "the blocks in between) or mode: none (offload every block), or offload: false.")
+                rank_zero_warn(
+                    "ActivationCheckpointing: offload: true moves "
+                    f"nothing with mode={self.mode!r}: every block "
+                    "is checkpointed, and a checkpointed block keeps only its input (and what selective "
+                    "checkpointing keeps, which stays on the device). Fix: mode: selective_layer (offload "
+                    "the blocks in between) or mode: none (offload every block), or offload: false."
+                )
         if self.mode == "none":
             return new
         if new:
@@ -190,7 +209,8 @@ class ActivationCheckpointing(Callback):
                 f"ActivationCheckpointing: mode={self.mode} on {len(new)} block(s) "
                 f"({', '.join(class_names(new))})"
                 + (f", keeping the outputs of {len(self.save_ops)} op kinds"
-                   + (f" (1 in {self.save_every_nth_matmul} matmuls)" if self.save_every_nth_matmul > 1 else "")
+                   + (f" (1 in {self.save_every_nth_matmul} matmuls)"
+                      if self.save_every_nth_matmul > 1 else "")
                    if self.mode == "selective_op" else "")
             )
         elif not self.checkpointed:
@@ -252,7 +272,8 @@ class ActivationCheckpointing(Callback):
         if switched and not self._told_cache:
             self._told_cache = True
             rank_zero_info(
-                f"ActivationCheckpointing: set config.use_cache=False on {sorted(set(switched))} for training steps "
+                "ActivationCheckpointing: set config.use_cache=False "
+                f"on {sorted(set(switched))} for training steps "
                 "(a KV cache changes between forward and recomputation); it is restored for validation, test "
                 "and predict."
             )
@@ -262,7 +283,9 @@ class ActivationCheckpointing(Callback):
             config.use_cache = value
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._disable_caches(pl_module)
 
     @override
@@ -282,7 +305,9 @@ class ActivationCheckpointing(Callback):
         self._restore_caches()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore_caches()
         seam.unwrap_module_method(pl_module, "training_step", self)
 
@@ -292,7 +317,8 @@ class ActivationCheckpointing(Callback):
         if self.mode == "budget" and self.checkpointed:
             self._plan_budget(trainer, pl_module)
 
-    # ------------------------------------------------------------------ budget: plan on the first two training forwards
+    # ------------------------------------------------------------------ budget: plan on the first two
+    # training forwards
     def _plan_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.memory_budget is not None
 
@@ -303,7 +329,9 @@ class ActivationCheckpointing(Callback):
             rank_zero_info(line)
             if self._planner is not None and self._planner.done and trainer.is_global_zero:
                 report = self._planner.report()
-                metrics = {f"ac/budget/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
+                metrics = {
+                    f"ac/budget/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))
+                }
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -29,8 +29,8 @@ How:
 * The previous automatic-collection state is restored in ``on_train_end``, ``on_exception`` (an exception or
   ``KeyboardInterrupt`` inside ``fit``) and ``teardown``; restoring is idempotent. A user who had disabled
   automatic collection before ``fit`` keeps it disabled. ``validate``, ``test`` and ``predict`` run on their
-  own are left alone; inside ``fit`` the collector stays off during validation (no collections are made there),
-  and is still on during the sanity-check validation that runs before training starts.
+  own are left alone; inside ``fit`` the collector stays off during validation (no collections are made
+  there), and is still on during the sanity-check validation that runs before training starts.
 
 Limits: only CPython's cyclic collector is scheduled; memory freed by reference counting is freed at once as
 always. Objects that are only reachable through cycles accumulate until the next collection, so a very large
@@ -60,7 +60,8 @@ class Collection(NamedTuple):
     """One collection made by :class:`GarbageCollection`."""
 
     step: int
-    """``trainer.global_step`` when it ran (the start-of-training collection has the step training started at)."""
+    """``trainer.global_step`` when it ran (the start-of-training collection has the step training started
+    at)."""
     generation: int
     """The generation collected (2 = full)."""
     seconds: float
@@ -73,10 +74,10 @@ class GarbageCollection(Callback):
     """Disables automatic garbage collection during ``fit`` and collects on every rank at the same steps.
 
     Args:
-        every_n_steps: collect generation ``generation`` every this many optimizer steps (``trainer.global_step``
-            a multiple of it), after the optimizer step.
-        generation: the generation collected every ``every_n_steps`` steps: 0 (youngest objects only, fastest),
-            1 (default) or 2 (full collection).
+        every_n_steps: collect generation ``generation`` every this many optimizer steps
+            (``trainer.global_step`` a multiple of it), after the optimizer step.
+        generation: the generation collected every ``every_n_steps`` steps: 0 (youngest objects only,
+            fastest), 1 (default) or 2 (full collection).
         full_every_n_steps: a full (generation 2) collection every this many steps instead; a multiple of
             ``every_n_steps``. ``None``: no full collections after the one at the start of training.
         disable_automatic: turn Python's automatic collection off during ``fit`` (restored afterwards).
@@ -93,15 +94,19 @@ class GarbageCollection(Callback):
             below = full_every_n_steps // every_n_steps * every_n_steps
             near = " or ".join(str(v) for v in sorted({max(below, every_n_steps), below + every_n_steps}))
             raise OptionError(
-                f"full_every_n_steps={full_every_n_steps!r} is invalid: it must be a multiple of every_n_steps="
-                f"{every_n_steps} (a full collection replaces one of the regular ones). Fix: e.g. {near}, or null "
-                "for no full collections after the one at the start of training.")
+                f"full_every_n_steps={full_every_n_steps!r} is "
+                "invalid: it must be a multiple of every_n_steps="
+                f"{every_n_steps} (a full collection replaces one "
+                f"of the regular ones). Fix: e.g. {near}, or null "
+                "for no full collections after the one at the start of training."
+            )
         check_bool("disable_automatic", disable_automatic)
         self.every_n_steps, self.generation = every_n_steps, generation
         self.full_every_n_steps, self.disable_automatic = full_every_n_steps, disable_automatic
         #: every collection made on this rank, in order
         self.collections: list[Collection] = []
-        self._was_enabled: bool | None = None  # the automatic state before fit, while this callback holds it off
+        # the automatic state before fit, while this callback holds it off
+        self._was_enabled: bool | None = None
         self._last_step: int | None = None
         self._pause_s = 0.0  # collection seconds not yet taken by take_host_pause_s
 
@@ -125,11 +130,15 @@ class GarbageCollection(Callback):
         self._restore()
         if self.collections:
             total = sum(c.seconds for c in self.collections)
-            rank_zero_info(f"GarbageCollection: {len(self.collections)} collections, {total:.3f} s in all, the longest "
-                           f"{max(c.seconds for c in self.collections):.3f} s (rank 0).")
+            rank_zero_info(
+                f"GarbageCollection: {len(self.collections)} collections, {total:.3f} s in all, the longest "
+                f"{max(c.seconds for c in self.collections):.3f} s (rank 0)."
+            )
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore()
 
     @override
@@ -165,8 +174,8 @@ class GarbageCollection(Callback):
         self.collections.append(record)
         if trainer.is_global_zero and trainer.loggers:
             total = sum(c.seconds for c in self.collections)
-            metrics = {"gc/seconds": seconds, "gc/collected": float(collected), "gc/generation": float(generation),
-                       "gc/seconds_total": total}
+            metrics = {"gc/seconds": seconds, "gc/collected": float(collected),
+                       "gc/generation": float(generation), "gc/seconds_total": total}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=record.step)
 

@@ -424,7 +424,9 @@ class _WatchThread(threading.Thread):
         if not records or all(rec["peer"] for rec in records.values()):  # all wait for other groups: not us
             self._job_keys, self._job_moved = {}, now
             return
-        moving = {r: (rec["batch"], rec["phase"], rec["sub"]) for r, rec in records.items() if not rec["peer"]}
+        moving = {
+            r: (rec["batch"], rec["phase"], rec["sub"]) for r, rec in records.items() if not rec["peer"]
+        }
         if moving != self._job_keys:
             self._job_keys, self._job_moved = moving, now
             return

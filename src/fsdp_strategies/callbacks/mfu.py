@@ -160,13 +160,19 @@ class MFUMonitor(Callback):
         super().__init__()
         for name, value in (("window", window), ("warmup_steps", warmup_steps)):
             check_int(name, value, 1)
-        for name, value in (("tokens_per_sample", tokens_per_sample), ("seq_len", seq_len), ("hidden_size", hidden_size)):
+        for name, value in (
+            ("tokens_per_sample", tokens_per_sample),
+            ("seq_len", seq_len),
+            ("hidden_size", hidden_size),
+        ):
             check_int(name, value, 1, optional=True, fix="a positive integer, or leave it unset.")
         check_choice("flops_source", flops_source, FlopsSource)
         if not callable(flops_per_batch):
             check_int("flops_per_batch", flops_per_batch, 1, optional=True, fix="a positive int, a callable "
                       "f(batch) -> int, or unset to count FLOPs automatically.")
-        check_number("peak_flops", peak_flops, optional=True, fix="the dense peak FLOP/s of one device, e.g. 989e12.")
+        check_number(
+            "peak_flops", peak_flops, optional=True, fix="the dense peak FLOP/s of one device, e.g. 989e12."
+        )
         check_choice("peak_dtype", peak_dtype, PeakDType, optional=True)
         peak_flops_from_env()  # a bad environment value fails now, not mid-run
         self.window = window
@@ -255,7 +261,9 @@ class MFUMonitor(Callback):
         return samples, int(ids.numel()) if ids is not None else 0
 
     def _analytic(self, pl_module: pl.LightningModule, samples: int, tokens: int) -> StepFlops:
-        embeddings = {id(p) for m in pl_module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        embeddings = {
+            id(p) for m in pl_module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+        }
         n = sum(p.numel() for p in pl_module.parameters() if id(p) not in embeddings)
         names = self.block_class_names
         names = [*names, *(f"FSDP{c}" for c in names)] or None  # FSDP2 renames wrapped classes to FSDP<Name>
@@ -269,7 +277,9 @@ class MFUMonitor(Callback):
                 f"MFUMonitor(flops_source='analytic') could not infer layers={layers}, hidden_size={hidden}, "
                 f"seq_len={seq} from the model/batch. Fix: set block_class_names, hidden_size and seq_len."
             )
-        flops = analytic_transformer_flops(n, layers, hidden, seq, samples * seq, causal_discount=self.causal_discount)
+        flops = analytic_transformer_flops(
+            n, layers, hidden, seq, samples * seq, causal_discount=self.causal_discount
+        )
         flops //= self._tp_degree  # N counts whole (global) parameters; a tensor-parallel rank does its share
         return StepFlops(flops, flops)
 
@@ -279,14 +289,23 @@ class MFUMonitor(Callback):
         self._steps_seen = 0
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.flops is None and self.flops_per_batch is None and self.flops_source == "count" and self._counter is None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if (
+            self.flops is None
+            and self.flops_per_batch is None
+            and self.flops_source == "count"
+            and self._counter is None
+        ):
             compiled = [type(m).__name__ for m in (trainer.model, *pl_module.modules())
                         if _torch_seam.is_compiled_module(m)]
             if compiled:
                 rank_zero_warn(
-                    f"MFUMonitor: the model has torch.compile'd modules ({sorted(set(compiled))}) whose kernels "
-                    "FlopCounterMode cannot see; using flops_source='analytic'. Fix: set flops_per_batch to be exact."
+                    "MFUMonitor: the model has torch.compile'd "
+                    f"modules ({sorted(set(compiled))}) whose kernels "
+                    "FlopCounterMode cannot see; using flops_source='analytic'. "
+                    "Fix: set flops_per_batch to be exact."
                 )
                 return  # no counter: the first batch's end takes the analytic path
             self._counter = StepFlopCounter(self.causal_discount)
@@ -322,14 +341,18 @@ class MFUMonitor(Callback):
         if self._window.steps >= self.window:
             self._emit(trainer, pl_module)
 
-    def _first_batch_flops(self, pl_module: pl.LightningModule, batch: Any, samples: int, tokens: int) -> None:
+    def _first_batch_flops(
+        self, pl_module: pl.LightningModule, batch: Any, samples: int, tokens: int
+    ) -> None:
         self._counted_samples = samples
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             total = self._counter.get_total_flops()
             self.flops = StepFlops(round(total - self._counter.recomputed), int(total))
             self._counter = None
-            self.source = "FlopCounterMode on the first batch" + (" (causal discount)" if self.causal_discount else "")
+            self.source = "FlopCounterMode on the first batch" + (
+                " (causal discount)" if self.causal_discount else ""
+            )
             if total == 0:
                 rank_zero_warn(
                     "MFUMonitor: FlopCounterMode saw no FLOPs (compiled or custom kernels?). "
@@ -341,15 +364,20 @@ class MFUMonitor(Callback):
             self.source = "flops_per_batch (user)"
         else:
             self.flops = self._analytic(pl_module, samples, tokens)
-            self.source = "analytic 6*N*T + 12*L*H*S*T" + (" (causal discount)" if self.causal_discount else "")
+            self.source = "analytic 6*N*T + 12*L*H*S*T" + (
+                " (causal discount)" if self.causal_discount else ""
+            )
         rank_zero_info(
-            f"MFUMonitor: {self.flops.model / 1e9:.4g} GFLOP model / {self.flops.hardware / 1e9:.4g} GFLOP hardware "
+            f"MFUMonitor: {self.flops.model / 1e9:.4g} GFLOP model "
+            f"/ {self.flops.hardware / 1e9:.4g} GFLOP hardware "
             f"per batch of {samples} samples per device (source: {self.source}); peak "
             f"{'unknown' if self.peak is None else f'{self.peak / 1e12:.4g} TFLOP/s'} per device"
         )
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         if self._counter is not None:  # do not leave the dispatch mode installed
             self._counter.__exit__(None, None, None)
             self._counter = None
@@ -395,7 +423,11 @@ class MFUMonitor(Callback):
         metrics[f"{self.prefix}/hardware_flops_per_step"] = self._window.hardware_flops / steps
         metrics[f"{self.prefix}/batches_per_step"] = batches / steps
         for name, value in metrics.items():
-            show = self.prog_bar and name in (f"{self.prefix}/tflops_per_device/median", f"{self.prefix}/mfu/median")
-            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=show, sync_dist=False, rank_zero_only=False)
+            show = self.prog_bar and name in (
+                f"{self.prefix}/tflops_per_device/median",
+                f"{self.prefix}/mfu/median",
+            )
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=show, sync_dist=False,
+                          rank_zero_only=False)
         now = time.perf_counter()  # logging is not part of the next window
         self._window = _Window(start=now)

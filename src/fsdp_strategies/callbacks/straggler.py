@@ -24,12 +24,13 @@ between the micro-batches of one. (Under DDP's ``no_sync`` the ranks meet once p
 rank slow in one micro-batch and fast in the next has lost nobody any time: per-step sums score that.)
 
 Deliberate host pauses are not slowness: callbacks that implement
-:class:`~fsdp_strategies.protocols.HostPauseSource` (e.g. :class:`~fsdp_strategies.callbacks.GarbageCollection`)
-are asked at the end of every step how long they paused since the previous step, and that time is
-subtracted from the step's self time (whether the pause fell into the step's ``data`` part, when the source
-is listed after the detector, or into its ``optimizer`` part, when listed before). It is reported per rank
-as ``pause`` (seconds per step, each window) and ``pause_s`` (run total), and is neither self time nor
-waiting. A pause from anything else (an unscheduled collection, a stall) counts as the rank's own time.
+:class:`~fsdp_strategies.protocols.HostPauseSource` (e.g.
+:class:`~fsdp_strategies.callbacks.GarbageCollection`) are asked at the end of every step how long they paused
+since the previous step, and that time is subtracted from the step's self time (whether the pause fell into
+the step's ``data`` part, when the source is listed after the detector, or into its ``optimizer`` part, when
+listed before). It is reported per rank as ``pause`` (seconds per step, each window) and ``pause_s`` (run
+total), and is neither self time nor waiting. A pause from anything else (an unscheduled collection, a stall)
+counts as the rank's own time.
 
 Every ``window`` steps one fixed-size ``all_gather`` exchanges the window's per-rank numbers; it is
 started without waiting and read one step later, so no rank blocks on the detector. Every rank scores
@@ -92,20 +93,22 @@ class StragglerDetector(Callback):
             ``comm_hook: post_local_sgd | hierarchical_sgd``: train synchronously, switch to local
             averaging once the estimated straggler loss exceeds ``switch_threshold`` for ``patience``
             windows, switch back after ``patience`` windows below half of it), ``semi_sync`` (``ft_hsdp`` with
-            ``straggler_sync: local_sgd | diloco``, a :class:`~fsdp_strategies.protocols.SyncModeSwitch`: every window,
-            this group's cost -- the largest fraction of the every-step-equivalent wall time a rank of the group
-            spent in cross-group operations, from the strategy's ``sync_cost_counters`` -- is reported to the
-            strategy, which switches every group to its semi-synchronous mode at the same committed step once the
-            maximum over groups exceeds ``switch_threshold`` for ``patience`` boundaries, and back below half of it;
-            switches are listed in the report's ``events``), ``evict`` (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``:
-            when a rank becomes a persistent straggler, every rank of its replica group leaves the quorum
-            at the same step, deciding from the same gathered window; the launcher restarts the group,
-            which heals from the others), ``stop`` (save a checkpoint, write the
-            straggling hosts to ``hosts_file`` and exit with ``stop_exit_code``).
+            ``straggler_sync: local_sgd | diloco``, a :class:`~fsdp_strategies.protocols.SyncModeSwitch`:
+            every window, this group's cost -- the largest fraction of the every-step-equivalent wall time a
+            rank of the group spent in cross-group operations, from the strategy's ``sync_cost_counters`` --
+            is reported to the strategy, which switches every group to its semi-synchronous mode at the same
+            committed step once the maximum over groups exceeds ``switch_threshold`` for ``patience``
+            boundaries, and back below half of it; switches are listed in the report's ``events``), ``evict``
+            (strategies with ``leave_quorum(reason)``, e.g. ``ft_hsdp``: when a rank becomes a persistent
+            straggler, every rank of its replica group leaves the quorum at the same step, deciding from the
+            same gathered window; the launcher restarts the group, which heals from the others), ``stop``
+            (save a checkpoint, write the straggling hosts to ``hosts_file`` and exit with
+            ``stop_exit_code``).
         switch_threshold: fraction of the step time lost to stragglers (``hierarchical_sgd``) or spent in
             cross-group operations (``semi_sync``) that triggers the switch.
-        report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``; under ``ft_hsdp``
-            ``straggler_report_group<id>.json``, and ``{replica_group_id}`` in the path is replaced).
+        report_path: JSON report written by rank 0 (default ``<log_dir>/straggler_report.json``; under
+            ``ft_hsdp`` ``straggler_report_group<id>.json``, and ``{replica_group_id}`` in the path is
+            replaced).
         hosts_file: file with straggling host names for ``stop`` (default next to the report).
         stop_exit_code: exit status of the ``stop`` action.
 
@@ -130,16 +133,20 @@ class StragglerDetector(Callback):
         stop_exit_code: int = 3,
     ) -> None:
         super().__init__()
-        for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0), ("patience", patience, 1),
-                                 ("top_k", top_k, 1)):
+        for name, value, low in (("window", window, 2), ("skip_first", skip_first, 0),
+                                 ("patience", patience, 1), ("top_k", top_k, 1)):
             check_int(name, value, low)
         if threshold <= 1.0:
-            raise OptionError(f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5.")
+            raise OptionError(
+                f"threshold={threshold!r} must be above 1.0 (1.0 = as fast as the others). Fix: e.g. 1.5."
+            )
         if not 0.0 < ewma_alpha <= 1.0:
             raise OptionError(f"ewma_alpha={ewma_alpha!r} is not in (0, 1]. Fix: e.g. 0.5.")
         check_choice("action", action, Action)
         if switch_threshold <= 0:
-            raise OptionError(f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time).")
+            raise OptionError(
+                f"switch_threshold={switch_threshold!r} must be positive. Fix: e.g. 0.1 (10% of step time)."
+            )
         self.window, self.skip_first, self.top_k = window, skip_first, top_k
         self.action, self.switch_threshold = action, switch_threshold
         self.report_path, self.hosts_file, self.stop_exit_code = report_path, hosts_file, stop_exit_code
@@ -206,7 +213,9 @@ class StragglerDetector(Callback):
             self.timer.batch_start()
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         with self.cost.charged("hook"):
             self.timer.before_optimizer_step()
 

@@ -127,4 +127,6 @@ class StragglerReport:
         """Write the whole report (rank 0's job), atomically: a reader never sees half of it."""
         path = self.path
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(path, json.dumps(self.contents(), indent=1, default=float), f".tmp{os.getpid()}")
+        write_text_atomically(
+            path, json.dumps(self.contents(), indent=1, default=float), f".tmp{os.getpid()}"
+        )

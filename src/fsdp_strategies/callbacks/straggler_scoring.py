@@ -28,8 +28,9 @@ import numpy as np
 
 __all__ = ["HEADER", "HEADER_COLUMNS", "StragglerScorer"]
 
-#: What each rank sums over a window, in the order of a gathered window's header columns (``pause``: deliberate
-#: host pauses reported by a :class:`~fsdp_strategies.protocols.HostPauseSource`, already left out of ``self``)
+#: What each rank sums over a window, in the order of a gathered window's header columns (``pause``:
+#: deliberate host pauses reported by a :class:`~fsdp_strategies.protocols.HostPauseSource`, already left out
+#: of ``self``)
 HEADER_COLUMNS: tuple[str, ...] = ("n", "data", "compute", "optimizer", "step", "self", "wait", "pause")
 HEADER = len(HEADER_COLUMNS)
 
@@ -125,7 +126,9 @@ class StragglerScorer:
         lost_frac = lost / max(base, 1e-9)
         self.lost_s += lost
         self.wait_s += wait
-        self.lost_ewma = self.ewma_alpha * lost_frac + (1 - self.ewma_alpha) * (self.lost_ewma if self.windows > 1 else lost_frac)
+        self.lost_ewma = self.ewma_alpha * lost_frac + (1 - self.ewma_alpha) * (
+            self.lost_ewma if self.windows > 1 else lost_frac
+        )
         newly, cleared = [], []
         for r, track in enumerate(self.tracks):
             track.relative = float(relative[r])
@@ -150,9 +153,12 @@ class StragglerScorer:
                     track.persistent = False
                     cleared.append(r)
         return {
-            "measured": True, "step": step, "relative": relative.tolist(), "individual": [t.individual for t in self.tracks],
-            "ewma": [t.ewma for t in self.tracks], "mean_step": mean_step.tolist(), "mean_self": mean_self.tolist(),
-            "step_min": float(mean_step.min()), "step_median": float(np.median(mean_step)), "step_max": float(mean_step.max()),
+            "measured": True, "step": step, "relative": relative.tolist(),
+            "individual": [t.individual for t in self.tracks],
+            "ewma": [t.ewma for t in self.tracks], "mean_step": mean_step.tolist(),
+            "mean_self": mean_self.tolist(),
+            "step_min": float(mean_step.min()), "step_median": float(np.median(mean_step)),
+            "step_max": float(mean_step.max()),
             "data": (header[:, 1] / n).tolist(), "compute": (header[:, 2] / n).tolist(),
             "optimizer": (header[:, 3] / n).tolist(), "pause": (header[:, 7] / n).tolist(),
             "pause_s": header[:, 7].tolist(), "stalls": stalls.sum(axis=1).tolist(), "lost_s": lost,

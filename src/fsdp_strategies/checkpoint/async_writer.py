@@ -20,10 +20,10 @@ How each guarantee of the synchronous save is kept:
   collective after the coordinator's metadata write). Then, still in the background, each rank hashes
   its share of the files, the hashes are gathered (on the same background group), rank 0 writes the
   checksum manifest and renames ``<name>.tmp`` to ``<name>`` (the same :func:`~.atomic.hash_share` and
-  :func:`~.atomic.commit_sharded` as the synchronous save), and broadcasts the outcome: every rank's background job ends
-  with the same result. A checkpoint therefore appears under its final name only when every rank's
-  write is complete; a crash or SIGKILL before that leaves ``<name>.tmp`` (removed by a later save)
-  and the previous checkpoint, untouched.
+  :func:`~.atomic.commit_sharded` as the synchronous save), and broadcasts the outcome: every rank's
+  background job ends with the same result. A checkpoint therefore appears under its final name only when
+  every rank's write is complete; a crash or SIGKILL before that leaves ``<name>.tmp`` (removed by a later
+  save) and the previous checkpoint, untouched.
 * Full-file checkpoints (``ddp_hooks``, ``fsdp2`` with ``save_distributed_checkpoint=False``): rank 0
   stages the checkpoint dict the same way, and a background thread runs the synchronous
   :func:`~.atomic.atomic_save_full` on it (digest, ``torch.save`` to the temp file, rename into place).
@@ -104,7 +104,8 @@ __all__ = [
     "validate_async_checkpoint",
 ]
 
-#: the ``async_checkpoint`` option: a type name, or a bool (YAML reads ``off`` as ``false``; ``true`` = ``"thread"``)
+#: the ``async_checkpoint`` option: a type name, or a bool (YAML reads ``off`` as ``false``; ``true`` =
+#: ``"thread"``)
 AsyncCheckpointMode = Literal["off", "thread", "process"] | bool
 #: valid values of the ``async_checkpoint`` option
 ASYNC_CHECKPOINT_MODES: tuple[str, ...] = ("off", "thread", "process")
@@ -128,12 +129,15 @@ def validate_async_checkpoint(value: Any, *, full_file: bool = False, strategy: 
     if value not in ASYNC_CHECKPOINT_MODES:
         raise ValueError(
             f"async_checkpoint={value!r} is not a valid value. Fix: one of {list(ASYNC_CHECKPOINT_MODES)} "
-            "('thread' or true: background thread, 'process': DCP's checkpoint process, 'off' or false: synchronous)."
+            "('thread' or true: background thread, 'process': "
+            "DCP's checkpoint process, 'off' or false: synchronous)."
         )
     if value == "process" and full_file:
         raise ValueError(
-            f"async_checkpoint='process' needs a sharded (DCP) checkpoint, but {strategy or 'this strategy'} writes one "
-            "full file from rank 0. Fix: async_checkpoint: thread (or save_distributed_checkpoint: true under fsdp2)."
+            "async_checkpoint='process' needs a sharded (DCP) "
+            f"checkpoint, but {strategy or 'this strategy'} writes one "
+            "full file from rank 0. Fix: async_checkpoint: thread "
+            "(or save_distributed_checkpoint: true under fsdp2)."
         )
     return str(value)
 
@@ -200,8 +204,8 @@ class AsyncCheckpointer:
         return self._write is not None
 
     def _get_stager(self) -> Any:
-        """DCP's ``DefaultStager``, kept for the run where torch allows it: its CPU copies are allocated at the
-        first save and reused (safe: a save starts only after the previous write finished); a new one per
+        """DCP's ``DefaultStager``, kept for the run where torch allows it: its CPU copies are allocated at
+        the first save and reused (safe: a save starts only after the previous write finished); a new one per
         save where a stager stages only once (torch 2.11, see
         :func:`~fsdp_strategies._torch_seam.default_stager_reusable`). Synchronous: the copy is complete when
         the save returns, so the optimizer may change the parameters right after."""
@@ -211,7 +215,8 @@ class AsyncCheckpointer:
             self._release_stager()  # torch 2.11: a stager stages once (the previous write has finished)
         if self._stager is None:
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.mode == "process",
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                                        use_shared_memory=self.mode == "process",
                                                         use_async_staging=False, use_non_blocking_copy=False))
         return self._stager
 
@@ -235,7 +240,9 @@ class AsyncCheckpointer:
             )
         self.finish()
 
-    def save_sharded(self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool) -> None:
+    def save_sharded(
+        self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, is_rank_zero: bool
+    ) -> None:
         """Every rank: stage this rank's shards, start DCP's async save into ``<path>.tmp``, return."""
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -257,11 +264,13 @@ class AsyncCheckpointer:
         bg_group = self._background.group(single_rank=True)
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=bg_group,
-                                async_checkpointer_type=kind, async_stager=self._get_stager(), no_dist=not distributed)
+                                async_checkpointer_type=kind, async_stager=self._get_stager(),
+                                no_dist=not distributed)
         if hasattr(future, "upload_completion"):  # an AsyncSaveResponse (asynchronous staging)
             future = future.upload_completion
         write = _Write(path=path, started=time.perf_counter(), needed=needed)
-        write.thread = threading.Thread(target=self._finish_sharded, args=(write, future, tmp, is_rank_zero, bg_group),
+        write.thread = threading.Thread(target=self._finish_sharded,
+                                        args=(write, future, tmp, is_rank_zero, bg_group),
                                         name=f"{self.name}-checkpoint-commit", daemon=False)
         self._write = write
         self._register_exit_wait()
@@ -356,8 +365,8 @@ class AsyncCheckpointer:
 
     @staticmethod
     def _finish_full(write: _Write, staged: dict[str, Any], target: Path | RemoteCheckpoint) -> None:
-        """Background, rank 0 only: digest + ``torch.save`` + rename; a failure removes the temp (the other ranks
-        learn it at the next agreement point, :meth:`_fail`)."""
+        """Background, rank 0 only: digest + ``torch.save`` + rename; a failure removes the temp (the other
+        ranks learn it at the next agreement point, :meth:`_fail`)."""
         from fsdp_strategies.checkpoint import object_store
 
         try:
@@ -387,7 +396,8 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ agreement points
     def poll(self) -> None:
-        """Every rank, at the same point of a step: finish the bookkeeping of a completed write, raise its error."""
+        """Every rank, at the same point of a step: finish the bookkeeping of a completed write, raise its
+        error."""
         write = self._write
         if write is None:
             return
@@ -415,9 +425,12 @@ class AsyncCheckpointer:
             raise AsyncCheckpointDiskFullError(disk_full.message, path=write.path, needed=disk_full.needed,
                                                free=disk_full.free, last_good=disk_full.last_good)
         raise AsyncCheckpointError(
-            f"{self.name}: the background write of checkpoint {write.path} failed ({first}). It was not committed: "
-            f"the previous checkpoint is untouched. Fix: check the checkpoint directory (space, permissions) and "
-            "resume from the last complete checkpoint, or set async_checkpoint: off to see the error synchronously."
+            f"{self.name}: the background write of checkpoint "
+            f"{write.path} failed ({first}). It was not committed: "
+            "the previous checkpoint is untouched. Fix: check "
+            "the checkpoint directory (space, permissions) and "
+            "resume from the last complete checkpoint, or set "
+            "async_checkpoint: off to see the error synchronously."
         )
 
     def _completed(self, write: _Write) -> None:
@@ -428,7 +441,8 @@ class AsyncCheckpointer:
                 remove()
 
     def close(self, reason: str = "teardown") -> None:
-        """Local, no collective: wait for a job still running (bounded by the group timeout); report a failure."""
+        """Local, no collective: wait for a job still running (bounded by the group timeout); report a
+        failure."""
         write = self._write
         if write is None:
             self._release_stager()
@@ -440,10 +454,12 @@ class AsyncCheckpointer:
             write.thread.join(limit)
         self._write = None
         if write.thread is not None and write.thread.is_alive():
-            print(f"{self.name}: ERROR: the background write of {write.path} did not finish; it is not committed "
+            print(f"{self.name}: ERROR: the background write of "
+                  f"{write.path} did not finish; it is not committed "
                   "(the previous checkpoint is untouched).", file=sys.stderr, flush=True)
         elif write.error is not None:
-            print(f"{self.name}: ERROR: the background write of {write.path} failed ({write.error}); it is not "
+            print(f"{self.name}: ERROR: the background write of "
+                  f"{write.path} failed ({write.error}); it is not "
                   "committed (the previous checkpoint is untouched).", file=sys.stderr, flush=True)
         self._release_stager()
 

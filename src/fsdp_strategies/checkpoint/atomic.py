@@ -6,8 +6,8 @@ so the old one is first renamed to ``<path>.old``; if a crash lands between the 
 :func:`resolve_checkpoint_path` finds ``<path>.old`` and the next save restores it before
 writing. At no moment is the last complete checkpoint missing from disk.
 
-Integrity (:mod:`fsdp_strategies.checkpoint.integrity`): a folder gets a SHA-256 manifest of every file, written before
-the rename; a single file carries a digest of its contents. Both are part of the atomic write.
+Integrity (:mod:`fsdp_strategies.checkpoint.integrity`): a folder gets a SHA-256 manifest of every file,
+written before the rename; a single file carries a digest of its contents. Both are part of the atomic write.
 
 Stale temps: while rank 0 writes ``<name>.tmp`` it holds an exclusive ``flock`` on
 ``.<name>.tmp.lock`` next to it. Any later save in the same directory removes a ``*.tmp`` whose
@@ -91,7 +91,8 @@ __all__ = [
 SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, dcp.CheckpointException)
 
 TMP_SUFFIX = ".tmp"
-LIGHTNING_META_FILE = seam.LIGHTNING_META_FILE  # "meta.pt": what Lightning's own ModelParallelStrategy reads back
+# "meta.pt": what Lightning's own ModelParallelStrategy reads back
+LIGHTNING_META_FILE = seam.LIGHTNING_META_FILE
 OLD_SUFFIX = ".old"
 LOCK_WAIT_S = 120.0
 _LOCK_NAME = re.compile(r"^\.(?P<tmp>.+\.tmp)\.lock$")
@@ -153,7 +154,8 @@ def _acquire_save_lock(tmp: Path) -> None:
     while (fd := _try_lock(lock, create=True)) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"Another process has been writing {tmp} for over {LOCK_WAIT_S:.0f} s (it holds {lock}). Fix: give "
+                f"Another process has been writing {tmp} for over "
+                f"{LOCK_WAIT_S:.0f} s (it holds {lock}). Fix: give "
                 "each run its own checkpoint directory, or stop the other run."
             )
         time.sleep(0.2)
@@ -199,13 +201,16 @@ def resolve_checkpoint_path(path: str | os.PathLike[str]) -> Path:
     path = local_checkpoint_path(path, "the checkpoint path")
     old = _sibling(path, OLD_SUFFIX)
     if not path.exists() and old.exists():
-        rank_zero_warn(f"Checkpoint {path} is missing but {old} is complete (a save was interrupted); using it.")
+        rank_zero_warn(
+            f"Checkpoint {path} is missing but {old} is complete (a save was interrupted); using it."
+        )
         return old
     return path
 
 
 def prepare_save(path: Path) -> Path:
-    """Rank 0, before a save: lock the temp, undo an interrupted swap, drop partial temps; return the temp path."""
+    """Rank 0, before a save: lock the temp, undo an interrupted swap, drop partial temps; return the temp
+    path."""
     old, tmp = _sibling(path, OLD_SUFFIX), temp_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _acquire_save_lock(tmp)
@@ -265,7 +270,8 @@ def last_good_checkpoint(path: Path) -> Path | None:
     if not path.parent.is_dir():
         return None
     candidates = [p for p in path.parent.iterdir() if not p.name.startswith(".")
-                  and not p.name.endswith((TMP_SUFFIX, OLD_SUFFIX)) and (p.is_dir() or p.suffix == path.suffix)]
+                  and not p.name.endswith((TMP_SUFFIX,
+                                           OLD_SUFFIX)) and (p.is_dir() or p.suffix == path.suffix)]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
 
@@ -284,7 +290,9 @@ class SaveFailure:
         if self.disk_full:
             return CheckpointDiskFullError(self.message, path=path, needed=self.needed, free=self.free,
                                            last_good=self.last_good)
-        return RuntimeError(f"Checkpoint {path} was not saved: {self.message}. The previous checkpoint is untouched.")
+        return RuntimeError(
+            f"Checkpoint {path} was not saved: {self.message}. The previous checkpoint is untouched."
+        )
 
 
 def failure_report(path: Path, failures: list[tuple[str, bool]], needed: int) -> SaveFailure:
@@ -302,8 +310,8 @@ def failure_report(path: Path, failures: list[tuple[str, bool]], needed: int) ->
                        disk_full=True, needed=needed, free=free, last_good=last_good)
 
 
-def agree_on_save(path: Path, error: BaseException | None, *, needed: int, is_rank_zero: bool, payload: Any = None,
-                  group: Any = None) -> tuple[list[Any], SaveFailure | None]:
+def agree_on_save(path: Path, error: BaseException | None, *, needed: int, is_rank_zero: bool,
+                  payload: Any = None, group: Any = None) -> tuple[list[Any], SaveFailure | None]:
     """Every rank of ``group`` (the default group when None), at the same point of a save of ``path``: share
     this rank's ``payload`` and outcome (``error``, None if its part went well; classified here, while the
     temp is still on disk: ``needed`` is the save's size in bytes). Returns every rank's payload and, if any
@@ -311,7 +319,11 @@ def agree_on_save(path: Path, error: BaseException | None, *, needed: int, is_ra
     rank = dist.get_rank(group) if is_multi_rank() else 0
     if error is not None:
         let_go(error)  # a failed writer's open file would keep the temp's space after its removal
-    mine = None if error is None else (describe_error(error, rank), disk_full_evidence(error, path.parent, needed))
+    mine = (
+        None
+        if error is None
+        else (describe_error(error, rank), disk_full_evidence(error, path.parent, needed))
+    )
     gathered = all_gather_object((payload, mine), group)
     failures = [outcome for _, outcome in gathered if outcome is not None]
     payloads = [p for p, _ in gathered]
@@ -335,8 +347,11 @@ def raise_save_failure(path: Path, failure: SaveFailure | None, error: BaseExcep
     raise error
 
 
-def run_agreed(path: Path, step: Callable[[], Any], *, needed: int, is_rank_zero: bool, share: bool = False) -> Any:
-    """Run this rank's ``step`` of the save, then :func:`agree_on_save`; its result (gathered if ``share``)."""
+def run_agreed(
+    path: Path, step: Callable[[], Any], *, needed: int, is_rank_zero: bool, share: bool = False
+) -> Any:
+    """Run this rank's ``step`` of the save, then :func:`agree_on_save`; its result (gathered if
+    ``share``)."""
     error: BaseException | None = None
     result: Any = None
     try:
@@ -362,7 +377,8 @@ def atomic_save_sharded(
     rank, world = rank_and_world()
     agreed = {"needed": state_bytes(tensors), "is_rank_zero": is_rank_zero}
     run_agreed(path, lambda: prepare_save(path) if is_rank_zero else None, **agreed)
-    shares = run_agreed(path, lambda: hash_share(tmp, dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp)),
+    shares = run_agreed(path,
+                        lambda: hash_share(tmp, dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp)),
                                               rank, world), share=True, **agreed)
 
     def commit() -> None:
@@ -374,19 +390,21 @@ def atomic_save_sharded(
 
 
 def atomic_save_full(checkpoint: dict[str, Any], path: Path) -> None:
-    """Rank 0 only: one ``torch.save`` file carrying its own digest, written to a temp file and renamed into place."""
+    """Rank 0 only: one ``torch.save`` file carrying its own digest, written to a temp file and renamed into
+    place."""
     tmp = prepare_save(path)
     torch.save(embed_digest(checkpoint), tmp)
     commit_save(path)
 
 
 def atomic_save_full_agreed(checkpoint: dict[str, Any] | None, path: Path, *, is_rank_zero: bool) -> None:
-    """Every rank: rank 0 runs :func:`atomic_save_full`, then the ranks agree on its outcome (a failure, e.g. a
-    full disk, is raised on every rank instead of leaving the others in a barrier)."""
+    """Every rank: rank 0 runs :func:`atomic_save_full`, then the ranks agree on its outcome (a failure, e.g.
+    a full disk, is raised on every rank instead of leaving the others in a barrier)."""
     def write() -> None:
         if is_rank_zero:
             assert checkpoint is not None
             atomic_save_full(checkpoint, path)
 
-    needed = state_bytes(checkpoint) if is_rank_zero and checkpoint is not None else 0  # for a full-disk report
+    # for a full-disk report
+    needed = state_bytes(checkpoint) if is_rank_zero and checkpoint is not None else 0
     run_agreed(path, write, needed=needed, is_rank_zero=is_rank_zero)

@@ -56,7 +56,8 @@ _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOS
 #: texts a full disk produces where the errno is lost (torch's zip writer, a writer in another process)
 _DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded", "unexpected pos", "file write failed")
 FIX = ("Fix: free space on that filesystem (e.g. delete old checkpoints), use a larger disk, keep fewer "
-       "checkpoints (ModelCheckpoint(save_top_k=...)), or save to another filesystem (ModelCheckpoint(dirpath=...)).")
+       "checkpoints (ModelCheckpoint(save_top_k=...)), or save "
+       "to another filesystem (ModelCheckpoint(dirpath=...)).")
 
 
 class CheckpointDiskFullError(OSError):
@@ -123,8 +124,8 @@ def free_bytes(directory: Path) -> int:
 
 
 def disk_full_evidence(err: BaseException, directory: Path, needed: int) -> bool:
-    """Whether ``err`` is a full disk: an ``ENOSPC``/``EDQUOT`` errno anywhere in its chain, or a full-disk text
-    confirmed by ``os.statvfs`` (fewer than ``needed`` bytes free in ``directory``). Call it before the
+    """Whether ``err`` is a full disk: an ``ENOSPC``/``EDQUOT`` errno anywhere in its chain, or a full-disk
+    text confirmed by ``os.statvfs`` (fewer than ``needed`` bytes free in ``directory``). Call it before the
     partial temp is removed."""
     text_only = False
     for item in _chain(err):
@@ -180,9 +181,21 @@ def _bytes(n: int) -> str:
 def disk_full_message(path: Path, *, needed: int, free: int, last_good: Path | None, temp_removed: Path,
                       cause: str) -> str:
     """The one message every rank raises (see the module docstring)."""
-    keeps = (f"The last good checkpoint is {last_good}; it is untouched (check it with `fsdp-strategies-verify "
-             f"{last_good}`).") if last_good is not None else f"There is no earlier checkpoint in {path.parent}."
-    kept = " while the previous checkpoint stays on disk until the new one is complete" if last_good == path else ""
-    return (f"Checkpoint {path} was not saved: no space left on device. It needs about {_bytes(needed)}{kept}; "
+    keeps = (
+        (
+            f"The last good checkpoint is {last_good}; it is "
+            "untouched (check it with `fsdp-strategies-verify "
+            f"{last_good}`)."
+        )
+        if last_good is not None
+        else f"There is no earlier checkpoint in {path.parent}."
+    )
+    kept = (
+        " while the previous checkpoint stays on disk until the new one is complete"
+        if last_good == path
+        else ""
+    )
+    return (f"Checkpoint {path} was not saved: no space left "
+            f"on device. It needs about {_bytes(needed)}{kept}; "
             f"{_bytes(free)} are free on the filesystem of {path.parent} (after removing the partial "
             f"{temp_removed.name}). {keeps} (Cause: {cause}.) {FIX}")

@@ -1,4 +1,5 @@
-"""Export: any checkpoint of this package as one plain ``state_dict`` file (``fsdp-strategies-export --format torch``).
+"""Export: any checkpoint of this package as one plain ``state_dict`` file
+(``fsdp-strategies-export --format torch``).
 
 A sharded (DCP) folder, a committed sharded checkpoint on object storage (an fsspec URL such as ``s3://...``:
 its manifest and objects, :mod:`fsdp_strategies.checkpoint.object_store`; fsspec's credentials from the
@@ -131,10 +132,12 @@ class VerifiedCheckpoint:
 
 
 def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
-    """Verify a sharded (DCP) folder or a full file and read its non-tensor entries, without running code from it.
+    """Verify a sharded (DCP) folder or a full file and read its non-tensor entries, without running code from
+    it.
 
     Single process, no process group. A checkpoint without checksums is read with one warning; a damaged one
-    raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` before anything is unpickled.
+    raises :class:`~fsdp_strategies.checkpoint.integrity.CheckpointIntegrityError` before anything is
+    unpickled.
     """
     if (url := url_or_none(os.fspath(checkpoint))) is not None:
         return _open_remote(url)
@@ -142,7 +145,9 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> VerifiedCheckpoint:
     if src.is_dir():
         unverified = verify_folder(src).require_intact()
         if unverified is not None and not (src / DCP_METADATA_FILE).is_file():
-            raise ValueError(f"{src} is a folder but not a checkpoint: it has no DCP '{DCP_METADATA_FILE}' file.")
+            raise ValueError(
+                f"{src} is a folder but not a checkpoint: it has no DCP '{DCP_METADATA_FILE}' file."
+            )
         _warn_unverified(unverified)
         meta = src / LIGHTNING_META_FILE
         extras = safe_torch_load(meta, name=str(meta)) if meta.is_file() else {}
@@ -208,7 +213,8 @@ def export_consolidated(checkpoint: str | os.PathLike[str], output: str | os.Pat
     out = local_checkpoint_path(output, "output") if url is None else None
     state = open_checkpoint(checkpoint).state_dict()
     plain = {
-        (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()
+        (k[len(strip_prefix) :] if strip_prefix and k.startswith(strip_prefix) else k): v
+        for k, v in state.items()
     }
     if url is not None:
         from fsdp_strategies.checkpoint.object_store import upload_file

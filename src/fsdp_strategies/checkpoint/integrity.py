@@ -11,8 +11,9 @@ atomic save (so a checkpoint and its checksums appear together or not at all):
   missing, extra, truncated or swapped files are named.
 * a single-file checkpoint carries its digest inside: key ``fsdp_strategies_integrity`` holds the
   SHA-256 of a canonical walk over every other entry (tensor bytes, shapes, dtypes, keys and plain
-  values). The file is read with ``torch.load(weights_only=True)`` (see :mod:`fsdp_strategies.checkpoint.safe_load`) and
-  then checked, so the digest travels with the file through any ``CheckpointIO``.
+  values). The file is read with ``torch.load(weights_only=True)`` (see
+  :mod:`fsdp_strategies.checkpoint.safe_load`) and then checked, so the digest travels with the file through
+  any ``CheckpointIO``.
 
 Checkpoints without either (older ones, Lightning's own strategies) load with a warning; the
 ``fsdp-strategies-verify`` command reports them as "no manifest". A checksum detects accidents
@@ -74,7 +75,8 @@ class CheckpointIntegrityError(RuntimeError):
 
 class VerifyStatus(enum.StrEnum):
     """What a verification found, least to most severe. The values are the strings the package has always
-    reported (``result.status == "corrupt"`` holds); each status carries its command-line tag and exit status."""
+    reported (``result.status == "corrupt"`` holds); each status carries its command-line tag and exit
+    status."""
 
     OK = "ok"
     NO_MANIFEST = "no_manifest"  # no checksums to compare with: cannot be verified
@@ -114,7 +116,8 @@ class VerifyResult:
 
     def require_intact(self) -> str | None:
         """Before a checkpoint is used: raise :class:`CheckpointIntegrityError` when it is corrupt; return the
-        message of one that cannot be verified (no checksums: the caller warns and goes on); None when verified."""
+        message of one that cannot be verified (no checksums: the caller warns and goes on); None when
+        verified."""
         if self.status is VerifyStatus.CORRUPT:
             raise CheckpointIntegrityError(self.message)
         return self.message if self.status is VerifyStatus.NO_MANIFEST else None
@@ -144,7 +147,8 @@ def hash_files(folder: pathlib.Path, names: list[str]) -> dict[str, tuple[int, s
 
 
 def write_manifest(folder: pathlib.Path, hashed: Mapping[str, tuple[int, str]]) -> None:
-    """Rank 0, last step before the folder is committed: hash what nobody hashed yet and write the manifest."""
+    """Rank 0, last step before the folder is committed: hash what nobody hashed yet and write the
+    manifest."""
     present = _files(folder)
     missing = [n for n in present if n not in hashed]
     entries = {**{n: hashed[n] for n in present if n in hashed}, **hash_files(folder, missing)}
@@ -232,11 +236,15 @@ def _listing_problems(found: CheckpointFiles, files: Mapping[str, Mapping[str, A
     for name in sorted(present & set(files)):
         size = sizes[name]
         if size != files[name]["size"]:
-            problems.append(f"{name}: size {size} bytes, the manifest says {files[name]['size']} (truncated or replaced)")
+            problems.append(
+                f"{name}: size {size} bytes, the manifest says {files[name]['size']} (truncated or replaced)"
+            )
     return problems
 
 
-def _hash_problems(found: CheckpointFiles, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> list[str]:
+def _hash_problems(
+    found: CheckpointFiles, files: Mapping[str, Mapping[str, Any]], names: list[str]
+) -> list[str]:
     problems = []
     for name in names:
         try:
@@ -281,13 +289,17 @@ def verify_files(found: CheckpointFiles, *, rank: int = 0, world_size: int = 1,
     gathered = all_gather(local)
     folder = found.where
     if any(g is None for g in gathered):
-        return VerifyResult(VerifyStatus.NO_MANIFEST, f"{folder}: no manifest ({MANIFEST_FILE}); written by an older version or "
+        return VerifyResult(VerifyStatus.NO_MANIFEST,
+                            f"{folder}: no manifest ({MANIFEST_FILE}); written by an older version or "
                             "another tool, so it cannot be verified")
     problems = tuple(sorted({p for g in gathered for p in g}))
     if problems:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {folder} is corrupted: {problems[0]}{more}. {FIX_CORRUPT}",
-                            problems)
+        return VerifyResult(
+            VerifyStatus.CORRUPT,
+            f"checkpoint {folder} is corrupted: {problems[0]}{more}. {FIX_CORRUPT}",
+            problems,
+        )
     assert files is not None
     return VerifyResult(VerifyStatus.OK, f"{folder}: {len(files)} files match the manifest ({ALGORITHM})")
 
@@ -335,7 +347,8 @@ def content_digest(checkpoint: Mapping[str, Any]) -> str:
 
 
 def embed_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``checkpoint`` carrying its own digest under :data:`INTEGRITY_KEY` (one pass over the tensors)."""
+    """A copy of ``checkpoint`` carrying its own digest under :data:`INTEGRITY_KEY` (one pass over the
+    tensors)."""
     return {**checkpoint, INTEGRITY_KEY: {"algorithm": ALGORITHM, "version": MANIFEST_VERSION,
                                           "digest": content_digest(checkpoint)}}
 
@@ -343,15 +356,24 @@ def embed_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
 def verify_loaded(checkpoint: Any, source: str | os.PathLike[str]) -> VerifyResult:
     """Check a single-file checkpoint already read with the restricted loader against its embedded digest."""
     if not isinstance(checkpoint, Mapping):
-        return VerifyResult(VerifyStatus.CORRUPT, f"{source} is not a checkpoint: it holds a {type(checkpoint).__name__}, "
-                            "not a dict")
+        return VerifyResult(
+            VerifyStatus.CORRUPT,
+            f"{source} is not a checkpoint: it holds a {type(checkpoint).__name__}, not a dict",
+        )
     record = checkpoint.get(INTEGRITY_KEY)
     if record is None:
-        return VerifyResult(VerifyStatus.NO_MANIFEST, f"{source}: no integrity digest ({INTEGRITY_KEY}); written by an older "
-                            "version or another tool (e.g. Lightning's own strategies), so it cannot be verified")
+        return VerifyResult(
+            VerifyStatus.NO_MANIFEST,
+            f"{source}: no integrity digest ({INTEGRITY_KEY}); written by an older "
+            "version or another tool (e.g. Lightning's own strategies), so it cannot be verified",
+        )
     if not isinstance(record, Mapping) or record.get("algorithm") != ALGORITHM or "digest" not in record:
-        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {source} is corrupted: unreadable integrity record. {FIX_CORRUPT}")
+        return VerifyResult(
+            VerifyStatus.CORRUPT,
+            f"checkpoint {source} is corrupted: unreadable integrity record. {FIX_CORRUPT}",
+        )
     if content_digest(checkpoint) != record["digest"]:
-        return VerifyResult(VerifyStatus.CORRUPT, f"checkpoint {source} is corrupted: {ALGORITHM} of its contents does not match "
+        return VerifyResult(VerifyStatus.CORRUPT,
+                            f"checkpoint {source} is corrupted: {ALGORITHM} of its contents does not match "
                             f"the digest written with it. {FIX_CORRUPT}", ("contents: digest mismatch",))
     return VerifyResult(VerifyStatus.OK, f"{source}: contents match the embedded digest ({ALGORITHM})")

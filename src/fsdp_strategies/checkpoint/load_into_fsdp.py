@@ -90,21 +90,25 @@ def clean_name(name: str) -> str:
 def optimizer_param_names(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[list[list[str]]]:
     """For each optimizer, for each param group, the parameter names in the group's order."""
     names = {id(p): clean_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
-    return [[[names.get(id(p), f"<unnamed #{i}>") for i, p in enumerate(g["params"])] for g in opt.param_groups]
-            for opt in optimizers]
+    return [
+        [[names.get(id(p), f"<unnamed #{i}>") for i, p in enumerate(g["params"])] for g in opt.param_groups]
+        for opt in optimizers
+    ]
 
 
 def _shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
-def model_mismatch(expected: Mapping[str, tuple[int, ...] | None], found: Mapping[str, tuple[int, ...] | None],
-                   *, strict: bool) -> list[str]:
+def model_mismatch(expected: Mapping[str, tuple[int, ...] | None],
+                   found: Mapping[str, tuple[int, ...] | None], *, strict: bool) -> list[str]:
     """What differs between the model's state (name -> global shape) and the checkpoint's."""
     return KeyMismatch.between(expected, found, strict=strict).problems(shown=_SHOW)
 
 
-def _mismatch(source: Path | str, source_format: str, target: str, what: str, problems: list[str], fix: str) -> Exception:
+def _mismatch(
+    source: Path | str, source_format: str, target: str, what: str, problems: list[str], fix: str
+) -> Exception:
     return CheckpointMismatchError(
         f"Cannot resume from {source} ({source_format}) into this {target} run: the {what} differ -- "
         f"{'; '.join(problems)}. {fix}"
@@ -113,7 +117,8 @@ def _mismatch(source: Path | str, source_format: str, target: str, what: str, pr
 
 def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, current_names: list[list[str]],
                             shapes: Mapping[str, tuple[int, ...] | None],
-                            recorded_names: list[list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
+                            recorded_names: list[list[str]] | None = None) -> tuple[dict[str, Any],
+                                                                                    list[str]]:
     """A full optimizer state keyed by parameter name (what ``set_optimizer_state_dict`` takes), mapped
     through the current optimizer's groups; plus the list of problems found (empty: safe to load)."""
     problems: list[str] = []
@@ -137,7 +142,8 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
             saved_labels, now_labels = saved_group["param_names"], live.get("param_names") or names
         elif recorded_names is not None and g < len(recorded_names):  # recorded by this package's saves
             saved_labels, now_labels = recorded_names[g], names
-        else:  # torch's plain numbering: the position in the group is all there is (as in Optimizer.load_state_dict)
+        # torch's plain numbering: the position in the group is all there is (as in Optimizer.load_state_dict)
+        else:
             saved_labels, now_labels = None, names
         if saved_labels is not None:
             diff = [f"#{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(saved_labels, now_labels))
@@ -157,7 +163,12 @@ def optimizer_state_by_name(saved: Mapping[str, Any], optimizer: Optimizer, curr
             continue
         for field, value in (entry.items() if isinstance(entry, Mapping) else ()):
             shape = _shape(value)
-            if field in _PARAM_SHAPED_STATE and shape and shapes.get(name) is not None and shape != shapes[name]:
+            if (
+                field in _PARAM_SHAPED_STATE
+                and shape
+                and shapes.get(name) is not None
+                and shape != shapes[name]
+            ):
                 bad_shapes.append(f"'{field}' of {name} is {list(shape)}, the parameter {list(shapes[name])}")
         converted[name] = entry
     if bad_shapes:
@@ -180,8 +191,9 @@ def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path | 
                strict: bool, target: str) -> dict[str, Any]:
     checkpoint = load_full_file(path)
     if not isinstance(checkpoint.get("state_dict"), Mapping):
-        raise CheckpointMismatchError(f"{path} has no 'state_dict' entry: not a checkpoint written by a Lightning "
-                                      "strategy.")
+        raise CheckpointMismatchError(
+            f"{path} has no 'state_dict' entry: not a checkpoint written by a Lightning strategy."
+        )
     model_state = checkpoint.pop("state_dict")
     expected = _model_shapes(module)
     problems = model_mismatch(expected, {k: _shape(v) for k, v in model_state.items()}, strict=strict)
@@ -193,7 +205,8 @@ def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path | 
     if optimizers:
         if len(saved_optimizers) != len(optimizers):
             raise _mismatch(path, FULL_FORMAT, target, "optimizers", [
-                f"the checkpoint holds {len(saved_optimizers)} optimizer state(s), configure_optimizers returns "
+                f"the checkpoint holds {len(saved_optimizers)} "
+                "optimizer state(s), configure_optimizers returns "
                 f"{len(optimizers)}"], "Fix: resume with the same configure_optimizers.")
         recorded = checkpoint.get(PARAM_NAMES_KEY)
         names = optimizer_param_names(module, optimizers)
@@ -205,10 +218,13 @@ def _load_full(module: nn.Module, optimizers: Sequence[Optimizer], path: Path | 
             converted.append(state)
         if problems:
             raise _mismatch(path, FULL_FORMAT, target, "optimizer states", problems,
-                            "Fix: resume with the same model and configure_optimizers (parameter groups in the same "
+                            "Fix: resume with the same model and "
+                            "configure_optimizers (parameter groups in the same "
                             "order) as the run that wrote the checkpoint.")
     # nothing is applied before every check above has passed
-    set_model_state_dict(module, dict(model_state), options=StateDictOptions(full_state_dict=True, strict=strict))
+    set_model_state_dict(
+        module, dict(model_state), options=StateDictOptions(full_state_dict=True, strict=strict)
+    )
     for opt, state in zip(optimizers, converted):
         set_optimizer_state_dict(module, opt, optim_state_dict=state,
                                  options=StateDictOptions(full_state_dict=True, strict=strict))
@@ -277,8 +293,8 @@ def load_remote_into_sharded_model(module: nn.Module, optimizers: Sequence[Optim
                           lambda: read_remote_meta(ckpt, version), strict=strict, target=target)
 
 
-def load_into_sharded_model(module: nn.Module, optimizers: Sequence[Optimizer], path: str | os.PathLike[str], *,
-                            strict: bool = True, target: str = "fsdp2") -> dict[str, Any]:
+def load_into_sharded_model(module: nn.Module, optimizers: Sequence[Optimizer], path: str | os.PathLike[str],
+                            *, strict: bool = True, target: str = "fsdp2") -> dict[str, Any]:
     """Every rank: load a sharded folder or a full file into the FSDP2 ``module`` and its optimizers.
 
     Verifies the checksums first, reads without running code from the files, checks the layout

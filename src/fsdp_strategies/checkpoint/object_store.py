@@ -363,8 +363,8 @@ def commit_version(
                 ckpt.path(MANIFEST_FILE), manifest_text(hashed, **{DATA_FIELD: version}).encode()
             )
 
-    # a failed commit leaves the version for the next save to remove: its manifest PUT may have landed although
-    # the client saw an error, and then the version is the committed one
+    # a failed commit leaves the version for the next save to remove: its manifest PUT may have landed
+    # although the client saw an error, and then the version is the committed one
     _agreed(ckpt, "the commit", commit, is_rank_zero=is_rank_zero, version=None, group=group)
     if is_rank_zero:
         remove_other_versions(ckpt, keep=version)

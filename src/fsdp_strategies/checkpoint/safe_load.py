@@ -93,16 +93,21 @@ def safe_globals() -> Iterator[None]:
 
 def _refusal(source: str, err: BaseException) -> UnsafeCheckpointError:
     reason = str(err).strip().splitlines()
-    detail = next((line.strip().rstrip(".") for line in reason if "Unsupported global" in line or "GLOBAL" in line),
-                  reason[0] if reason else type(err).__name__)
+    detail = next(
+        (line.strip().rstrip(".") for line in reason if "Unsupported global" in line or "GLOBAL" in line),
+        reason[0] if reason else type(err).__name__,
+    )
     return UnsafeCheckpointError(
         f"{source}: refused to load it: it references a Python object that is not checkpoint data "
         f"({detail}); unpickling it could run code. Fix: if you trust this file and the type is plain data, "
-        "register it with `torch.serialization.add_safe_globals([TheType])` before loading; otherwise do not use it."
+        "register it with `torch.serialization.add_safe_globals([TheType])` "
+        "before loading; otherwise do not use it."
     )
 
 
-def safe_torch_load(source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = False, name: str | None = None) -> Any:
+def safe_torch_load(
+    source: str | os.PathLike[str] | BinaryIO, *, mmap: bool = False, name: str | None = None
+) -> Any:
     """``torch.load(weights_only=True, map_location="cpu")`` with the package's allow-list.
 
     Raises :class:`UnsafeCheckpointError` for a file that references a non-allow-listed global and
@@ -141,7 +146,8 @@ def load_file_checkpoint(path: pathlib.Path | BinaryIO, *, mmap: bool = True,
 
 # ---------------------------------------------------------------------------------------- DCP metadata
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only DCP metadata classes, torch dtypes/layouts/sizes, paths and user-registered safe globals."""
+    """Resolves only DCP metadata classes, torch dtypes/layouts/sizes, paths and user-registered safe
+    globals."""
 
     def __init__(self, file: BinaryIO, source: str) -> None:
         super().__init__(file)
@@ -154,11 +160,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._allowed:
             return self._allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
-            f"{self._source}: refused to load it: the DCP metadata references `{module}.{name}`, which is not a "
-            "checkpoint-metadata type; unpickling it could run code. Fix: do not use this checkpoint folder unless you "
+            f"{self._source}: refused to load it: the DCP metadata "
+            f"references `{module}.{name}`, which is not a "
+            "checkpoint-metadata type; unpickling it could run "
+            "code. Fix: do not use this checkpoint folder unless you "
             "trust it (if you do and the type is plain data, register it with "
             "`torch.serialization.add_safe_globals`)."
         )

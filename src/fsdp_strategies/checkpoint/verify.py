@@ -1,4 +1,5 @@
-"""Verification before use: every rank before a resume, one process for the ``fsdp-strategies-verify`` command.
+"""Verification before use: every rank before a resume, one process for the ``fsdp-strategies-verify``
+command.
 
 :mod:`~fsdp_strategies.checkpoint.integrity` computes and compares checksums; this module applies it to
 a checkpoint on disk:
@@ -125,7 +126,8 @@ def _verify_url(url: str, storage_options: Mapping[str, Any] | None = None) -> V
             return VerifyResult(VerifyStatus.CORRUPT, str(err))
     result, found = verify_remote(ckpt)
     if found.manifest_text() is None:
-        return VerifyResult(VerifyStatus.CORRUPT, f"{url}: no committed checkpoint there (no {MANIFEST_FILE}: "
+        return VerifyResult(VerifyStatus.CORRUPT,
+                            f"{url}: no committed checkpoint there (no {MANIFEST_FILE}: "
                             "never saved, or a save that did not complete)")
     if not result.ok:
         return result
@@ -165,11 +167,13 @@ def _structural(metadata: Callable[[], Any], sizes: Mapping[str, int]) -> list[s
 
 
 def verify_main(argv: list[str] | None = None) -> int:
-    """Console script ``fsdp-strategies-verify PATH...``: rc 0 verified, 2 no manifest, 1 corrupt or unreadable."""
+    """Console script ``fsdp-strategies-verify PATH...``: rc 0 verified, 2 no manifest, 1 corrupt or
+    unreadable."""
     parser = argparse.ArgumentParser(
         prog="fsdp-strategies-verify",
-        description="Check checkpoints written by fsdp_strategies against the checksums saved with them, without "
-                    "unpickling anything first. Exit status: 0 verified, 1 corrupted/unreadable, 2 no manifest.",
+        description="Check checkpoints written by fsdp_strategies "
+        "against the checksums saved with them, without "
+        "unpickling anything first. Exit status: 0 verified, 1 corrupted/unreadable, 2 no manifest.",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="checkpoint folder (sharded) or file, or an fsspec URL (s3://...) of a sharded "

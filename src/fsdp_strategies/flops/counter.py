@@ -1,4 +1,5 @@
-"""FLOPs of one training step, counted or estimated -- the calculator under :class:`~fsdp_strategies.callbacks.MFUMonitor`.
+"""FLOPs of one training step, counted or estimated -- the calculator under
+:class:`~fsdp_strategies.callbacks.MFUMonitor`.
 
 *Model FLOPs* are the matmul/attention FLOPs the model needs for one forward and backward pass;
 *hardware FLOPs* are what the device executes: model FLOPs plus recomputation (activation
@@ -40,7 +41,10 @@ aten = torch.ops.aten
 def _register_missing_sdpa_formulas() -> None:
     """PyTorch has no FLOP formula for these SDPA kernels; give them the generic SDPA one (grouped-query
     attention included on every supported torch: see ``_torch_seam.sdpa_flop_count``)."""
-    forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]
+    forward = [
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
+    ]
     for name in forward:
         packet = getattr(aten, name, None)
         if packet is not None and packet not in flop_counter.flop_registry:
@@ -54,8 +58,8 @@ def _register_missing_sdpa_formulas() -> None:
         if backward is not None and backward not in flop_counter.flop_registry:
 
             @register_flop_formula(backward)
-            def _sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                               out_shape: Any = None, **kwargs: Any) -> int:
+            def _sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
+                               *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
                 return _torch_seam.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape,
                                                             value_shape)
 
@@ -93,11 +97,14 @@ def _causal_mapping() -> dict[Any, Any]:
         if formula is None or get_causal is None:
             continue
 
-        def discounted(*args: Any, _f: Any = formula, _c: Any = get_causal, out_val: Any = None, **kwargs: Any) -> int:
+        def discounted(
+            *args: Any, _f: Any = formula, _c: Any = get_causal, out_val: Any = None, **kwargs: Any
+        ) -> int:
             flops = _f(*args, out_val=out_val, **kwargs)
             return flops // 2 if _c(args, kwargs) else flops
 
-        mapping[packet] = _torch_seam.raw_tensor_formula(discounted)  # FlopCounterMode passes tensors, not shapes
+        # FlopCounterMode passes tensors, not shapes
+        mapping[packet] = _torch_seam.raw_tensor_formula(discounted)
     return mapping
 
 
@@ -150,9 +157,11 @@ class StepFlopCounter(_torch_seam.HookedFlopCounter):
 
 
 class OpFlopCounter(_torch_seam.HookedFlopCounter):
-    """FlopCounterMode that reports each op's FLOPs (counted on this device's shards) to ``on_op(packet, flops)``.
+    """FlopCounterMode that reports each op's FLOPs (counted on this device's shards) to
+    ``on_op(packet, flops)``.
 
-    The memory planner enters it below its own dispatch mode to learn what each op call would cost to recompute.
+    The memory planner enters it below its own dispatch mode to learn what each op call would cost to
+    recompute.
     """
 
     def __init__(self, on_op: Callable[[Any, int], None]) -> None:
@@ -181,9 +190,11 @@ def count_step_flops(step: Callable[[], Any], *, causal_discount: bool = False) 
 
 
 def analytic_transformer_flops(
-    non_embedding_params: int, n_layers: int, hidden_size: int, seq_len: int, tokens: int, *, causal_discount: bool = False
+    non_embedding_params: int, n_layers: int, hidden_size: int, seq_len: int, tokens: int, *,
+    causal_discount: bool = False
 ) -> int:
-    """``(6 N + 12 L H S) * tokens``: dense matmuls 2 (fwd) + 4 (bwd) FLOPs per parameter and token, plus attention."""
+    """``(6 N + 12 L H S) * tokens``: dense matmuls 2 (fwd) + 4 (bwd) FLOPs per parameter and token, plus
+    attention."""
     attention = 12 * n_layers * hidden_size * seq_len
     if causal_discount:
         attention //= 2

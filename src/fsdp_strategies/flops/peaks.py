@@ -67,9 +67,11 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "a10": {"bf16": 125 * T, "fp16": 125 * T, "tf32": 62.5 * T, "fp32": 31.2 * T},
     # AMD Instinct MI300X data sheet (amd.com/.../instinct-mi300x-data-sheet.pdf): BF16/FP16 1,307.4 TF
     # dense, FP8 2,614.9 TF dense, TF32 653.7 TF, FP32 matrix 163.4 TF.
-    "mi300x": {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "tf32": 653.7 * T, "fp8": 2614.9 * T, "fp32": 163.4 * T},
+    "mi300x": {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "tf32": 653.7 * T, "fp8": 2614.9 * T,
+               "fp32": 163.4 * T},
     # AMD Instinct MI325X data sheet: same compute die as MI300X (BF16 1,307.4 TF dense, FP8 2,614.9).
-    "mi325x": {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "tf32": 653.7 * T, "fp8": 2614.9 * T, "fp32": 163.4 * T},
+    "mi325x": {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "tf32": 653.7 * T, "fp8": 2614.9 * T,
+               "fp32": 163.4 * T},
     # AMD Instinct MI355X data sheet (amd.com/en/products/accelerators/instinct/mi350/mi355x.html):
     # BF16/FP16 2,516.6 TF dense (5,033.2 with sparsity), FP8 5,033.2 TF dense, FP32 157.3 TF.
     "mi355x": {"bf16": 2516.6 * T, "fp16": 2516.6 * T, "fp8": 5033.2 * T, "fp32": 157.3 * T},
@@ -141,7 +143,8 @@ def lookup_peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
 
 
 def peak_flops_from_env() -> float | None:
-    """``FSDP_STRATEGIES_PEAK_FLOPS`` as FLOP/s, or None when unset; a bad value raises naming the variable."""
+    """``FSDP_STRATEGIES_PEAK_FLOPS`` as FLOP/s, or None when unset; a bad value raises naming the
+    variable."""
     raw = os.environ.get(PEAK_FLOPS_ENV, "").strip()
     if not raw:
         return None

@@ -1,4 +1,5 @@
-"""Fault tolerance in one place: the group/launcher contract, the strategy, the step-aligned data, the launcher.
+"""Fault tolerance in one place: the group/launcher contract, the strategy, the step-aligned data, the
+launcher.
 
 * :mod:`~fsdp_strategies.ft.protocol` -- environment variables, exit codes and the events file
   (one class writes and reads it), shared by the strategy and the launcher.
@@ -18,8 +19,8 @@
   tells the launcher not to restart it.
 * :mod:`~fsdp_strategies.ft.launch` -- the supervisor's side, never imported by a training process:
   ``fsdp-strategies-ft`` (a lighthouse plus N replica groups on one machine, restarted on failure, with fault
-  injection), its options, a group's start and the reading of its exit, a group's process tree, the forkserver,
-  and the hand-over of checkpoints to a group restarted with no live peer ahead.
+  injection), its options, a group's start and the reading of its exit, a group's process tree, the
+  forkserver, and the hand-over of checkpoints to a group restarted with no live peer ahead.
 """
 
 from fsdp_strategies.ft.protocol import (

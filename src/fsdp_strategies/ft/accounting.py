@@ -1,4 +1,5 @@
-"""What each ``ft_hsdp`` step (or outer sync) did: counters, ``ft/*`` metrics, the events line, trained/missed data.
+"""What each ``ft_hsdp`` step (or outer sync) did: counters, ``ft/*`` metrics, the events line, trained/missed
+data.
 
 The step protocol (:mod:`fsdp_strategies.ft.step`) fills a :class:`StepInFlight` while a step runs (timings,
 whether this group healed in it, the data position of its batch) and hands it to
@@ -156,19 +157,22 @@ class StepAccounting:
                                         "quorum_s": 0.0, "missed_samples": 0, "cross_group_allreduces": 0,
                                         "cross_group_bytes": 0}
         self.last_step_committed: bool | None = None
-        #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step`` when
-        #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``, ``samples``
-        #: (this group's, all ranks), ``missed_samples`` (of the groups not in the step), ``redistributed_samples``
-        #: (of those, trained here), ``rebuilt`` (batch built from the dataset: the loader was not at the step)
+        #: the data of the last step: ``step`` (the quorum's), ``position`` (of the batch used; = ``step``
+        #: when
+        #: ``participating``; a healing group used a stale one and contributed zeros), ``participating``,
+        #: ``samples`` (this group's, all ranks), ``missed_samples`` (of the groups not in the step),
+        #: ``redistributed_samples`` (of those, trained here), ``rebuilt`` (batch built from the dataset: the
+        #: loader was not at the step)
         self.last_step_data: dict[str, Any] = {}
         self._after_discard = False
         self._missed_since: int | None = None
         self._missed_run = 0
         self._counted = (0.0, 0.0)  # cross-group all-reduce calls and bytes at the last events line
 
-    def finish(self, step: StepInFlight, *, committed: bool, committed_step: int, participants: int, quorum_id: int,
-               commit_s: float, data: dict[str, Any], write_event: bool) -> dict[str, float]:
-        """Count a finished step; write its events line (``write_event``: rank 0); return its ``ft/*`` metrics.
+    def finish(self, step: StepInFlight, *, committed: bool, committed_step: int, participants: int,
+               quorum_id: int, commit_s: float, data: dict[str, Any], write_event: bool) -> dict[str, float]:
+        """Count a finished step; write its events line (``write_event``: rank 0); return its ``ft/*``
+        metrics.
 
         ``data``: from :meth:`step_data` / :meth:`round_data` (``{}`` when the data position is not aligned).
         """
@@ -201,9 +205,10 @@ class StepAccounting:
         self._counted = (calls, sent)
         if self.events is not None and write_event:
             self.events.write_step(
-                self.replica_group_id, committed_step, committed, participants=participants, quorum_id=quorum_id,
-                healed=step.healed, step_s=step_s, quorum_s=step.quorum_wait_s, commit_s=commit_s, pid=os.getpid(),
-                **costs, **{f"data_{k}": v for k, v in data.items()})
+                self.replica_group_id, committed_step, committed, participants=participants,
+                quorum_id=quorum_id,
+                healed=step.healed, step_s=step_s, quorum_s=step.quorum_wait_s, commit_s=commit_s,
+                pid=os.getpid(), **costs, **{f"data_{k}": v for k, v in data.items()})
         return metrics
 
     def close_step(self, step: StepInFlight, *, committed: bool, commit_s: float, manager: Any,
@@ -253,21 +258,25 @@ class StepAccounting:
         return not metrics["ft/committed"] or bool(metrics["ft/heal"]) or missing \
             or bool(metrics.get("ft/missed_samples"))
 
-    def data_record(self, step: StepInFlight, *, committed: bool, participants: int, data: StepAlignedData | None,
-                    round_of: OuterSync | None, round_samples: int, quorum_step: int, world_size: int) -> dict[str, Any]:
-        """The data part of a finished step's record: ``{}`` when the data position is not step-aligned (``data``
-        is ``None``), :meth:`round_data` for an outer sync that ended a round (``round_of``), else :meth:`step_data`."""
+    def data_record(self, step: StepInFlight, *, committed: bool, participants: int,
+                    data: StepAlignedData | None,
+                    round_of: OuterSync | None, round_samples: int, quorum_step: int,
+                    world_size: int) -> dict[str, Any]:
+        """The data part of a finished step's record: ``{}`` when the data position is not step-aligned
+        (``data`` is ``None``), :meth:`round_data` for an outer sync that ended a round (``round_of``), else
+        :meth:`step_data`."""
         if data is None:
             return {}
         if round_of is not None:
-            return self.round_data(committed=committed, participants=participants, round_samples=round_samples,
+            return self.round_data(committed=committed, participants=participants,
+                                   round_samples=round_samples,
                                    healed=round_of.healed, committed_steps=round_of.committed,
                                    round_steps=round_of.last_round)
         return self.step_data(step, committed=committed, quorum_step=quorum_step, participants=participants,
                               batch_size=step.own_samples, world_size=world_size, sharded=data.sharded)
 
-    def step_data(self, step: StepInFlight, *, committed: bool, quorum_step: int, participants: int, batch_size: int,
-                  world_size: int, sharded: bool) -> dict[str, Any]:
+    def step_data(self, step: StepInFlight, *, committed: bool, quorum_step: int, participants: int,
+                  batch_size: int, world_size: int, sharded: bool) -> dict[str, Any]:
         """What an every-step step trained and missed; ``{}`` when the position is not aligned.
 
         ``quorum_step``: the quorum's step (a healing group's jumps); ``batch_size``: one rank's samples in
@@ -297,23 +306,27 @@ class StepAccounting:
         return data
 
     def _announce_missed(self, position: int, absent: int, per_group: int, redistribute: bool) -> None:
-        """One info line when a stretch of steps with missing groups starts, one with its total when it ends."""
+        """One info line when a stretch of steps with missing groups starts, one with its total when it
+        ends."""
         what = "trained by the groups in the step" if redistribute else "skipped"
         if absent and self._missed_since is None:
             self._missed_since, self._missed_run = position, 0
-            rank_zero_info(f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
-                           f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
-                           f"{what} (data_on_failure={self.data_on_failure!r})")
+            rank_zero_info(
+                f"ft_hsdp: from step {position}, {absent} of {self.num_replica_groups} replica groups are "
+                f"not in the step: their shards' batches ({absent * per_group} samples per step) are "
+                f"{what} (data_on_failure={self.data_on_failure!r})"
+            )
         if absent:
             self._missed_run += absent * per_group
         elif self._missed_since is not None:
-            rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica groups train again from step {position}; "
+            rank_zero_info(f"ft_hsdp: all {self.num_replica_groups} replica "
+                           f"groups train again from step {position}; "
                            f"in steps {self._missed_since}-{position - 1}, {self._missed_run} samples of the "
                            f"missing groups' shards were {what}")
             self._missed_since = None
 
-    def round_data(self, *, committed: bool, participants: int, round_samples: int, healed: bool, committed_steps: int,
-                   round_steps: int) -> dict[str, Any]:
+    def round_data(self, *, committed: bool, participants: int, round_samples: int, healed: bool,
+                   committed_steps: int, round_steps: int) -> dict[str, Any]:
         """What an outer sync's round trained and missed (the groups absent from it missed the whole round).
 
         ``round_samples``: this group's samples in the round (all ranks); ``healed``: this group healed in the
@@ -328,7 +341,8 @@ class StepAccounting:
                                 "round_steps": round_steps, "participating": participating,
                                 "samples": round_samples if done else 0,
                                 "missed_samples": absent * round_samples if done else None,
-                                "redistributed_samples": 0, "rebuilt": self.last_step_data.get("rebuilt", False)}
+                                "redistributed_samples": 0,
+                                "rebuilt": self.last_step_data.get("rebuilt", False)}
         if done:
             self.stats["missed_samples"] += absent * round_samples
         self.last_step_data = data

@@ -47,7 +47,9 @@ class CrossGroupReduce:
         paused: ``True`` while the groups train alone (a ``straggler_sync`` semi-synchronous phase).
     """
 
-    def __init__(self, step: StepInFlight, wait_quorum: Callable[[], None], paused: Callable[[], bool]) -> None:
+    def __init__(
+        self, step: StepInFlight, wait_quorum: Callable[[], None], paused: Callable[[], bool]
+    ) -> None:
         self.step = step
         self.wait_quorum = wait_quorum
         self.paused = paused
@@ -60,7 +62,8 @@ class CrossGroupReduce:
     @contextmanager
     def micro_batch(self) -> Generator[None, None, None]:
         """A non-final micro-batch of gradient accumulation: no cross-group traffic until the step's last
-        backward has run (then :meth:`reduce_accumulated`). Not while :attr:`paused` (no cross-group traffic)."""
+        backward has run (then :meth:`reduce_accumulated`). Not while :attr:`paused` (no cross-group
+        traffic)."""
         self.deferred = self.deferred or not self.paused()
         yield None
 
@@ -73,7 +76,8 @@ class CrossGroupReduce:
         return (step.grad_scale, ReduceOp.AVG) if step.sum_scale is None else (step.sum_scale, ReduceOp.SUM)
 
     def hook(self, reduce_output: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook: average one unit's reduce-scatter output over the step's groups (in place).
+        """FSDP2's all-reduce hook: average one unit's reduce-scatter output over the step's groups (in
+        place).
 
         Deferred (accumulation): only this micro-batch's ``redistribute`` weight is applied here.
         """
@@ -130,5 +134,6 @@ def _scale(tensor: torch.Tensor, scale: float) -> None:
 
 
 def _local(grad: Any) -> torch.Tensor:
-    """The tensor a rank holds of a gradient: a DTensor's local shard (no autograd view), else the gradient."""
+    """The tensor a rank holds of a gradient: a DTensor's local shard (no autograd view), else the
+    gradient."""
     return _torch_seam.local_shard(grad) if isinstance(grad, DTensor) else grad

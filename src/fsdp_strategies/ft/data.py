@@ -1,4 +1,5 @@
-"""Data position = committed step, for ``ft_hsdp``: every replica group trains batch ``s`` of its shard at step ``s``.
+"""Data position = committed step, for ``ft_hsdp``: every replica group trains batch ``s`` of its shard at
+step ``s``.
 
 Why: Lightning's training loop advances its dataloader once per batch it runs, whatever happens to
 the step. Under torchft that drifts: a discarded step consumes a batch without training it, and a
@@ -75,7 +76,8 @@ __all__ = ["StepAlignedData"]
 
 
 class _PositionSampler(Sampler[int]):
-    """Yields global batch positions from ``cursor`` (``length`` per iteration) and remembers them in order."""
+    """Yields global batch positions from ``cursor`` (``length`` per iteration) and remembers them in
+    order."""
 
     def __init__(self, length: int) -> None:
         self.length = length
@@ -102,7 +104,8 @@ def _identity(batch: Any) -> Any:
 
 
 class _PositionBatches(Dataset[Any]):
-    """Item ``q`` = the collated batch at global position ``q`` of the original loader (picklable for workers)."""
+    """Item ``q`` = the collated batch at global position ``q`` of the original loader (picklable for
+    workers)."""
 
     def __init__(self, dataset: Any, sampler: Sampler[Any], batch_size: int, per_epoch: int,
                  collate_fn: Callable[[list[Any]], Any]) -> None:
@@ -134,7 +137,8 @@ class _PositionBatches(Dataset[Any]):
         return self._orders[key][j * self.batch_size:(j + 1) * self.batch_size]
 
     def indices(self, q: int, shard: int | None = None) -> list[Any]:
-        """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a ``DistributedSampler``."""
+        """Indices of position ``q`` of this loader's shard, or of shard ``shard`` of a
+        ``DistributedSampler``."""
         epoch, i, in_rest = locate(q, self.per_epoch, self.rest)
         if in_rest:
             assert self.rest is not None
@@ -171,8 +175,10 @@ def _why_not(trainer: pl.Trainer, loaders: list[Any]) -> str | None:
         return "the training dataloader has no `batch_size` or uses a custom `batch_sampler`"
     sampler = dl.sampler.sampler if isinstance(dl.sampler, _SkipFirstIterationSampler) else dl.sampler
     if not isinstance(sampler, (DistributedSampler, SequentialSampler)):
-        return (f"its sampler is a `{type(sampler).__qualname__}`, whose order is not a function of its seed and "
-                "epoch (use Lightning's injected `DistributedSampler`: `use_distributed_sampler=True`)")
+        return (
+            f"its sampler is a `{type(sampler).__qualname__}`, whose order is not a function of its seed and "
+            "epoch (use Lightning's injected `DistributedSampler`: `use_distributed_sampler=True`)"
+        )
     if trainer.reload_dataloaders_every_n_epochs:
         return "reload_dataloaders_every_n_epochs is set"
     per_epoch, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
@@ -192,19 +198,26 @@ class StepAlignedData:
     MAX_AHEAD = 8
 
     def __init__(self, loader: DataLoader, per_epoch: int, accumulate: int = 1) -> None:
-        sampler = loader.sampler.sampler if isinstance(loader.sampler, _SkipFirstIterationSampler) else loader.sampler
+        sampler = (
+            loader.sampler.sampler
+            if isinstance(loader.sampler, _SkipFirstIterationSampler)
+            else loader.sampler
+        )
         assert loader.batch_size is not None
         self.batches = _PositionBatches(loader.dataset, sampler, int(loader.batch_size), per_epoch,
                                         loader.collate_fn)
         self.positions = _PositionSampler(per_epoch)
         kwargs: dict[str, Any] = {
             "num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-            "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
             "generator": loader.generator, "persistent_workers": loader.persistent_workers,
         }
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
-        self.loader = DataLoader(self.batches, sampler=self.positions, batch_size=None, collate_fn=_identity, **kwargs)
+        self.loader = DataLoader(
+            self.batches, sampler=self.positions, batch_size=None, collate_fn=_identity, **kwargs
+        )
         self.per_epoch = per_epoch
         #: micro-batches per optimizer step (``accumulate_grad_batches``): step ``s`` trains ``s * A + m``
         self.accumulate = accumulate
@@ -242,8 +255,10 @@ class StepAlignedData:
                 f"trained cannot be placed. Fix: resume at width {saved['width']}, or use one map-style "
                 "DataLoader with `batch_size=` and Lightning's injected DistributedSampler.")
         rank_zero_warn(
-            f"ft_hsdp: the data position cannot follow the committed step because {reason}. A replica group that "
-            "heals restarts its shard at the start of an epoch and a discarded step skips a batch, so groups may "
+            "ft_hsdp: the data position cannot follow the "
+            f"committed step because {reason}. A replica group that "
+            "heals restarts its shard at the start of an epoch "
+            "and a discarded step skips a batch, so groups may "
             "train some samples twice and miss others. Fix: one map-style DataLoader with `batch_size=` and "
             "Lightning's injected DistributedSampler, accumulate_grad_batches dividing the batches per epoch."
         )
@@ -283,7 +298,8 @@ class StepAlignedData:
 
     @property
     def sharded(self) -> bool:
-        """Whether the groups train disjoint shards (a ``DistributedSampler``), so another group's batch is known."""
+        """Whether the groups train disjoint shards (a ``DistributedSampler``), so another group's batch is
+        known."""
         return isinstance(self.batches.sampler, DistributedSampler)
 
     def collate(self, indices: list[Any]) -> Any:

@@ -71,7 +71,8 @@ class HealState:
         self._snapshot: dict[str, Any] | None = None
 
     def capture(self) -> None:
-        """References (no copies) to this rank's shards; taken on the main thread while every unit is resharded."""
+        """References (no copies) to this rank's shards; taken on the main thread while every unit is
+        resharded."""
         model, optimizers, schedulers = self._parts()
         self._snapshot = {
             "model": {k: local(v) for k, v in model.state_dict().items()},
@@ -126,7 +127,8 @@ def _load_optimizer_shards(opt: Optimizer, received: dict[str, Any]) -> None:
 
 
 class SchedulerRollback:
-    """Keep the LR schedulers (and the optimizers' non-parameter group values) where the committed steps put them.
+    """Keep the LR schedulers (and the optimizers' non-parameter group values) where the committed steps put
+    them.
 
     ``parts`` as for :class:`HealState`. :meth:`discard_step` / :meth:`discard_round` arm a snapshot that the
     next :meth:`restore_pending` (the start of the next step) loads back: Lightning steps the schedulers in
@@ -146,15 +148,18 @@ class SchedulerRollback:
         ]
 
     def discard_step(self) -> None:
-        """The optimizer step that just ended was discarded (every-step): keep the schedulers as they are now."""
+        """The optimizer step that just ended was discarded (every-step): keep the schedulers as they are
+        now."""
         self._pending = self._snapshot()
 
     def mark_round_start(self) -> None:
-        """The first inner step of a semi-synchronous round begins: the point a discarded outer sync rolls back to."""
+        """The first inner step of a semi-synchronous round begins: the point a discarded outer sync rolls
+        back to."""
         self._round = self._snapshot()
 
     def discard_round(self) -> None:
-        """The outer sync that just ended was discarded: its round's inner steps are rolled back, so are the schedulers."""
+        """The outer sync that just ended was discarded: its round's inner steps are rolled back, so are the
+        schedulers."""
         self._pending = self._round
 
     def restore_pending(self) -> None:

@@ -26,14 +26,14 @@ __all__ = ["exit_if_unfixable", "leave_now", "restart_cannot_fix"]
 
 #: errors a restart of the group meets again (option errors -- an unreachable ``memory_budget`` too -- are
 #: recognised by ``is_option_error``)
-_UNFIXABLE = (CheckpointDiskFullError, CheckpointIntegrityError, CheckpointMismatchError, UnsafeCheckpointError,
-              PretrainedFolderError, BlockNotFoundError)
+_UNFIXABLE = (CheckpointDiskFullError, CheckpointIntegrityError, CheckpointMismatchError,
+              UnsafeCheckpointError, PretrainedFolderError, BlockNotFoundError)
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def restart_cannot_fix(error: BaseException) -> bool:
-    """Whether a restarted group would meet ``error`` (or an error it was raised from) again: a bad option, a full
-    disk (also a plain ``OSError`` with ``ENOSPC`` / ``EDQUOT``), a damaged or mismatched checkpoint or pretrained
-    folder, an unreachable memory budget, a block class that is not in the model."""
+    """Whether a restarted group would meet ``error`` (or an error it was raised from) again: a bad option, a
+    full disk (also a plain ``OSError`` with ``ENOSPC`` / ``EDQUOT``), a damaged or mismatched checkpoint or
+    pretrained folder, an unreachable memory budget, a block class that is not in the model."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -46,13 +46,15 @@ def restart_cannot_fix(error: BaseException) -> bool:
 
 
 def exit_if_unfixable(error: BaseException, manager: Any) -> None:
-    """If a restart cannot fix ``error``: print it once, say so, and exit with ``UNFIXABLE_EXIT_CODE`` now (the
-    manager stopped without waiting on peers), so that the launcher does not restart the group into it."""
+    """If a restart cannot fix ``error``: print it once, say so, and exit with ``UNFIXABLE_EXIT_CODE`` now
+    (the manager stopped without waiting on peers), so that the launcher does not restart the group into
+    it."""
     if not restart_cannot_fix(error):
         return
     sys.excepthook(type(error), error, error.__traceback__)  # as if uncaught (torch's hook prefixes the rank)
     print(f"ft_hsdp: a restart cannot fix this {type(error).__name__}: the replica group exits with "
-          f"{UNFIXABLE_EXIT_CODE} and the launcher does not restart it. Fix the cause, then resume from the last "
+          f"{UNFIXABLE_EXIT_CODE} and the launcher does not "
+          "restart it. Fix the cause, then resume from the last "
           "checkpoint.", file=sys.stderr, flush=True)
     exit_now(manager, UNFIXABLE_EXIT_CODE)
 

@@ -1,4 +1,5 @@
-"""A replica group's link to the others: the lighthouse check, the ``torchft.Manager``, the counted all-reduce.
+"""A replica group's link to the others: the lighthouse check, the ``torchft.Manager``, the counted
+all-reduce.
 
 Every replica group of ``ft_hsdp`` is its own ``torch.distributed`` world; what crosses groups goes
 through one ``torchft.Manager`` per rank (rank ``r`` of every group meets rank ``r`` of the others in the
@@ -35,8 +36,8 @@ from torch.distributed import ReduceOp
 
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV
 
-__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse", "create_manager",
-           "exit_now", "lighthouse_host_port", "release_manager"]
+__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse",
+           "create_manager", "exit_now", "lighthouse_host_port", "release_manager"]
 
 #: the end of every error about a missing or unreachable lighthouse
 HOW_TO_START = (
@@ -51,7 +52,8 @@ class LighthouseUnreachableError(ConnectionError):
 
 
 def lighthouse_host_port(address: str) -> tuple[str, int]:
-    """``(host, port)`` of ``http://host:port`` (the scheme may be left out); ``ValueError`` with a fix otherwise."""
+    """``(host, port)`` of ``http://host:port`` (the scheme may be left out); ``ValueError`` with a fix
+    otherwise."""
     parsed = urlparse(address if "://" in address else f"http://{address}")
     if not parsed.hostname or not parsed.port:
         raise ValueError(
@@ -74,8 +76,9 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
         ) from None
 
 
-def create_manager(*, device: torch.device, rank: int, world_size: int, replica_group_id: int, lighthouse_addr: str,
-                   min_replica_size: int, checkpoint_transport: str, timeout_s: float, quorum_timeout_s: float,
+def create_manager(*, device: torch.device, rank: int, world_size: int, replica_group_id: int,
+                   lighthouse_addr: str, min_replica_size: int, checkpoint_transport: str, timeout_s: float,
+                   quorum_timeout_s: float,
                    connect_timeout_s: float, init_sync: bool, max_retries: int | None, hostname: str | None,
                    use_async_quorum: bool, state_dict: Callable[[], dict[str, Any]],
                    load_state_dict: Callable[[dict[str, Any]], None]) -> Any:
@@ -141,7 +144,8 @@ def release_manager(manager: Any, rank: int) -> None:
 
 
 def exit_now(manager: Any, code: int) -> NoReturn:
-    """Shut ``manager`` (if any) down without waiting on peers, flush stdout/stderr, and exit with ``code`` now."""
+    """Shut ``manager`` (if any) down without waiting on peers, flush stdout/stderr, and exit with ``code``
+    now."""
     if manager is not None:
         try:
             manager.shutdown(wait=False)
@@ -153,7 +157,8 @@ def exit_now(manager: Any, code: int) -> NoReturn:
 
 
 class CountedManager:
-    """The manager with every ``allreduce`` counted in ``stats`` (calls and bytes); everything else passes through.
+    """The manager with every ``allreduce`` counted in ``stats`` (calls and bytes); everything else passes
+    through.
 
     torchft's ``DiLoCo`` is given this object as its manager, so its pseudo-gradient all-reduces are counted
     like the FSDP hook's. Errors of an all-reduce (a peer died) are recorded by the manager and make
@@ -169,7 +174,9 @@ class CountedManager:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG
+    ) -> Any:
         self._stats["cross_group_allreduces"] += 1
         self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
         return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)

@@ -1,4 +1,5 @@
-"""The options of ``ft_hsdp`` beyond ``fsdp2``'s: where the replica group is, and the checks, before any process group.
+"""The options of ``ft_hsdp`` beyond ``fsdp2``'s: where the replica group is, and the checks, before any
+process group.
 
 ``FTHSDPStrategy.__init__`` declares them (its signature and docstring are the documentation); this module
 
@@ -47,15 +48,17 @@ class GroupPlacement:
     events_file: str | None
 
 
-def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None, num_replica_groups: int | None,
-                      events_file: str | None) -> GroupPlacement:
-    """The given values, else the launcher's environment; ``ValueError`` with a fix when a group is not named."""
+def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
+                      num_replica_groups: int | None, events_file: str | None) -> GroupPlacement:
+    """The given values, else the launcher's environment; ``ValueError`` with a fix when a group is not
+    named."""
     env = FTEnvironment.from_env()
     lighthouse_addr = lighthouse_addr or env.lighthouse_addr
     if lighthouse_addr is None:
         raise OptionError(
             f"ft_hsdp needs a torchft lighthouse: lighthouse_addr is not set and {LIGHTHOUSE_ENV} is empty. "
-            f"Fix: set strategy.init_args.lighthouse_addr or {LIGHTHOUSE_ENV}=http://<host>:<port>. {HOW_TO_START}"
+            "Fix: set strategy.init_args.lighthouse_addr or "
+            f"{LIGHTHOUSE_ENV}=http://<host>:<port>. {HOW_TO_START}"
         )
     lighthouse_host_port(lighthouse_addr)
     if replica_group_id is None:
@@ -65,7 +68,8 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
     if replica_group_id is None:
         raise OptionError(
             f"ft_hsdp: replica_group_id is missing. Fix: set strategy.init_args.replica_group_id or "
-            f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for each replica group (fsdp-strategies-ft sets it)."
+            f"{REPLICA_GROUP_ENV}=<0..num_replica_groups-1> for "
+            "each replica group (fsdp-strategies-ft sets it)."
         )
     fix_groups = (f"set strategy.init_args.num_replica_groups or {NUM_GROUPS_ENV} to the number of replica "
                   "groups (>= 1).")
@@ -80,7 +84,9 @@ def resolve_placement(lighthouse_addr: str | None, replica_group_id: int | None,
     events_file = events_file or env.events_file
     if events_file:
         events_file = events_file.replace("{replica_group_id}", str(int(replica_group_id)))
-    return GroupPlacement(lighthouse_addr, int(replica_group_id), int(num_replica_groups), events_file or None)
+    return GroupPlacement(
+        lighthouse_addr, int(replica_group_id), int(num_replica_groups), events_file or None
+    )
 
 
 def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoint_transport: str,
@@ -103,12 +109,14 @@ def check_ft_options(*, num_replica_groups: int, min_replica_size: int, checkpoi
 
 def resolve_timeouts(num_replica_groups: int, sync_every: int, timeout_s: float | None,
                      quorum_timeout_s: float | None, connect_timeout_s: float | None) -> Timeouts:
-    """The given timeouts, the others derived by :func:`~fsdp_strategies.ft.timeouts.derive_timeouts` (with the
-    lighthouse's values when the launcher passed them), checked together; an explicit set is returned as given."""
+    """The given timeouts, the others derived by :func:`~fsdp_strategies.ft.timeouts.derive_timeouts` (with
+    the lighthouse's values when the launcher passed them), checked together; an explicit set is returned as
+    given."""
     for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s),
                         ("connect_timeout_s", connect_timeout_s)):
         check_number(name, value, optional=True, prefix="ft_hsdp: ",
-                     fix="a positive number of seconds, or leave it unset to derive it (see fsdp_strategies.ft.timeouts).")
+                     fix="a positive number of seconds, or leave it unset "
+                         "to derive it (see fsdp_strategies.ft.timeouts).")
     lighthouse = LighthouseTimeouts.from_env()
     derived = derive_timeouts(num_replica_groups, sync_every=sync_every, lighthouse=lighthouse)
     timeout = derived.timeout_s if timeout_s is None else timeout_s
@@ -139,7 +147,8 @@ def check_training(accumulation: str, data_on_failure: str, accumulate_grad_batc
 
 
 def check_group_size(shard_degree: int | str, num_nodes: int, devices: int) -> None:
-    """Each replica group shards over all of its ranks: ``shard_degree`` is ``"auto"`` or ``num_nodes x devices``."""
+    """Each replica group shards over all of its ranks: ``shard_degree`` is ``"auto"`` or
+    ``num_nodes x devices``."""
     group_size = num_nodes * devices
     if shard_degree != "auto" and shard_degree != group_size:
         raise OptionError(

@@ -1,4 +1,5 @@
-"""Semi-synchronous ``ft_hsdp``: ``sync="local_sgd"`` / ``"diloco"`` on torchft's ``DiLoCo``, with FSDP2 in a group.
+"""Semi-synchronous ``ft_hsdp``: ``sync="local_sgd"`` / ``"diloco"`` on torchft's ``DiLoCo``, with FSDP2 in a
+group.
 
 Why: with ``sync="every_step"`` every FSDP unit's gradient crosses the replica groups every step; over
 slow links between groups that is the bottleneck. Here each group trains ``sync_every`` *inner* steps
@@ -34,13 +35,13 @@ What this module adds around it (torchft#171 -- DiLoCo with several ranks in a g
   the last sync are gone from the parameters, so :attr:`step` falls back by that much and those batches
   are trained again (the strategy also rolls the LR schedulers back to the round's start). The inner
   optimizer's moments are not rolled back (as in torchft).
-* **Preemption.** The per-step SIGTERM agreement of :mod:`fsdp_strategies.runtime.preemption` is an all-reduce on
-  the group's *own* gloo group (each replica group is its own ``torch.distributed`` world), not cross-group
+* **Preemption.** The per-step SIGTERM agreement of :mod:`fsdp_strategies.runtime.preemption` is an all-reduce
+  on the group's *own* gloo group (each replica group is its own ``torch.distributed`` world), not cross-group
   traffic, so it keeps running every inner step (no ``check_due`` given to its guard): every rank of a group
   stops at the same inner step; for the other groups that group is then absent, as after a kill.
 * **Counting.** The strategy hands in its :class:`fsdp_strategies.ft.manager.CountedManager`, so every
-  cross-group all-reduce of DiLoCo is counted (``cross_group_allreduces`` / ``cross_group_bytes`` in ``ft_stats``)
-  like the FSDP hook's.
+  cross-group all-reduce of DiLoCo is counted (``cross_group_allreduces`` / ``cross_group_bytes`` in
+  ``ft_stats``) like the FSDP hook's.
 
 Limits (torchft 0.2.0): a group that heals at a sync contributes a copy of its source peer's
 pseudo-gradient to that sync (the synchronous quorum makes it a participant), so that peer's round counts
@@ -73,52 +74,72 @@ SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 STATE_KEY = "fsdp_strategies_sync"
 
 
-def validate_sync_options(sync: str, sync_every: int, outer_lr: float, outer_momentum: float, num_fragments: int,
-                          data_on_failure: str) -> None:
+def validate_sync_options(sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
+                          num_fragments: int, data_on_failure: str) -> None:
     """Raise ``ValueError`` naming the option, its value and the fix (before any process group exists)."""
     if sync not in SYNC_MODES:
-        raise ValueError(f"ft_hsdp: sync={sync!r} is not a valid value. Fix: set strategy.init_args.sync to one of "
-                         f"{SYNC_MODES}.")
+        raise ValueError(
+            f"ft_hsdp: sync={sync!r} is not a valid value. Fix: set strategy.init_args.sync to one of "
+            f"{SYNC_MODES}."
+        )
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"ft_hsdp: sync_every={sync_every!r} is invalid. Fix: a positive integer (inner steps "
-                         "between outer syncs).")
+        raise ValueError(
+            f"ft_hsdp: sync_every={sync_every!r} is invalid. Fix: a positive integer (inner steps "
+            "between outer syncs)."
+        )
     if sync == "every_step":
         if sync_every != 1 or num_fragments != 1:
-            raise ValueError(f"ft_hsdp: sync_every={sync_every}, num_fragments={num_fragments} need a semi-synchronous "
-                             "mode. Fix: set strategy.init_args.sync to 'local_sgd' or 'diloco', or leave sync_every=1 "
-                             "and num_fragments=1.")
+            raise ValueError(
+                f"ft_hsdp: sync_every={sync_every}, num_fragments={num_fragments} need a semi-synchronous "
+                "mode. Fix: set strategy.init_args.sync to 'local_sgd' or 'diloco', or leave sync_every=1 "
+                "and num_fragments=1."
+            )
         return
     if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ValueError(f"ft_hsdp: num_fragments={num_fragments!r} is invalid. Fix: a positive integer (1 = plain "
-                         "DiLoCo, >1 = streaming DiLoCo).")
+        raise ValueError(
+            f"ft_hsdp: num_fragments={num_fragments!r} is invalid. Fix: a positive integer (1 = plain "
+            "DiLoCo, >1 = streaming DiLoCo)."
+        )
     if sync_every % num_fragments:
-        raise ValueError(f"ft_hsdp: sync_every={sync_every} is not a multiple of num_fragments={num_fragments} (each "
-                         "fragment syncs every sync_every steps, one fragment every sync_every/num_fragments steps). "
-                         f"Fix: set sync_every to a multiple of {num_fragments}.")
+        raise ValueError(
+            f"ft_hsdp: sync_every={sync_every} is not a multiple of num_fragments={num_fragments} (each "
+            "fragment syncs every sync_every steps, one fragment every sync_every/num_fragments steps). "
+            f"Fix: set sync_every to a multiple of {num_fragments}."
+        )
     if not (isinstance(outer_lr, (int, float)) and not isinstance(outer_lr, bool) and outer_lr > 0):
-        raise ValueError(f"ft_hsdp: outer_lr={outer_lr!r} is invalid. Fix: a positive number (DiLoCo uses 0.7).")
+        raise ValueError(
+            f"ft_hsdp: outer_lr={outer_lr!r} is invalid. Fix: a positive number (DiLoCo uses 0.7)."
+        )
     if not (isinstance(outer_momentum, (int, float)) and not isinstance(outer_momentum, bool)
             and 0 <= outer_momentum < 1):
-        raise ValueError(f"ft_hsdp: outer_momentum={outer_momentum!r} is invalid. Fix: a number in [0, 1) (DiLoCo uses "
-                         "0.9; 0 = plain SGD on the pseudo-gradient).")
+        raise ValueError(
+            f"ft_hsdp: outer_momentum={outer_momentum!r} is invalid. Fix: a number in [0, 1) (DiLoCo uses "
+            "0.9; 0 = plain SGD on the pseudo-gradient)."
+        )
     if sync == "local_sgd" and (outer_lr != 1.0 or outer_momentum != 0.0):
         raise ValueError(f"ft_hsdp: outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r} do not apply to "
-                         "sync='local_sgd' (plain model averaging). Fix: use sync='diloco' for an outer optimizer, or "
+                         "sync='local_sgd' (plain model averaging). Fix: "
+                         "use sync='diloco' for an outer optimizer, or "
                          "leave outer_lr=1.0 and outer_momentum=0.0.")
     if data_on_failure == "redistribute":
-        raise ValueError(f"ft_hsdp: data_on_failure='redistribute' needs a quorum every step, but sync={sync!r} forms one "
-                         "only at outer syncs. Fix: data_on_failure='skip' with sync='local_sgd'/'diloco', or "
-                         "sync='every_step'.")
+        raise ValueError(
+            f"ft_hsdp: data_on_failure='redistribute' needs a quorum every step, but sync={sync!r} forms one "
+            "only at outer syncs. Fix: data_on_failure='skip' with sync='local_sgd'/'diloco', or "
+            "sync='every_step'."
+        )
 
 
 def _fragments(model: nn.Module, n: int) -> list[nn.Module]:
-    """``n`` modules holding contiguous runs of ``model``'s parameters (near-equal sizes); ``[model]`` for 1."""
+    """``n`` modules holding contiguous runs of ``model``'s parameters (near-equal sizes); ``[model]`` for
+    1."""
     if n == 1:
         return [model]
     params = [p for p in model.parameters() if p.requires_grad]
     if len(params) < n:
-        raise ValueError(f"ft_hsdp: num_fragments={n} but the model has {len(params)} trainable parameter tensors. "
-                         f"Fix: num_fragments <= {len(params)}.")
+        raise ValueError(
+            f"ft_hsdp: num_fragments={n} but the model has {len(params)} trainable parameter tensors. "
+            f"Fix: num_fragments <= {len(params)}."
+        )
     total = sum(p.numel() for p in params)
     holders = [nn.Module() for _ in range(n)]
     sizes = [0] * n
@@ -161,7 +182,10 @@ class OuterSync:
             stats.setdefault(key, 0)
         fragments = _fragments(model, num_fragments)
         lr, momentum = (1.0, 0.0) if mode == "local_sgd" else (outer_lr, outer_momentum)
-        outer = [torch.optim.SGD(f.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0) for f in fragments]
+        outer = [
+            torch.optim.SGD(f.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0)
+            for f in fragments
+        ]
         self._after_quorum = after_quorum
         # DiLoCo backs up this rank's shards now and registers each fragment's state with the manager
         self._diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=sync_every, pin_memory=False)
@@ -173,7 +197,8 @@ class OuterSync:
         #: participants of the last sync and whether this group healed in it
         self.last_participants = 0
         self.healed = False
-        #: inner steps the last committed sync covered; seconds its quorum took (the wait for the other groups)
+        #: inner steps the last committed sync covered; seconds its quorum took (the wait for the other
+        #: groups)
         self.last_round = 0
         self.last_quorum_s = 0.0
         manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
@@ -215,15 +240,17 @@ class OuterSync:
     def sync(self, quorum: bool = True) -> bool:
         """One outer step of the fragment whose turn it is; committed or discarded on every member.
 
-        ``quorum=False``: the caller already formed this sync's quorum (``straggler_sync``: a group that healed
-        in its every-step quorum from groups that are in a semi-synchronous phase joins their outer sync).
+        ``quorum=False``: the caller already formed this sync's quorum (``straggler_sync``: a group that
+        healed in its every-step quorum from groups that are in a semi-synchronous phase joins their outer
+        sync).
         """
         self.last_quorum_s = 0.0
         if quorum:
             self._before_quorum()
             self.healed = False
             t0 = time.perf_counter()
-            self._manager.start_quorum()  # synchronous: a healing group has applied the peer's state on return
+            # synchronous: a healing group has applied the peer's state on return
+            self._manager.start_quorum()
             self.last_quorum_s = time.perf_counter() - t0
         if self._after_quorum is not None:
             self._after_quorum()

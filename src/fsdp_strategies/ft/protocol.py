@@ -14,7 +14,8 @@ Written once, here, and used by both sides:
   ``EX_TEMPFAIL``: stopped by SIGTERM, checkpoint written, requeue -- the launcher does not restart it, and
   exits with it once no group can finish), and :data:`UNFIXABLE_EXIT_CODE` (80: an error a restart would meet
   again -- not restarted). Distinct so the launcher can tell them apart
-  (:mod:`fsdp_strategies.ft.launch.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded SIGTERM.
+  (:mod:`fsdp_strategies.ft.launch.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded
+  SIGTERM.
 * **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
   ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
   of training -- and read by the launcher (fault injection at a committed step, "training finished",
@@ -85,7 +86,9 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(value)  # type: ignore[arg-type]
     except ValueError:
-        raise ValueError(f"Environment variable {name}={value!r} is not an integer. Fix: set it to a number.") from None
+        raise ValueError(
+            f"Environment variable {name}={value!r} is not an integer. Fix: set it to a number."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,10 @@ def wait_for_activation(env: FTEnvironment, poll_s: float = 0.02) -> float:
     standby_ready_file(path).touch()  # the launcher reports the spare as ready (every rank touches it)
     while not path.exists():
         if env.launcher_pid is not None and not _alive(env.launcher_pid):
-            raise SystemExit(f"ft_hsdp warm spare: its launcher (pid {env.launcher_pid}) is gone before activating "
-                             f"it ({STANDBY_ENV}={path}); exiting without training.")
+            raise SystemExit(
+                f"ft_hsdp warm spare: its launcher (pid {env.launcher_pid}) is gone before activating "
+                f"it ({STANDBY_ENV}={path}); exiting without training."
+            )
         time.sleep(poll_s)
     restore_normal_scheduling()
     return time.monotonic() - t0
@@ -192,13 +197,14 @@ def restore_normal_scheduling() -> None:
                 continue
     except PermissionError:
         warnings.warn("ft_hsdp warm spare: cannot leave SCHED_IDLE after activation (needs CAP_SYS_NICE or "
-                      "RLIMIT_NICE >= 20); this replica group trains at idle CPU priority. Fix: `ulimit -e 20` in "
+                      "RLIMIT_NICE >= 20); this replica group trains "
+                      "at idle CPU priority. Fix: `ulimit -e 20` in "
                       "the launcher's shell, or run without --warm-spares.", stacklevel=2)
 
 
 def _parse(lines: list[bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON objects of ``lines``; a line cut short by a kill (and whatever the next writer appended to it) is
-    skipped."""
+    """The JSON objects of ``lines``; a line cut short by a kill (and whatever the next writer appended to it)
+    is skipped."""
     for line in lines:
         try:
             record = json.loads(line)
@@ -220,22 +226,24 @@ class EventLog:
     * ``finished``: the committed step at the end of training (written before the slow teardown);
     * ``checkpoint``: the path of a checkpoint this group wrote, at committed step ``checkpoint_step`` (what a
       restarted group resumes from when no live peer is ahead of it, :func:`resume_file`);
-    * ``switch``: ``straggler_sync`` changed mode (``every_step`` or the fallback) at committed step ``switch_step``,
-      with the agreed ``cost`` (max over groups) and the per-group ``costs``.
+    * ``switch``: ``straggler_sync`` changed mode (``every_step`` or the fallback) at committed step
+      ``switch_step``, with the agreed ``cost`` (max over groups) and the per-group ``costs``.
     """
 
     def __init__(self, path: str | os.PathLike[str], max_age_s: float = 0.0) -> None:
         self.path = Path(path)
-        #: a read within this many seconds of the last look at the file reuses it (the launcher asks each group's
-        #: reader several times per pass of its 50 ms loop; one look per pass is enough). 0: look every time.
+        #: a read within this many seconds of the last look at the file reuses it (the launcher asks each
+        #: group's reader several times per pass of its 50 ms loop; one look per pass is enough). 0: look
+        #: every time.
         self.max_age_s = max_age_s
         self._reset()
 
     def _reset(self) -> None:
-        # reading is incremental: the launcher asks several times per 50 ms loop, and re-parsing a growing file
-        # each time cost it a whole core after a few thousand steps (on the cores the groups train on). A reader
-        # keeps only what its questions need, 16 bytes per committed step: keeping every parsed record grew the
-        # launcher by ~1.5 KB per group-step (ft_scale: ~5 GiB an hour at 1,024 groups stepping once a second)
+        # reading is incremental: the launcher asks several times per 50 ms loop, and re-parsing a growing
+        # file each time cost it a whole core after a few thousand steps (on the cores the groups train on). A
+        # reader keeps only what its questions need, 16 bytes per committed step: keeping every parsed record
+        # grew the launcher by ~1.5 KB per group-step (ft_scale: ~5 GiB an hour at 1,024 groups stepping once
+        # a second)
         self._offset = 0
         self._looked = -float("inf")  # time.monotonic() of the last look at the file
         self._partial = b""  # an unfinished last line (its writer may still be writing it)
@@ -299,7 +307,8 @@ class EventLog:
             self._finished = self._finished or "finished" in record
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """Every complete record (a line cut short by a kill is skipped), read from the file now (not kept)."""
+        """Every complete record (a line cut short by a kill is skipped), read from the file now (not
+        kept)."""
         try:
             data = self.path.read_bytes()
         except OSError:
@@ -325,7 +334,8 @@ class EventLog:
                 for r in self.records() if "checkpoint" in r]
 
     def left_since(self, since: float = 0.0) -> str | None:
-        """The reason of the last ``left`` record written at or after ``since``; None if the group did not leave."""
+        """The reason of the last ``left`` record written at or after ``since``; None if the group did not
+        leave."""
         self._refresh(fresh=True)  # asked once a group exited: its last record may be a few ms old
         return next((reason for t, reason in reversed(self._left) if t >= since), None)
 
@@ -361,5 +371,5 @@ class EventLog:
                 stretches[-1][2] += missed[step]
             else:
                 stretches.append([step, step, missed[step]])
-        return {"committed_steps": len(missed), "missed_samples": sum(missed.values()), "missed_stretches": stretches,
-                "redistributed_samples": sum(redistributed.values())}
+        return {"committed_steps": len(missed), "missed_samples": sum(missed.values()),
+                "missed_stretches": stretches, "redistributed_samples": sum(redistributed.values())}

@@ -1,4 +1,5 @@
-"""``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that step.
+"""``data_on_failure="redistribute"``: the groups in a step also train the missing groups' batches of that
+step.
 
 With the step-aligned data of :mod:`fsdp_strategies.ft.data`, the batch of every group at committed step
 ``s`` is known to every group (shard ``rank + world_size * group`` of the same sampler). When the quorum
@@ -38,7 +39,8 @@ class Redistributed(NamedTuple):
 
 
 def warn_unless_sharded(data: StepAlignedData | None) -> None:
-    """Redistribution needs the groups' batches to be shards of one sampler (else it is off: batches are skipped)."""
+    """Redistribution needs the groups' batches to be shards of one sampler (else it is off: batches are
+    skipped)."""
     if data is not None and not data.sharded:
         rank_zero_warn("ft_hsdp: data_on_failure='redistribute' needs the groups' data sharded by a "
                        "DistributedSampler; this loader is not, so a missing group's batches are skipped. "

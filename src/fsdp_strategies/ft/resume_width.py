@@ -112,11 +112,13 @@ def rest_after(saved: Layout, step: int, now: Layout, loader_drop_last: bool) ->
     layout ``saved`` (``None``: the checkpoint stopped at an epoch's end, nothing to split)."""
     if not saved.same_order(now):
         raise DataPositionError(
-            f"ft_hsdp cannot resume at another data-parallel layout here: the checkpoint's epoch order (dataset "
+            "ft_hsdp cannot resume at another data-parallel "
+            "layout here: the checkpoint's epoch order (dataset "
             f"of {saved.dataset_len} samples, shuffle={saved.shuffle}, seed={saved.seed}) differs from this "
             f"run's ({now.dataset_len}, shuffle={now.shuffle}, seed={now.seed}), so the samples already "
             "trained cannot be recomputed. Fix: resume with the checkpoint's dataset and sampler seed, or at "
-            f"its layout ({saved.width} shards of batch {saved.batch_size}).")
+            f"its layout ({saved.width} shards of batch {saved.batch_size})."
+        )
     epoch, trained = trained_before(saved, step * saved.accumulate)
     if trained >= saved.dataset_len:
         epoch, trained = epoch + 1, 0

@@ -56,16 +56,22 @@ def check_rounds(option: str, value: str, *, max_steps: int, sync_every: int, nu
     """
     where = f"{option}={value!r}"
     if max_steps <= 0 and not max_steps_required:
-        rank_zero_warn(f"ft_hsdp: {where} without max_steps: the inner steps after the last outer sync are not "
-                       "averaged across groups. Fix: stop with a max_steps multiple of sync_every.")
+        rank_zero_warn(
+            f"ft_hsdp: {where} without max_steps: the inner steps after the last outer sync are not "
+            "averaged across groups. Fix: stop with a max_steps multiple of sync_every."
+        )
     elif max_steps <= 0 or max_steps % sync_every:
         what = "is not set" if max_steps <= 0 else f"is not a multiple of sync_every={sync_every}"
-        raise ValueError(f"ft_hsdp: max_steps={max_steps} {what} with {where}: the last round would end without an "
-                         "outer sync and the groups would differ. Fix: set trainer.max_steps to a multiple of "
-                         f"sync_every={sync_every}.")
+        raise ValueError(
+            f"ft_hsdp: max_steps={max_steps} {what} with {where}: the last round would end without an "
+            "outer sync and the groups would differ. Fix: set trainer.max_steps to a multiple of "
+            f"sync_every={sync_every}."
+        )
     if num_optimizers != 1:
-        raise ValueError(f"ft_hsdp: {where} supports one optimizer, got {num_optimizers}. Fix: return a single "
-                         "optimizer from configure_optimizers.")
+        raise ValueError(
+            f"ft_hsdp: {where} supports one optimizer, got {num_optimizers}. Fix: return a single "
+            "optimizer from configure_optimizers."
+        )
 
 
 class SemiSync(SyncModeSwitch):
@@ -76,7 +82,8 @@ class SemiSync(SyncModeSwitch):
     strategy's ``ft_stats``.
     """
 
-    def __init__(self, *, sync: str, straggler_sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
+    def __init__(self, *, sync: str, straggler_sync: str, sync_every: int, outer_lr: float,
+                 outer_momentum: float,
                  num_fragments: int, replica_group_id: int, num_replica_groups: int) -> None:
         self.switchable = straggler_sync != "off"
         #: the semi-synchronous mode of the rounds (``straggler_sync``'s fallback, or ``sync``)
@@ -85,8 +92,8 @@ class SemiSync(SyncModeSwitch):
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.replica_group_id, self.num_replica_groups = replica_group_id, num_replica_groups
         self.outer: OuterSync | None = None
-        #: the agreed switch state (``straggler_sync`` on), the vote settings from the detector, the last cost this
-        #: group's detector reported, the vote of the step in flight (applied only if it commits)
+        #: the agreed switch state (``straggler_sync`` on), the vote settings from the detector, the last cost
+        #: this group's detector reported, the vote of the step in flight (applied only if it commits)
         self.switch: SwitchState | None = SwitchState() if self.switchable else None
         self._vote_cfg: tuple[float, int] | None = None
         self._reported_cost = 0.0
@@ -106,11 +113,13 @@ class SemiSync(SyncModeSwitch):
     # ------------------------------------------------------------------ state
     @property
     def active(self) -> bool:
-        """Whether steps are inner steps of a round now (``sync`` in rounds, or a ``straggler_sync`` phase)."""
+        """Whether steps are inner steps of a round now (``sync`` in rounds, or a ``straggler_sync``
+        phase)."""
         return self.outer is not None and (self.switch is None or self.switch.semi)
 
     def committed_step(self, manager_step: int) -> int:
-        """The step every group agrees on, given the manager's (which counts every-step steps and outer syncs)."""
+        """The step every group agrees on, given the manager's (which counts every-step steps and outer
+        syncs)."""
         if self.active:
             assert self.outer is not None
             return self.outer.step
@@ -170,11 +179,13 @@ class SemiSync(SyncModeSwitch):
         if self.switchable and self._vote_cfg is None:
             raise ValueError(f"ft_hsdp: straggler_sync={self.mode!r} needs a StragglerDetector with "
                              "action='semi_sync' (it measures the cost and sets the threshold). Fix: add "
-                             "{class_path: fsdp_strategies.callbacks.StragglerDetector, init_args: {action: semi_sync}} "
+                             "{class_path: fsdp_strategies.callbacks.StragglerDetector, "
+                             "init_args: {action: semi_sync}} "
                              "to trainer.callbacks, or straggler_sync='off'.")
         check_rounds(option, self.mode, max_steps=max_steps, sync_every=self.sync_every,
                      num_optimizers=len(optimizers), max_steps_required=self.switchable)
-        for sub in model.modules():  # a sanity-check validation leaves the root unsharded: DiLoCo needs shards
+        # a sanity-check validation leaves the root unsharded: DiLoCo needs shards
+        for sub in model.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
         self._manager, self._optimizer, self._device, self._stats = manager, optimizers[0], device, stats
@@ -196,18 +207,23 @@ class SemiSync(SyncModeSwitch):
         stats.setdefault("switches", 0)
         assert self._vote_cfg is not None
         threshold, patience = self._vote_cfg
-        rank_zero_info(f"ft_hsdp: straggler_sync={self.mode!r}: every-step reduction, switching to rounds of "
-                       f"{self.sync_every} steps while the cross-group cost > {threshold:.0%} of the step time for "
-                       f"{patience} boundaries (every {self.sync_every} committed steps), back below {threshold / 2:.0%}")
+        rank_zero_info(
+            f"ft_hsdp: straggler_sync={self.mode!r}: every-step reduction, switching to rounds of "
+            f"{self.sync_every} steps while the cross-group cost > {threshold:.0%} of the step time for "
+            f"{patience} boundaries (every {self.sync_every} committed steps), back below {threshold / 2:.0%}"
+        )
 
     # ------------------------------------------------------------------ the switch vote
     def vote_due(self, committed_step: int) -> bool:
-        """Every-step phase: the step that ends at a multiple of ``sync_every`` (decided after the quorum, so a
-        group that just healed has the quorum's step)."""
-        return self.switch is not None and self.outer is not None and (committed_step + 1) % self.sync_every == 0
+        """Every-step phase: the step that ends at a multiple of ``sync_every`` (decided after the quorum, so
+        a group that just healed has the quorum's step)."""
+        return (
+            self.switch is not None and self.outer is not None and (committed_step + 1) % self.sync_every == 0
+        )
 
     def vote(self) -> None:
-        """One boundary's vote, inside a step or sync; applied by :meth:`apply_vote` only when that commits."""
+        """One boundary's vote, inside a step or sync; applied by :meth:`apply_vote` only when that
+        commits."""
         assert self.switch is not None and self._vote_cfg is not None
         costs = torch.zeros(self.num_replica_groups, dtype=torch.float32, device=self._device)
         costs[self.replica_group_id] = self._reported_cost
@@ -231,7 +247,11 @@ class SemiSync(SyncModeSwitch):
             for param in group["params"]:
                 for key in sorted(opt.state.get(param, {})):
                     value = local(opt.state[param][key])
-                    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not value.is_floating_point():
+                    if (
+                        not isinstance(value, torch.Tensor)
+                        or value.dim() == 0
+                        or not value.is_floating_point()
+                    ):
                         continue  # step counters are equal on every group
                     copy = value.detach().clone()
                     works.append(self._manager.allreduce(copy, reduce_op=ReduceOp.AVG))
@@ -241,8 +261,8 @@ class SemiSync(SyncModeSwitch):
         return pairs
 
     def apply_vote(self, committed: bool) -> None:
-        """Apply the vote of the step/sync that just ended, if it committed (identical on every member); a switch
-        is kept in :attr:`sync_switch_events` and written to the events file."""
+        """Apply the vote of the step/sync that just ended, if it committed (identical on every member); a
+        switch is kept in :attr:`sync_switch_events` and written to the events file."""
         vote, self._pending_vote = self._pending_vote, None
         averaged, self._pending_opt_avg = self._pending_opt_avg, None
         if vote is None or not committed:
@@ -265,7 +285,9 @@ class SemiSync(SyncModeSwitch):
         to = self.mode if vote["semi"] else "every_step"
         event = {"step": step, "event": "switch", "to": to, "cost": vote["cost"], "costs": vote["costs"]}
         self._switch_events.append(event)
-        rank_zero_info(f"ft_hsdp: switch to {to} at committed step {step}: cross-group cost {vote['cost']:.0%} of the "
-                       f"step time (max over groups; threshold {self._vote_cfg[0]:.0%})")
+        rank_zero_info(
+            f"ft_hsdp: switch to {to} at committed step {step}: cross-group cost {vote['cost']:.0%} of the "
+            f"step time (max over groups; threshold {self._vote_cfg[0]:.0%})"
+        )
         if self._events is not None:
             self._events.write_switch(self.replica_group_id, step, to, vote["cost"], vote["costs"])

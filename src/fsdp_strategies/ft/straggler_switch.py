@@ -1,4 +1,5 @@
-"""``ft_hsdp(straggler_sync=...)``: switch between every-step cross-group reduction and local_sgd/diloco, and back.
+"""``ft_hsdp(straggler_sync=...)``: switch between every-step cross-group reduction and local_sgd/diloco, and
+back.
 
 Why: with ``sync="every_step"`` every step waits for the slowest replica group's cross-group traffic; a
 persistently slow group (or the link to it) costs every group that wait on every step. Semi-synchronous
@@ -16,7 +17,8 @@ This module holds the pieces that do not touch torchft or Lightning (unit-tested
   the threshold for ``patience`` boundaries; back when below half of it for ``patience`` boundaries).
 * :class:`CostClock` -- the cost estimator (see its docstring for what it measures and what it assumes).
 
-The agreement (the vote inside a step or outer sync) and the switch itself are :mod:`fsdp_strategies.ft.semi_sync`'s.
+The agreement (the vote inside a step or outer sync) and the switch itself are
+:mod:`fsdp_strategies.ft.semi_sync`'s.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ STRAGGLER_SYNC_MODES: tuple[str, ...] = get_args(StragglerSync)
 STATE_KEY = "fsdp_strategies_switch"
 
 
-def validate_straggler_sync(straggler_sync: str, sync: str, sync_every: int, outer_lr: float, outer_momentum: float,
-                            num_fragments: int, data_on_failure: str) -> None:
+def validate_straggler_sync(straggler_sync: str, sync: str, sync_every: int, outer_lr: float,
+                            outer_momentum: float, num_fragments: int, data_on_failure: str) -> None:
     """Raise ``ValueError`` naming the option, its value and the fix (before any process group exists)."""
     if straggler_sync not in STRAGGLER_SYNC_MODES:
         raise ValueError(f"ft_hsdp: straggler_sync={straggler_sync!r} is not a valid value. Fix: set "
@@ -45,18 +47,26 @@ def validate_straggler_sync(straggler_sync: str, sync: str, sync_every: int, out
     if straggler_sync == "off":
         return
     if sync != "every_step":
-        raise ValueError(f"ft_hsdp: straggler_sync={straggler_sync!r} with sync={sync!r}: the switch starts synchronous "
-                         "and falls back to straggler_sync's mode. Fix: sync='every_step' (sync_every, outer_lr, "
-                         "outer_momentum then describe the fallback), or straggler_sync='off'.")
+        raise ValueError(
+            f"ft_hsdp: straggler_sync={straggler_sync!r} with sync={sync!r}: the switch starts synchronous "
+            "and falls back to straggler_sync's mode. Fix: sync='every_step' (sync_every, outer_lr, "
+            "outer_momentum then describe the fallback), or straggler_sync='off'."
+        )
     if data_on_failure == "redistribute":
-        raise ValueError(f"ft_hsdp: data_on_failure='redistribute' with straggler_sync={straggler_sync!r}: the "
-                         "semi-synchronous phases form a quorum only at outer syncs. Fix: data_on_failure='skip', or "
-                         "straggler_sync='off'.")
+        raise ValueError(
+            f"ft_hsdp: data_on_failure='redistribute' with straggler_sync={straggler_sync!r}: the "
+            "semi-synchronous phases form a quorum only at outer syncs. Fix: data_on_failure='skip', or "
+            "straggler_sync='off'."
+        )
     if isinstance(num_fragments, bool) or num_fragments != 1:
-        raise ValueError(f"ft_hsdp: num_fragments={num_fragments!r} with straggler_sync={straggler_sync!r}: switching "
-                         "back to every-step reduction needs every parameter synced at the same step, which streaming "
-                         "DiLoCo never does. Fix: num_fragments=1.")
-    validate_sync_options(straggler_sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure)
+        raise ValueError(
+            f"ft_hsdp: num_fragments={num_fragments!r} with straggler_sync={straggler_sync!r}: switching "
+            "back to every-step reduction needs every parameter synced at the same step, which streaming "
+            "DiLoCo never does. Fix: num_fragments=1."
+        )
+    validate_sync_options(
+        straggler_sync, sync_every, outer_lr, outer_momentum, num_fragments, data_on_failure
+    )
 
 
 @dataclass
@@ -78,7 +88,11 @@ class SwitchState:
 
     def load(self, state: dict[str, Any]) -> None:
         self.semi = bool(state["semi"])
-        self.offset, self.streak, self.switches = int(state["offset"]), int(state["streak"]), int(state["switches"])
+        self.offset, self.streak, self.switches = (
+            int(state["offset"]),
+            int(state["streak"]),
+            int(state["switches"]),
+        )
 
 
 def decide(semi: bool, streak: int, cost: float, threshold: float, patience: int) -> tuple[bool, int]:
@@ -96,7 +110,8 @@ def decide(semi: bool, streak: int, cost: float, threshold: float, patience: int
 
 
 class CostClock:
-    """What cross-group traffic costs this rank, as a fraction of the step time *if every step reduced across groups*.
+    """What cross-group traffic costs this rank, as a fraction of the step time *if every step reduced across
+    groups*.
 
     Measured by the strategy, per Lightning step:
 
@@ -108,9 +123,9 @@ class CostClock:
       the last outer sync: ``quorum_s / round_steps + (sync_s - quorum_s)`` per step. The quorum is where the
       groups wait for the slowest one to finish its round; a group slower by ``d`` per step makes the others
       wait ``round_steps * d`` there, which every-step reduction would pay as ``d`` per step. The rest of the
-      sync (pseudo-gradient all-reduces of all parameters, vote, ``should_commit``) moves the same bytes as one
-      every-step step (gradients of the same parameters) through the same commit, so every step would pay it.
-      Each step's wall time is replaced by ``wall - actual cross-group time + estimate``. Limits: random
+      sync (pseudo-gradient all-reduces of all parameters, vote, ``should_commit``) moves the same bytes as
+      one every-step step (gradients of the same parameters) through the same commit, so every step would pay
+      it. Each step's wall time is replaced by ``wall - actual cross-group time + estimate``. Limits: random
       (non-persistent) skew between groups accumulates over a round less than linearly, so dividing the
       quorum wait by ``round_steps`` under-estimates it; the quorum's own fixed cost (lighthouse round trip)
       is divided too; the overlap of the quorum with compute that ``use_async_quorum`` gives synchronous
@@ -132,8 +147,8 @@ class CostClock:
         self.per_step_s = cross_s
 
     def sync_step(self, sync_s: float, quorum_s: float, round_steps: int) -> None:
-        """A semi-synchronous step that ended with an outer sync of ``sync_s`` seconds (``quorum_s`` of them in
-        the quorum) covering ``round_steps`` inner steps."""
+        """A semi-synchronous step that ended with an outer sync of ``sync_s`` seconds (``quorum_s`` of them
+        in the quorum) covering ``round_steps`` inner steps."""
         self.per_step_s = quorum_s / max(round_steps, 1) + max(sync_s - quorum_s, 0.0)
         self.cross_s += self.per_step_s
         self.extra_s += self.per_step_s - sync_s

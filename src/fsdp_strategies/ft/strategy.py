@@ -93,8 +93,10 @@ class FTHSDPStrategy(FSDP2Strategy):
         checkpoint_transport: how a healing group fetches the live state: ``"pg"`` (send/recv over
             the cross-group process group) or ``"http"`` (torchft's HTTP server).
         timeout_s: cross-group collectives, ``should_commit`` and the heal transfer; ``None``: 60 s.
-        quorum_timeout_s: longest wait for a quorum; ``None``: derived from N, the lighthouse's timeouts and a round.
-        connect_timeout_s: connecting to the lighthouse and peers' managers; ``None``: min(10 s, quorum timeout).
+        quorum_timeout_s: longest wait for a quorum; ``None``: derived from N, the lighthouse's timeouts and a
+            round.
+        connect_timeout_s: connecting to the lighthouse and peers' managers; ``None``: min(10 s, quorum
+            timeout).
         init_sync: at step 0 every group copies the weights of one group. With torchft 0.2.0 the copying
             groups contribute zero gradients to that first step while the average still divides by every
             group, so set ``False`` when all groups are seeded identically (``seed_everything``): no
@@ -111,21 +113,23 @@ class FTHSDPStrategy(FSDP2Strategy):
             share of the step's samples, so the step averages over the same global batch as a fault-free
             step. In this mode every step waits for its quorum before the forward pass (no overlap of the
             quorum with compute), and a step with missing groups runs larger per-rank batches.
-        sync: how the groups combine their training. ``"every_step"``: gradients are averaged across groups every
-            step (fully synchronous). ``"local_sgd"``: each group takes ``sync_every`` inner steps alone, then the
-            groups average their parameters. ``"diloco"``: the same rounds, then an outer Nesterov SGD step on the
-            averaged pseudo-gradient (``outer_lr``, ``outer_momentum``). Built on torchft's ``DiLoCo``; an outer step
-            is committed or discarded (rolled back to the last one) on every group. See :mod:`fsdp_strategies.ft.outer_sync`.
+        sync: how the groups combine their training. ``"every_step"``: gradients are averaged across groups
+            every step (fully synchronous). ``"local_sgd"``: each group takes ``sync_every`` inner steps
+            alone, then the groups average their parameters. ``"diloco"``: the same rounds, then an outer
+            Nesterov SGD step on the averaged pseudo-gradient (``outer_lr``, ``outer_momentum``). Built on
+            torchft's ``DiLoCo``; an outer step is committed or discarded (rolled back to the last one) on
+            every group. See :mod:`fsdp_strategies.ft.outer_sync`.
         sync_every: inner steps per round (``local_sgd``/``diloco``); ``max_steps`` must be a multiple of it.
         outer_lr: learning rate of the outer optimizer (``diloco``).
         outer_momentum: Nesterov momentum of the outer optimizer (``diloco``; 0 = plain SGD).
-        num_fragments: streaming DiLoCo: the parameters are split into this many fragments and one fragment syncs
-            every ``sync_every / num_fragments`` steps (1 = all at once).
-        straggler_sync: ``"off"``, or the semi-synchronous mode (``"local_sgd"``/``"diloco"``) to fall back to while
-            stragglers cost more than ``StragglerDetector(action="semi_sync", switch_threshold=...)`` allows; the run
-            starts with ``sync="every_step"`` and comes back to it. ``sync_every``/``outer_lr``/``outer_momentum``
-            describe the fallback. Needs that callback, ``num_fragments=1``, ``data_on_failure="skip"`` and a
-            ``max_steps`` multiple of ``sync_every``. See :mod:`fsdp_strategies.ft.straggler_switch`.
+        num_fragments: streaming DiLoCo: the parameters are split into this many fragments and one fragment
+            syncs every ``sync_every / num_fragments`` steps (1 = all at once).
+        straggler_sync: ``"off"``, or the semi-synchronous mode (``"local_sgd"``/``"diloco"``) to fall back to
+            while stragglers cost more than ``StragglerDetector(action="semi_sync", switch_threshold=...)``
+            allows; the run starts with ``sync="every_step"`` and comes back to it.
+            ``sync_every``/``outer_lr``/``outer_momentum`` describe the fallback. Needs that callback,
+            ``num_fragments=1``, ``data_on_failure="skip"`` and a ``max_steps`` multiple of ``sync_every``.
+            See :mod:`fsdp_strategies.ft.straggler_switch`.
         accumulation: what the non-final micro-batches of ``accumulate_grad_batches`` do inside a group, as
             for ``fsdp2``: ``"sharded"`` reduce-scatters each one (a shard's gradient memory), ``"no_sync"``
             keeps the unsharded gradients until the last. Across groups, either way: one all-reduce per step,
@@ -175,18 +179,27 @@ class FTHSDPStrategy(FSDP2Strategy):
         self.num_replica_groups = where.num_replica_groups
         self._preemption.checkpoint_name = f"last-preempt-group{self.replica_group_id}.ckpt"  # one per group
         self.min_replica_size, self.checkpoint_transport = min_replica_size, checkpoint_transport
-        self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = limits.timeout_s, limits.quorum_timeout_s, limits.connect_timeout_s
+        self.timeout_s, self.quorum_timeout_s, self.connect_timeout_s = (
+            limits.timeout_s,
+            limits.quorum_timeout_s,
+            limits.connect_timeout_s,
+        )
         self.init_sync, self.max_retries, self.hostname = init_sync, max_retries, hostname
         self.events_file = where.events_file
         self._events = EventLog(self.events_file) if self.events_file else None
 
         # the parts, each with one job (see their modules)
-        self._accounting = StepAccounting(self.replica_group_id, self.num_replica_groups, data_on_failure, self._events)
-        #: cumulative counters of this process (also logged as ``ft/*``), see :mod:`fsdp_strategies.ft.accounting`
+        self._accounting = StepAccounting(
+            self.replica_group_id, self.num_replica_groups, data_on_failure, self._events
+        )
+        #: cumulative counters of this process (also logged as ``ft/*``), see
+        #: :mod:`fsdp_strategies.ft.accounting`
         self.ft_stats = self._accounting.stats
-        self._semi = SemiSync(sync=sync, straggler_sync=straggler_sync, sync_every=sync_every, outer_lr=self.outer_lr,
+        self._semi = SemiSync(sync=sync, straggler_sync=straggler_sync, sync_every=sync_every,
+                              outer_lr=self.outer_lr,
                               outer_momentum=self.outer_momentum, num_fragments=num_fragments,
-                              replica_group_id=self.replica_group_id, num_replica_groups=self.num_replica_groups)
+                              replica_group_id=self.replica_group_id,
+                              num_replica_groups=self.num_replica_groups)
         state = self._training_state
         self._heal = HealState(state)
         #: the step protocol: the quorum / commit state of the step in flight (see ft/step.py)
@@ -212,7 +225,8 @@ class FTHSDPStrategy(FSDP2Strategy):
 
     @property
     def last_step_data(self) -> dict[str, Any]:
-        """The data of the last step (keys: :attr:`fsdp_strategies.ft.accounting.StepAccounting.last_step_data`)."""
+        """The data of the last step (keys:
+        :attr:`fsdp_strategies.ft.accounting.StepAccounting.last_step_data`)."""
         return self._accounting.last_step_data
 
     # ------------------------------------------------------------------ validation (no process group yet)
@@ -230,11 +244,12 @@ class FTHSDPStrategy(FSDP2Strategy):
             check_lighthouse(self.lighthouse_addr, self.connect_timeout_s)
             self._lighthouse_checked = True
 
-    # ------------------------------------------------------------------ set-up: the manager, the sampler, the hook
+    # ------------------------------------------------------------------ set-up: the manager, the sampler, the
+    # hook
     @override
     def setup_environment(self) -> None:
-        # a warm spare (fsdp-strategies-ft --warm-spares) has imported and built everything up to here; it joins
-        # nothing (no process group, no lighthouse) until the launcher activates it
+        # a warm spare (fsdp-strategies-ft --warm-spares) has imported and built everything up to here; it
+        # joins nothing (no process group, no lighthouse) until the launcher activates it
         env = FTEnvironment.from_env()
         if env.standby_file:
             waited = wait_for_activation(env)
@@ -245,7 +260,8 @@ class FTHSDPStrategy(FSDP2Strategy):
             device=self.root_device, rank=self.global_rank, world_size=self.world_size,
             replica_group_id=self.replica_group_id, lighthouse_addr=self.lighthouse_addr,
             min_replica_size=self.min_replica_size, checkpoint_transport=self.checkpoint_transport,
-            timeout_s=self.timeout_s, quorum_timeout_s=self.quorum_timeout_s, connect_timeout_s=self.connect_timeout_s,
+            timeout_s=self.timeout_s, quorum_timeout_s=self.quorum_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
             init_sync=self.init_sync, max_retries=self.max_retries, hostname=self.hostname,
             # torchft's DiLoCo needs the synchronous quorum (straggler_sync builds it in every mode)
             use_async_quorum=self.sync == "every_step" and not self._semi.switchable,
@@ -253,7 +269,8 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._step.bind(self._manager, CountedManager(self._manager, self.ft_stats), device=self.root_device,
                         world_size=self.data_parallel_size, writes_events=self.global_rank == 0)
         rank_zero_info(
-            f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} ({self.world_size} ranks), "
+            f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} "
+            f"({self.world_size} ranks), "
             f"lighthouse {self.lighthouse_addr}, min_replica_size={self.min_replica_size}, "
             f"transport={self.checkpoint_transport}"
         )
@@ -312,7 +329,9 @@ class FTHSDPStrategy(FSDP2Strategy):
             return
         # a resumed Lightning checkpoint sets global_step; the quorum's step must agree
         trainer = self.lightning_module.trainer
-        self._manager.load_state_dict({"step": trainer.global_step, "batches_committed": self._manager.batches_committed()})
+        self._manager.load_state_dict(
+            {"step": trainer.global_step, "batches_committed": self._manager.batches_committed()}
+        )
         self._data = self._step.data = StepAlignedData.install(trainer, self._saved_layout)
         if self.data_on_failure == "redistribute":
             warn_unless_sharded(self._data)
@@ -330,15 +349,17 @@ class FTHSDPStrategy(FSDP2Strategy):
         outer = self._semi.outer
         assert outer is not None
         rank_zero_info(f"ft_hsdp: sync={self.sync!r} every {self.sync_every} inner steps"
-                       f"{f' ({self.num_fragments} fragments)' if self.num_fragments > 1 else ''}; starting at "
+                       f"{f' ({self.num_fragments} fragments)' if self.num_fragments > 1 else ''}; "
+                       "starting at "
                        f"step {outer.step} ({outer.last_participants} groups in the first sync)")
 
     def _committed_step(self) -> int:
         """The step every group agrees on (see :meth:`fsdp_strategies.ft.step.FTStep.committed_step`)."""
         return self._step.committed_step()
 
-    # ------------------------------------------------------------------ straggler_sync: the SyncModeSwitch protocol
-    # (fsdp_strategies.protocols.SyncModeSwitch): implemented by the rounds' object, SemiSync; forwarded to it
+    # ------------------------------------------------------------------ straggler_sync: the SyncModeSwitch
+    # protocol (fsdp_strategies.protocols.SyncModeSwitch): implemented by the rounds' object, SemiSync;
+    # forwarded to it
     @property
     def sync_switch_available(self) -> bool:
         return self._semi.sync_switch_available
@@ -365,8 +386,14 @@ class FTHSDPStrategy(FSDP2Strategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Train the batch of the committed step (see :mod:`fsdp_strategies.ft.data`), then move it."""
         module = self.lightning_module
-        if self._data is not None and self._manager is not None and module is not None and module.trainer.training:
-            if self._semi.switchable:  # synchronous quorum: heal (and learn the mode) before picking the batch
+        if (
+            self._data is not None
+            and self._manager is not None
+            and module is not None
+            and module.trainer.training
+        ):
+            # synchronous quorum: heal (and learn the mode) before picking the batch
+            if self._semi.switchable:
                 self._step.begin()
             data, trainer = self._data, module.trainer
 
@@ -393,7 +420,9 @@ class FTHSDPStrategy(FSDP2Strategy):
             self._step.begin()  # once per step: the step's other micro-batches share its quorum
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -430,7 +459,8 @@ class FTHSDPStrategy(FSDP2Strategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        exit_if_unfixable(exception, self._manager)  # a restart would meet it again: the launcher must not retry
+        # a restart would meet it again: the launcher must not retry
+        exit_if_unfixable(exception, self._manager)
 
     @override
     def teardown(self) -> None:
@@ -451,7 +481,9 @@ class FTHSDPStrategy(FSDP2Strategy):
         return self._manager.participating_rank() == 0
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None
+    ) -> None:
         if self._is_checkpoint_writer():
             if self._data is not None:  # how the steps map to samples: a resume at another width follows it
                 checkpoint[resume_width.KEY] = self._data.layout().to_dict()

@@ -65,26 +65,32 @@ class HFExportMismatchError(HFExportError, StateMismatchError):
 
 
 def parse_size(value: int | str, option: str = "max_shard_size") -> int:
-    """Bytes in ``value``: an int, or a string such as ``"5GB"`` (10**9) / ``"500MiB"`` (2**20), as transformers reads it."""
+    """Bytes in ``value``: an int, or a string such as ``"5GB"`` (10**9) / ``"500MiB"`` (2**20), as
+    transformers reads it."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(value), flags=re.IGNORECASE)
     unit = match and match.group(2).upper()
     if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise HFExportError(f"{option}={value!r} is not a size. Fix: give a positive size such as 5GB, 500MB, "
-                            "2GiB or a number of bytes.")
+        raise HFExportError(
+            f"{option}={value!r} is not a size. Fix: give a positive size such as 5GB, 500MB, "
+            "2GiB or a number of bytes."
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-# ----------------------------------------------------------------------------------- which model, which config
+# ----------------------------------------------------------------------------------- which model, which
+# config
 def _model_class(name: str, where: str) -> type:
     import transformers
 
     cls = getattr(transformers, name, None)
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
-        raise HFExportError(f"{where} names the model class {name!r}, which transformers {transformers.__version__} "
-                            "does not provide. Fix: pass --hf-config DIR with a config.json whose 'architectures' "
-                            "names a transformers class.")
+        raise HFExportError(
+            f"{where} names the model class {name!r}, which transformers {transformers.__version__} "
+            "does not provide. Fix: pass --hf-config DIR with a config.json whose 'architectures' "
+            "names a transformers class."
+        )
     return cls
 
 
@@ -92,8 +98,10 @@ def _config_from_folder(folder: Path) -> Any:
     from transformers import AutoConfig
 
     if not (folder / "config.json").is_file():
-        raise HFExportError(f"hf_config={str(folder)!r} has no config.json. Fix: pass the folder the model was "
-                            "loaded from (its save_pretrained folder), which holds config.json.")
+        raise HFExportError(
+            f"hf_config={str(folder)!r} has no config.json. Fix: pass the folder the model was "
+            "loaded from (its save_pretrained folder), which holds config.json."
+        )
     return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
@@ -114,26 +122,36 @@ def _choose(records: list[dict[str, str]], prefix: str | None, hf_config: Path |
     if records:
         matching = [r for r in records if prefix is None or r["prefix"] == prefix]
         if prefix is None and len(records) > 1:
-            raise HFExportError(f"{source} holds {len(records)} Hugging Face models, under the prefixes "
-                                f"{', '.join(repr(r['prefix']) for r in records)}. Fix: choose one with --prefix.")
+            raise HFExportError(
+                f"{source} holds {len(records)} Hugging Face models, under the prefixes "
+                f"{', '.join(repr(r['prefix']) for r in records)}. Fix: choose one with --prefix."
+            )
         if not matching and hf_config is None:
             raise HFExportError(f"prefix={prefix!r}: {source} records Hugging Face models under "
-                                f"{', '.join(repr(r['prefix']) for r in records)} only. Fix: pass one of these, or "
+                                f"{', '.join(repr(r['prefix']) for r in records)} "
+                                "only. Fix: pass one of these, or "
                                 "--hf-config DIR for a model the checkpoint does not record.")
         chosen = matching[0] if matching else None
     if hf_config is not None:
         config = _config_from_folder(hf_config)
-        names = list(getattr(config, "architectures", None) or []) or ([chosen["class_name"]] if chosen else [])
+        names = list(getattr(config, "architectures", None) or []) or (
+            [chosen["class_name"]] if chosen else []
+        )
         if not names:
-            raise HFExportError(f"hf_config={str(hf_config)!r}: its config.json names no 'architectures'. Fix: add "
-                                '"architectures": ["<the model class, e.g. LlamaForCausalLM>"] to it.')
+            raise HFExportError(
+                f"hf_config={str(hf_config)!r}: its config.json names no 'architectures'. Fix: add "
+                '"architectures": ["<the model class, e.g. LlamaForCausalLM>"] to it.'
+            )
         cls = _model_class(names[0], f"{hf_config / 'config.json'}")
         generation = _generation_from_folder(hf_config)
-        return cls, config, generation, prefix if prefix is not None else (chosen["prefix"] if chosen else None)
+        return cls, config, generation, prefix if prefix is not None else (chosen["prefix"]
+                                                                           if chosen else None)
     if chosen is None:
-        raise HFExportError(f"{source} records no Hugging Face model (it was written by a strategy that does not "
-                            "record one, e.g. Lightning's ddp). Fix: pass --hf-config DIR, a folder with the model's "
-                            "config.json (e.g. the pretrained folder), and --prefix if the module holds several.")
+        raise HFExportError(
+            f"{source} records no Hugging Face model (it was written by a strategy that does not "
+            "record one, e.g. Lightning's ddp). Fix: pass --hf-config DIR, a folder with the model's "
+            "config.json (e.g. the pretrained folder), and --prefix if the module holds several."
+        )
     cls = _model_class(chosen["class_name"], f"{source}'s record")
     config = cls.config_class.from_dict(json.loads(chosen["config"]))
     generation = (GenerationConfig.from_dict(json.loads(chosen["generation_config"]))
@@ -232,8 +250,10 @@ def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_bytes
 
 def _check_output(out: Path) -> None:
     if out.is_file() or out.is_symlink() or (out.is_dir() and any(out.iterdir())):
-        raise HFExportError(f"output={str(out)!r} already exists and is not an empty folder. Fix: choose a new "
-                            "folder, or remove this one first (nothing in it is overwritten).")
+        raise HFExportError(
+            f"output={str(out)!r} already exists and is not an empty folder. Fix: choose a new "
+            "folder, or remove this one first (nothing in it is overwritten)."
+        )
 
 
 def export_hf(
@@ -267,8 +287,10 @@ def export_hf(
     """
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
-        raise HFExportError(f"dtype={dtype!r} is not supported. Fix: use one of {', '.join(DTYPES)}, or leave it "
-                            "unset to keep the checkpoint's dtype.")
+        raise HFExportError(
+            f"dtype={dtype!r} is not supported. Fix: use one of {', '.join(DTYPES)}, or leave it "
+            "unset to keep the checkpoint's dtype."
+        )
     if prefix is not None and prefix and not prefix.endswith("."):
         prefix += "."
     url = url_or_none(output)
@@ -284,8 +306,9 @@ def export_hf(
     _check_output(out)
     ckpt: VerifiedCheckpoint = open_checkpoint(checkpoint)
     records = hf_model_records(ckpt.extras, str(ckpt.path))
-    cls, config, generation, chosen_prefix = _choose(records, prefix, None if hf_config is None else Path(hf_config),
-                                                     ckpt.path)
+    cls, config, generation, chosen_prefix = _choose(
+        records, prefix, None if hf_config is None else Path(hf_config), ckpt.path
+    )
     model, expected, groups = _expected(cls, config)
     if chosen_prefix is None:
         chosen_prefix = _infer_prefix(ckpt.keys(), groups, cls, ckpt.path)
@@ -318,31 +341,53 @@ def main(argv: list[str] | None = None) -> int:
     """Console script ``fsdp-strategies-export CKPT OUT [--format torch|hf] ...``: rc 0 written, 1 failed."""
     parser = argparse.ArgumentParser(
         prog="fsdp-strategies-export",
-        description="Export a checkpoint written by fsdp_strategies (sharded folder or full file): --format torch "
-                    "(default) writes one plain state_dict file; --format hf writes a Hugging Face save_pretrained "
-                    "folder (safetensors, config.json) for transformers' from_pretrained.")
-    parser.add_argument("checkpoint", help="a checkpoint written by an fsdp_strategies strategy or Lightning (folder or file)")
-    parser.add_argument("output", help="--format torch: the .pt file to write; --format hf: the folder to write")
-    parser.add_argument("--format", choices=["torch", "hf"], default="torch", help="what to write (default: torch)")
-    parser.add_argument("--strip-prefix", default=None, help="torch: drop this prefix from every key, e.g. 'model.'")
-    parser.add_argument("--prefix", default=None, help="hf: the LightningModule attribute holding the HF model, e.g. 'model.'")
+        description="Export a checkpoint written by fsdp_strategies "
+        "(sharded folder or full file): --format torch "
+        "(default) writes one plain state_dict file; --format hf writes a Hugging Face save_pretrained "
+        "folder (safetensors, config.json) for transformers' from_pretrained.",
+    )
+    parser.add_argument(
+        "checkpoint", help="a checkpoint written by an fsdp_strategies strategy or Lightning (folder or file)"
+    )
+    parser.add_argument(
+        "output", help="--format torch: the .pt file to write; --format hf: the folder to write"
+    )
+    parser.add_argument(
+        "--format", choices=["torch", "hf"], default="torch", help="what to write (default: torch)"
+    )
+    parser.add_argument(
+        "--strip-prefix", default=None, help="torch: drop this prefix from every key, e.g. 'model.'"
+    )
+    parser.add_argument(
+        "--prefix", default=None, help="hf: the LightningModule attribute holding the HF model, e.g. 'model.'"
+    )
     parser.add_argument("--hf-config", default=None, metavar="DIR",
-                        help="hf: a folder with the model's config.json (e.g. the pretrained folder); needed when the "
+                        help="hf: a folder with the model's config.json "
+                             "(e.g. the pretrained folder); needed when the "
                              "checkpoint records no HF model (Lightning's ddp)")
-    parser.add_argument("--max-shard-size", default=None, help=f"hf: split the weights above this size (default {DEFAULT_MAX_SHARD_SIZE})")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="hf: cast floating-point weights (default: keep)")
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        help=f"hf: split the weights above this size (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="hf: cast floating-point weights (default: keep)")
     args = parser.parse_args(argv)
     try:
         if args.format == "torch":
             hf_only = [f"--{n.replace('_', '-')}" for n in ("prefix", "hf_config", "max_shard_size", "dtype")
                        if getattr(args, n) is not None]
             if hf_only:
-                raise HFExportError(f"{', '.join(hf_only)}: only for --format hf. Fix: add --format hf, or drop "
-                                    "it (--format torch takes --strip-prefix).")
+                raise HFExportError(
+                    f"{', '.join(hf_only)}: only for --format hf. Fix: add --format hf, or drop "
+                    "it (--format torch takes --strip-prefix)."
+                )
             out = export_consolidated(args.checkpoint, args.output, args.strip_prefix or "")
         else:
             if args.strip_prefix is not None:
-                raise HFExportError("--strip-prefix applies to --format torch only. Fix: use --prefix with --format hf.")
+                raise HFExportError(
+                    "--strip-prefix applies to --format torch only. Fix: use --prefix with --format hf."
+                )
             out = export_hf(args.checkpoint, args.output, prefix=args.prefix, hf_config=args.hf_config,
                             max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, dtype=args.dtype)
     except Exception as err:  # one line for the user, not a traceback

@@ -34,15 +34,19 @@ from fsdp_strategies.hf.pretrained import PretrainedSource, check_folder
 __all__ = ["defer_from_pretrained"]
 
 # from_pretrained options that change nothing for a local folder read into shards
-_HARMLESS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "proxies", "weights_only",
+_HARMLESS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "proxies",
+             "weights_only",
              "low_cpu_mem_usage", "trust_remote_code", "_from_auto", "_from_pipeline", "disable_mmap",
              "tqdm_class", "_commit_hash"}
 # options that do their own placement, quantisation or key handling: not compatible with loading into shards
 _REFUSED = {"device_map": "the strategy places every shard", "max_memory": "the strategy places every shard",
-            "offload_folder": "use the strategy's cpu_offload", "offload_buffers": "use the strategy's cpu_offload",
-            "quantization_config": "quantised loading is not supported", "tp_plan": "not a tensor-parallel strategy",
+            "offload_folder": "use the strategy's cpu_offload",
+            "offload_buffers": "use the strategy's cpu_offload",
+            "quantization_config": "quantised loading is not supported",
+            "tp_plan": "not a tensor-parallel strategy",
             "tp_size": "not a tensor-parallel strategy", "device_mesh": "the strategy builds the mesh",
-            "distributed_config": "the strategy builds the mesh", "gguf_file": "only safetensors folders are read",
+            "distributed_config": "the strategy builds the mesh",
+            "gguf_file": "only safetensors folders are read",
             "state_dict": "pass the weights as a folder", "variant": "only the default weight files are read",
             "key_mapping": "keys are matched as transformers saves them", "use_kernels": "not supported here",
             "adapter_kwargs": "load adapters after training starts", "adapter_name": "load adapters later",
@@ -56,17 +60,22 @@ def _refuse(cls_name: str, key: str, value: Any) -> None:
             key == "adapter_name" and value == "default"):
         return
     raise ValueError(
-        f"{cls_name}.from_pretrained({key}={value!r}) under the sharded strategy's meta_init: {_REFUSED[key]}. The "
-        f"strategy builds the model on the meta device and reads the weights into its shards. Fix: drop {key}=, "
-        "or build the model outside configure_model / with meta_init: false.")
+        f"{cls_name}.from_pretrained({key}={value!r}) under the "
+        f"sharded strategy's meta_init: {_REFUSED[key]}. The "
+        "strategy builds the model on the meta device and "
+        f"reads the weights into its shards. Fix: drop {key}=, "
+        "or build the model outside configure_model / with meta_init: false."
+    )
 
 
 def _meta_build(cls: type, path: Any, model_args: tuple[Any, ...], kwargs: dict[str, Any],
                 sources: list[PretrainedSource]) -> Any:
     name = cls.__name__
     if model_args:
-        raise ValueError(f"{name}.from_pretrained(path, *model_args) under the sharded strategy's meta_init: "
-                         "positional model arguments are not supported. Fix: pass them as keyword config overrides.")
+        raise ValueError(
+            f"{name}.from_pretrained(path, *model_args) under the sharded strategy's meta_init: "
+            "positional model arguments are not supported. Fix: pass them as keyword config overrides."
+        )
     subfolder = kwargs.pop("subfolder", "") or ""
     folder = check_folder(Path(str(path)) / subfolder if subfolder else path, f"{name}.from_pretrained")
     for key in list(kwargs):
@@ -84,7 +93,9 @@ def _meta_build(cls: type, path: Any, model_args: tuple[Any, ...], kwargs: dict[
     generation_config = kwargs.pop("generation_config", None)
     config = kwargs.pop("config", None)
     if config is None or isinstance(config, (str, Path)):
-        config, unused = cls.config_class.from_pretrained(config or folder, return_unused_kwargs=True, **kwargs)
+        config, unused = cls.config_class.from_pretrained(
+            config or folder, return_unused_kwargs=True, **kwargs
+        )
     else:
         unused = {}
         for key, value in kwargs.items():
@@ -93,8 +104,10 @@ def _meta_build(cls: type, path: Any, model_args: tuple[Any, ...], kwargs: dict[
             else:
                 unused[key] = value
     if unused:
-        raise ValueError(f"{name}.from_pretrained: {sorted(unused)} are neither config fields nor options this "
-                         "strategy knows. Fix: drop them, or set them on the config.")
+        raise ValueError(
+            f"{name}.from_pretrained: {sorted(unused)} are neither config fields nor options this "
+            "strategy knows. Fix: drop them, or set them on the config."
+        )
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if dtype is not None:
@@ -103,14 +116,18 @@ def _meta_build(cls: type, path: Any, model_args: tuple[Any, ...], kwargs: dict[
     model.eval()
     if generation_config is not None:
         model.generation_config = generation_config
-    elif (folder / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None:
+    elif (folder / "generation_config.json").is_file() and getattr(
+        model, "generation_config", None
+    ) is not None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder)
     origin = f"{name}.from_pretrained({str(path)!r})"
     sources.append(PretrainedSource(path=str(folder), strict=False, origin=origin, target=model))
-    rank_zero_info(f"{origin} under meta_init: built on the meta device; its weights are read into the shards "
-                   "after sharding (each rank reads only its own shards).")
+    rank_zero_info(
+        f"{origin} under meta_init: built on the meta device; its weights are read into the shards "
+        "after sharding (each rank reads only its own shards)."
+    )
     return model
 
 
@@ -118,7 +135,8 @@ def _meta_build(cls: type, path: Any, model_args: tuple[Any, ...], kwargs: dict[
 def defer_from_pretrained(sources: list[PretrainedSource]) -> Generator[None, None, None]:
     """While active, ``from_pretrained`` under the meta device builds on meta and appends to ``sources``.
 
-    Does nothing when ``transformers`` has not been imported (a module that calls ``from_pretrained`` imports it)."""
+    Does nothing when ``transformers`` has not been imported (a module that calls ``from_pretrained`` imports
+    it)."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
         yield
@@ -126,7 +144,9 @@ def defer_from_pretrained(sources: list[PretrainedSource]) -> Generator[None, No
     base = transformers.PreTrainedModel  # loads the modelling code if the module has not yet (~0.1 s)
     original = base.__dict__["from_pretrained"]
 
-    def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> Any:
+    def from_pretrained(
+        cls: type, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any
+    ) -> Any:
         if torch.get_default_device().type != "meta":
             return original.__func__(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         return _meta_build(cls, pretrained_model_name_or_path, model_args, kwargs, sources)

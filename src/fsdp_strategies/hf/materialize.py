@@ -1,13 +1,13 @@
 """A module built on the meta device made real after sharding, Hugging Face models through their own init.
 
 Lightning's materialisation (``to_empty`` on the root, then ``reset_parameters`` on every submodule that has
-one) leaves what a module has no ``reset_parameters`` for as uninitialised memory. Hugging Face models are made
-of such modules: ``LlamaRMSNorm``, and the rotary embedding whose ``inv_freq`` is a *non-persistent* buffer --
-never in a checkpoint file, so loading pretrained weights cannot repair it, and a model run with it is silently
-wrong. ``transformers`` itself initialises a model through ``PreTrainedModel.initialize_weights`` (each
-sub-model with its own ``_init_weights``; rotary tables recomputed from the config). Here every outermost
-``PreTrainedModel`` the module holds is initialised that way, on its shards (DTensor ``normal_``/``copy_`` act
-on each rank's local shard), and everything else as Lightning does.
+one) leaves what a module has no ``reset_parameters`` for as uninitialised memory. Hugging Face models are
+made of such modules: ``LlamaRMSNorm``, and the rotary embedding whose ``inv_freq`` is a *non-persistent*
+buffer -- never in a checkpoint file, so loading pretrained weights cannot repair it, and a model run with it
+is silently wrong. ``transformers`` itself initialises a model through ``PreTrainedModel.initialize_weights``
+(each sub-model with its own ``_init_weights``; rotary tables recomputed from the config). Here every
+outermost ``PreTrainedModel`` the module holds is initialised that way, on its shards (DTensor
+``normal_``/``copy_`` act on each rank's local shard), and everything else as Lightning does.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def pretrained_model_class() -> type | None:
 
 
 def hf_models(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(prefix, model) of every outermost ``PreTrainedModel`` in ``module``; the prefix ends with ``.`` (root: "")."""
+    """(prefix, model) of every outermost ``PreTrainedModel`` in ``module``; the prefix ends with ``.`` (root:
+    "")."""
     base = pretrained_model_class()
     if base is None:
         return
@@ -59,8 +60,8 @@ def _has_own_tensors(module: nn.Module) -> bool:
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta tensors of ``module`` on ``device`` and initialise them (see the module docstring).
 
-    Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split them.
-    Random draws on sharded parameters are those of the unsharded model on every device
+    Tied weights (GPT-2's head and embedding) are one tensor again afterwards, also where ``to_empty`` split
+    them. Random draws on sharded parameters are those of the unsharded model on every device
     (:func:`~fsdp_strategies.parallel.sharded_init.full_then_shard_random`)."""
     if not seam.has_meta_tensors(module):
         return
@@ -96,7 +97,10 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
             model.initialize_weights()
     if uninitialized:
         rank_zero_warn(
-            "Parameter initialization incomplete: these modules outside the Hugging Face models have parameters or "
-            f"buffers but no reset_parameters(), so their memory is uninitialised: {', '.join(sorted(uninitialized))}. "
-            "Fix: give them a reset_parameters(), load weights into them, or build them outside configure_model."
+            "Parameter initialization incomplete: these modules "
+            "outside the Hugging Face models have parameters or "
+            "buffers but no reset_parameters(), so their memory "
+            f"is uninitialised: {', '.join(sorted(uninitialized))}. "
+            "Fix: give them a reset_parameters(), load weights "
+            "into them, or build them outside configure_model."
         )

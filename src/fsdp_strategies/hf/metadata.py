@@ -85,7 +85,8 @@ def hf_checkpoint_metadata(module: nn.Module) -> dict[str, Any]:
 
 
 def hf_model_records(checkpoint_extras: dict[str, Any], source: str) -> list[dict[str, str]]:
-    """The records :func:`hf_checkpoint_metadata` left in a checkpoint's non-tensor entries, checked for shape.
+    """The records :func:`hf_checkpoint_metadata` left in a checkpoint's non-tensor entries, checked for
+    shape.
 
     Args:
         checkpoint_extras: the checkpoint dict (a full file) or its ``meta.pt`` (a sharded folder).
@@ -99,6 +100,8 @@ def hf_model_records(checkpoint_extras: dict[str, Any], source: str) -> list[dic
     if not isinstance(records, list) or not all(
         isinstance(r, dict) and all(isinstance(r.get(f), str) for f in fields) for r in records
     ):
-        raise ValueError(f"{source}: its '{HF_METADATA_KEY}' entry is malformed (expected a list of records with "
-                         f"{', '.join(fields)}). Fix: export with --hf-config DIR (the model's config.json folder).")
+        raise ValueError(
+            f"{source}: its '{HF_METADATA_KEY}' entry is malformed (expected a list of records with "
+            f"{', '.join(fields)}). Fix: export with --hf-config DIR (the model's config.json folder)."
+        )
     return records

@@ -1,4 +1,5 @@
-"""A ``save_pretrained`` folder (safetensors) read straight into a sharded model: each rank reads its own shards.
+"""A ``save_pretrained`` folder (safetensors) read straight into a sharded model: each rank reads its own
+shards.
 
 The model was built on the meta device, sharded (every parameter a DTensor holding this rank's piece) and
 materialised (:mod:`fsdp_strategies.hf.materialize`). Its sharded ``state_dict`` is then filled by
@@ -9,8 +10,8 @@ the full model.
 
 Keys are matched before anything is read:
 
-* the file's keys are those of the HF model (``model.layers.0...``); the module's are prefixed by the attribute
-  that holds it (``model.`` in ``self.model = ...``): the prefix is stripped;
+* the file's keys are those of the HF model (``model.layers.0...``); the module's are prefixed by the
+  attribute that holds it (``model.`` in ``self.model = ...``): the prefix is stripped;
 * tied parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are one tensor: the name the file
   has is loaded, its aliases need no entry;
 * a checkpoint of the task model loaded into its base model (or the reverse) differs by ``base_model_prefix``
@@ -41,7 +42,8 @@ from fsdp_strategies.checkpoint.load_into_fsdp import clean_name
 from fsdp_strategies.checkpoint.location import is_url
 from fsdp_strategies.hf.materialize import hf_models
 
-__all__ = ["PretrainedFolderError", "PretrainedFolderNotFoundError", "PretrainedMismatchError", "PretrainedSource",
+__all__ = ["PretrainedFolderError", "PretrainedFolderNotFoundError", "PretrainedMismatchError",
+           "PretrainedSource",
            "check_folder", "file_shapes", "load_pretrained", "resolve_prefix", "safetensors_keys"]
 
 _SHOW = 8
@@ -49,8 +51,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class PretrainedMismatchError(StateMismatchError):
-    """The pretrained folder's tensors do not match the model they are loaded into (names or shapes). An option
-    error: one line from the CLI."""
+    """The pretrained folder's tensors do not match the model they are loaded into (names or shapes). An
+    option error: one line from the CLI."""
 
     option_error = True
 
@@ -90,8 +92,8 @@ class PretrainedFolderNotFoundError(PretrainedFolderError, FileNotFoundError):
 def check_folder(path: str | Path, option: str) -> Path:
     """The folder as a Path, or one clear error naming ``option``, the file and the problem: no folder, no
     safetensors in it, no or a broken ``config.json``, an index that names a missing file, or a safetensors
-    file whose header safetensors itself cannot read (truncated, damaged). Reads headers only (no tensor data),
-    so it runs where the option is given, before any process group exists."""
+    file whose header safetensors itself cannot read (truncated, damaged). Reads headers only (no tensor
+    data), so it runs where the option is given, before any process group exists."""
     if is_url(path):
         raise PretrainedFolderNotFoundError(
             f"{option}={str(path)!r} is a URL: pretrained folders are read from a local or mounted file "
@@ -105,9 +107,13 @@ def check_folder(path: str | Path, option: str) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         legacy = sorted(p.name for p in folder.glob("*.bin"))
-        fix = (f"it holds {legacy}: legacy pickle weights are not read (they can run code). Fix: convert once "
-               "with `AutoModel...from_pretrained(DIR).save_pretrained(NEW_DIR)` (writes safetensors) and pass "
-               "NEW_DIR." if legacy else "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors).")
+        fix = (
+            f"it holds {legacy}: legacy pickle weights are not read (they can run code). Fix: convert once "
+            "with `AutoModel...from_pretrained(DIR).save_pretrained(NEW_DIR)` (writes safetensors) and pass "
+            "NEW_DIR."
+            if legacy
+            else "Fix: pass the folder `save_pretrained` wrote (config.json + *.safetensors)."
+        )
         raise PretrainedFolderNotFoundError(f"{option}={str(path)!r} has no *.safetensors file: {fix}")
     where = f"{option}={str(path)!r}"
     _check_json(folder / "config.json", where, "the model's configuration")
@@ -115,12 +121,16 @@ def check_folder(path: str | Path, option: str) -> Path:
     if index.exists():
         weight_map = _check_json(index, where, "which file holds each tensor").get("weight_map")
         if not isinstance(weight_map, dict):
-            raise PretrainedFolderError(f"{where}: {index} has no 'weight_map'. Fix: copy the folder again, or "
-                                        f"delete {INDEX_FILE} if the folder has one *.safetensors file.")
+            raise PretrainedFolderError(
+                f"{where}: {index} has no 'weight_map'. Fix: copy the folder again, or "
+                f"delete {INDEX_FILE} if the folder has one *.safetensors file."
+            )
         absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if absent:
-            raise PretrainedFolderError(f"{where}: {INDEX_FILE} names {len(absent)} file(s) the folder lacks: "
-                                        f"{_show(absent)}. Fix: copy the missing shard files into {folder}.")
+            raise PretrainedFolderError(
+                f"{where}: {INDEX_FILE} names {len(absent)} file(s) the folder lacks: "
+                f"{_show(absent)}. Fix: copy the missing shard files into {folder}."
+            )
     from safetensors import safe_open
 
     for file in files:
@@ -129,30 +139,39 @@ def check_folder(path: str | Path, option: str) -> Path:
                 fh.keys()
         except Exception as exc:  # safetensors' own reading of the header: truncated, not safetensors, ...
             raise PretrainedFolderError(
-                f"{where}: {file} ({file.stat().st_size:,} bytes) is damaged: safetensors cannot read it ({exc}); "
-                "a copy cut short or overwritten. Fix: copy or download that file again (compare its size with the "
-                "source's).") from None
+                f"{where}: {file} ({file.stat().st_size:,} bytes) "
+                f"is damaged: safetensors cannot read it ({exc}); "
+                "a copy cut short or overwritten. Fix: copy or "
+                "download that file again (compare its size with the "
+                "source's)."
+            ) from None
     return folder
 
 
 def _check_json(file: Path, where: str, holds: str) -> dict[str, Any]:
     if not file.is_file():
         raise PretrainedFolderError(f"{where}: {file} is missing ({holds}); the folder is not a complete "
-                                    "save_pretrained folder. Fix: copy that file from the source, or save the "
+                                    "save_pretrained folder. Fix: copy "
+                                    "that file from the source, or save the "
                                     "model again with save_pretrained.")
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PretrainedFolderError(f"{where}: {file} is not valid JSON ({exc}). Fix: copy that file again from "
-                                    "the source, or save the model again with save_pretrained.") from None
+        raise PretrainedFolderError(
+            f"{where}: {file} is not valid JSON ({exc}). Fix: copy that file again from "
+            "the source, or save the model again with save_pretrained."
+        ) from None
     if not isinstance(data, dict):
-        raise PretrainedFolderError(f"{where}: {file} holds a {type(data).__name__}, not a JSON object. Fix: copy "
-                                    "that file again from the source.")
+        raise PretrainedFolderError(
+            f"{where}: {file} holds a {type(data).__name__}, not a JSON object. Fix: copy "
+            "that file again from the source."
+        )
     return data
 
 
 def file_shapes(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor of the folder's safetensors files -> (file name, shape), from the headers (no tensor data)."""
+    """Each tensor of the folder's safetensors files -> (file name, shape), from the headers (no tensor
+    data)."""
     from safetensors import safe_open
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -176,7 +195,8 @@ def _config_differences(folder: Path, model: nn.Module | None) -> str:
         return ""
     ours = config.to_dict()
     diff = [f"{k}: folder {theirs[k]!r}, model {ours[k]!r}" for k in sorted(theirs)
-            if k in ours and isinstance(theirs[k], int) and not isinstance(theirs[k], bool) and theirs[k] != ours[k]]
+            if k in ours and isinstance(theirs[k], int) and not isinstance(theirs[k],
+                                                                           bool) and theirs[k] != ours[k]]
     return "; ".join(diff[:_SHOW])
 
 
@@ -194,14 +214,17 @@ def resolve_prefix(module: nn.Module, source: PretrainedSource) -> str:
         for name, sub in module.named_modules():
             if sub is source.target:
                 return clean_name(name + ".") if name else ""
-        raise RuntimeError(f"{source.origin}: the model it built is not part of the LightningModule. Fix: assign "
-                           "it to an attribute in configure_model (e.g. self.model = ...from_pretrained(...)).")
+        raise RuntimeError(
+            f"{source.origin}: the model it built is not part of the LightningModule. Fix: assign "
+            "it to an attribute in configure_model (e.g. self.model = ...from_pretrained(...))."
+        )
     if source.prefix is not None:
         return source.prefix if not source.prefix or source.prefix.endswith(".") else source.prefix + "."
     found = [prefix for prefix, _ in hf_models(module)]
     if len(found) > 1:
         raise ValueError(f"{source.origin}: the module holds {len(found)} Hugging Face models "
-                         f"({', '.join(p.rstrip('.') or '<root>' for p in found)}). Fix: set pretrained_prefix to "
+                         f"({', '.join(p.rstrip('.') or '<root>' for p in found)}). "
+                         "Fix: set pretrained_prefix to "
                          "the attribute the weights are for, e.g. pretrained_prefix: \"model.\".")
     return found[0] if found else ""
 
@@ -217,7 +240,8 @@ def _tied_aliases(module: nn.Module, prefix: str) -> dict[str, list[str]]:
 
 
 def _submodule(module: nn.Module, prefix: str) -> nn.Module | None:
-    """The submodule at ``prefix`` (a cleaned name: wrappers from compile / checkpointing are looked through)."""
+    """The submodule at ``prefix`` (a cleaned name: wrappers from compile / checkpointing are looked
+    through)."""
     if not prefix:
         return module
     for name, sub in module.named_modules():
@@ -251,7 +275,8 @@ def _ignored(module: nn.Module, prefix: str, attr: str) -> list[re.Pattern[str]]
 
 
 def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str = "") -> dict[str, Any]:
-    """Fill ``module``'s (sharded, materialised) weights under the source's prefix from its safetensors folder.
+    """Fill ``module``'s (sharded, materialised) weights under the source's prefix from its safetensors
+    folder.
 
     Call on every rank, after sharding and materialisation. Returns what was done: ``loaded``, ``missing``
     (left initialised), ``unexpected`` (in the file, unused), ``prefix``."""
@@ -263,8 +288,10 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str
     state = {clean_name(k): v for k, v in get_model_state_dict(module, options=options).items()}
     ours = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if not ours:
-        raise PretrainedMismatchError(f"{source.origin}: the module has no weights under prefix {prefix!r}. Fix: set "
-                                      "pretrained_prefix to the attribute that holds the HF model (e.g. \"model.\").")
+        raise PretrainedMismatchError(
+            f"{source.origin}: the module has no weights under prefix {prefix!r}. Fix: set "
+            'pretrained_prefix to the attribute that holds the HF model (e.g. "model.").'
+        )
     file_keys = safetensors_keys(folder)
     mapping = _align(file_keys, ours, _base_prefix(module, prefix))
     aliases = _tied_aliases(module, prefix)
@@ -282,9 +309,12 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str
     unexpected = {k for k in file_keys - used if not any(p.search(k) for p in ignore_unexpected)}
     if not mapping:
         raise PretrainedMismatchError(
-            f"{source.origin}: none of the {len(file_keys)} tensors of {folder} matches the module's weights under "
-            f"prefix {prefix!r} (file: {_show(file_keys)}; module: {_show(ours)}). Fix: point it at the folder of "
-            "this architecture, or set pretrained_prefix to the attribute that holds the HF model.")
+            f"{source.origin}: none of the {len(file_keys)} tensors "
+            f"of {folder} matches the module's weights under "
+            f"prefix {prefix!r} (file: {_show(file_keys)}; module: "
+            f"{_show(ours)}). Fix: point it at the folder of "
+            "this architecture, or set pretrained_prefix to the attribute that holds the HF model."
+        )
     if (missing_params or unexpected) and source.strict:
         mismatch = KeyMismatch(missing=tuple(sorted(missing_params)), unexpected=tuple(sorted(unexpected)))
         raise PretrainedMismatchError(
@@ -293,27 +323,38 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, log_prefix: str
             "holds this architecture; to start the missing parameters (e.g. a new head) from their fresh "
             "initialisation and ignore the extra tensors, set pretrained_strict: false.")
     if missing_params:
-        rank_zero_warn(f"{log_prefix}{source.origin}: these parameters are not in {folder} and keep their fresh "
-                       f"initialisation (train them): {_show(missing_params)}")
+        rank_zero_warn(
+            f"{log_prefix}{source.origin}: these parameters are not in {folder} and keep their fresh "
+            f"initialisation (train them): {_show(missing_params)}"
+        )
     if unexpected:
-        rank_zero_warn(f"{log_prefix}{source.origin}: these tensors of {folder} are not used: {_show(unexpected)}")
+        rank_zero_warn(
+            f"{log_prefix}{source.origin}: these tensors of {folder} are not used: {_show(unexpected)}"
+        )
     shapes = file_shapes(folder)
-    wrong = [f"{file_key} ({shapes[file_key][0]}): file {list(shapes[file_key][1])}, model {list(ours[key].shape)}"
+    wrong = [f"{file_key} ({shapes[file_key][0]}): file "
+             f"{list(shapes[file_key][1])}, model {list(ours[key].shape)}"
              for key, file_key in sorted(mapping.items())
              if file_key in shapes and tuple(ours[key].shape) != shapes[file_key][1]]
     if wrong:
         differ = _config_differences(folder, _submodule(module, prefix))
         raise PretrainedMismatchError(
-            f"{source.origin}: {len(wrong)} tensor(s) of {folder} have another shape than the module's under prefix "
+            f"{source.origin}: {len(wrong)} tensor(s) of {folder} "
+            "have another shape than the module's under prefix "
             f"{prefix!r}: {_show(wrong)}."
-            + (f" {folder / 'config.json'} and the model's config differ: {differ}. Fix: build the model from the "
-               "folder's own config (AutoConfig.from_pretrained(folder)), or point pretrained at the folder of this "
+            + (f" {folder / 'config.json'} and the model's config "
+               f"differ: {differ}. Fix: build the model from the "
+               "folder's own config (AutoConfig.from_pretrained(folder)), "
+               "or point pretrained at the folder of this "
                "model size." if differ else
-               f" The model was built with the same config as {folder / 'config.json'}, so that file does not "
-               "describe the weights (edited, or copied from another model size). Fix: restore the config.json "
+               " The model was built with the same config as "
+               f"{folder / 'config.json'}, so that file does not "
+               "describe the weights (edited, or copied from "
+               "another model size). Fix: restore the config.json "
                "saved with these weights, or point pretrained at the folder of this model size."))
     target = {file_key: ours[key] for key, file_key in mapping.items()}
     dcp.load(target, storage_reader=HuggingFaceStorageReader(str(folder)))
     rank_zero_info(f"{log_prefix}{source.origin}: {len(target)} tensors read from {folder} into the shards "
                    f"under {prefix or '<root>'!r} (each rank read only its own shards)")
-    return {"loaded": sorted(mapping), "missing": sorted(missing), "unexpected": sorted(unexpected), "prefix": prefix}
+    return {"loaded": sorted(mapping), "missing": sorted(missing), "unexpected": sorted(unexpected),
+            "prefix": prefix}

@@ -1,4 +1,5 @@
-"""Activation memory as a budget: what a forward keeps for backward, counted; what to keep, chosen; what to offload.
+"""Activation memory as a budget: what a forward keeps for backward, counted; what to keep, chosen; what to
+offload.
 
 * :mod:`~fsdp_strategies.memory.saved_bytes` -- bytes a forward leaves alive for backward, on any device.
 * :mod:`~fsdp_strategies.memory.budget` -- ``budget`` checkpointing: profile one block per kind on the real

@@ -1,4 +1,5 @@
-"""``budget`` activation checkpointing: keep what fits a memory target and costs most to recompute (eager, no compile).
+"""``budget`` activation checkpointing: keep what fits a memory target and costs most to recompute (eager, no
+compile).
 
 How a :class:`BudgetPlanner` chooses, on the real model and batch:
 
@@ -60,17 +61,20 @@ from fsdp_strategies.parallel.activation_checkpointing import (
 )
 from fsdp_strategies.parallel.ops import op_name
 
-__all__ = ["BlockProfile", "BudgetChoice", "BudgetNotMetError", "BudgetNotProfiledError", "BudgetPlanner", "OpCall", "choose", "profile_block"]
+__all__ = ["BlockProfile", "BudgetChoice", "BudgetNotMetError", "BudgetNotProfiledError", "BudgetPlanner",
+           "OpCall", "choose", "profile_block"]
 
 
-#: Ops whose number of calls in a block can differ between its forward and its recomputation, so that "the k-th
-#: call" names different tensors in the two: autocast's casts (its cast cache may hold a weight's cast in one pass and
-#: not in the other, e.g. when backward runs inside the autocast region). Never kept; cheap to recompute anyway.
+#: Ops whose number of calls in a block can differ between its forward and its recomputation, so that "the
+#: k-th call" names different tensors in the two: autocast's casts (its cast cache may hold a weight's cast in
+#: one pass and not in the other, e.g. when backward runs inside the autocast region). Never kept; cheap to
+#: recompute anyway.
 _UNKEYABLE = frozenset({"aten._to_copy"})
 
 
 class BudgetNotMetError(RuntimeError):
-    """The memory budget is below what recomputing every block keeps (a bad ``memory_budget``: an option error)."""
+    """The memory budget is below what recomputing every block keeps (a bad ``memory_budget``: an option
+    error)."""
 
     option_error = True
 
@@ -81,14 +85,16 @@ class BudgetNotProfiledError(RuntimeError):
 
 @dataclass(frozen=True)
 class OpCall:
-    """One op call in a block's forward: ``(name, index)`` is its key in a decision (``index``-th call of ``name``).
+    """One op call in a block's forward: ``(name, index)`` is its key in a decision (``index``-th call of
+    ``name``).
 
     Attributes:
         bytes: new storage it creates that saving it would keep (0 for its block's own output).
-        cost: what recomputing it costs: FLOPs, or output elements for ops without a FLOP formula; 0 for the ops
-            recomputation never reaches (after the last producer of a tensor autograd saves).
+        cost: what recomputing it costs: FLOPs, or output elements for ops without a FLOP formula; 0 for the
+            ops recomputation never reaches (after the last producer of a tensor autograd saves).
         flops: its FLOPs from the formulas (0 without one, or when recomputation never reaches it).
-        keepable: False when a later in-place op overwrites its output (selective checkpointing would refuse it).
+        keepable: False when a later in-place op overwrites its output (selective checkpointing would refuse
+            it).
     """
 
     name: str
@@ -110,7 +116,8 @@ class BlockProfile:
 
 
 class _Profiler(SavedBytes):
-    """Dispatch mode that notes each op call (see :func:`profile_block`); :class:`OpFlopCounter` runs below it."""
+    """Dispatch mode that notes each op call (see :func:`profile_block`); :class:`OpFlopCounter` runs below
+    it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +131,8 @@ class _Profiler(SavedBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:  # selective checkpointing's policy never sees these: keep the counts alike
+        # selective checkpointing's policy never sees these: keep the counts alike
+        if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         name = op_name(func)
         index = self.counts.get(name, 0)
@@ -138,7 +146,8 @@ class _Profiler(SavedBytes):
         out = func(*args, **kwargs)
         outs = list(plain_tensors(out))
         new = self.note(outs, input_tensors(args, kwargs)) if is_activation_op(func) else []
-        sizes = {k: _torch_seam.live_storage(self.refs[k][0]).nbytes() for k in new}  # now: freed later, maybe
+        # now: freed later, maybe
+        sizes = {k: _torch_seam.live_storage(self.refs[k][0]).nbytes() for k in new}
         self.raw.append({"name": name, "index": index, "new": sizes, "flops": self._flops,
                          "elements": sum(t.numel() for t in outs), "keepable": True})
         for key in new:
@@ -146,34 +155,42 @@ class _Profiler(SavedBytes):
         return out
 
 
-def profile_block(kind: str, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockProfile:
-    """Run ``forward(*args, **kwargs)`` once (grad enabled, RNG forked) and note its op calls; the result is dropped."""
+def profile_block(
+    kind: str, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> BlockProfile:
+    """Run ``forward(*args, **kwargs)`` once (grad enabled, RNG forked) and note its op calls; the result is
+    dropped."""
     profiler = _Profiler()
     saved: set[int] = set()
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:  # what autograd keeps: recomputation must reach its producer
+    # what autograd keeps: recomputation must reach its producer
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved.update(storage_id(t) for t in plain_tensors(tensor))
-        # a detached alias keeps the storage alive as autograd would; the tensor itself would tie an output to its
-        # own grad_fn, a cycle only a backward breaks -- this graph is dropped without one (measured: the profiled
-        # block's activations then stayed alive through the step)
+        # a detached alias keeps the storage alive as autograd would; the tensor itself would tie an output to
+        # its own grad_fn, a cycle only a backward breaks -- this graph is dropped without one (measured: the
+        # profiled block's activations then stayed alive through the step)
         return tensor.detach()
 
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = (
+        [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    )
     with (torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
           OpFlopCounter(profiler.on_flops), profiler):
         out = forward(*args, **kwargs)
     # Autocast caches its casts of the weights for the rest of the region: the block's real forward would then
-    # dispatch fewer casts than its recomputation (which starts with an empty cache) and selective checkpointing
-    # would find casts it never stored. Forget what this extra forward cached.
+    # dispatch fewer casts than its recomputation (which starts with an empty cache) and selective
+    # checkpointing would find casts it never stored. Forget what this extra forward cached.
     torch.clear_autocast_cache()
     out_keys = {storage_id(t) for t in plain_tensors(_torch_seam.tree_leaves(out))}
     none_bytes = profiler.alive()
     output_bytes = profiler.alive(ids=out_keys)
     del out
-    # Non-reentrant checkpointing stops recomputing once every tensor autograd saved is back: the ops after the
-    # last producer of one (typically the block's last matmul and residual add) never run again -- keeping their
-    # outputs would cost memory and save nothing.
-    last_needed = max((profiler.producer[k] for k in saved if k in profiler.producer), default=len(profiler.raw) - 1)
+    # Non-reentrant checkpointing stops recomputing once every tensor autograd saved is back: the ops after
+    # the last producer of one (typically the block's last matmul and residual add) never run again -- keeping
+    # their outputs would cost memory and save nothing.
+    last_needed = max(
+        (profiler.producer[k] for k in saved if k in profiler.producer), default=len(profiler.raw) - 1
+    )
     calls = []
     for position, raw in enumerate(profiler.raw):
         extra = sum(n for k, n in raw["new"].items() if k not in out_keys)
@@ -211,30 +228,38 @@ class BudgetChoice:
 
 def choose(profiles: dict[str, BlockProfile], counts: dict[str, int], outside_bytes: int, outputs_bytes: int,
            memory_budget: float) -> BudgetChoice:
-    """The calls to keep so that the step keeps at most ``memory_budget`` of ``none`` while recomputing least."""
+    """The calls to keep so that the step keeps at most ``memory_budget`` of ``none`` while recomputing
+    least."""
     none = outside_bytes + sum(counts[k] * p.none_bytes for k, p in profiles.items())
     floor = outside_bytes + outputs_bytes
     target = memory_budget * none
     if floor > target:
         raise BudgetNotMetError(
-            f"ActivationCheckpointing(mode='budget'): memory_budget={memory_budget:g} cannot be met: even recomputing "
+            "ActivationCheckpointing(mode='budget'): "
+            f"memory_budget={memory_budget:g} cannot be met: even recomputing "
             f"everything in every block keeps {floor / 2**20:.2f} MiB = {floor / max(none, 1):.3f} of the "
-            f"{none / 2**20:.2f} MiB kept without checkpointing ({outside_bytes / 2**20:.2f} MiB outside the blocks "
+            f"{none / 2**20:.2f} MiB kept without checkpointing "
+            f"({outside_bytes / 2**20:.2f} MiB outside the blocks "
             f"-- embeddings, head, loss -- and {outputs_bytes / 2**20:.2f} MiB of block outputs). Fix: "
-            f"memory_budget >= {math.ceil(1000 * floor / max(none, 1)) / 1000:g}, or offload: true, or checkpoint more "
+            f"memory_budget >= {math.ceil(1000 * floor / max(none, 1)) / 1000:g}, "
+            "or offload: true, or checkpoint more "
             "of the model (block_class_names)."
         )
     candidates = [(kind, call) for kind, p in profiles.items() for call in p.calls
-                  if call.keepable and call.cost > 0 and (call.bytes > 0 or call.flops > 0) and call.name not in _UNKEYABLE]
-    candidates.sort(key=lambda kc: (-(kc[1].cost / kc[1].bytes if kc[1].bytes else math.inf), kc[0], kc[1].name,
-                                    kc[1].index))
+                  if call.keepable and call.cost > 0 and (call.bytes > 0 or call.flops > 0)
+                      and call.name not in _UNKEYABLE]
+    candidates.sort(key=lambda kc: (-(kc[1].cost / kc[1].bytes if kc[1].bytes else math.inf), kc[0],
+                                    kc[1].name, kc[1].index))
     used, keep = 0.0, {kind: set() for kind in profiles}
     for kind, call in candidates:
         extra = counts[kind] * call.bytes
-        if floor + used + extra <= target + 1:  # whole bytes: a target computed as a fraction may round just below
+        # whole bytes: a target computed as a fraction may round just below
+        if floor + used + extra <= target + 1:
             keep[kind].add((call.name, call.index))
             used += extra
-    recompute = sum(counts[k] * c.flops for k, p in profiles.items() for c in p.calls if (c.name, c.index) not in keep[k])
+    recompute = sum(
+        counts[k] * c.flops for k, p in profiles.items() for c in p.calls if (c.name, c.index) not in keep[k]
+    )
     full = sum(counts[k] * c.flops for k, p in profiles.items() for c in p.calls)
     return BudgetChoice(
         keep={k: frozenset(v) for k, v in keep.items()}, memory_budget=memory_budget, none_bytes=int(none),
@@ -249,20 +274,25 @@ class BudgetPlanner:
 
     Args:
         model: a module whose blocks were checkpointed with ``mode="budget"``.
-        memory_budget: target bytes kept for backward, as a fraction (0..1] of those kept without checkpointing.
+        memory_budget: target bytes kept for backward, as a fraction (0..1] of those kept without
+            checkpointing.
         agree: makes every rank's result one (e.g. a broadcast from rank 0): given this rank's choice or its
             :class:`BudgetNotMetError`, returns the one to use; ``None``: single process.
         log: called with a line after choosing and after measuring.
 
-    Use: ``with planner.forward(): loss = step(batch)`` around each training forward (backward after the block).
+    Use: ``with planner.forward(): loss = step(batch)`` around each training forward (backward after the
+    block).
     """
 
-    def __init__(self, model: nn.Module, memory_budget: float, *, agree: Callable[[BudgetChoice | BaseException], BudgetChoice | BaseException] | None = None,
+    def __init__(self, model: nn.Module, memory_budget: float, *,
+                 agree: Callable[[BudgetChoice | BaseException], BudgetChoice | BaseException] | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         decision = budget_decision(model)
         if decision is None:
-            raise ValueError("BudgetPlanner: the model has no blocks checkpointed with mode='budget'. Fix: call "
-                             "apply_activation_checkpointing(model, 'budget') first.")
+            raise ValueError(
+                "BudgetPlanner: the model has no blocks checkpointed with mode='budget'. Fix: call "
+                "apply_activation_checkpointing(model, 'budget') first."
+            )
         self.decision = decision
         self.memory_budget = memory_budget
         self.counts = Counter(block_kind(block) for block in checkpointed_blocks(model))
@@ -279,7 +309,9 @@ class BudgetPlanner:
         """Whether the choice is made and measured."""
         return self.phase == "done"
 
-    def _profile(self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _profile(
+        self, block: nn.Module, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         kind = block_kind(block)
         if kind not in self.profiles:
             self.profiles[kind] = profile_block(kind, inner, args, kwargs)
@@ -309,14 +341,18 @@ class BudgetPlanner:
             if not self.profiles:
                 self.phase = "done"
                 raise BudgetNotProfiledError(
-                    "ActivationCheckpointing(mode='budget'): no checkpointed block ran a training forward in the first "
-                    "step, so there was nothing to profile (the blocks ran compiled -- compile_blocks or torch.compile "
-                    "trace past the profiling hook -- or the forward ran under torch.no_grad). The blocks stay fully "
+                    "ActivationCheckpointing(mode='budget'): no "
+                    "checkpointed block ran a training forward in the first "
+                    "step, so there was nothing to profile (the blocks "
+                    "ran compiled -- compile_blocks or torch.compile "
+                    "trace past the profiling hook -- or the forward "
+                    "ran under torch.no_grad). The blocks stay fully "
                     "checkpointed. Fix: do not compile the blocks with mode='budget', or use a fixed mode "
                     "(selective_op, full) with compiled blocks."
                 )
             missing = sorted(set(self.counts) - set(self.profiles))
-            if missing:  # a block kind not run in this forward keeps nothing (as full) until a later step runs it
+            # a block kind not run in this forward keeps nothing (as full) until a later step runs it
+            if missing:
                 self.profiles.update({k: BlockProfile(k, [], 0, 0) for k in missing})
             result: BudgetChoice | BaseException
             try:
@@ -334,12 +370,16 @@ class BudgetPlanner:
             if self.log is not None:
                 kept = sum(len(v) for v in choice.keep.values())
                 self.log(
-                    f"ActivationCheckpointing(mode='budget', memory_budget={choice.memory_budget:g}): keeping {kept} op "
-                    f"output(s) per block set {choice.kept_calls}; predicted {choice.predicted_bytes / 2**20:.2f} MiB "
+                    "ActivationCheckpointing(mode='budget', "
+                    f"memory_budget={choice.memory_budget:g}): keeping {kept} op "
+                    f"output(s) per block set {choice.kept_calls}; "
+                    f"predicted {choice.predicted_bytes / 2**20:.2f} MiB "
                     f"kept for backward = {choice.predicted_bytes / max(choice.none_bytes, 1):.3f} of "
-                    f"{choice.none_bytes / 2**20:.2f} MiB without checkpointing (floor with everything recomputed: "
+                    f"{choice.none_bytes / 2**20:.2f} MiB without "
+                    "checkpointing (floor with everything recomputed: "
                     f"{choice.floor_bytes / max(choice.none_bytes, 1):.3f}); recomputes "
-                    f"{choice.recompute_flops / 1e9:.4g} of {choice.full_recompute_flops / 1e9:.4g} GFLOP that full would"
+                    f"{choice.recompute_flops / 1e9:.4g} of "
+                    f"{choice.full_recompute_flops / 1e9:.4g} GFLOP that full would"
                 )
         else:
             self.measured_bytes = tracker.alive()
@@ -347,7 +387,8 @@ class BudgetPlanner:
             self.phase = "done"
             if self.log is not None and self.choice is not None:
                 self.log(
-                    f"ActivationCheckpointing(mode='budget'): measured {self.measured_bytes / 2**20:.2f} MiB kept for "
+                    "ActivationCheckpointing(mode='budget'): measured "
+                    f"{self.measured_bytes / 2**20:.2f} MiB kept for "
                     f"backward (predicted {self.choice.predicted_bytes / 2**20:.2f} MiB; "
                     f"{self.measured_bytes / max(self.choice.none_bytes, 1):.3f} of no checkpointing, budget "
                     f"{self.choice.memory_budget:g})"
@@ -359,7 +400,7 @@ class BudgetPlanner:
         if c is None:
             return {"phase": self.phase}
         return {"phase": self.phase, "memory_budget": c.memory_budget, "none_bytes": c.none_bytes,
-                "floor_bytes": c.floor_bytes, "predicted_bytes": c.predicted_bytes, "measured_bytes": self.measured_bytes,
-                "measured_by_tag": dict(self.measured_by_tag),
+                "floor_bytes": c.floor_bytes, "predicted_bytes": c.predicted_bytes,
+                "measured_bytes": self.measured_bytes, "measured_by_tag": dict(self.measured_by_tag),
                 "recompute_flops": c.recompute_flops, "full_recompute_flops": c.full_recompute_flops,
                 "kept_calls": c.kept_calls}

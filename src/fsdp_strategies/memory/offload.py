@@ -1,4 +1,5 @@
-"""Activation offload: what autograd saves inside the transformer blocks goes to host memory, and comes back for backward.
+"""Activation offload: what autograd saves inside the transformer blocks goes to host memory, and comes back
+for backward.
 
 Each block instance gets a ``forward`` attribute that runs the block's forward under
 ``torch.autograd.graph.saved_tensors_hooks``: a tensor autograd saves is copied to host memory (pinned,
@@ -37,7 +38,8 @@ _INNER = "_fsdp_strategies_offload_inner"  # on a block: the forward that runs u
 
 
 class OffloadStats:
-    """Counters of one :func:`apply_activation_offload` call: blocks wrapped, tensors and bytes sent to host memory."""
+    """Counters of one :func:`apply_activation_offload` call: blocks wrapped, tensors and bytes sent to host
+    memory."""
 
     def __init__(self, min_bytes: int) -> None:
         self.min_bytes = min_bytes
@@ -55,18 +57,18 @@ class _OnHost:
         self.device, self.host = device, host
 
 
-def _pack(params: set[int], stats: OffloadStats, copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]],
-          tensor: torch.Tensor) -> Any:
+def _pack(params: set[int], stats: OffloadStats,
+          copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]], tensor: torch.Tensor) -> Any:
     if (type(tensor) is not torch.Tensor or tensor.is_sparse or tensor.device.type == "meta"
             or tensor.numel() * tensor.element_size() < stats.min_bytes or storage_key(tensor) in params):
-        # left on the device (a detached alias: the values are all backward needs, and a graph dropped without a
-        # backward then frees it -- the tensor itself would tie a saved output to its own grad_fn)
+        # left on the device (a detached alias: the values are all backward needs, and a graph dropped without
+        # a backward then frees it -- the tensor itself would tie a saved output to its own grad_fn)
         return tensor.detach()
-    # several ops save the same tensor (q, k and v projections all save their input): one host copy serves them
-    # (unless it was modified in place in between: the version counter is part of the key)
+    # several ops save the same tensor (q, k and v projections all save their input): one host copy serves
+    # them (unless it was modified in place in between: the version counter is part of the key)
     # The storage is named by its identity, and the weak reference kept with the copy stops that identity from
-    # being reused by a later tensor of this forward (without it, a freed storage's address went to a new tensor
-    # of the same shape, which then got the old tensor's host copy -- seen under bf16 autocast)
+    # being reused by a later tensor of this forward (without it, a freed storage's address went to a new
+    # tensor of the same shape, which then got the old tensor's host copy -- seen under bf16 autocast)
     ref = StorageWeakRef(tensor.untyped_storage())
     key = (int(ref.cdata), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
            _torch_seam.tensor_version(tensor))
@@ -91,8 +93,10 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     stats: OffloadStats = getattr(self, _MARK)
-    params = {storage_key(t) for p in self.parameters() for t in plain_tensors(p)}  # unsharded now, under FSDP2
-    copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]] = {}  # this forward's host copies, by their tensor
+    # unsharded now, under FSDP2
+    params = {storage_key(t) for p in self.parameters() for t in plain_tensors(p)}
+    # this forward's host copies, by their tensor
+    copies: dict[tuple[Any, ...], tuple[StorageWeakRef, _OnHost]] = {}
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, params, stats, copies), _unpack):
         return getattr(self, _INNER)(*args, **kwargs)
 

@@ -64,8 +64,8 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 def storage_id(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage object (``StorageWeakRef.cdata``): the same for every view of it, and not
-    reused for another storage while a weak reference to it is held."""
+    """Identity of a tensor's storage object (``StorageWeakRef.cdata``): the same for every view of it, and
+    not reused for another storage while a weak reference to it is held."""
     return int(StorageWeakRef(tensor.untyped_storage()).cdata)
 
 
@@ -88,8 +88,8 @@ class SavedBytes(TorchDispatchMode):
         self.refs: dict[int, tuple[StorageWeakRef, str]] = {}
 
     def note(self, tensors: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = ()) -> list[int]:
-        """Note these tensors' storages (first time only), except those of ``inputs`` (a view makes no storage);
-        returns the :func:`storage_id` of each storage newly noted."""
+        """Note these tensors' storages (first time only), except those of ``inputs`` (a view makes no
+        storage); returns the :func:`storage_id` of each storage newly noted."""
         tag = self._tag() if self._tag is not None else ""
         old = {storage_id(t) for t in inputs}
         new = []
@@ -111,7 +111,9 @@ class SavedBytes(TorchDispatchMode):
             self.note(plain_tensors(out), input_tensors(args, kwargs))
         return out
 
-    def alive(self, exclude: Iterable[int] = (), tag: str | None = None, ids: Iterable[int] | None = None) -> int:
+    def alive(
+        self, exclude: Iterable[int] = (), tag: str | None = None, ids: Iterable[int] | None = None
+    ) -> int:
         """Bytes of the noted storages still alive now.
 
         Args:

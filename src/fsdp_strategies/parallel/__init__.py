@@ -11,8 +11,8 @@ the strategies are Lightning glue over it, and plain-torch loops can call it too
 * :mod:`~fsdp_strategies.parallel.ops` -- op names (attention kernels, matmuls) shared with the FLOP counter;
 * :mod:`~fsdp_strategies.parallel.tensor_parallel` -- tensor parallelism from a plan;
 * :mod:`~fsdp_strategies.parallel.parallelize` -- compile, ``fully_shard`` and :func:`parallelize`;
-* :mod:`~fsdp_strategies.parallel.replicated_params` -- 0-d parameters ``fully_shard`` cannot shard, kept whole
-  on every rank with data-parallel gradients.
+* :mod:`~fsdp_strategies.parallel.replicated_params` -- 0-d parameters ``fully_shard`` cannot shard, kept
+  whole on every rank with data-parallel gradients.
 """
 
 from fsdp_strategies.parallel.activation_checkpointing import apply_activation_checkpointing, is_recomputing

@@ -2,9 +2,10 @@
 
 Modes: ``full``, ``selective_op`` (keep the outputs of listed ops, recompute the rest),
 ``selective_layer`` (every n-th block), ``budget`` (keep the outputs of the op calls a planner chose,
-:mod:`fsdp_strategies.memory.budget`; until it has chosen, nothing is kept, as ``full``) and ``none``. :class:`fsdp_strategies.callbacks.ActivationCheckpointing`
-is the Lightning glue over :func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize`
-applies it in the order tensor parallelism -> checkpoint -> compile -> shard.
+:mod:`fsdp_strategies.memory.budget`; until it has chosen, nothing is kept, as ``full``) and ``none``.
+:class:`fsdp_strategies.callbacks.ActivationCheckpointing` is the Lightning glue over
+:func:`apply_activation_checkpointing`; :func:`fsdp_strategies.parallel.parallelize` applies it in the order
+tensor parallelism -> checkpoint -> compile -> shard.
 
 * Blocks are found with :func:`fsdp_strategies.parallel.blocks.find_transformer_blocks`, the same rule the
   sharding strategies use, so checkpoint regions and FSDP units coincide.
@@ -82,7 +83,8 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 _MARK = "_fsdp_strategies_ac"  # on a block: the _BlockPlan applied to it
 _INNER = "_fsdp_strategies_ac_inner"  # on a block: the forward that runs inside the checkpoint
 _CALL = "_fsdp_strategies_ac_call"  # on a block: checkpoint() with the plan's options bound
-_KIND = "_fsdp_strategies_ac_kind"  # on a block: its kind (class name, /N by parameter shapes) when checkpointed
+# on a block: its kind (class name, /N by parameter shapes) when checkpointed
+_KIND = "_fsdp_strategies_ac_kind"
 
 
 class _RecomputeState(threading.local):
@@ -200,7 +202,9 @@ class BudgetDecision:
 
     def __init__(self) -> None:
         self.keep: dict[str, frozenset[tuple[str, int]]] = {}
-        self.on_first_call: Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None = None
+        self.on_first_call: (
+            Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None
+        ) = None
 
 
 class _BlockPlan:
@@ -221,7 +225,9 @@ class _BlockPlan:
             budget = self.budget
 
             def budget_contexts() -> Any:
-                return create_selective_checkpoint_contexts(_SavedCallsPolicy(budget.keep.get(kind, frozenset())))
+                return create_selective_checkpoint_contexts(
+                    _SavedCallsPolicy(budget.keep.get(kind, frozenset()))
+                )
 
             return budget_contexts
         save, matmuls, nth = self.save, self.matmuls, self.every_nth_matmul
@@ -236,7 +242,8 @@ class _BlockPlan:
         """``torch.utils.checkpoint.checkpoint`` with this plan's options bound (a ``functools.partial``, the
         shape ``torch.compile`` traces through, as torch's own ``checkpoint_wrapper`` builds it)."""
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": self.preserve_rng_state}
-        if self.mode in ("selective_op", "budget"):  # full: torch's default context (noop_context_fn breaks compile)
+        # full: torch's default context (noop_context_fn breaks compile)
+        if self.mode in ("selective_op", "budget"):
             options["context_fn"] = self.context_fn(kind)
         return functools.partial(checkpoint, **options)
 
@@ -264,7 +271,8 @@ def mismatch_error(err: BaseException, mode: str) -> RecomputationMismatchError:
     block = _RECOMPUTE.last or "a checkpointed block"
     return RecomputationMismatchError(
         f"ActivationCheckpointing(mode={mode!r}): recomputing {block} in backward did not replay its forward "
-        f"(torch: {str(err).splitlines()[0][:300]}). Likely cause: the block's forward depends on global state "
+        f"(torch: {str(err).splitlines()[0][:300]}). Likely "
+        "cause: the block's forward depends on global state "
         "that changed between forward and backward -- a cache that grows (a KV cache: use_cache=True), a "
         "step counter, or a Python-side random choice. Fix: make the forward depend only on its inputs "
         "during training (turn caches off, e.g. model.config.use_cache=False), or use mode='full', "
@@ -273,7 +281,8 @@ def mismatch_error(err: BaseException, mode: str) -> RecomputationMismatchError:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling():  # traced: no profiling hook, no thread-local state for dynamo to guard on
+    # traced: no profiling hook, no thread-local state for dynamo to guard on
+    if torch.compiler.is_compiling():
         return getattr(self, _CALL)(functools.partial(_run_inner, self), *args, **kwargs)
     budget = getattr(self, _MARK).budget
     if (budget is not None and budget.on_first_call is not None and torch.is_grad_enabled()
@@ -308,13 +317,14 @@ def checkpointed_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def block_kind(block: nn.Module) -> str:
-    """A checkpointed block's kind: its class name when it was checkpointed (FSDP2 renames the class later), with
-    a shape-set number where blocks of one class differ in parameter shapes (``ConvNextStage/2``)."""
+    """A checkpointed block's kind: its class name when it was checkpointed (FSDP2 renames the class later),
+    with a shape-set number where blocks of one class differ in parameter shapes (``ConvNextStage/2``)."""
     return str(getattr(block, _KIND))
 
 
 def budget_decision(model: nn.Module) -> BudgetDecision | None:
-    """The :class:`BudgetDecision` shared by ``model``'s ``budget``-checkpointed blocks; ``None`` for other modes."""
+    """The :class:`BudgetDecision` shared by ``model``'s ``budget``-checkpointed blocks; ``None`` for other
+    modes."""
     for block in checkpointed_blocks(model):
         return getattr(block, _MARK).budget
     return None
@@ -346,7 +356,8 @@ def apply_activation_checkpointing(
         matmuls = _OpMatcher(*resolve_ops(MATMUL_OPS, "matmul ops", strict=False))
     plan = _BlockPlan(mode, save, matmuls, save_every_nth_matmul, preserve_rng_state)
     if any(is_checkpointed(m) for m in model.modules()):
-        return []  # applied already (setup runs again for validate/test, maybe after FSDP2 renamed the classes)
+        # applied already (setup runs again for validate/test, maybe after FSDP2 renamed the classes)
+        return []
     blocks = find_transformer_blocks(model, block_class_names)
     if mode == "selective_layer":
         blocks = [b for i, b in enumerate(blocks) if (i + 1) % layer_interval == 0]
@@ -356,8 +367,9 @@ def apply_activation_checkpointing(
 
 def _block_kinds(blocks: Sequence[nn.Module]) -> list[str]:
     """Each block's kind: its class name, or -- where blocks of one class hold parameters of different shapes
-    (ConvNeXt's stages of widths 16/32/64 are all ``ConvNextStage``) -- the class name and the shape set's number
-    in order of appearance (``ConvNextStage/2``), so that ``budget`` profiles each size, not one for all."""
+    (ConvNeXt's stages of widths 16/32/64 are all ``ConvNextStage``) -- the class name and the shape set's
+    number in order of appearance (``ConvNextStage/2``), so that ``budget`` profiles each size, not one for
+    all."""
     shapes = [tuple(tuple(p.shape) for p in block.parameters()) for block in blocks]
     names = [type(block).__name__ for block in blocks]
     per_class: dict[str, list[tuple]] = {}
@@ -370,7 +382,8 @@ def _block_kinds(blocks: Sequence[nn.Module]) -> list[str]:
 
 
 def validate_options(mode: str, layer_interval: int, save_every_nth_matmul: int) -> None:
-    """The checks of :func:`apply_activation_checkpointing`'s options (also run by the callback at ``__init__``)."""
+    """The checks of :func:`apply_activation_checkpointing`'s options (also run by the callback at
+    ``__init__``)."""
     check_choice("mode", mode, Mode)
     for name, value in (("layer_interval", layer_interval), ("save_every_nth_matmul", save_every_nth_matmul)):
         check_int(name, value, 1, fix="an integer >= 1 (1 = every block / every matmul).")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["MIN_STACK_FRACTION", "BlockNotFoundError", "BlockStack", "find_block_stacks", "find_transformer_blocks"]
+__all__ = ["MIN_STACK_FRACTION", "BlockNotFoundError", "BlockStack", "find_block_stacks",
+           "find_transformer_blocks"]
 
 #: A stack smaller than this fraction of the largest stack (in parameters) is not sharded per block.
 MIN_STACK_FRACTION = 0.01
@@ -112,7 +113,11 @@ def find_transformer_blocks(
     model: nn.Module, block_class_names: Sequence[str] | None = None, *, option: str = "block_class_names"
 ) -> list[nn.Module]:
     """All blocks of all stacks of ``model``, in module registration order (see :func:`find_block_stacks`)."""
-    return [block for stack in find_block_stacks(model, block_class_names, option=option) for block in stack.blocks]
+    return [
+        block
+        for stack in find_block_stacks(model, block_class_names, option=option)
+        for block in stack.blocks
+    ]
 
 
 def describe_stacks(stacks: Iterable[BlockStack]) -> str:

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_strategies._options import OptionError, check_int
 
-__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "DataParallelNamedMesh", "HSDPDegrees", "ParallelDims", "build_mesh",
-           "check_tensor_parallel_degree", "check_torchrun_layout", "resolve_hsdp_degrees"]
+__all__ = ["DATA_PARALLEL", "TENSOR_PARALLEL", "DataParallelNamedMesh", "HSDPDegrees", "ParallelDims",
+           "build_mesh", "check_tensor_parallel_degree", "check_torchrun_layout", "resolve_hsdp_degrees"]
 
 #: The name Lightning's ``ModelParallelStrategy`` gives its data-parallel mesh dim.
 DATA_PARALLEL = "data_parallel"
@@ -54,8 +54,10 @@ class DataParallelNamedMesh(DeviceMesh):
             return self if data == dims else super().__getitem__(data)
         if key == TENSOR_PARALLEL and TENSOR_PARALLEL not in dims:
             raise KeyError(
-                f"device_mesh[{names!r}]: this strategy has no tensor-parallel dim (its mesh is {dims}). Fix: set "
-                "the strategy's tensor_parallel_degree (e.g. 2), or shard with device_mesh['data_parallel'] only."
+                f"device_mesh[{names!r}]: this strategy has no "
+                f"tensor-parallel dim (its mesh is {dims}). Fix: set "
+                "the strategy's tensor_parallel_degree (e.g. 2), "
+                "or shard with device_mesh['data_parallel'] only."
             )
         return super().__getitem__(names)
 
@@ -153,7 +155,8 @@ HSDPDegrees = ParallelDims
 
 
 def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:
-    """Under torchrun, ``num_nodes`` x ``devices`` must be torchrun's nodes x ranks per node, not just their product.
+    """Under torchrun, ``num_nodes`` x ``devices`` must be torchrun's nodes x ranks per node, not just their
+    product.
 
     Lightning checks only the product against ``WORLD_SIZE``. A layout derived from the Trainer's
     split (``what``: HSDP's ``auto`` shard groups, hierarchical SGD's node level) would otherwise group
@@ -164,7 +167,8 @@ def check_torchrun_layout(num_nodes: int, devices: int, what: str) -> None:
     nodes, per_node = os.environ.get("GROUP_WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if nodes and per_node and (int(nodes), int(per_node)) != (num_nodes, devices):
         raise OptionError(
-            f"trainer num_nodes={num_nodes} x devices={devices} does not match torchrun's {nodes} node(s) x {per_node} "
+            f"trainer num_nodes={num_nodes} x devices={devices} "
+            f"does not match torchrun's {nodes} node(s) x {per_node} "
             f"rank(s) per node (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE): {what} would group ranks across nodes. "
             f"Fix: set trainer.num_nodes={nodes} and trainer.devices={per_node}."
         )
@@ -215,9 +219,12 @@ def check_tensor_parallel_degree(degree: int, world_size: int | None = None,
     if degree > 1 and (devices_per_node % degree or world_size % degree):
         choices = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
         raise OptionError(
-            f"tensor_parallel_degree={degree} does not divide the {devices_per_node} devices per node (world size "
-            f"{world_size}): a tensor-parallel group must sit inside one node, where its per-layer collectives run "
-            f"on the fast links. Fix: choose tensor_parallel_degree from {choices}.")
+            f"tensor_parallel_degree={degree} does not divide "
+            f"the {devices_per_node} devices per node (world size "
+            f"{world_size}): a tensor-parallel group must sit "
+            "inside one node, where its per-layer collectives run "
+            f"on the fast links. Fix: choose tensor_parallel_degree from {choices}."
+        )
 
 
 def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:

@@ -1,4 +1,5 @@
-"""Operator names shared by the transforms and the FLOP counter, and how a name becomes a ``torch.ops`` object.
+"""Operator names shared by the transforms and the FLOP counter, and how a name becomes a ``torch.ops``
+object.
 
 Ops are named by strings ``namespace.op[.overload]`` (``"aten.mm"``, ``"aten.mm.default"``) so that YAML can
 list them. ``aten.mm`` means every overload of the op (an ``OpOverloadPacket``), ``aten.mm.default`` one
@@ -8,7 +9,8 @@ for the package's own default lists (which name kernels that exist only on some 
 * :data:`ATTENTION_OPS` -- the fused attention kernels' forward ops. Activation checkpointing keeps their
   outputs by default (:data:`fsdp_strategies.parallel.activation_checkpointing.DEFAULT_SAVE_OPS`); the FLOP
   counter books the share of their backward ops (:func:`attention_backward_name`) that recomputes the scores.
-* :data:`MATMUL_OPS` -- the ops that count as one matmul for selective checkpointing's ``save_every_nth_matmul``.
+* :data:`MATMUL_OPS` -- the ops that count as one matmul for selective checkpointing's
+  ``save_every_nth_matmul``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def attention_backward_name(forward: str) -> str:
 
 
 def op_name(op: Any) -> str:
-    """The name of an op as it reaches a dispatch mode, without the overload: ``aten.mm.default`` -> ``"aten.mm"``."""
+    """The name of an op as it reaches a dispatch mode, without the overload: ``aten.mm.default`` ->
+    ``"aten.mm"``."""
     return str(getattr(op, "overloadpacket", op))
 
 
@@ -71,7 +74,8 @@ def resolve_op(name: str, option: str) -> Any:
         return getattr(packet, parts[2]) if len(parts) == 3 else packet
     except (AttributeError, RuntimeError) as err:
         raise ValueError(
-            f"{option}: {name!r} is not an operator of this PyTorch build ({torch.__version__}). Fix: check the "
+            f"{option}: {name!r} is not an operator of this "
+            f"PyTorch build ({torch.__version__}). Fix: check the "
             "spelling against torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention')."
         ) from err
 
@@ -84,8 +88,11 @@ def resolve_or_none(name: str) -> Any:
         return None
 
 
-def resolve_ops(names: Sequence[str], option: str, *, strict: bool = True) -> tuple[frozenset[Any], frozenset[Any]]:
-    """Split op names into (overload packets, specific overloads). ``strict=False`` skips names unknown here."""
+def resolve_ops(
+    names: Sequence[str], option: str, *, strict: bool = True
+) -> tuple[frozenset[Any], frozenset[Any]]:
+    """Split op names into (overload packets, specific overloads). ``strict=False`` skips names unknown
+    here."""
     packets, overloads = set(), set()
     for name in names:
         op = resolve_op(name, option) if strict else resolve_or_none(name)

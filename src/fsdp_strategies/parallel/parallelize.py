@@ -98,7 +98,9 @@ def apply_fsdp(
     every unit (``ignored_params``) and kept replicated with data-parallel gradients
     (:mod:`fsdp_strategies.parallel.replicated_params`).
     """
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
     scalars = [p for _, p in scalar_params(model)]
@@ -182,7 +184,8 @@ def parallelize(
         block_class_names: the blocks' class names; empty: every stack of repeated blocks.
         compile_blocks: ``torch.compile`` each block.
         compile_options: keyword arguments of that ``torch.compile``.
-        mp_policy, cpu_offload, reshard_after_forward, forward_prefetch, backward_prefetch: see :func:`apply_fsdp`.
+        mp_policy, cpu_offload, reshard_after_forward, forward_prefetch, backward_prefetch: see
+            :func:`apply_fsdp`.
         log: called with a line saying what tensor parallelism applied (the strategies log it on rank 0).
 
     Returns the block stacks found (empty: the whole model is one FSDP unit). Idempotent.

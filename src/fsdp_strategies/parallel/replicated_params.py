@@ -52,7 +52,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ReplicatedParams", "replicate_params", "replicated_params", "scalar_params", "set_all_reduce_hook"]
+__all__ = ["ReplicatedParams", "replicate_params", "replicated_params", "scalar_params",
+           "set_all_reduce_hook"]
 
 #: the root module -> its replicated parameters (one handle per model; weak: it goes with the model)
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, ReplicatedParams] = weakref.WeakKeyDictionary()
@@ -64,7 +65,8 @@ def scalar_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 class ReplicatedParams:
-    """Whole copies of ``root``'s parameters ``names`` on every rank of ``mesh``, trained with the mean gradient.
+    """Whole copies of ``root``'s parameters ``names`` on every rank of ``mesh``, trained with the mean
+    gradient.
 
     The parameters are looked up by name at the root's first forward, not kept from construction:
     materialising a meta-device model (``to_empty``) replaces the ``Parameter`` objects.
@@ -73,7 +75,8 @@ class ReplicatedParams:
         root: the model's root module (its first forward broadcasts and installs the gradient hooks).
         names: the parameters' names in ``root.named_parameters()``.
         mesh: the data-parallel ``DeviceMesh`` (1-D: FSDP, 2-D: HSDP); gradients are averaged over all of it.
-        reduce_dtype: dtype the gradients are averaged in (``None``: their own), as ``MixedPrecisionPolicy``'s.
+        reduce_dtype: dtype the gradients are averaged in (``None``: their own), as
+            ``MixedPrecisionPolicy``'s.
     """
 
     def __init__(self, root: nn.Module, names: Sequence[str], mesh: Any,
@@ -150,7 +153,8 @@ class ReplicatedParams:
 
 def replicate_params(model: nn.Module, mesh: Any, params: Sequence[nn.Parameter], *,
                      reduce_dtype: torch.dtype | None = None) -> ReplicatedParams | None:
-    """Keep ``params`` replicated over ``mesh`` (see the module docstring); ``None`` if there are none. Idempotent.
+    """Keep ``params`` replicated over ``mesh`` (see the module docstring); ``None`` if there are none.
+    Idempotent.
 
     Args:
         model: the root module (the handle is found from it with :func:`replicated_params`).

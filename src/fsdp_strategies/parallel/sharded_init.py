@@ -9,10 +9,10 @@ sharded over N FSDP ranks repeats every 1/N of its rows, and training never brea
 tensor-parallel halves of attention then stay equal forever).
 
 :func:`full_then_shard_random` is the fix: inside it, an in-place random op on a DTensor whose mesh has no
-DTensor RNG draws the *full* tensor from the generator (every rank the same draws, in the same order) and keeps
-this rank's part of it (``distribute_tensor`` with ``src_data_rank=None``: no communication). A seeded model
-built on the meta device then starts with the values an unsharded model draws for the same sequence of ops, and
-replicated mesh dimensions hold equal values. Peak memory: one full parameter at a time.
+DTensor RNG draws the *full* tensor from the generator (every rank the same draws, in the same order) and
+keeps this rank's part of it (``distribute_tensor`` with ``src_data_rank=None``: no communication). A seeded
+model built on the meta device then starts with the values an unsharded model draws for the same sequence of
+ops, and replicated mesh dimensions hold equal values. Peak memory: one full parameter at a time.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def is_random_init(func: Any) -> bool:
     """Whether ``func`` (as a torch function mode sees it) fills its first argument with random values."""
     if func in RANDOM_METHODS:
         return True
-    return getattr(func, "__module__", None) in _INIT_MODULES and getattr(func, "__name__", "") in RANDOM_INIT_FUNCTIONS
+    return (
+        getattr(func, "__module__", None) in _INIT_MODULES
+        and getattr(func, "__name__", "") in RANDOM_INIT_FUNCTIONS
+    )
 
 
 def _target(args: tuple, kwargs: dict) -> Any:
@@ -70,13 +73,16 @@ class _FullThenShard(TorchFunctionMode):
         else:
             func(**{**kwargs, "tensor": full})
         with torch.no_grad():
-            part = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            part = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
             local.copy_(part)
         return target
 
 
 @contextmanager
 def full_then_shard_random() -> Iterator[None]:
-    """Inside: in-place random ops on DTensors without DTensor RNG draw the full tensor and keep this rank's part."""
+    """Inside: in-place random ops on DTensors without DTensor RNG draw the full tensor and keep this rank's
+    part."""
     with _FullThenShard():
         yield

@@ -17,13 +17,14 @@ style                      torch ``ParallelStyle``
 =========================  =========================================================================
 
 Applied with ``torch.distributed.tensor.parallel.parallelize_module`` on the mesh's ``tensor_parallel`` dim,
-before ``fully_shard`` shards everything on the data-parallel dims (:func:`fsdp_strategies.parallel.parallelize`).
-Parameters the plan leaves alone (norms, biases of other modules) stay whole on every TP rank, and FSDP2
-shards them on the data-parallel dims only. That is right for modules whose input is the same on every TP
-rank (the embedding's or a row-wise layer's output: the norms of Llama, Qwen2, Mistral); a per-head norm after
-a column-wise projection (Qwen3's ``q_norm``, a ``replicated_with_grad_allreduce`` entry in HF plans) sees
-other heads on each rank, so plans with that style are refused, as are MoE and packed styles. Gradient clipping then
-sees DTensors on two meshes; :func:`clip_grad_norm` computes the norm per mesh and combines them.
+before ``fully_shard`` shards everything on the data-parallel dims
+(:func:`fsdp_strategies.parallel.parallelize`). Parameters the plan leaves alone (norms, biases of other
+modules) stay whole on every TP rank, and FSDP2 shards them on the data-parallel dims only. That is right for
+modules whose input is the same on every TP rank (the embedding's or a row-wise layer's output: the norms of
+Llama, Qwen2, Mistral); a per-head norm after a column-wise projection (Qwen3's ``q_norm``, a
+``replicated_with_grad_allreduce`` entry in HF plans) sees other heads on each rank, so plans with that style
+are refused, as are MoE and packed styles. Gradient clipping then sees DTensors on two meshes;
+:func:`clip_grad_norm` computes the norm per mesh and combines them.
 
 Checked before anything is applied: every glob matches a module; the planned modules are ``nn.Linear`` /
 ``nn.Embedding`` whose sharded dimension divides by the degree; for a model with a config, attention heads and
@@ -72,15 +73,18 @@ def _style(name: str, style: str) -> Any:
 def _unsupported(entries: Mapping[str, str]) -> str:
     listed = listing((f"{style!r} for {name!r}" for name, style in entries.items()), 6, sep="; ")
     return (f"tp_plan: styles this package does not apply: {listed} (supported: {', '.join(STYLES)}; MoE "
-            "experts, packed projections and per-head norms that need a gradient all-reduce are not). Fix: pass a "
+            "experts, packed projections and per-head norms that "
+            "need a gradient all-reduce are not). Fix: pass a "
             "dict plan with the supported styles for the dense attention and MLP projections, or "
-            "tensor_parallel_degree: 1. Leave a module out of the plan only if its input is the same on every "
+            "tensor_parallel_degree: 1. Leave a module out of "
+            "the plan only if its input is the same on every "
             "tensor-parallel rank (after a rowwise layer or the embedding): a per-head norm after a colwise "
             "projection sees other heads on each rank, and its weights would drift apart.")
 
 
 def find_model_plan(model: nn.Module) -> dict[str, str] | None:
-    """The outermost submodule's own plan (HF ``_tp_plan``), globs prefixed by its path; None if none has one."""
+    """The outermost submodule's own plan (HF ``_tp_plan``), globs prefixed by its path; None if none has
+    one."""
     for path, sub in model.named_modules():
         plan = getattr(sub, "_tp_plan", None)
         if isinstance(plan, Mapping) and plan:
@@ -93,17 +97,21 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, str]) -> dict[str
     """``"auto"`` -> the model's own plan (clear error when it has none); a dict is returned as given."""
     if isinstance(tp_plan, str):
         if tp_plan != "auto":
-            raise TensorParallelPlanError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. "
-                                          f"Fix: tp_plan: auto, or e.g. {{'layers.*.attn.wq': 'colwise'}}.")
+            raise TensorParallelPlanError(
+                f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. "
+                f"Fix: tp_plan: auto, or e.g. {{'layers.*.attn.wq': 'colwise'}}."
+            )
         plan = find_model_plan(model)
         if plan is None:
             kinds = sorted({type(m).__name__ for m in model.children()}) or [type(model).__name__]
             raise TensorParallelPlanError(
                 f"tp_plan='auto': the model ({type(model).__name__}, holding {', '.join(kinds)}) carries no "
                 "tensor-parallel plan (Hugging Face models have one in `_tp_plan` when their config defines "
-                "`base_model_tp_plan`; GPT-2, BERT and T5 do not). Fix: pass tp_plan as a dict of module glob -> "
+                "`base_model_tp_plan`; GPT-2, BERT and T5 do not). "
+                "Fix: pass tp_plan as a dict of module glob -> "
                 f"style ({', '.join(STYLES)}), e.g. {{'model.layers.*.attn.wq': 'colwise', "
-                "'model.layers.*.attn.wo': 'rowwise'}.")
+                "'model.layers.*.attn.wo': 'rowwise'}."
+            )
         return plan
     return {str(k): str(v) for k, v in tp_plan.items()}
 
@@ -121,11 +129,14 @@ def _expand(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     params = [name for name, _ in model.named_parameters()]
     for glob in unmatched:
         if any(fnmatch.fnmatchcase(p, glob) for p in params):
-            raise TensorParallelPlanError(f"tp_plan: {glob!r} names parameters, not modules. Fix: name the module "
-                                          "that holds them (its Linear or Embedding), e.g. drop the '.weight'.")
+            raise TensorParallelPlanError(
+                f"tp_plan: {glob!r} names parameters, not modules. Fix: name the module "
+                "that holds them (its Linear or Embedding), e.g. drop the '.weight'."
+            )
     if unmatched:
         sample = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
-        raise TensorParallelPlanError(f"tp_plan: {unmatched} match no module of the model (its modules: {sample}). "
+        raise TensorParallelPlanError(f"tp_plan: {unmatched} match no module "
+                                      f"of the model (its modules: {sample}). "
                                       "Fix: write the globs against the LightningModule's module names, "
                                       "e.g. 'model.layers.*.self_attn.q_proj'.")
     return exact
@@ -155,11 +166,14 @@ def _check_sizes(model: nn.Module, exact: Mapping[str, str], degree: int) -> Non
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         if heads % degree or kv % degree:
-            problems.append(f"{type(config).__name__}: num_attention_heads={heads}, num_key_value_heads={kv}: each "
-                            f"must divide by tensor_parallel_degree={degree} (KV heads are not replicated)")
+            problems.append(
+                f"{type(config).__name__}: num_attention_heads={heads}, num_key_value_heads={kv}: each "
+                f"must divide by tensor_parallel_degree={degree} (KV heads are not replicated)"
+            )
     if problems:
         raise TensorParallelPlanError("tensor parallelism cannot split this model: " + "; ".join(problems) +
-                                      ". Fix: choose a tensor_parallel_degree that divides these sizes (often 2 or "
+                                      ". Fix: choose a tensor_parallel_degree "
+                                      "that divides these sizes (often 2 or "
                                       "the number of KV heads), or leave those modules out of tp_plan.")
 
 
@@ -171,7 +185,8 @@ def is_tensor_parallel(model: nn.Module) -> bool:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, tp_plan: str | Mapping[str, str]) -> dict[str, str]:
-    """Check, then apply ``tp_plan`` to ``model`` on the 1-D ``tp_mesh``; returns the module -> style applied."""
+    """Check, then apply ``tp_plan`` to ``model`` on the 1-D ``tp_mesh``; returns the module -> style
+    applied."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = resolve_plan(model, tp_plan)
@@ -188,8 +203,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, tp_plan: str | Mapping
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes (and plain tensors).
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes (and plain
+    tensors).
 
     The norm is computed per mesh with torch's ``get_total_norm`` (made full with ``full_tensor``), the
     per-mesh norms combined with ``vector_norm``, and the gradients scaled with ``clip_grads_with_norm_``.

@@ -17,8 +17,8 @@ The mechanism here:
 * Agreement: at one fixed point of every training step on every rank -- before the next batch,
   after the previous optimizer step; Lightning's per-step SIGTERM broadcast, replaced -- one
   all-reduce on the strategy's gloo agreement group (:mod:`fsdp_strategies._distributed`, shared
-  with the async checkpoint writer's per-step check) tells every rank whether any rank got the signal, so every
-  rank stops at the same step and a rank that got no signal learns it there. Validation and test
+  with the async checkpoint writer's per-step check) tells every rank whether any rank got the signal, so
+  every rank stops at the same step and a rank that got no signal learns it there. Validation and test
   batches have the same agreement point (Lightning's samplers give every rank the same number of
   evaluation batches); prediction (whose sampler may give ranks different batch counts) stops at
   once on the rank that got the signal.
@@ -85,12 +85,17 @@ _STOP_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANI
 def validate_preempt_options(checkpoint_on_preempt: Any, preempt_grace_s: Any) -> None:
     """Reject bad option values at ``__init__`` time, before any process group exists."""
     check_bool("checkpoint_on_preempt", checkpoint_on_preempt)
-    check_number("preempt_grace_s", preempt_grace_s, fix="a positive number of seconds, at most the time your "
-                 "scheduler leaves between SIGTERM and SIGKILL (e.g. 25 for SLURM's default KillWait of 30 s).")
+    check_number(
+        "preempt_grace_s",
+        preempt_grace_s,
+        fix="a positive number of seconds, at most the time your "
+        "scheduler leaves between SIGTERM and SIGKILL (e.g. 25 for SLURM's default KillWait of 30 s).",
+    )
 
 
 class Preempted(SIGTERMException):
-    """Raised on every rank at the same point once any rank got SIGTERM; exits with :data:`PREEMPT_EXIT_CODE`."""
+    """Raised on every rank at the same point once any rank got SIGTERM; exits with
+    :data:`PREEMPT_EXIT_CODE`."""
 
     def __init__(self, message: str) -> None:
         super().__init__(PREEMPT_EXIT_CODE)
@@ -224,7 +229,9 @@ class PreemptionGuard:
         try:
             seam.forward_signal_to_launched_ranks(self._strategy, signum)
         except Exception as err:  # a rank already gone: nothing to forward to
-            print(f"fsdp_strategies: could not forward SIGTERM to the launched ranks ({err})", file=sys.stderr)
+            print(
+                f"fsdp_strategies: could not forward SIGTERM to the launched ranks ({err})", file=sys.stderr
+            )
 
     @staticmethod
     def _delegate_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -246,8 +253,10 @@ class PreemptionGuard:
         def watch() -> None:
             time.sleep(max(0.0, started + grace - time.monotonic()))
             rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
-            print(f"fsdp_strategies: rank {rank} still running {grace:g}s after SIGTERM (preempt_grace_s); exiting "
-                  f"with status {PREEMPT_EXIT_CODE}; the last complete checkpoint stays the resume point. Stacks:",
+            print(f"fsdp_strategies: rank {rank} still running "
+                  f"{grace:g}s after SIGTERM (preempt_grace_s); exiting "
+                  f"with status {PREEMPT_EXIT_CODE}; the last "
+                  "complete checkpoint stays the resume point. Stacks:",
                   file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
@@ -279,7 +288,8 @@ class PreemptionGuard:
         raise self._decided
 
     def _step_check(self) -> None:
-        """Stands in for Lightning's per-step SIGTERM broadcast (see :func:`~fsdp_strategies._lightning_seam.replace_sigterm_broadcast`)."""
+        """Stands in for Lightning's per-step SIGTERM broadcast (see
+        :func:`~fsdp_strategies._lightning_seam.replace_sigterm_broadcast`)."""
         if self._armed and self.check_due():
             trainer = self._trainer()
             self._agree(f"after step {trainer.global_step if trainer is not None else '?'}")
@@ -302,14 +312,18 @@ class PreemptionGuard:
         """After Lightning's ``on_exception``: the requeue status, and the checkpoint when asked for."""
         trainer = self._trainer()
         ours = isinstance(exception, Preempted)
-        lightnings = isinstance(exception, SIGTERMException) and trainer is not None and trainer.received_sigterm
+        lightnings = (
+            isinstance(exception, SIGTERMException) and trainer is not None and trainer.received_sigterm
+        )
         if not (ours or lightnings):
             return
         exception.code = PREEMPT_EXIT_CODE  # type: ignore[union-attr]  # Lightning's own, on a single process
         if not self.checkpoint_on_preempt or trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
         if trainer.sanity_checking:
-            rank_zero_info("fsdp_strategies: preempted during the sanity check; the checkpoint on disk is current.")
+            rank_zero_info(
+                "fsdp_strategies: preempted during the sanity check; the checkpoint on disk is current."
+            )
             return
         self._write_checkpoint(trainer)
 
@@ -331,8 +345,10 @@ class PreemptionGuard:
         started = _STATE.requested_at if _STATE.requested_at is not None else time.monotonic()
         (late,) = self._agreement.agree_any(time.monotonic() - started >= self.preempt_grace_s)
         if late:
-            rank_zero_warn(f"fsdp_strategies: preempt_grace_s={self.preempt_grace_s:g}s already passed on some rank; "
-                           "no preemption checkpoint (the last complete checkpoint stays the resume point).")
+            rank_zero_warn(
+                f"fsdp_strategies: preempt_grace_s={self.preempt_grace_s:g}s already passed on some rank; "
+                "no preemption checkpoint (the last complete checkpoint stays the resume point)."
+            )
             return
         path = self._strategy.broadcast(self.checkpoint_path(trainer))
         t0 = time.monotonic()
@@ -340,11 +356,15 @@ class PreemptionGuard:
         try:
             trainer.save_checkpoint(path)
         except Exception as err:  # the stop goes on (status 75); the atomic save left the previous checkpoint
-            rank_zero_warn(f"fsdp_strategies: the preemption checkpoint failed ({type(err).__name__}: {err}); the "
-                           "last complete checkpoint stays the resume point.")
+            rank_zero_warn(
+                f"fsdp_strategies: the preemption checkpoint failed ({type(err).__name__}: {err}); the "
+                "last complete checkpoint stays the resume point."
+            )
             return
         finally:
             self._saving = False
-        rank_zero_info(f"fsdp_strategies: preemption checkpoint of step {trainer.global_step} written to {path} in "
-                       f"{time.monotonic() - t0:.1f}s; exiting with status {PREEMPT_EXIT_CODE} (requeue). Resume with "
-                       f"ckpt_path={path!r} or ckpt_path='last'.")
+        rank_zero_info(
+            f"fsdp_strategies: preemption checkpoint of step {trainer.global_step} written to {path} in "
+            f"{time.monotonic() - t0:.1f}s; exiting with status {PREEMPT_EXIT_CODE} (requeue). Resume with "
+            f"ckpt_path={path!r} or ckpt_path='last'."
+        )

@@ -7,9 +7,9 @@ again from its first batch: batches already trained are replayed and the epoch's
 are never seen, so "stop and resume" does not give the run that "never stopped" would have.
 
 :func:`skip_consumed_batches` fixes this for the common case. The strategies of this package call
-it from ``Strategy.on_train_start`` (:class:`ResumePositionMixin`), which Lightning runs after the checkpoint restore and after
-``FitLoop.setup_data()``, and before the first batch of the resumed epoch is fetched. It swaps each
-training DataLoader for a copy (rebuilt the way Lightning injects its distributed sampler) whose
+it from ``Strategy.on_train_start`` (:class:`ResumePositionMixin`), which Lightning runs after the checkpoint
+restore and after ``FitLoop.setup_data()``, and before the first batch of the resumed epoch is fetched. It
+swaps each training DataLoader for a copy (rebuilt the way Lightning injects its distributed sampler) whose
 sampler skips, for its next iteration only, the indices of the batches the epoch already
 completed. Nothing is loaded for the skipped batches, ``set_epoch`` still reaches the original
 (e.g. distributed) sampler, and later iterations/epochs are unchanged.
@@ -178,8 +178,10 @@ def skip_consumed_batches(
 
     if problems:
         rank_zero_warn(
-            f"Resuming in the middle of epoch {epoch} after {done} batches, but the position of some training "
-            "dataloaders cannot be restored, so this resume replays data those batches already used and skips "
+            f"Resuming in the middle of epoch {epoch} after "
+            f"{done} batches, but the position of some training "
+            "dataloaders cannot be restored, so this resume "
+            "replays data those batches already used and skips "
             f"the end of the epoch ({'; '.join(problems)}). {_FIX_HINT}",
             category=PossibleUserWarning,
         )
@@ -188,7 +190,8 @@ def skip_consumed_batches(
 
     if not _install(trainer, combined, replaced, epoch):
         rank_zero_warn(
-            f"Resuming in the middle of epoch {epoch} after {done} batches, but the training iterators cannot be "
+            f"Resuming in the middle of epoch {epoch} after "
+            f"{done} batches, but the training iterators cannot be "
             "restarted without losing the position of the stateful dataloaders, so this resume replays data. "
             f"{_FIX_HINT}",
             category=PossibleUserWarning,
@@ -199,16 +202,21 @@ def skip_consumed_batches(
     if random_order:
         rank_zero_warn(
             f"Training dataloader(s) {random_order} shuffle with a `RandomSampler`, whose order cannot be "
-            f"reproduced after a restart: the {done} skipped batches are right in number, but not the same samples "
-            "as before the restart. For an exact resume, shuffle with a sampler whose order depends only on its "
-            "seed and `set_epoch` (e.g. `DistributedSampler`, which Lightning injects on multiple devices), or "
+            f"reproduced after a restart: the {done} skipped "
+            "batches are right in number, but not the same samples "
+            "as before the restart. For an exact resume, shuffle "
+            "with a sampler whose order depends only on its "
+            "seed and `set_epoch` (e.g. `DistributedSampler`, "
+            "which Lightning injects on multiple devices), or "
             "use a `StatefulDataLoader`.",
             category=PossibleUserWarning,
         )
     if done % trainer.accumulate_grad_batches:
         rank_zero_warn(
-            f"The checkpoint was written after {done} batches, in the middle of a gradient accumulation window "
-            f"of {trainer.accumulate_grad_batches}: the gradients accumulated since the last optimizer step are not "
+            f"The checkpoint was written after {done} batches, "
+            "in the middle of a gradient accumulation window "
+            f"of {trainer.accumulate_grad_batches}: the gradients "
+            "accumulated since the last optimizer step are not "
             "in the checkpoint, so the next step uses fewer batches than the uninterrupted run did.",
             category=PossibleUserWarning,
         )

@@ -60,7 +60,9 @@ class _SavedBucket:
     Used to replay a checkpoint's bucket layout; ``gradients()`` are views into ``buffer()``, as DDP's are.
     """
 
-    def __init__(self, index: int, buffer: torch.Tensor, last: bool, shapes: list[torch.Size] | None = None) -> None:
+    def __init__(
+        self, index: int, buffer: torch.Tensor, last: bool, shapes: list[torch.Size] | None = None
+    ) -> None:
         self._index, self._buffer, self._last = index, buffer, last
         self._shapes = shapes
 
@@ -98,12 +100,15 @@ class CommHookStateMixin:
         world_size: int
 
     def _init_comm_state(self) -> None:
-        self._bucket_layout: dict[int, tuple[int, ...]] = {}  # PowerSGD: bucket index -> its parameters' positions
-        self._restored_layout: dict[int, tuple[int, ...]] | None = None  # ... as saved, until checked after a resume
+        # PowerSGD: bucket index -> its parameters' positions
+        self._bucket_layout: dict[int, tuple[int, ...]] = {}
+        # ... as saved, until checked after a resume
+        self._restored_layout: dict[int, tuple[int, ...]] | None = None
         self._steps_since_restore = 0
 
     def _powersgd_hook(self, model: DistributedDataParallel, inner: Callable[..., Any]) -> Callable[..., Any]:
-        """torch's PowerSGD hook (``inner``), with its per-bucket state tied to the bucket layout it belongs to.
+        """torch's PowerSGD hook (``inner``), with its per-bucket state tied to the bucket layout it belongs
+        to.
 
         PowerSGD keeps error feedback and warm-start matrices per bucket *index*. DDP builds its
         buckets twice: at wrap time (parameters in reverse order) and again after the first backward
@@ -161,14 +166,17 @@ class CommHookStateMixin:
                         del memory[gone]  # an index this layout does not have
                         dropped.append(gone)
                 if dropped:
-                    rank_zero_info(f"{self.strategy_name}: DDP buckets {sorted(set(dropped))} hold other parameters "
-                                   "than in the checkpoint (another bucket_cap_mb?): PowerSGD restarts their error "
-                                   "feedback.")
+                    rank_zero_info(
+                        f"{self.strategy_name}: DDP buckets {sorted(set(dropped))} hold other parameters "
+                        "than in the checkpoint (another bucket_cap_mb?): PowerSGD restarts their error "
+                        "feedback."
+                    )
             return inner(state, bucket)
 
         return hook
 
-    def _run_restored_layout(self, state: Any, inner: Callable[..., Any], restored: Mapping[int, tuple[int, ...]],
+    def _run_restored_layout(self, state: Any, inner: Callable[..., Any],
+                             restored: Mapping[int, tuple[int, ...]],
                              deferred: list[tuple[torch.futures.Future, torch.Tensor, tuple[int, ...],
                                                   list[torch.Tensor]]]) -> None:
         """The first step after a restore: run the hook on the checkpoint's buckets, then answer DDP's."""
@@ -176,7 +184,8 @@ class CommHookStateMixin:
         saved_positions = sorted(pos for layout in restored.values() for pos in layout)
         if saved_positions == sorted(grads) and sorted(restored) == list(range(len(restored))):
             last = len(restored) - 1
-            for index in range(len(restored)):  # in index order, each finished before the next: as DDP runs them
+            # in index order, each finished before the next: as DDP runs them
+            for index in range(len(restored)):
                 views = [grads[pos] for pos in restored[index]]
                 flat = torch.cat([v.reshape(-1) for v in views])
                 bucket = _SavedBucket(index, flat, index == last, [v.shape for v in views])
@@ -186,8 +195,10 @@ class CommHookStateMixin:
                 for view, result in zip(views, bucket.gradients()):
                     view.copy_(result)
         else:
-            rank_zero_warn(f"{self.strategy_name}: the checkpoint's PowerSGD buckets do not match this model's "
-                           "parameters: the first step after resuming is all-reduced uncompressed.")
+            rank_zero_warn(
+                f"{self.strategy_name}: the checkpoint's PowerSGD buckets do not match this model's "
+                "parameters: the first step after resuming is all-reduced uncompressed."
+            )
             for i, (_, buffer, _, _) in enumerate(deferred):
                 bucket = _SavedBucket(i, buffer, i == len(deferred) - 1)
                 default_hooks.allreduce_hook(state.process_group, bucket).wait()
@@ -209,7 +220,9 @@ class CommHookStateMixin:
                 "total_numel_before_compression": state.total_numel_before_compression,
                 "total_numel_after_compression": state.total_numel_after_compression,
                 # the layout the state belongs to: the checkpoint's until the rebuilt one has been checked
-                "bucket_params": {int(k): list(v) for k, v in (self._restored_layout or self._bucket_layout).items()},
+                "bucket_params": {
+                    int(k): list(v) for k, v in (self._restored_layout or self._bucket_layout).items()
+                },
             }
         elif isinstance(state, PostLocalSGDState):
             out["post_local_sgd"] = {"iter": state.iter, "start_localSGD_iter": state.start_localSGD_iter}
@@ -222,8 +235,10 @@ class CommHookStateMixin:
     def load_comm_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Restore :meth:`comm_state_dict` so a resumed run compresses and averages on the same schedule."""
         if saved.get("comm_hook") != self.comm_hook:
-            rank_zero_info(f"{self.strategy_name}: checkpoint has comm_hook={saved.get('comm_hook')!r}, this run uses "
-                           f"{self.comm_hook!r}; hook state not restored.")
+            rank_zero_info(
+                f"{self.strategy_name}: checkpoint has comm_hook={saved.get('comm_hook')!r}, this run uses "
+                f"{self.comm_hook!r}; hook state not restored."
+            )
             return
         state = self._hook_state
         device = self.root_device
@@ -250,9 +265,9 @@ class CommHookStateMixin:
 
 
     def _with_comm_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Every rank, while a checkpoint is saved: gather every rank's :meth:`comm_state_dict` (and, under local
-        SGD, its optimizer state) to rank 0; rank 0 gets a copy of ``checkpoint`` carrying them, the others
-        ``checkpoint`` itself."""
+        """Every rank, while a checkpoint is saved: gather every rank's :meth:`comm_state_dict` (and, under
+        local SGD, its optimizer state) to rank 0; rank 0 gets a copy of ``checkpoint`` carrying them, the
+        others ``checkpoint`` itself."""
         mine = self.comm_state_dict()
         if self.comm_hook in LOCAL_SGD_HOOKS and not self.is_global_zero:
             # Local steps make every rank's optimizer state its own (AdamW moments of its own gradients);
@@ -278,8 +293,10 @@ class CommHookStateMixin:
         if "optimizer_states" in own:
             return {**checkpoint, "optimizer_states": own["optimizer_states"]}
         if len(per_rank) != self.world_size and any("optimizer_states" in r for r in per_rank):
-            rank_zero_warn(f"{self.strategy_name}: the checkpoint holds optimizer states for {len(per_rank)} ranks, "
-                           f"this run has {self.world_size}: every rank resumes with rank 0's optimizer state.")
+            rank_zero_warn(
+                f"{self.strategy_name}: the checkpoint holds optimizer states for {len(per_rank)} ranks, "
+                f"this run has {self.world_size}: every rank resumes with rank 0's optimizer state."
+            )
         return checkpoint
 
     def _restore_comm_state(self, checkpoint: Mapping[str, Any]) -> None:
@@ -290,4 +307,6 @@ class CommHookStateMixin:
         if len(per_rank) != self.world_size:
             rank_zero_info(f"{self.strategy_name}: checkpoint from {len(per_rank)} ranks, resuming on "
                            f"{self.world_size}: rank 0's hook state is used everywhere.")
-        self.load_comm_state_dict(per_rank[self.global_rank] if len(per_rank) == self.world_size else per_rank[0])
+        self.load_comm_state_dict(
+            per_rank[self.global_rank] if len(per_rank) == self.world_size else per_rank[0]
+        )

@@ -70,18 +70,22 @@ if TYPE_CHECKING:
 
 __all__ = ["COMM_HOOKS", "DDPHooksStrategy", "in_bucket_order"]
 
-CommHook = Literal["allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd"]
+CommHook = Literal[
+    "allreduce", "bf16_compress", "fp16_compress", "powersgd", "post_local_sgd", "hierarchical_sgd"
+]
 COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 _NEVER = 2**62  # "start local SGD at this iteration": effectively synchronous DDP
 
 
 def _buffer_sync_attr(model: DistributedDataParallel) -> str:
-    """DDP's per-forward buffer broadcast flag: ``forward_sync_buffers`` in newer torch, ``broadcast_buffers`` before."""
+    """DDP's per-forward buffer broadcast flag: ``forward_sync_buffers`` in newer torch, ``broadcast_buffers``
+    before."""
     return "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
 
 
 class _ClosurePostLocalSGDOptimizer(PostLocalSGDOptimizer):
-    """torch's ``PostLocalSGDOptimizer`` that accepts the closure Lightning's precision plugins always pass."""
+    """torch's ``PostLocalSGDOptimizer`` that accepts the closure Lightning's precision plugins always
+    pass."""
 
     @override
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -166,13 +170,14 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         process_group_backend: as in Lightning's ``DDPStrategy``.
         timeout: as in Lightning's ``DDPStrategy``.
         start_method: as in Lightning's ``DDPStrategy``.
-        checkpoint_on_preempt: SIGTERM handling, as in :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`.
-            Under local SGD every rank stops at the first global averaging after the signal (the ranks meet
-            only there).
+        checkpoint_on_preempt: SIGTERM handling, as in
+            :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`. Under local SGD every rank stops at the
+            first global averaging after the signal (the ranks meet only there).
         preempt_grace_s: as in :class:`~fsdp_strategies.strategies.fsdp2.FSDP2Strategy`.
         async_checkpoint: ``"off"`` (synchronous) or ``"thread"``: rank 0 copies the checkpoint to CPU memory
             and a background thread writes the file (digest, ``torch.save``, atomic rename); see
-            :mod:`fsdp_strategies.checkpoint.async_writer`. ``"process"`` needs a sharded checkpoint (fsdp2/hsdp).
+            :mod:`fsdp_strategies.checkpoint.async_writer`. ``"process"`` needs a sharded checkpoint
+            (fsdp2/hsdp).
     """
 
     strategy_name = "ddp_hooks"
@@ -202,21 +207,30 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         async_checkpoint: AsyncCheckpointMode = "off",
     ) -> None:
         check_choice("comm_hook", comm_hook, CommHook)
-        for name, value, low in (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2),
-                                 ("local_sgd_period", local_sgd_period, 1), ("local_sgd_warmup", local_sgd_warmup, 0)):
+        for name, value, low in (
+            ("powersgd_rank", powersgd_rank, 1),
+            ("powersgd_start_iter", powersgd_start_iter, 2),
+            ("local_sgd_period", local_sgd_period, 1),
+            ("local_sgd_warmup", local_sgd_warmup, 0),
+        ):
             check_int(name, value, low)
-        check_int("local_group_size", local_group_size, 1, optional=True, fix="a positive rank count, or null.")
+        check_int(
+            "local_group_size", local_group_size, 1, optional=True, fix="a positive rank count, or null."
+        )
         check_number("bucket_cap_mb", bucket_cap_mb, optional=True, fix="a positive size in MB, or null.")
         levels = self._check_levels(hierarchy_levels) if hierarchy_levels else None
         if levels is not None and comm_hook != "hierarchical_sgd":
-            raise OptionError(f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
-                             "or remove hierarchy_levels.")
-        ddp_kwargs: dict[str, Any] = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view,
+            raise OptionError(
+                f"hierarchy_levels is set but comm_hook={comm_hook!r}. Fix: comm_hook: hierarchical_sgd, "
+                "or remove hierarchy_levels."
+            )
+        ddp_kwargs: dict[str, Any] = {"static_graph": static_graph,
+                                      "gradient_as_bucket_view": gradient_as_bucket_view,
                                       "find_unused_parameters": find_unused_parameters}
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-                         **ddp_kwargs)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+                         start_method=start_method, **ddp_kwargs)
         self._init_parts(checkpoint_on_preempt=checkpoint_on_preempt, preempt_grace_s=preempt_grace_s,
                          async_checkpoint=async_checkpoint, full_file=True, name=self.strategy_name,
                          timeout=timeout, check_due=self._ranks_meet_this_step)
@@ -243,17 +257,25 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         try:
             items = sorted((int(p), int(s)) for p, s in dict(levels).items())
         except (TypeError, ValueError):
-            raise OptionError(f"hierarchy_levels={levels!r} is invalid. Fix: a mapping {{period: group_size}} of "
-                             "positive integers, e.g. {2: 2, 8: 4}.") from None
+            raise OptionError(
+                f"hierarchy_levels={levels!r} is invalid. Fix: a mapping {{period: group_size}} of "
+                "positive integers, e.g. {2: 2, 8: 4}."
+            ) from None
         for i, (period, size) in enumerate(items):
             if period < 1 or size < 1:
-                raise OptionError(f"hierarchy_levels={levels!r}: period {period} / group size {size} must be positive.")
+                raise OptionError(
+                    f"hierarchy_levels={levels!r}: period {period} / group size {size} must be positive."
+                )
             if i and size <= items[i - 1][1]:
-                raise OptionError(f"hierarchy_levels={levels!r}: group sizes must grow with the period (a longer period "
-                                 f"averages a larger group). Fix: e.g. {{2: 2, 8: 4}}.")
+                raise OptionError(
+                    f"hierarchy_levels={levels!r}: group sizes must grow with the period (a longer period "
+                    f"averages a larger group). Fix: e.g. {{2: 2, 8: 4}}."
+                )
             if i and size % items[i - 1][1]:
-                raise OptionError(f"hierarchy_levels={levels!r}: group size {items[i - 1][1]} does not divide {size}. "
-                                 "Fix: each level's group must be a union of the groups below it.")
+                raise OptionError(
+                    f"hierarchy_levels={levels!r}: group size {items[i - 1][1]} does not divide {size}. "
+                    "Fix: each level's group must be a union of the groups below it."
+                )
         return OrderedDict(items)
 
     def _resolve_layout(self) -> None:
@@ -266,8 +288,10 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         if self.local_group_size is None:
             self.local_group_size = per_node
         if world % self.local_group_size:
-            raise OptionError(f"local_group_size={self.local_group_size} does not divide the world size {world}. "
-                             f"Fix: a divisor of {world} (1 = no gradient all-reduce between averagings).")
+            raise OptionError(
+                f"local_group_size={self.local_group_size} does not divide the world size {world}. "
+                f"Fix: a divisor of {world} (1 = no gradient all-reduce between averagings)."
+            )
         if self.comm_hook == "hierarchical_sgd":
             if self.hierarchy_levels is None:
                 levels = {self.local_sgd_period: per_node, 4 * self.local_sgd_period: world}
@@ -276,12 +300,16 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
                 self.hierarchy_levels = self._check_levels(levels)
             sizes = list(self.hierarchy_levels.values())
             if sizes[-1] != world:
-                raise OptionError(f"hierarchy_levels={dict(self.hierarchy_levels)}: the last (longest-period) group "
-                                 f"size must be the world size {world}. Fix: e.g. {{2: {min(2, world)}, 8: {world}}}.")
+                raise OptionError(
+                    f"hierarchy_levels={dict(self.hierarchy_levels)}: the last (longest-period) group "
+                    f"size must be the world size {world}. Fix: e.g. {{2: {min(2, world)}, 8: {world}}}."
+                )
             bad = [s for s in sizes if world % s]
             if bad:
-                raise OptionError(f"hierarchy_levels={dict(self.hierarchy_levels)}: group sizes {bad} do not divide "
-                                 f"the world size {world}.")
+                raise OptionError(
+                    f"hierarchy_levels={dict(self.hierarchy_levels)}: group sizes {bad} do not divide "
+                    f"the world size {world}."
+                )
 
     @override
     def setup_environment(self) -> None:
@@ -325,7 +353,8 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         elif hook == "powersgd":
             self._hook_state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.powersgd_start_iter, min_compression_rate=self.powersgd_min_compression_rate,
+                start_powerSGD_iter=self.powersgd_start_iter,
+                min_compression_rate=self.powersgd_min_compression_rate,
                 use_error_feedback=self.powersgd_use_error_feedback, warm_start=self.powersgd_warm_start,
                 random_seed=0)
             inner: Callable[..., Any] = powerSGD_hook.powerSGD_hook
@@ -339,13 +368,17 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
                 process_group=None, subgroup=subgroup, start_localSGD_iter=self.local_sgd_warmup,
                 post_local_gradient_allreduce=self.local_group_size > 1)
             model.register_comm_hook(self._hook_state, post_localSGD_hook)
-        rank_zero_info(f"{self.strategy_name}: registered the {hook!r} communication hook on {self.root_device.type}.")
+        rank_zero_info(
+            f"{self.strategy_name}: registered the {hook!r} communication hook on {self.root_device.type}."
+        )
 
     def _build_averager(self) -> ModelAverager:
         if self.comm_hook == "post_local_sgd":
             return PeriodicModelAverager(period=self.local_sgd_period, warmup_steps=self.local_sgd_warmup)
         assert self.hierarchy_levels is not None
-        return HierarchicalModelAverager(OrderedDict(self.hierarchy_levels), warmup_steps=self.local_sgd_warmup)
+        return HierarchicalModelAverager(
+            OrderedDict(self.hierarchy_levels), warmup_steps=self.local_sgd_warmup
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -367,10 +400,12 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         self.optimizers = wrapped
         self.set_local_sgd(self._local_sgd_enabled, average=False)
 
-    # ------------------------------------------------------------------ local SGD switching (a LocalAveragingSwitch)
+    # ------------------------------------------------------------------ local SGD switching (a
+    # LocalAveragingSwitch)
     @property
     def local_sgd_available(self) -> bool:
-        """Whether :meth:`set_local_sgd` works: ``comm_hook`` is ``post_local_sgd`` or ``hierarchical_sgd``."""
+        """Whether :meth:`set_local_sgd` works: ``comm_hook`` is ``post_local_sgd`` or
+        ``hierarchical_sgd``."""
         return self.comm_hook in LOCAL_SGD_HOOKS
 
     @property
@@ -424,7 +459,11 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         # DDP broadcasts buffers (e.g. rotary tables, norm statistics) from rank 0 in every forward: a
         # collective per step that would tie every rank to the slowest again during local steps.
         model = self.model
-        if self._averager is None or not isinstance(model, DistributedDataParallel) or not self._ddp_syncs_buffers:
+        if (
+            self._averager is None
+            or not isinstance(model, DistributedDataParallel)
+            or not self._ddp_syncs_buffers
+        ):
             return
         setattr(model, _buffer_sync_attr(model), not self._local_step_now())
 
@@ -469,14 +508,17 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         return super().lightning_module_state_dict()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
+    ) -> None:
         # every rank reaches this; the per-rank states (PowerSGD error feedback differs per rank) go to rank 0
         background = self._async.use_background()
         checkpoint = self._with_comm_state(checkpoint)
         if self.is_global_zero:
             assert self.lightning_module is not None
             checkpoint[PARAM_NAMES_KEY] = optimizer_param_names(self.lightning_module, self.optimizers)
-            checkpoint.update(hf_checkpoint_metadata(self.lightning_module))  # for `fsdp-strategies-export --format hf`
+            # for `fsdp-strategies-export --format hf`
+            checkpoint.update(hf_checkpoint_metadata(self.lightning_module))
             # for a resume at any width
             checkpoint.update(data_position.record(self.lightning_module.trainer))
         own_io = type(self.checkpoint_io) is TorchCheckpointIO
@@ -491,10 +533,12 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
             return
         if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
             # Lightning's own writer saves through a temp file it *copies* onto the target across filesystems
-            # (half-written under the final name on a full disk) and raises a raw OSError: the package's commit
-            # path instead (temp + fsync + rename, digest inside, one disk-full error on every rank)
+            # (half-written under the final name on a full disk) and raises a raw OSError: the package's
+            # commit path instead (temp + fsync + rename, digest inside, one disk-full error on every rank)
             path = local_checkpoint_path(self.broadcast(str(filepath)), "the checkpoint path")
-            atomic_save_full_agreed(checkpoint if self.is_global_zero else None, path, is_rank_zero=self.is_global_zero)
+            atomic_save_full_agreed(
+                checkpoint if self.is_global_zero else None, path, is_rank_zero=self.is_global_zero
+            )
             return
         if self.is_global_zero:  # a CheckpointIO of the user's: its own write path; the digest travels inside
             checkpoint = embed_digest(checkpoint)
@@ -516,8 +560,10 @@ class DDPHooksStrategy(CommHookStateMixin, ResumePositionMixin, LifecycleHooks, 
         path = resolve_checkpoint_path(target)
         if path.is_dir():
             raise CheckpointMismatchError(
-                f"{path} is {SHARDED_FORMAT}; {self.strategy_name} resumes from {FULL_FORMAT}. Fix: resume it under "
-                "fsdp2/hsdp (or export the weights with `fsdp-strategies-export` and load them into the model)."
+                f"{path} is {SHARDED_FORMAT}; {self.strategy_name} "
+                f"resumes from {FULL_FORMAT}. Fix: resume it under "
+                "fsdp2/hsdp (or export the weights with "
+                "`fsdp-strategies-export` and load them into the model)."
             )
         # no mmap: a later in-place save must not change loaded state
         checkpoint = load_full_file(path, mmap=False)

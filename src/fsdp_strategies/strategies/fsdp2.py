@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -68,6 +67,7 @@ from fsdp_strategies.runtime import data_position
 from fsdp_strategies.runtime.preemption import DEFAULT_PREEMPT_GRACE_S
 from fsdp_strategies.runtime.resume_position import ResumePositionMixin
 from fsdp_strategies.strategies.lifecycle import LifecycleHooks
+from fsdp_strategies.strategies.precision import ShardedMixedPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -76,35 +76,9 @@ if TYPE_CHECKING:
 __all__ = ["AccumulationMode", "FSDP2Strategy"]
 
 AccumulationMode = Literal["sharded", "no_sync"]  # non-final micro-batches of accumulate_grad_batches
-PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]  # the Trainer's precision flags this strategy takes
+# the Trainer's precision flags this strategy takes
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionFlag)
-
-
-class _ShardedMixedPrecision(Precision):
-    """``bf16-mixed`` under FSDP2: the ``MixedPrecisionPolicy`` casts parameters, autocast casts the rest.
-
-    The policy casts parameters only. A model that adds an fp32 buffer or a plain fp32 tensor to
-    bf16 activations (a positional-encoding table, an fp32 island) promotes them to fp32, and the
-    next bf16 matmul fails ("expected m1 and m2 to have the same dtype"). Lightning's ``ddp``
-    trains such models because it runs autocast; so does this plugin (``autocast=True``), on top
-    of the policy. Parameters are bf16 already, so autocast's casts of them are no-ops; only
-    activations that fell back to fp32 are cast. ``autocast=False`` runs the policy alone.
-    """
-
-    def __init__(self, precision: str, autocast: bool = True) -> None:
-        super().__init__()
-        self.precision = precision  # type: ignore[assignment]
-        self.autocast = autocast
-        self.device_type = "cpu"  # set by the strategy once its root device is known
-
-    @contextmanager
-    @override
-    def forward_context(self) -> Generator[None, None, None]:
-        if not self.autocast:
-            yield
-            return
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
-            yield
 
 
 class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
@@ -140,22 +114,24 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         async_checkpoint: ``"off"`` (synchronous saves), ``"thread"`` or ``"process"``: stage this rank's
             shards in CPU memory and write them in the background with DCP's ``async_save`` (a thread, or
             DCP's checkpoint process); still atomic, see :mod:`fsdp_strategies.checkpoint.async_writer`.
-        pretrained: a local Hugging Face ``save_pretrained`` folder (``*.safetensors``) whose weights start the
-            training: after sharding, every rank reads only its own shards of it (see
+        pretrained: a local Hugging Face ``save_pretrained`` folder (``*.safetensors``) whose weights start
+            the training: after sharding, every rank reads only its own shards of it (see
             :mod:`fsdp_strategies.hf.pretrained`). For modules whose ``configure_model`` builds the HF model
-            with ``from_config``; ``from_pretrained`` in ``configure_model`` needs no option. A fit that resumes
-            from a checkpoint (``ckpt_path``) reads it too, then the checkpoint's weights replace it.
+            with ``from_config``; ``from_pretrained`` in ``configure_model`` needs no option. A fit that
+            resumes from a checkpoint (``ckpt_path``) reads it too, then the checkpoint's weights replace it.
         pretrained_prefix: the attribute path of the HF model in the LightningModule, e.g. ``"model."`` for
             ``self.model``; ``""`` for the module itself. Default: the one ``PreTrainedModel`` it holds.
         pretrained_strict: a parameter missing from ``pretrained``, or a tensor of it the model lacks, is an
-            error (``True``) or a warning naming what keeps its fresh initialisation (``False``: e.g. a new head).
-        tensor_parallel_degree: ranks that split each planned layer (tensor parallelism, inside a node); the mesh
-            becomes (data-parallel dims..., ``tensor_parallel``) and FSDP shards over the data-parallel dims.
-            1: none. See :mod:`fsdp_strategies.parallel.tensor_parallel`.
-        tp_plan: with ``tensor_parallel_degree > 1``: ``"auto"`` (the model's own plan: Hugging Face models whose
-            config defines ``base_model_tp_plan``, e.g. Llama, Qwen2, Mistral) or a dict of module glob -> style
-            (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``). Not applied when
-            ``configure_model`` applied a plan itself (``parallelize_module`` on ``device_mesh["tensor_parallel"]``).
+            error (``True``) or a warning naming what keeps its fresh initialisation (``False``: e.g. a new
+            head).
+        tensor_parallel_degree: ranks that split each planned layer (tensor parallelism, inside a node); the
+            mesh becomes (data-parallel dims..., ``tensor_parallel``) and FSDP shards over the data-parallel
+            dims. 1: none. See :mod:`fsdp_strategies.parallel.tensor_parallel`.
+        tp_plan: with ``tensor_parallel_degree > 1``: ``"auto"`` (the model's own plan: Hugging Face models
+            whose config defines ``base_model_tp_plan``, e.g. Llama, Qwen2, Mistral) or a dict of module glob
+            -> style (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``). Not applied
+            when ``configure_model`` applied a plan itself (``parallelize_module`` on
+            ``device_mesh["tensor_parallel"]``).
         accumulation: what the non-final micro-batches of ``accumulate_grad_batches`` do. ``"sharded"``:
             reduce-scatter every micro-batch and accumulate the sharded gradients, so a rank holds 1/N of the
             gradients (N = the shard degree) at every point; costs one reduce-scatter per FSDP unit per
@@ -214,7 +190,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         if isinstance(block_class_names, str):
             block_class_names = [block_class_names]
         if not isinstance(reshard_after_forward, bool):
-            check_int("reshard_after_forward", reshard_after_forward, 1, fix="True, False, or a positive number of "
+            check_int("reshard_after_forward", reshard_after_forward, 1,
+                      fix="True, False, or a positive number of "
                       "ranks that divides the shard degree.")
         for name, value in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
             check_int(name, value, 0, fix="a block count >= 0.")
@@ -237,18 +214,23 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         if pretrained is not None:
             check_folder(pretrained, "pretrained")
         elif pretrained_prefix is not None:
-            raise OptionError(f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
-                             "save_pretrained folder, or drop pretrained_prefix.")
+            raise OptionError(
+                f"pretrained_prefix={pretrained_prefix!r} without pretrained. Fix: set pretrained to the "
+                "save_pretrained folder, or drop pretrained_prefix."
+            )
         check_tensor_parallel_degree(tensor_parallel_degree)
         if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
-            raise OptionError(f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto.")
+            raise OptionError(
+                f"tp_plan={tp_plan!r}: give 'auto' or a dict of module glob -> style. Fix: tp_plan: auto."
+            )
         self.tensor_parallel_degree = tensor_parallel_degree
         self.tp_plan = tp_plan
         self.accumulation = accumulation
         self.pretrained = pretrained
         self.pretrained_prefix = pretrained_prefix
         self.pretrained_strict = pretrained_strict
-        self._deferred_pretrained: list[PretrainedSource] = []  # from_pretrained calls seen in configure_model
+        # from_pretrained calls seen in configure_model
+        self._deferred_pretrained: list[PretrainedSource] = []
         self._activation_checkpointing: Callable[[nn.Module], object] | None = None  # from the callback
 
     # ------------------------------------------------------------------ validation (no process group yet)
@@ -262,17 +244,21 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
 
     def _validate_precision(self) -> None:
         flag = self._precision_flag()
-        if flag not in SUPPORTED_PRECISION and not isinstance(self.precision_plugin, _ShardedMixedPrecision):
+        if flag not in SUPPORTED_PRECISION and not isinstance(self.precision_plugin, ShardedMixedPrecision):
             raise OptionError(
                 f"precision={flag!r} is not supported by the {self.strategy_name} strategy. Fix: use one of "
                 f"{SUPPORTED_PRECISION} ('bf16-mixed' = bf16 compute, fp32 master weights and fp32 reduce)."
             )
-        if isinstance(self.precision_plugin, _ShardedMixedPrecision):
+        if isinstance(self.precision_plugin, ShardedMixedPrecision):
             return  # validated already (this runs at Trainer construction and again in every process)
-        implied: dict[str, torch.dtype | None] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None}
+        implied: dict[str, torch.dtype | None] = {
+            "param_dtype": None,
+            "reduce_dtype": None,
+            "output_dtype": None,
+        }
         if flag == "bf16-mixed":
             implied = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": None}
-            self.precision_plugin = _ShardedMixedPrecision(flag, autocast=self.autocast)
+            self.precision_plugin = ShardedMixedPrecision(flag, autocast=self.autocast)
         for key, value in self._explicit_dtypes.items():
             if value is not None:
                 implied[key] = value
@@ -312,7 +298,7 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
     def setup_environment(self) -> None:
         seam.init_process_group(self)
         mesh = build_mesh(self.root_device, self._mesh_degrees())
-        if isinstance(self.precision_plugin, _ShardedMixedPrecision):
+        if isinstance(self.precision_plugin, ShardedMixedPrecision):
             self.precision_plugin.device_type = self.root_device.type
         assert self.lightning_module is not None
         seam.set_device_mesh(self, mesh)  # strategy.device_mesh and LightningModule.device_mesh
@@ -324,7 +310,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their batch)."""
+        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their
+        batch)."""
         return self._mesh_degrees().data_parallel_rank(self.global_rank)
 
     @property
@@ -355,7 +342,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         return sources
 
     def load_pretrained_weights(self) -> None:
-        """Read every pretrained source (the ``pretrained`` option, ``from_pretrained`` calls) into the shards."""
+        """Read every pretrained source (the ``pretrained`` option, ``from_pretrained`` calls) into the
+        shards."""
         assert self.model is not None
         sources = self._pretrained_sources()
         if not sources:
@@ -374,7 +362,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         (``tp_plan``), the callback's activation checkpointing, compile, shard. Idempotent."""
         if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
             raise TypeError(
-                f"The model contains FSDP1 (FullyShardedDataParallel) modules; the {self.strategy_name} strategy "
+                "The model contains FSDP1 (FullyShardedDataParallel) "
+                f"modules; the {self.strategy_name} strategy "
                 "uses FSDP2. Fix: remove the FSDP1 wrapping, or use Lightning's strategy='fsdp'."
             )
         if self.tensor_parallel_degree > 1:
@@ -391,13 +380,16 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         blocks = [block for stack in stacks for block in stack.blocks]
         if not blocks:
             rank_zero_warn(
-                f"{self.strategy_name}: no transformer blocks found (no nn.ModuleList of repeated modules, and "
-                "block_class_names is empty). The whole model is one FSDP unit: memory is sharded at rest but "
+                f"{self.strategy_name}: no transformer blocks "
+                "found (no nn.ModuleList of repeated modules, and "
+                "block_class_names is empty). The whole model "
+                "is one FSDP unit: memory is sharded at rest but "
                 "fully gathered in forward. Fix: set block_class_names."
             )
         rank_zero_info(
             f"{self.strategy_name}: sharded {len(blocks)} blocks ({describe_stacks(stacks)}) + root "
-            f"over mesh {dict(zip(self.device_mesh.mesh_dim_names or (), self.device_mesh.shape, strict=False))}, "
+            "over mesh "
+            f"{dict(zip(self.device_mesh.mesh_dim_names or (), self.device_mesh.shape, strict=False))}, "
             f"mp_policy(param={self._mp_policy.param_dtype}, reduce={self._mp_policy.reduce_dtype})"
         )
         return module
@@ -416,8 +408,9 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         check_checkpoint_locations(trainer, remote=self._check_remote_location)
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):
-            if not isinstance(self.precision_plugin, _ShardedMixedPrecision):
-                self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast before sharding
+            if not isinstance(self.precision_plugin, ShardedMixedPrecision):
+                # bf16-true: cast before sharding
+                self.model = self.precision_plugin.convert_module(self.model)
             place = parameter_device(self.root_device, self.cpu_offload)
             if not seam.has_meta_tensors(self.model):
                 self.model.to(place)
@@ -427,9 +420,10 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
                 buffers_to(self.model, self.root_device)
             self.load_pretrained_weights()
             if isinstance(self.model, FSDPModule):
-                # the root is initialised now, so that a call of a sub-unit before the first step does not claim
-                # the root role (FSDP2 makes the first module whose forward runs the root); submodules called
-                # outside the steps (self.model(...) in a hook, generate() in a callback) gather the root's part
+                # the root is initialised now, so that a call of a sub-unit before the first step does not
+                # claim the root role (FSDP2 makes the first module whose forward runs the root); submodules
+                # called outside the steps (self.model(...) in a hook, generate() in a callback) gather the
+                # root's part
                 tseam.fsdp_lazy_init(self.model)
                 GatherOnOutsideCall(self.model)
         elif self._activation_checkpointing is not None:  # configure_model sharded the model itself
@@ -438,7 +432,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:  # offloaded shards: their optimizer state stays on the CPU too
+        # offloaded shards: their optimizer state stays on the CPU too
+        if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, parameter_device(self.root_device, self.cpu_offload))
 
     # ------------------------------------------------------------------ steps: run through the root's hooks
@@ -514,7 +509,9 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
                                     is_rank_zero=self.is_global_zero, broadcast=self.broadcast)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: seam.PATH, storage_options: Any | None = None
+    ) -> None:
         target = self.broadcast(str(filepath))
         url = url_or_none(target)  # object storage: committed by its manifest (sharded), or one object (full)
         if url is None and storage_options is not None:
@@ -528,12 +525,16 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
         background = self._async.use_background()
         if seam.saves_distributed_checkpoint(self):
             tensors = {"state_dict": checkpoint.pop("state_dict")}
-            tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            tensors.update(
+                {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+            )
             if remote is not None:
                 save = self.async_checkpointer.save_sharded_remote if background else save_sharded_remote
                 save(tensors, checkpoint, remote, is_rank_zero=self.is_global_zero)
             elif background:
-                self.async_checkpointer.save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
+                self.async_checkpointer.save_sharded(
+                    tensors, checkpoint, path, is_rank_zero=self.is_global_zero
+                )
             else:  # a failure (e.g. a full disk) is raised on every rank, the partial temp removed
                 atomic_save_sharded(tensors, checkpoint, path, is_rank_zero=self.is_global_zero)
         else:
@@ -573,6 +574,8 @@ class FSDP2Strategy(ResumePositionMixin, LifecycleHooks, ModelParallelStrategy):
             remote = self._remote(url, "ckpt_path")
             checkpoint = load_remote_into_sharded_model(self.model, self.optimizers, remote, **options)
         else:
-            checkpoint = load_into_sharded_model(self.model, self.optimizers, resolve_checkpoint_path(target), **options)
+            checkpoint = load_into_sharded_model(
+                self.model, self.optimizers, resolve_checkpoint_path(target), **options
+            )
         self.restored_data_position(checkpoint)
         return checkpoint

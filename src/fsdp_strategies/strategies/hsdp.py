@@ -29,7 +29,9 @@ class HSDPStrategy(FSDP2Strategy):
 
     strategy_name = "hsdp"
 
-    def __init__(self, replicate_degree: int | str = "auto", shard_degree: int | str = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self, replicate_degree: int | str = "auto", shard_degree: int | str = "auto", **kwargs: Any
+    ) -> None:
         check_degree("replicate_degree", replicate_degree)
         check_degree("shard_degree", shard_degree)
         super().__init__(**kwargs)

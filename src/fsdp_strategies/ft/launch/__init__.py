@@ -1,8 +1,8 @@
 """The supervisor's side of fault tolerance: what runs in the ``fsdp-strategies-ft`` launcher, never in a
 training process.
 
-* :mod:`~fsdp_strategies.ft.launch.launcher` -- a lighthouse plus N replica groups on one machine, restarted on
-  failure, with fault injection (``fsdp-strategies-ft`` / ``python -m fsdp_strategies.ft``);
+* :mod:`~fsdp_strategies.ft.launch.launcher` -- a lighthouse plus N replica groups on one machine, restarted
+  on failure, with fault injection (``fsdp-strategies-ft`` / ``python -m fsdp_strategies.ft``);
 * :mod:`~fsdp_strategies.ft.launch.options` -- its options, declared once (argparse is derived);
 * :mod:`~fsdp_strategies.ft.launch.group_start` -- one group's start (a process per group, or forked by
   :mod:`~fsdp_strategies.ft.launch.forkserver` with its imports done);

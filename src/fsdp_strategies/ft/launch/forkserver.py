@@ -1,17 +1,18 @@
-"""``fsdp-strategies-ft --runner forkserver``: replica groups forked from a process that has imported everything.
+"""``fsdp-strategies-ft --runner forkserver``: replica groups forked from a process that has imported
+everything.
 
 Why: a restarted replica group is down while each of its ranks starts Python and imports torch, Lightning and
 torchft (about 4 s of CPU per rank here). The survivors train meanwhile, but the group's share of the work is
 lost. With this runner the launcher keeps one server process (the standard library's
-:mod:`multiprocessing` forkserver, with those modules preloaded) that sleeps until asked; each start or restart
-of a group forks a *group leader* from it, which forks the group's ranks. Every process starts with the
-imports done, and the server costs memory only, never CPU: unlike ``--warm-spares`` nothing competes with
+:mod:`multiprocessing` forkserver, with those modules preloaded) that sleeps until asked; each start or
+restart of a group forks a *group leader* from it, which forks the group's ranks. Every process starts with
+the imports done, and the server costs memory only, never CPU: unlike ``--warm-spares`` nothing competes with
 training between faults.
 
 The leader does what ``torchrun --nnodes=1 --max_restarts=0`` does for a group: it gives each rank torchrun's
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...), runs the script as
-``__main__``, and when a rank fails it kills the others and exits non-zero, so a rank that dies takes its group
-down. Like ``--warm-spares`` it helps against process failures; losing the host also loses its server.
+``__main__``, and when a rank fails it kills the others and exits non-zero, so a rank that dies takes its
+group down. Like ``--warm-spares`` it helps against process failures; losing the host also loses its server.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 __all__ = ["PRELOAD", "ForkServerGroup", "start_group"]
 
 #: imported once by the server; every group leader and rank is forked with them loaded
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "torchft", "fsdp_strategies", "fsdp_strategies.ft.strategy")
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "torchft", "fsdp_strategies",
+           "fsdp_strategies.ft.strategy")
 
 _context: Any = None
 
@@ -74,7 +76,9 @@ def start_group(*, command: list[str], ranks: int, env: dict[str, str], log_path
     ``-m MODULE ARGS...``, run by ``ranks`` ranks with ``env`` (the group's environment, with ``MASTER_ADDR``
     and ``MASTER_PORT``); output is appended to ``log_path``; ``cores`` pins the group."""
     if not command or (command[0] == "-m" and len(command) < 2):
-        raise ValueError(f"--runner forkserver: nothing to run in {command!r}; give SCRIPT [ARGS...] or -m MODULE")
+        raise ValueError(
+            f"--runner forkserver: nothing to run in {command!r}; give SCRIPT [ARGS...] or -m MODULE"
+        )
     process = _server_context(preload).Process(
         target=_lead_group, args=(list(command), ranks, dict(env), log_path, cores), daemon=True,
         name="fsdp-strategies-ft-group",
@@ -130,8 +134,10 @@ def _lead_group(command: list[str], ranks: int, env: dict[str, str], log_path: s
 def _run_rank(command: list[str], local_rank: int, ranks: int, run_id: str) -> int:
     """One rank (forked from the leader): torchrun's environment, then the script as ``__main__``."""
     os.environ.update({
-        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0", "ROLE_RANK": str(local_rank),
-        "ROLE_NAME": "default", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "ROLE_WORLD_SIZE": str(ranks),
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
+        "ROLE_RANK": str(local_rank),
+        "ROLE_NAME": "default", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+        "ROLE_WORLD_SIZE": str(ranks),
         "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
     })

@@ -1,6 +1,7 @@
 """Why a replica group stopped -- finished, left the quorum, preempted or failed -- and its last error.
 
-The launcher reacts to each kind differently (:meth:`~fsdp_strategies.ft.launch.launcher.FTLauncher.handle_exits`):
+The launcher reacts to each kind differently
+(:meth:`~fsdp_strategies.ft.launch.launcher.FTLauncher.handle_exits`):
 
 * ``finished`` (status 0): its training ended; it is not started again.
 * ``left`` (:data:`~fsdp_strategies.ft.protocol.LEAVE_EXIT_CODE`): it left the quorum on purpose, e.g.
@@ -38,7 +39,9 @@ __all__ = ["GroupExit", "classify_exit", "last_error_line", "torchrun_worker_exi
 #: the tail of a group's log that is read (a long run's log may be large; its latest start is at the end)
 LOG_TAIL_BYTES = 256 * 1024
 
-_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b|error:|Error:|FATAL|Fatal)")
+_ERROR_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure)\b|error:|Error:|FATAL|Fatal)"
+)
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
@@ -81,7 +84,8 @@ def _latest_start(log: Path, max_bytes: int = LOG_TAIL_BYTES) -> list[str] | Non
 
 
 def torchrun_worker_exit_code(log: Path) -> int | None:
-    """The status of the first failing rank in torchrun's failure summary of the latest start; None without one."""
+    """The status of the first failing rank in torchrun's failure summary of the latest start; None without
+    one."""
     lines = _latest_start(log) or []
     for i, line in enumerate(lines):
         if line.startswith("Root Cause"):

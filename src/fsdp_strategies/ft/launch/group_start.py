@@ -70,7 +70,8 @@ class GroupStarter:
                                   restart_count=restart_count,
                                   standby_file=str(standby_file) if standby_file else None,
                                   launcher_pid=os.getpid() if standby_file else None).to_env())
-        genv.update(self.options.lighthouse_timeouts().to_env())  # the strategy checks its quorum timeout against them
+        # the strategy checks its quorum timeout against them
+        genv.update(self.options.lighthouse_timeouts().to_env())
         genv.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                      "OMP_NUM_THREADS": genv.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
                      # stacks on a fatal signal, and on the SIGABRT of process_tree.dump_stacks (--timeout)
@@ -78,13 +79,16 @@ class GroupStarter:
         return genv
 
     def argv(self, master_port: int) -> list[str]:
-        """What the group's top process runs (with the forkserver: what each forked rank runs as ``__main__``)."""
+        """What the group's top process runs (with the forkserver: what each forked rank runs as
+        ``__main__``)."""
         o = self.options
         if o.runner == "forkserver":
             return list(self.command)
         if o.runner == "torchrun":
-            return [o.python, "-m", "torch.distributed.run", f"--nproc_per_node={o.ranks_per_group}", "--nnodes=1",
-                    "--master_addr=127.0.0.1", f"--master_port={master_port}", "--max_restarts=0", *self.command]
+            return [o.python, "-m", "torch.distributed.run", f"--nproc_per_node={o.ranks_per_group}",
+                    "--nnodes=1",
+                    "--master_addr=127.0.0.1", f"--master_port={master_port}", "--max_restarts=0",
+                    *self.command]
         return [o.python, *self.command]
 
     def start(self, gid: int, header: str, restart_count: int, events_file: Path,

@@ -11,8 +11,8 @@ writer notes each save), newest first, in ``g``'s :func:`~fsdp_strategies.ft.pro
 restarted group restores the first that verifies at the end of its ``setup``
 (:func:`~fsdp_strategies.ft.heal_state.resume_from_handed`). Beside a peer ahead nothing is handed: the group
 heals from it, as always. Used by the FT launcher (``fsdp-strategies-ft``) and, through ``python -m
-fsdp_strategies.ft.launch.handover``, by ``examples/slurm/ft_hsdp.sbatch``, whose group loops mark a running job
-step with a ``group<g>.running`` file beside the events files (its modification time: the incarnation's
+fsdp_strategies.ft.launch.handover``, by ``examples/slurm/ft_hsdp.sbatch``, whose group loops mark a running
+job step with a ``group<g>.running`` file beside the events files (its modification time: the incarnation's
 start).
 """
 
@@ -53,9 +53,11 @@ def hand_checkpoints(events: Sequence[EventLog], group: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fsdp_strategies.ft.launch.handover --events PATTERN --group G --groups N --attempt A`` (before a
-    start of group G: attempt 0 only removes an old hand-over)."""
-    parser = argparse.ArgumentParser(prog="python -m fsdp_strategies.ft.launch.handover", description=main.__doc__)
+    """``python -m fsdp_strategies.ft.launch.handover --events PATTERN --group G --groups N --attempt A``
+    (before a start of group G: attempt 0 only removes an old hand-over)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_strategies.ft.launch.handover", description=main.__doc__
+    )
     parser.add_argument("--events", required=True,
                         help="the groups' events files, with {replica_group_id} (FSDP_STRATEGIES_FT_EVENTS)")
     parser.add_argument("--group", type=int, required=True, help="the replica group about to start")

@@ -5,16 +5,16 @@
 
 Each replica group is one ``torchrun`` job (``--runner torchrun``, the default: a rank that dies
 takes its group down, which is what fault tolerance needs), a plain ``python SCRIPT`` that lets
-Lightning's own launcher start the ranks (``--runner lightning``), or ranks forked from one server process that
-has imported torch, Lightning and torchft once, with torchrun's semantics (``--runner forkserver``, see
+Lightning's own launcher start the ranks (``--runner lightning``), or ranks forked from one server process
+that has imported torch, Lightning and torchft once, with torchrun's semantics (``--runner forkserver``, see
 :mod:`fsdp_strategies.ft.launch.forkserver`: a restart skips the imports). Every group gets its own OS
-session (:mod:`~fsdp_strategies.ft.launch.group_start`), so a fault (``--kill-every SECONDS`` or ``--kill-at-steps``)
-is a SIGKILL of the whole group (:mod:`~fsdp_strategies.ft.launch.process_tree`). A group that exits is restarted --
-unless it finished, was preempted, or exhausted ``--max-restarts`` (:mod:`~fsdp_strategies.ft.launch.group_exit` tells
-the kinds of exit apart) -- and the restarted group heals from a live peer.
-With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has already
-started Python, imported everything and built its Trainer, and waits (no process group, no quorum seat) to
-be activated: a failure then costs the group its process-group set-up and heal, not a cold start.
+session (:mod:`~fsdp_strategies.ft.launch.group_start`), so a fault (``--kill-every SECONDS`` or
+``--kill-at-steps``) is a SIGKILL of the whole group (:mod:`~fsdp_strategies.ft.launch.process_tree`). A group
+that exits is restarted -- unless it finished, was preempted, or exhausted ``--max-restarts``
+(:mod:`~fsdp_strategies.ft.launch.group_exit` tells the kinds of exit apart) -- and the restarted group heals
+from a live peer. With ``--warm-spares`` each group also has a standby incarnation (its next restart) that has
+already started Python, imported everything and built its Trainer, and waits (no process group, no quorum
+seat) to be activated: a failure then costs the group its process-group set-up and heal, not a cold start.
 Groups learn their place from the environment (:class:`~fsdp_strategies.ft.protocol.FTEnvironment`:
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``, ``FSDP_STRATEGIES_FT_EVENTS`` -- a
 per-group JSON-lines step log (:class:`~fsdp_strategies.ft.protocol.EventLog`), which the launcher also
@@ -45,8 +45,8 @@ from fsdp_strategies.ft.launch.options import LaunchOptions, core_sets, parse_ar
 from fsdp_strategies.ft.launch.process_tree import dump_stacks, kill_tree
 from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, resume_file, standby_ready_file
 
-#: the supervision loop's period, and how old a group's events may be within one pass (less than the period, so
-#: every pass sees what was appended before it)
+#: the supervision loop's period, and how old a group's events may be within one pass (less than the period,
+#: so every pass sees what was appended before it)
 LOOP_S = 0.05
 LOOK_EVERY_S = 0.04
 
@@ -96,8 +96,8 @@ class FTLauncher:
     past the timeout?, has training finished somewhere (:meth:`_stop_groups_that_cannot_join`)?, which
     groups exited (:meth:`_handle_exits`: restart, leave a preempted group stopped, or give up after
     ``max_restarts``)?, all done?, does a group need a warm spare (:meth:`_tend_spares`)?, and is a fault due
-    (:meth:`_inject_faults`)? Groups talk to it only through the protocol of :mod:`fsdp_strategies.ft.protocol`
-    (environment, exit codes, events files).
+    (:meth:`_inject_faults`)? Groups talk to it only through the protocol of
+    :mod:`fsdp_strategies.ft.protocol` (environment, exit codes, events files).
     """
 
     def __init__(self, command: list[str], options: LaunchOptions) -> None:
@@ -114,8 +114,10 @@ class FTLauncher:
             stale.unlink(missing_ok=True)
         self.rng = random.Random(options.seed)
         self.groups = [_Group(gid=i) for i in range(options.groups)]
-        # one reader per group, kept: each reads only what was appended since it last looked, and looks once per
-        # pass of the 50 ms loop (a pass asks each reader 2-3 times: at 1,024 groups that was 2-3 thousand stat()s)
+        # one reader per group, kept: each reads only what was appended since it last looked, and looks once
+        # per
+        # pass of the 50 ms loop (a pass asks each reader 2-3 times: at 1,024 groups that was 2-3 thousand
+        # stat()s)
         self._event_logs = {g.gid: EventLog(self.events_dir / f"group{g.gid}.jsonl", max_age_s=LOOK_EVERY_S)
                             for g in self.groups}
         self.kills: list[dict[str, Any]] = []
@@ -166,8 +168,8 @@ class FTLauncher:
                                   self.events(g).path, standby_file)
 
     def start(self, g: _Group) -> bool:
-        """Start the group's next incarnation: activate its warm spare if one is waiting (returns True), else a
-        cold start."""
+        """Start the group's next incarnation: activate its warm spare if one is waiting (returns True), else
+        a cold start."""
         if g.log is not None:
             g.log.close()
         self._hand_checkpoints(g)
@@ -175,7 +177,9 @@ class FTLauncher:
         if g.spare is not None and g.spare.poll() is None and g.spare_go is not None:
             g.spare_go.touch()  # the spare's ranks leave wait_for_activation
             g.proc, g.log, g.spare, g.spare_log = g.spare, g.spare_log, None, None
-            g.log.write(f"\n===== start #{g.restarts}: warm spare activated (ready: {g.spare_ready})\n".encode())
+            g.log.write(
+                f"\n===== start #{g.restarts}: warm spare activated (ready: {g.spare_ready})\n".encode()
+            )
             g.log.flush()
             warm = True
         else:
@@ -206,7 +210,9 @@ class FTLauncher:
         g.spare_go = self.events_dir / f"group{g.gid}.spare{n}.go"
         g.spare_go.unlink(missing_ok=True)
         standby_ready_file(g.spare_go).unlink(missing_ok=True)
-        g.spare, g.spare_log = self._spawn(g, f"spare #{n} (on standby)", restart_count=n, standby_file=g.spare_go)
+        g.spare, g.spare_log = self._spawn(
+            g, f"spare #{n} (on standby)", restart_count=n, standby_file=g.spare_go
+        )
         g.spare_started, g.spare_ready = time.time(), False
         self.note({"event": "spare", "group": g.gid, "restart": n, "pid": g.spare.pid})
 
@@ -225,9 +231,9 @@ class FTLauncher:
         g.spare, g.spare_log = None, None
 
     def _tend_spares(self) -> None:
-        """``--warm-spares``: each running group gets a spare once its current incarnation has committed a step
-        (so a spare's start-up never competes with a start or a heal); a spare that dies on standby is reported
-        and not replaced for that group (its cold restarts still work)."""
+        """``--warm-spares``: each running group gets a spare once its current incarnation has committed a
+        step (so a spare's start-up never competes with a start or a heal); a spare that dies on standby is
+        reported and not replaced for that group (its cold restarts still work)."""
         if not self.opts.warm_spares:
             return
         for g in self.groups:
@@ -239,9 +245,10 @@ class FTLauncher:
             if g.spare is not None and not g.spare_ready and g.spare_go is not None \
                     and standby_ready_file(g.spare_go).exists():
                 g.spare_ready = True
-                self.note({"event": "spare_ready", "group": g.gid, "after_s": round(time.time() - g.spare_started, 3)})
-            if g.spare is None and not g.spare_failed and not g.finished and g.restarts < self.opts.max_restarts \
-                    and g.proc is not None and g.proc.poll() is None \
+                self.note({"event": "spare_ready", "group": g.gid,
+                           "after_s": round(time.time() - g.spare_started, 3)})
+            if g.spare is None and not g.spare_failed and not g.finished \
+                    and g.restarts < self.opts.max_restarts and g.proc is not None and g.proc.poll() is None \
                     and self.events(g).last_committed_step(g.started_at) >= 0:
                 self.start_spare(g)
 
@@ -319,9 +326,9 @@ class FTLauncher:
         return finished
 
     def _handle_exits(self, training_finished: bool) -> None:
-        """Record each group that exited and react to its kind of exit (:mod:`~fsdp_strategies.ft.launch.group_exit`):
-        finished (0): done; preempted: not restarted; unfixable: given up at once; left or failed: restarted,
-        or given up after ``max_restarts``."""
+        """Record each group that exited and react to its kind of exit
+        (:mod:`~fsdp_strategies.ft.launch.group_exit`): finished (0): done; preempted: not restarted;
+        unfixable: given up at once; left or failed: restarted, or given up after ``max_restarts``."""
         o = self.opts
         for g in self.groups:
             if g.proc is None or g.finished:
@@ -340,7 +347,9 @@ class FTLauncher:
                 continue
             kill_tree(g.proc.pid)  # leftovers of the group (a rank that survived its peers)
             if kind is GroupExit.PREEMPTED:  # a restart would undo the stop; the others go on without it
-                self.note({"event": "not_restarted", "group": g.gid, "why": "preempted: it stopped for a requeue"})
+                self.note(
+                    {"event": "not_restarted", "group": g.gid, "why": "preempted: it stopped for a requeue"}
+                )
                 g.finished, g.preempted, g.proc = True, True, None
                 self.stop_spare(g, "the group was preempted")
                 continue
@@ -367,14 +376,19 @@ class FTLauncher:
                 time.sleep(o.restart_delay)
             g.restarts += 1
             warm = self.start(g)
-            self.restarts.append({"t": time.time(), "group": g.gid, "restart": g.restarts, "warm_spare": warm})
+            self.restarts.append(
+                {"t": time.time(), "group": g.gid, "restart": g.restarts, "warm_spare": warm}
+            )
 
     def _all_done(self) -> bool:
         """Whether every group is done; then the job's status: 1 if a group failed for good, else
-        ``PREEMPT_EXIT_CODE`` if a group was preempted and none finished training (requeue the job), else 0."""
+        ``PREEMPT_EXIT_CODE`` if a group was preempted and none finished training (requeue the job), else
+        0."""
         if not all(g.finished for g in self.groups):
             return False
-        if any(code != 0 for g in self.groups if not (g.abandoned or g.preempted) for code in g.exit_codes[-1:]):
+        if any(
+            code != 0 for g in self.groups if not (g.abandoned or g.preempted) for code in g.exit_codes[-1:]
+        ):
             self.returncode = self.returncode or 1
         elif any(g.preempted for g in self.groups) and not self._training_finished():
             self.returncode = self.returncode or PREEMPT_EXIT_CODE
@@ -418,8 +432,8 @@ class FTLauncher:
             if g.gave_up is not None:
                 print(f"fsdp-strategies-ft: FAILED: replica group {g.gid} gave up after {g.gave_up_after} "
                       f"(exit codes {g.exit_codes}); last error: {g.gave_up}", file=sys.stderr, flush=True)
-        return LauncherResult(returncode=self.returncode, kills=self.kills, restarts=self.restarts, wall_s=wall,
-                              events_dir=self.events_dir)
+        return LauncherResult(returncode=self.returncode, kills=self.kills, restarts=self.restarts,
+                              wall_s=wall, events_dir=self.events_dir)
 
     def run(self) -> LauncherResult:
         """Start everything, supervise until training ends (or a SIGTERM / the timeout), clean up."""
@@ -430,7 +444,9 @@ class FTLauncher:
             self.start(g)
         old_int = signal.signal(signal.SIGINT, self._on_sigint)
         old_term = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.next_kill = time.time() + (o.first_kill_after if o.first_kill_after is not None else (o.kill_every or 0))
+        self.next_kill = time.time() + (
+            o.first_kill_after if o.first_kill_after is not None else (o.kill_every or 0)
+        )
         try:
             while True:
                 now = time.time()
@@ -472,7 +488,8 @@ def run(command: list[str], **options: Any) -> LauncherResult:
 
     SIGTERM (preemption) is forwarded to every group (its torchrun and its ranks), which stop at their next
     step and write their preemption checkpoints; groups still running ``grace`` seconds later are killed, and
-    the launcher returns :data:`~fsdp_strategies.ft.protocol.PREEMPT_EXIT_CODE`. SIGINT kills every group at once.
+    the launcher returns :data:`~fsdp_strategies.ft.protocol.PREEMPT_EXIT_CODE`. SIGINT kills every group at
+    once.
     """
     return FTLauncher(command, LaunchOptions(**options)).run()
 

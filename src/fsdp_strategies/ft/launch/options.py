@@ -33,7 +33,9 @@ __all__ = ["RUNNERS", "LaunchOptionError", "LaunchOptions", "build_parser", "cor
 #: how a replica group's ranks are started (see ``--runner``)
 RUNNERS = ("torchrun", "lightning", "forkserver")
 
-DESCRIPTION = "fsdp-strategies-ft: run fault-tolerant HSDP on this machine -- a lighthouse plus N replica groups."
+DESCRIPTION = (
+    "fsdp-strategies-ft: run fault-tolerant HSDP on this machine -- a lighthouse plus N replica groups."
+)
 
 
 class LaunchOptionError(SystemExit):
@@ -47,25 +49,32 @@ def _help(text: str, *, metavar: str | None = None, choices: tuple[str, ...] | N
 
 @dataclass
 class LaunchOptions:
-    """The launcher's options: every field with help text is the flag ``--field-name`` (see :func:`build_parser`)."""
+    """The launcher's options: every field with help text is the flag ``--field-name`` (see
+    :func:`build_parser`)."""
 
     groups: int = field(default=2, metadata=_help("number of replica groups"))
     ranks_per_group: int = field(default=1, metadata=_help("processes per replica group (torchrun nproc)"))
     runner: str = field(default="torchrun", metadata=_help(
-        "start each group with torchrun, as `python SCRIPT` (Lightning's launcher), or 'forkserver': fork its ranks "
-        "from one process that has already imported torch, Lightning and torchft (a restart skips the imports; the "
+        "start each group with torchrun, as `python SCRIPT` "
+        "(Lightning's launcher), or 'forkserver': fork its ranks "
+        "from one process that has already imported torch, "
+        "Lightning and torchft (a restart skips the imports; the "
         "server costs memory, not CPU)", choices=RUNNERS))
     min_replicas: int = field(default=1, metadata=_help("lighthouse: fewest groups to form a quorum"))
     bind: str = field(default="127.0.0.1", metadata=_help("lighthouse bind host (loopback by default)"))
     lighthouse_port: int = field(default=0, metadata=_help("lighthouse port; 0 = any free port"))
     join_timeout_ms: int = field(default=1000, metadata=_help(
         "lighthouse: how long a quorum waits for more groups to join once --min-replicas are there"))
-    quorum_tick_ms: int = field(default=100, metadata=_help("lighthouse: how often it checks whether a quorum can form"))
+    quorum_tick_ms: int = field(
+        default=100, metadata=_help("lighthouse: how often it checks whether a quorum can form")
+    )
     heartbeat_timeout_ms: int = field(default=2000, metadata=_help(
-        "a dead group counts as alive this long: the survivors' stall per fault (>= 200: groups heartbeat every "
+        "a dead group counts as alive this long: the survivors' "
+        "stall per fault (>= 200: groups heartbeat every "
         "100 ms; each group's quorum_timeout_s must cover it + --join-timeout-ms + --quorum-tick-ms)"))
     kill_every: float | None = field(default=None, metadata=_help(
-        "SIGKILL a random live group (one that has committed a step since its start; never the last) every SECONDS",
+        "SIGKILL a random live group (one that has committed "
+        "a step since its start; never the last) every SECONDS",
         metavar="SECONDS"))
     kill_at_steps: str | None = field(default=None, metadata=_help(
         "SIGKILL group G (or round-robin) once it has committed STEP and another group is live",
@@ -88,12 +97,17 @@ class LaunchOptions:
         "on SIGTERM: how long the groups may take to stop (and checkpoint) before SIGKILL; more than the "
         "strategy's preempt_grace_s", metavar="SECONDS"))
     pin_cores: str = field(default="none", metadata=_help(
-        "pin each replica group's processes to its own CPUs (os.sched_setaffinity; kept across restarts): 'auto' "
-        "splits the allowed CPUs evenly, or one cpu-list per group, e.g. '0-3;4-7'", metavar="none|auto|CPUS;CPUS;..."))
+        "pin each replica group's processes to its own CPUs "
+        "(os.sched_setaffinity; kept across restarts): 'auto' "
+        "splits the allowed CPUs evenly, or one cpu-list per group, e.g. '0-3;4-7'",
+        metavar="none|auto|CPUS;CPUS;..."))
     warm_spares: bool = field(default=False, metadata=_help(
-        "keep a standby incarnation per replica group (started once the group has committed a step: Python, imports "
-        "and Trainer built, then waiting without a process group or quorum seat); a failed group is replaced by it "
-        "instead of a cold start. Costs one idle copy of the group's processes (their memory, no CPU); helps process "
+        "keep a standby incarnation per replica group (started "
+        "once the group has committed a step: Python, imports "
+        "and Trainer built, then waiting without a process "
+        "group or quorum seat); a failed group is replaced by it "
+        "instead of a cold start. Costs one idle copy of the "
+        "group's processes (their memory, no CPU); helps process "
         "failures, not the loss of the host the spare runs on"))
     #: the interpreter that runs each group (Python API only; ``--runner forkserver`` needs this one)
     python: str = sys.executable
@@ -101,7 +115,8 @@ class LaunchOptions:
     env: dict[str, str] | None = None
 
     def validate(self, command: list[str]) -> None:
-        """Check every option (and that there is a command) before anything starts; raise :class:`LaunchOptionError`."""
+        """Check every option (and that there is a command) before anything starts; raise
+        :class:`LaunchOptionError`."""
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             if "help" in f.metadata:
@@ -109,16 +124,20 @@ class LaunchOptions:
         _at_least(self, "groups", 1, "a job needs at least one replica group")
         _at_least(self, "ranks_per_group", 1, "a replica group needs at least one process")
         if self.runner not in RUNNERS:
-            raise LaunchOptionError(f"--runner {self.runner!r}: use one of {', '.join(RUNNERS)}. Fix: --runner "
-                                    "torchrun (the default) unless a restart's import time matters (forkserver)")
+            raise LaunchOptionError(
+                f"--runner {self.runner!r}: use one of {', '.join(RUNNERS)}. Fix: --runner "
+                "torchrun (the default) unless a restart's import time matters (forkserver)"
+            )
         if self.min_replicas < 1 or self.min_replicas > self.groups:
             why = "a quorum needs at least one group" if self.min_replicas < 1 else \
                 "the lighthouse would wait forever for that many groups"
             raise LaunchOptionError(f"--min-replicas {self.min_replicas} with --groups {self.groups}: {why}. "
                                     f"Fix: --min-replicas between 1 and {self.groups}.")
         if not 0 <= self.lighthouse_port <= 65535:
-            raise LaunchOptionError(f"--lighthouse-port {self.lighthouse_port}: not a TCP port. Fix: 0 (any free "
-                                    "port) or a port in 1..65535.")
+            raise LaunchOptionError(
+                f"--lighthouse-port {self.lighthouse_port}: not a TCP port. Fix: 0 (any free "
+                "port) or a port in 1..65535."
+            )
         for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
             _at_least(self, name, 1, "a duration in milliseconds must be positive")
         problem = check_lighthouse_timeouts(self.lighthouse_timeouts())
@@ -132,16 +151,20 @@ class LaunchOptions:
         _at_least(self, "max_restarts", 0, "a count cannot be negative")
         if self.runner == "forkserver" and self.warm_spares:
             raise LaunchOptionError(
-                "--runner forkserver with --warm-spares: pick one (both shorten a restart; the forkserver already "
+                "--runner forkserver with --warm-spares: pick one "
+                "(both shorten a restart; the forkserver already "
                 "starts every incarnation with its imports done, at no CPU cost between faults). Fix: drop "
-                "--warm-spares, or use --runner torchrun with it.")
+                "--warm-spares, or use --runner torchrun with it."
+            )
         if self.runner == "forkserver" and os.path.realpath(self.python) != os.path.realpath(sys.executable):
             raise LaunchOptionError(f"--runner forkserver forks from this Python ({sys.executable}), not "
                                     f"{self.python!r}. Fix: run the launcher with that interpreter, or use "
                                     "--runner torchrun.")
         if not command:
-            raise LaunchOptionError("no training command. Fix: give the training script and its arguments after the "
-                                    "options (e.g. -- examples/train_llama.py fit ...)")
+            raise LaunchOptionError(
+                "no training command. Fix: give the training script and its arguments after the "
+                "options (e.g. -- examples/train_llama.py fit ...)"
+            )
         parse_kill_at(self.kill_at_steps, self.groups)
         core_sets(self.pin_cores, self.groups)
 
@@ -152,7 +175,8 @@ class LaunchOptions:
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
-    """``value`` fits the field's annotation: an ``int``, ``float`` (an int will do), ``str``/path or ``bool``."""
+    """``value`` fits the field's annotation: an ``int``, ``float`` (an int will do), ``str``/path or
+    ``bool``."""
     allowed = [a for a in typing.get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
     if value is None and len(allowed) < len(typing.get_args(hint)):
         return
@@ -180,8 +204,10 @@ def _at_least(opts: LaunchOptions, name: str, low: float, why: str) -> None:
 def _positive(opts: LaunchOptions, name: str) -> None:
     value = getattr(opts, name)
     if value <= 0:
-        raise LaunchOptionError(f"--{name.replace('_', '-')} {value!r}: must be positive. Fix: a number of seconds "
-                                f"> 0, or leave --{name.replace('_', '-')} out.")
+        raise LaunchOptionError(
+            f"--{name.replace('_', '-')} {value!r}: must be positive. Fix: a number of seconds "
+            f"> 0, or leave --{name.replace('_', '-')} out."
+        )
 
 
 def _is_union(hint: Any) -> bool:
@@ -189,7 +215,8 @@ def _is_union(hint: Any) -> bool:
 
 
 def _arg_type(hint: Any) -> type:
-    """What argparse converts a flag's text to: the first of ``int``/``float`` in the annotation, else ``str``."""
+    """What argparse converts a flag's text to: the first of ``int``/``float`` in the annotation, else
+    ``str``."""
     members = typing.get_args(hint) if _is_union(hint) else (hint,)
     return next((t for t in members if t in (int, float)), str)
 
@@ -207,8 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", default=f.default, help=f.metadata["help"])
             continue
         extra = {k: f.metadata[k] for k in ("metavar", "choices") if f.metadata.get(k) is not None}
-        parser.add_argument(flag, type=_arg_type(hints[f.name]), default=f.default, help=f.metadata["help"], **extra)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group")
+        parser.add_argument(
+            flag, type=_arg_type(hints[f.name]), default=f.default, help=f.metadata["help"], **extra
+        )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] run by every replica group"
+    )
     return parser
 
 
@@ -230,7 +261,9 @@ def parse_kill_at(spec: str | None, groups: int) -> list[tuple[int | None, int]]
     """``--kill-at-steps``: ``"8,20"`` (victim chosen round-robin) or ``"1@8,0@20"`` (group@committed step),
     as ``(group or None, step)`` sorted by step."""
     out: list[tuple[int | None, int]] = []
-    fix = "Fix: comma-separated committed steps, each optionally prefixed by a replica group id, e.g. '8,0@20'."
+    fix = (
+        "Fix: comma-separated committed steps, each optionally prefixed by a replica group id, e.g. '8,0@20'."
+    )
     for item in (spec or "").split(","):
         item = item.strip()
         if not item:
@@ -239,10 +272,14 @@ def parse_kill_at(spec: str | None, groups: int) -> list[tuple[int | None, int]]
         try:
             gid, step = (int(g) if g else None), int(s)
         except ValueError:
-            raise LaunchOptionError(f"--kill-at-steps {spec!r}: {item!r} is not [GROUP@]STEP. {fix}") from None
+            raise LaunchOptionError(
+                f"--kill-at-steps {spec!r}: {item!r} is not [GROUP@]STEP. {fix}"
+            ) from None
         if gid is not None and not 0 <= gid < groups:
-            raise LaunchOptionError(f"--kill-at-steps {spec!r}: group {gid} is out of range [0, {groups - 1}]. "
-                                    f"Fix: a group id below --groups {groups}.")
+            raise LaunchOptionError(
+                f"--kill-at-steps {spec!r}: group {gid} is out of range [0, {groups - 1}]. "
+                f"Fix: a group id below --groups {groups}."
+            )
         if step < 0:
             raise LaunchOptionError(f"--kill-at-steps {spec!r}: step {step} is negative. {fix}")
         out.append((gid, step))
@@ -277,15 +314,21 @@ def core_sets(spec: str, groups: int) -> list[list[int]] | None:
         per = len(allowed) // groups
         if per < 1:
             raise LaunchOptionError(
-                f"--pin-cores auto: {groups} replica groups but this process may use only {len(allowed)} CPUs "
+                f"--pin-cores auto: {groups} replica groups but "
+                f"this process may use only {len(allowed)} CPUs "
                 f"{allowed}. Fix: fewer --groups, or give each group its CPUs explicitly, e.g. --pin-cores "
-                f"'{example}' (groups may share a CPU).")
+                f"'{example}' (groups may share a CPU)."
+            )
         return [allowed[i * per:(i + 1) * per] for i in range(groups)]
-    fix = (f"Fix: 'none', 'auto', or {groups} CPU lists separated by ';' (e.g. '{example}'), using the allowed "
-           f"CPUs {allowed}.")
+    fix = (
+        f"Fix: 'none', 'auto', or {groups} CPU lists separated by ';' (e.g. '{example}'), using the allowed "
+        f"CPUs {allowed}."
+    )
     parts = spec.split(";")
     if len(parts) != groups:
-        raise LaunchOptionError(f"--pin-cores {spec!r}: {len(parts)} CPU lists for {groups} replica groups. {fix}")
+        raise LaunchOptionError(
+            f"--pin-cores {spec!r}: {len(parts)} CPU lists for {groups} replica groups. {fix}"
+        )
     sets: list[list[int]] = []
     for part in parts:
         try:
@@ -294,6 +337,8 @@ def core_sets(spec: str, groups: int) -> list[list[int]] | None:
             raise LaunchOptionError(f"--pin-cores {spec!r}: {part!r} is not a CPU list. {fix}") from None
         outside = sorted(set(cpus) - set(allowed))
         if outside:
-            raise LaunchOptionError(f"--pin-cores {spec!r}: CPUs {outside} are not available to this process. {fix}")
+            raise LaunchOptionError(
+                f"--pin-cores {spec!r}: CPUs {outside} are not available to this process. {fix}"
+            )
         sets.append(sorted(set(cpus)))
     return sets
