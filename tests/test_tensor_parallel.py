@@ -152,14 +152,15 @@ def test_the_mesh_is_init_device_meshs_and_answers_to_lightnings_dim_names(
     from torch.distributed.device_mesh import init_device_mesh
 
     from conftest import free_port
-    from fsdp_strategies.parallel.mesh import DataParallelNamedMesh, HSDPDegrees, build_mesh
+    from fsdp_strategies.parallel.mesh import DataParallelNamedMesh, ParallelDims, build_mesh
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         cpu = torch.device("cpu")
-        fsdp, hsdp = build_mesh(cpu, None, 1), build_mesh(cpu, HSDPDegrees(replicate=1, shard=1), 1)
+        fsdp = build_mesh(cpu, ParallelDims.fsdp(1, 1))
+        hsdp = build_mesh(cpu, ParallelDims(1, 1, 1, hybrid=True))
         assert type(fsdp) is DataParallelNamedMesh and type(hsdp) is DataParallelNamedMesh
         assert fsdp == init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
         assert hsdp == init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
