@@ -295,8 +295,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
     # README.md
     Guarantee("README.md", "tested against the oldest release",
               (*_PIN, *_SEAM[:3], *_SEAM_GUARD, *_FSDP_SINGLE[:1],
-                                                                   *_ids("test_ft_hsdp.py",
-                                                                         "test_kill_heal_and_bit_identical_groups")),
+               *_ids("test_ft_data.py", "test_every_sample_is_accounted_for_across_kills[skip-2]")),
               "the pin, its lower bound and this README line are checked; these tests are among the ones "
               "`make test-lightning-range` runs against both releases "
               "(the seam tests, and the two multi-process runs "

@@ -173,7 +173,8 @@ def _check(mode: str, records: dict, launcher: list, steps: int, launcher_kills:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("mode", "accumulate"), [
-    ("skip", 2), pytest.param("skip", 1, marks=pytest.mark.full),
+    pytest.param("skip", 2, marks=pytest.mark.lightning_range),
+    pytest.param("skip", 1, marks=pytest.mark.full),
     pytest.param("redistribute", 2, marks=pytest.mark.full)])
 def test_every_sample_is_accounted_for_across_kills(tmp_path: Path, mode: str, accumulate: int) -> None:
     # group 1 killed at step 5, its restart killed while applying the heal, the next restart heals; with

@@ -60,7 +60,6 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.lightning_range
 @pytest.mark.multiprocess
 def test_kill_heal_and_bit_identical_groups(tmp_path: Path) -> None:
     # Group 1 SIGKILLs itself (torchrun + both ranks) just before its 2nd cross-group all-reduce of step 3;

@@ -1247,9 +1247,12 @@ def test_atexit__run_exitfuncs(tmp_path: Path) -> None:
     import sys
 
     marker = tmp_path / "ran"
+    seam_file = Path(tseam.__file__)  # loaded alone: the package's front door (every layer) is not needed
     code = (
-        "import atexit, os\n"
-        "from fsdp_strategies._torch_seam import run_exit_handlers\n"
+        "import atexit, os, importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('torch_seam', {str(seam_file)!r})\n"
+        "seam = importlib.util.module_from_spec(spec); spec.loader.exec_module(seam)\n"
+        "run_exit_handlers = seam.run_exit_handlers\n"
         f"atexit.register(lambda: open({str(marker)!r}, 'w').write('x'))\n"
         "import sys\n"
         "if sys.argv[1] == 'seam':\n"
