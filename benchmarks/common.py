@@ -249,14 +249,39 @@ class Rounds(dict):  # type: ignore[type-arg]
         self.orders: list[list[str]] = []
 
 
+def round_orders(contenders: Sequence[str], reps: int) -> list[list[str]]:
+    """Each round's contender order, from a Williams design: a Latin square (every contender runs in every
+    position once per cycle) in which every contender also runs right after every other one equally often --
+    once per cycle of N rounds for an even number N of contenders, twice per 2N for an odd N (the square and
+    its mirror). Rounds beyond a cycle repeat it. Two contenders: A B, B A; three: A B C, B C A, C A B, C B A,
+    A C B, B A C."""
+    n = len(contenders)
+    if n == 0:
+        return [[] for _ in range(reps)]
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[contenders[i] for i in rows[k % len(rows)]] for k in range(reps)]
+
+
 def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int], Any],
                bar: Any | None = None, *, retries: int | None = None, warm_up: bool = False) -> Rounds:
-    """Run ``run_one(contender, rep)`` as A B C, B C A, C A B, ... for ``reps`` rounds; results per contender.
+    """Run ``run_one(contender, rep)`` for ``reps`` rounds in the orders of :func:`round_orders`; results per
+    contender.
 
-    The order rotates every round (``orders`` lists each round's), so no contender always runs first -- on
+    The order changes every round (``orders`` lists each round's), so no contender always runs first -- on
     a shared machine the first job of a round met other conditions (a cold page cache, a quieter machine)
-    than the rest. ``warm_up``: one untimed job of the first contender before the first round (its result,
-    or its failure, is dropped), so the first timed job does not read the libraries from disk.
+    than the rest -- nor always right after the same other one (a job that leaves the machine warm, its
+    caches full or a process behind it). ``warm_up``: one untimed job of the first contender before the
+    first round (its result, or its failure, is dropped), so the first timed job does not read the
+    libraries from disk.
 
     ``run_one`` may raise. A round in which any contender raised is run again, every contender of it
     (up to ``retries`` more times, default :data:`ROUND_RETRIES`), and the attempt that completes it
@@ -272,9 +297,7 @@ def interleave(contenders: Sequence[str], reps: int, run_one: Callable[[str, int
             run_one(contenders[0], 0)
         except Exception:  # a contender that fails fails its timed rounds too, where it is recorded
             pass
-    for rep in range(reps):
-        shift = rep % len(contenders) if contenders else 0
-        order = [*contenders[shift:], *contenders[:shift]]
+    for rep, order in enumerate(round_orders(contenders, reps)):
         results.orders.append(order)
         for attempt in range(retries + 1):
             got: dict[str, Any] = {}
@@ -388,7 +411,7 @@ def suite_config(contenders: Sequence[Contender], sizes: Sequence[str], ranks: S
 def collect_cases(suite: str, contenders: Sequence[Contender], *, sizes: Sequence[str], ranks: Sequence[int],
                   reps: int, steps: int, warmup: int, precision: str, timeout: float = 900,
                   show_progress: bool = True, warm_up: bool = True) -> list[dict[str, Any]]:
-    """Run every (size, ranks) case, its contenders interleaved (order rotated per round; ``warm_up``: one
+    """Run every (size, ranks) case, its contenders interleaved (order changed per round; ``warm_up``: one
     untimed job first, see :func:`interleave`); one record per case (no ratios yet)."""
     plan = []
     for size in sizes:

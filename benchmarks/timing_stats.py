@@ -1,6 +1,6 @@
 """The timing suites' statistics: paired ratios with a confidence interval, and the A/A check.
 
-A timing suite runs its contenders interleaved in rounds (``common.interleave``: the order rotates every
+A timing suite runs its contenders interleaved in rounds (``common.interleave``: the order changes every
 round, so no contender always runs first) and compares two contenders by the ratio of their per-round median
 step times. A ratio is only worth a verdict when the machine lets two *identical* jobs come out the same, so
 every timing suite carries an A/A pair -- two contenders with the same configuration -- whose ratio must come

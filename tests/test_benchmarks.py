@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata as md
+import itertools
 import json
 import math
 import os
@@ -38,6 +39,24 @@ def _one(pattern: str, folder: Path) -> Path:
     return found[0]
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_round_orders_balance_positions_and_the_job_before(n: int) -> None:
+    """Issue 43: a rotation (A B C, B C A, ...) kept every contender right after the same other one; over a
+    cycle of rounds every contender runs in every position equally often and right after every other
+    contender equally often (once each for an even n over n rounds, twice for an odd n over 2n)."""
+    from collections import Counter
+
+    names = [f"c{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = common.round_orders(names, cycle + 1)
+    assert all(sorted(order) == names for order in orders) and orders[cycle] == orders[0]
+    assert orders[0][0] == names[0]  # the first round starts with the first contender (the warm-up job's)
+    positions = Counter((name, i) for order in orders[:cycle] for i, name in enumerate(order))
+    before = Counter(pair for order in orders[:cycle] for pair in itertools.pairwise(order))
+    assert set(positions.values()) == {cycle // n} and len(positions) == n * n
+    assert set(before.values()) == {cycle // n} and len(before) == n * (n - 1)
+
+
 def test_interleave_order_and_ratios() -> None:
     calls: list[tuple[str, int]] = []
 
@@ -49,7 +68,7 @@ def test_interleave_order_and_ratios() -> None:
 
     out = common.interleave(["A", "B", "C"], 2, run_one, retries=1)
     # C fails in every attempt: each round is run twice (1 retry) as a whole, then left incomplete; the order
-    # rotates per round (A B C, then B C A)
+    # changes per round (A B C, then B C A: common.round_orders)
     assert calls == [("A", 0), ("B", 0), ("C", 0)] * 2 + [("B", 1), ("C", 1), ("A", 1)] * 2
     assert out.orders == [["A", "B", "C"], ["B", "C", "A"]]
     assert out["A"] == [2.0, 4.0] and out["B"] == [1.0, 2.0]

@@ -650,6 +650,69 @@ def test_cross_group_reduction_is_deferred_to_one_call_per_dtype_under_accumulat
     assert not cross.deferred and len(calls) == 2
 
 
+@pytest.mark.parametrize("case", ["fresh", "root_params", "grads_kept", "cast"])
+def test_the_cross_group_all_reduce_runs_behind_the_backward_and_ends_with_it(case: str) -> None:
+    """Issue 43: each FSDP unit's cross-group all-reduce starts in FSDP2's hook and is waited for when the
+    backward ends, not in the hook -- only where FSDP2 leaves the reduced tensor alone until then (the
+    unit's gradients are views of it). A fake link's all-reduce does its work ("the other groups": x3) only
+    when waited for, as a late one would: after ``backward()`` every gradient must be 3x the reference's.
+    ``root_params``: the root unit holds parameters too (its reduction runs in FSDP2's own end-of-backward
+    callback). ``grads_kept`` (a second backward onto kept gradients: FSDP2 adds into them at once) and
+    ``cast`` (bf16 reduction, fp32 parameters: FSDP2 copies at once) must wait in the hook."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_strategies.ft.accounting import StepInFlight
+    from fsdp_strategies.ft.cross_group import CrossGroupReduce
+    from fsdp_strategies.parallel.replicated_params import set_all_reduce_hook
+
+    class Work:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor, self.done = tensor, False
+
+        def wait(self) -> None:
+            if not self.done:
+                self.tensor.mul_(3.0)
+                self.done = True
+
+    works: list[Work] = []
+    overlapped: list[bool] = []  # per all-reduce: was the previous one still running when it started?
+
+    class Link:
+        def allreduce(self, tensor: torch.Tensor, reduce_op: object) -> Work:
+            overlapped.append(bool(works) and not works[-1].done)
+            works.append(Work(tensor))
+            return works[-1]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        reference = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (1,))
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if case == "cast" else None)
+        for layer in (model[0], model) if case == "root_params" else (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        cross = CrossGroupReduce(StepInFlight(), lambda: None, lambda: False)
+        cross.link = Link()
+        set_all_reduce_hook(model, cross.hook, cross.unit_hook)
+        x = torch.randn(3, 4)
+        backwards = 2 if case == "grads_kept" else 1
+        for _ in range(backwards):
+            model(x).sum().backward()
+            reference(x).sum().backward()
+        assert len(works) == 2 * backwards and all(w.done for w in works) and not cross.pending
+        assert overlapped[-2:] == [False, case in ("fresh", "root_params")], overlapped  # the last two
+        tolerance = 1e-2 if case == "cast" else 1e-6
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), 3.0 * ref.grad, rtol=tolerance, atol=tolerance)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.subprocess
 def test_leave_quorum_exits_the_group_for_a_restart(tmp_path: Path) -> None:
     # The straggler callback's `evict`: the rank records why, shuts torchft down and exits with

@@ -252,6 +252,40 @@ def test_a_healed_group_gets_the_peers_weights_optimizer_moments_and_lr_schedule
     assert healing.optimizers[0].param_groups[0]["lr"] == peer.optimizers[0].param_groups[0]["lr"] == 0.025
 
 
+def test_a_capture_reuses_the_models_references_until_a_tensor_is_replaced() -> None:
+    """Issue 43: the model's ``state_dict`` (FSDP2's hooks on every unit) is taken at the first capture and
+    again only when the model holds another tensor; what is sent is always the live values."""
+    peer = _training(0)
+    calls: list[int] = []
+    peer.model.register_state_dict_pre_hook(lambda *_: calls.append(1))
+    sent = HealState(lambda: peer)
+    for _ in range(3):
+        sent.capture()
+        _train(peer, 1)  # in place: the references see it
+    assert len(calls) == 1
+    assert torch.equal(sent.state_dict()["model"]["0.weight"], peer.model[0].weight)
+    peer.model[0].weight = nn.Parameter(torch.zeros(4, 3))  # replaced (a user's callback, a load)
+    sent.capture()
+    assert len(calls) == 2 and torch.equal(sent.state_dict()["model"]["0.weight"], torch.zeros(4, 3))
+    peer.model[1].register_buffer("count", torch.zeros(()))  # a new buffer: a new state_dict
+    sent.capture()
+    assert len(calls) == 3 and "1.count" in sent.state_dict()["model"]
+
+    class Extra(nn.Linear):  # anything but parameters and buffers: taken every step
+        def get_extra_state(self) -> dict:
+            return {"calls": len(calls)}
+
+        def set_extra_state(self, state: dict) -> None:
+            pass
+
+    extra = TrainingState(Extra(2, 2), [], [])
+    extra.model.register_state_dict_pre_hook(lambda *_: calls.append(1))
+    sent, before = HealState(lambda: extra), len(calls)
+    sent.capture()
+    sent.capture()
+    assert len(calls) == before + 2 and sent.state_dict()["model"]["_extra_state"] == {"calls": len(calls)}
+
+
 def test_heal_state_refuses_another_model_and_a_request_before_the_first_capture() -> None:
     peer = _training(0)
     sent = HealState(lambda: peer)

@@ -835,6 +835,32 @@ def test__current_graph_task_id() -> None:
     assert seen == [True]
 
 
+def test_queue_backward_callback_runs_once_the_backward_has_finished() -> None:
+    """ft_hsdp waits for its cross-group all-reduces there: after every gradient of the backward (also the
+    leaf's, accumulated last) and after the callbacks queued before it, once per backward."""
+    from fsdp_strategies import _torch_seam as tseam
+
+    seen: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            tseam.queue_backward_callback(lambda: seen.append("first"))
+            tseam.queue_backward_callback(lambda: seen.append(f"second, leaf grad {x.grad is not None}"))
+            seen.append("backward")
+            return grad
+
+    Probe.apply(x).sum().backward()
+    assert seen == ["backward", "first", "second, leaf grad True"]
+    Probe.apply(x).sum().backward()
+    assert len(seen) == 6
+
+
 def test_sdpa_flop_count_and_sdpa_backward_flop_count_with_grouped_query_attention() -> None:
     """torch 2.11's formulas assert that key/value have the query's heads (found by make test-torch-range: an
     AssertionError in the FLOP count of a GQA Llama); the seam counts GQA as the kernel runs it, key/value

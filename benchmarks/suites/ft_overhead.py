@@ -1,7 +1,7 @@
 """ft_overhead suite: what ``ft_hsdp`` costs when nothing fails, against ``hsdp`` on the same mesh, and where.
 
 The fault-free pair of ``ft_recovery``, measured the way the timing suites measure (``common.interleave``:
-rounds, the order rotating every round, an A/A twin), with nothing pinned and nothing checkpointed:
+rounds, the order changing every round, an A/A twin), with nothing pinned and nothing checkpointed:
 
 * ``ft_nofault`` -- ``fsdp-strategies-ft``: 2 replica groups x R ranks (``configs/ft_hsdp.yaml``,
   ``sync: every_step``), no faults, ``--pin-cores none``;

@@ -749,7 +749,9 @@ if __name__ == "__main__":
         if os.environ.get(PROFILE_ENV):  # a cProfile of each rank (where the time of a step goes)
             import cProfile
 
-            profiler = cProfile.Profile()
+            # FT_RECOVERY_PROFILE_TIMER=thread: the main thread's CPU seconds instead of wall time
+            thread_cpu = os.environ.get("FT_RECOVERY_PROFILE_TIMER") == "thread"
+            profiler = cProfile.Profile(time.thread_time) if thread_cpu else cProfile.Profile()
             profiler.enable()
             try:
                 _worker_main(sys.argv[2:])

@@ -39,6 +39,7 @@ __all__ = [
     "local_shard",
     "numpy_pickle_globals",
     "op_schema",
+    "queue_backward_callback",
     "quorum_id",
     "quorum_started",
     "raw_tensor_formula",
@@ -97,6 +98,13 @@ def inside_autograd_backward() -> bool:
     """Whether the autograd engine is running a backward pass now
     (``torch._C._current_graph_task_id() != -1``)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished, after the callbacks queued before it
+    (FSDP2's end-of-backward among them) (``torch.autograd.Variable._execution_engine.queue_callback``;
+    call it from inside a backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def raw_tensor_formula(formula: Callable[..., int]) -> Callable[..., int]:

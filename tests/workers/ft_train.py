@@ -158,7 +158,7 @@ class FTProbe(pl.Callback):
         original = strategy._step.cross._all_reduce
         calls = {"n": 0}
 
-        def killing_all_reduce(reduce_output: torch.Tensor, op: Any) -> None:
+        def killing_all_reduce(reduce_output: torch.Tensor, op: Any, wait: bool = True) -> None:
             if strategy.manager.current_step() == step:
                 calls["n"] += 1
                 if calls["n"] == call:
@@ -168,7 +168,7 @@ class FTProbe(pl.Callback):
                     )
                     kill_own_group()  # torchrun agent + every rank of this group
                     time.sleep(60)
-            original(reduce_output, op)
+            original(reduce_output, op, wait)
 
         strategy._step.cross._all_reduce = killing_all_reduce  # type: ignore[method-assign]
 

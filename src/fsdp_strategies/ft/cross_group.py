@@ -3,9 +3,14 @@
 Inside a replica group FSDP2 reduce-scatters the gradients; across groups they are averaged by torchft's
 fault-tolerant all-reduce (``Manager.allreduce``), whose membership the step's quorum decides.
 
-* **A step of one micro-batch** (no accumulation): :meth:`CrossGroupReduce.hook` is FSDP2's all-reduce hook
-  (``FSDPModule.set_all_reduce_hook``, and the replicated 0-d parameters'): each FSDP unit's reduce-scatter
-  output is averaged across groups as soon as it exists, inside the backward pass.
+* **A step of one micro-batch** (no accumulation): :meth:`CrossGroupReduce.unit_hook` is each FSDP unit's
+  all-reduce hook (``FSDPModule.set_all_reduce_hook``; :meth:`CrossGroupReduce.hook` the replicated 0-d
+  parameters'): each unit's reduce-scatter output starts its cross-group average as soon as it exists and the
+  backward goes on; the backward's end (a callback queued with the autograd engine, after FSDP2's own) waits
+  for them all, before any ``on_after_backward`` hook, clipping or optimizer sees a gradient. That holds
+  where FSDP2 leaves the tensor alone after the hook -- the unit's gradients become views of it -- which
+  ``_can_overlap`` checks per call; elsewhere (gradients kept from an earlier backward to add into, a
+  reduce dtype other than the parameters', CPU offload, fp16's division after the reduction) the hook waits.
 * **A step of several micro-batches** (``accumulate_grad_batches``): the non-final micro-batches run inside
   :meth:`CrossGroupReduce.micro_batch`. From then on until the step ends the hook communicates nothing (it
   only weights each micro-batch's gradient by that micro-batch's share, ``data_on_failure="redistribute"``);
@@ -22,7 +27,7 @@ The quorum is waited for before the first cross-group byte moves; a healing grou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,6 +63,8 @@ class CrossGroupReduce:
         #: a micro-batch of this step left its gradients unreduced across groups: the step's reduction is
         #: :meth:`reduce_accumulated`, after its last backward
         self.deferred = False
+        #: this backward's cross-group all-reduces still running (waited for when the backward ends)
+        self.pending: list[Any] = []
 
     @contextmanager
     def micro_batch(self) -> Generator[None, None, None]:
@@ -68,18 +75,28 @@ class CrossGroupReduce:
         yield None
 
     def end_step(self) -> None:
-        """The step is over (committed, discarded or trained alone): the next one starts undeferred."""
+        """The step is over (committed, discarded or trained alone): the next one starts undeferred (and
+        with no all-reduce of a failed backward still running)."""
+        self.wait_pending()
         self.deferred = False
 
     def _weights(self) -> tuple[float, ReduceOp]:
         step = self.step  # NonFiniteGuard left a group out: a weighted sum; redistribute: this group's share
         return (step.grad_scale, ReduceOp.AVG) if step.sum_scale is None else (step.sum_scale, ReduceOp.SUM)
 
-    def hook(self, reduce_output: torch.Tensor) -> None:
+    def unit_hook(self, params: Sequence[nn.Parameter]) -> Callable[[torch.Tensor], None]:
+        """FSDP2's all-reduce hook for one FSDP unit sharding ``params``: :meth:`hook`, its all-reduce run
+        behind the rest of the backward where FSDP2 leaves the tensor alone until then (``_can_overlap``)."""
+        def unit(reduce_output: torch.Tensor) -> None:
+            self.hook(reduce_output, overlap=_can_overlap(reduce_output, params))
+        return unit
+
+    def hook(self, reduce_output: torch.Tensor, overlap: bool = False) -> None:
         """FSDP2's all-reduce hook: average one unit's reduce-scatter output over the step's groups (in
         place).
 
         Deferred (accumulation): only this micro-batch's ``redistribute`` weight is applied here.
+        ``overlap``: start the all-reduce and return; the backward's end waits for it.
         """
         if self.paused():  # straggler_sync's semi-synchronous phase: the hook stays, the traffic stops
             return
@@ -90,7 +107,7 @@ class CrossGroupReduce:
         scale, op = self._weights()
         if scale != 1.0:
             _scale(reduce_output, scale)
-        self._all_reduce(reduce_output, op)
+        self._all_reduce(reduce_output, op, wait=not overlap)
 
     def reduce_accumulated(self, model: nn.Module) -> None:
         """After the last backward of a deferred step: average every accumulated gradient across the groups
@@ -119,14 +136,42 @@ class CrossGroupReduce:
         if replicated is not None:  # every rank of the group takes its first rank's result (see that module)
             replicated.agree([p.grad for p in replicated.params if p.grad is not None])
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, wait: bool = True) -> None:
         assert self.link is not None
         t0 = time.perf_counter()
         with self.step.waiting_for_peers():
             self.wait_quorum()
             with self.step.timed("allreduce"):
-                self.link.allreduce(tensor, reduce_op=op).wait()  # an error -> no commit
+                work = self.link.allreduce(tensor, reduce_op=op)
+                if wait:
+                    work.wait()  # an error -> no commit
+                else:
+                    if not self.pending:
+                        _torch_seam.queue_backward_callback(self.wait_pending)
+                    self.pending.append(work)
         self.step.cross_s += time.perf_counter() - t0
+
+    def wait_pending(self) -> None:
+        """Wait for the all-reduces started behind the backward (at its end; again, harmlessly, before the
+        commit)."""
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        with self.step.waiting_for_peers(), self.step.timed("allreduce"):
+            for work in self.pending:
+                work.wait()  # an error -> no commit
+        self.pending.clear()
+        self.step.cross_s += time.perf_counter() - t0
+
+
+def _can_overlap(reduce_output: torch.Tensor, params: Sequence[nn.Parameter]) -> bool:
+    """Whether FSDP2 leaves ``reduce_output`` alone until the backward ends once the hook returns: the unit's
+    gradients become views of it -- no earlier gradient to add it into, no cast to the parameters' dtype, no
+    copy to their device (CPU offload) -- and nothing divides it after the hook (fp32 / bf16; FSDP2 divides
+    fp16 after the reduction)."""
+    dtype, device = reduce_output.dtype, reduce_output.device
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        p.grad is None and p.dtype == dtype and p.device == device for p in params)
 
 
 def _scale(tensor: torch.Tensor, scale: float) -> None:

@@ -5,7 +5,10 @@ Heal state (the manager's ``state_dict``/``load_state_dict`` callbacks; keys ``m
 
 * :meth:`HealState.capture` takes *references* (no copies) to this rank's shards -- DTensors reduced to
   their local tensors, since the transfer sends plain tensors -- on the main thread at the start of a
-  step (or before an outer sync's quorum), while every FSDP unit is resharded. torchft's quorum thread
+  step (or before an outer sync's quorum), while every FSDP unit is resharded. The model's part is kept
+  from one step to the next while the model holds the same tensors (its ``state_dict`` -- FSDP2's hooks on
+  every unit, the larger part of a capture -- is taken again only when one was replaced, or every step if
+  the ``state_dict`` holds anything but parameters and buffers). torchft's quorum thread
   sends that snapshot to a healing peer (:meth:`HealState.state_dict`); the snapshot's tensors are the
   live ones, which the optimizer only changes after ``should_commit``, i.e. after the transfer.
 * :meth:`HealState.load` copies a received state into this rank's shards (the local tensor of each
@@ -21,6 +24,7 @@ stepped them for the step that ends at that sync, so it steps them once itself
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -69,13 +73,15 @@ class HealState:
     def __init__(self, parts: Callable[[], TrainingState]) -> None:
         self._parts = parts
         self._snapshot: dict[str, Any] | None = None
+        self._model_refs: dict[str, Any] = {}
+        self._model_held: tuple[int, ...] | None = None  # ids of the tensors the cached references came from
 
     def capture(self) -> None:
         """References (no copies) to this rank's shards; taken on the main thread while every unit is
         resharded."""
         model, optimizers, schedulers = self._parts()
         self._snapshot = {
-            "model": {k: local(v) for k, v in model.state_dict().items()},
+            "model": self._model_state(model),
             "optimizers": [
                 {"state": {i: {k: local(v) for k, v in s.items()} for i, s in sd["state"].items()},
                  "param_groups": sd["param_groups"]}
@@ -83,6 +89,17 @@ class HealState:
             ],
             "lr_schedulers": [cfg.scheduler.state_dict() for cfg in schedulers],
         }
+
+    def _model_state(self, model: nn.Module) -> dict[str, Any]:
+        """``{key: local tensor}`` of the model's ``state_dict``, reused while the model holds the same
+        parameter and buffer tensors (a replaced one, or a DTensor given a new local tensor: taken again)."""
+        held = tuple(id(local(t)) for t in itertools.chain(model.parameters(), model.buffers()))
+        if held != self._model_held:
+            live = {k: local(v) for k, v in model.state_dict(keep_vars=True).items()}
+            ids = set(held)  # anything else in the state_dict (extra state) may change: taken every step
+            self._model_held = held if all(id(v) in ids for v in live.values()) else None
+            self._model_refs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in live.items()}
+        return self._model_refs
 
     def state_dict(self) -> dict[str, Any]:
         """The last capture (torchft calls this on its quorum thread when a peer heals from this group)."""

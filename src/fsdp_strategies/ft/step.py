@@ -207,6 +207,7 @@ class FTStep:
                             model: nn.Module) -> Any:
         step, manager = self.inflight, self.manager
         loss = closure()  # forward + backward; the all-reduce hook reduces across groups
+        self.cross.wait_pending()  # the backward's end waited already (unless it never ran)
         if self.cross.deferred:  # accumulation: the step's one cross-group reduction, after its backward
             if step.nonfinite is not None:  # NonFiniteGuard's verdict over the step's micro-batches
                 self._agree_nonfinite(step.nonfinite)

@@ -286,7 +286,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         module = super().shard_module(module)
         if self.sync != "every_step":  # inner steps: only the group's own FSDP collectives
             return module
-        set_all_reduce_hook(module, self._step.cross.hook)  # every FSDP unit and the replicated 0-d params
+        set_all_reduce_hook(module, self._step.cross.hook, self._step.cross.unit_hook)  # + the replicated 0-d
         return module
 
     @contextmanager

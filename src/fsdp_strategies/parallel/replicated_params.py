@@ -181,18 +181,30 @@ def replicated_params(model: nn.Module) -> ReplicatedParams | None:
     return _HANDLES.get(model)
 
 
-def set_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], None]) -> None:
+GradHook = Callable[[torch.Tensor], None]
+
+
+def set_all_reduce_hook(model: nn.Module, hook: GradHook,
+                        unit_hook: Callable[[list[nn.Parameter]], GradHook] | None = None) -> None:
     """Set ``hook`` on every gradient reduction of ``model``: each FSDP unit's and the replicated parameters'.
 
     Args:
         model: the root module passed to ``apply_fsdp`` / ``parallelize``.
         hook: ``hook(reduced_grad)``, modifying it in place (``FSDPModule.set_all_reduce_hook``'s contract).
+        unit_hook: if given, each FSDP unit gets ``unit_hook(params)`` instead, ``params`` the parameters
+            that unit shards (not its nested units', not the replicated ones).
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for sub in model.modules():
-        if isinstance(sub, FSDPModule):
-            sub.set_all_reduce_hook(hook)
     replicated = replicated_params(model)
+    skip = {id(p) for p in replicated.params} if replicated is not None else set()
+    units = [sub for sub in model.modules() if isinstance(sub, FSDPModule)]
+    for unit in units:
+        if unit_hook is None:
+            unit.set_all_reduce_hook(hook)
+            continue
+        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}
+        unit.set_all_reduce_hook(unit_hook([p for p in unit.parameters() if id(p) not in nested | skip]))
     if replicated is not None:
         replicated.set_all_reduce_hook(hook)
