@@ -550,6 +550,11 @@ GUARANTEES: tuple[Guarantee, ...] = (
                *_ids("test_multinode.py", "test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart"))),
     Guarantee("docs/strategies/ft_launcher.md", "with stub SLURM commands in `tests/test_multinode.py`)",
               _ids("test_multinode.py", "test_slurm_ft_hsdp_script_lighthouse_step_groups_and_restart")),
+    Guarantee("docs/strategies/ft_launcher.md", "Checked in `tests/test_ft_protocol.py`: a", _ids(
+        "test_ft_protocol.py",
+        "test_torchft_started_under_the_runtime_env_logs_warnings_only_and_runs_one_thread[defaults]",
+        "test_torchft_started_under_the_runtime_env_logs_warnings_only_and_runs_one_thread[user_set]",
+        "test_torchft_runtime_env_fills_only_what_the_environment_leaves_unset_and_removes_it_after")),
     Guarantee("docs/strategies/ft_launcher.md", "`tests/test_preemption.py` sends SIGTERM to the launcher",
               _ids(
         "test_preemption.py",

@@ -679,6 +679,30 @@ def test_ft_overhead_runs_a_before_checkout_in_the_same_rounds(monkeypatch: pyte
     assert json.loads(Path(result["json_path"]).read_text())["config"]["before_src"] == str(before)
 
 
+def test_ft_overhead_runs_the_before_contender_under_its_own_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    from suites import ft_overhead, ft_recovery
+
+    with pytest.raises(ValueError, match=r"--before-env 'RUST_LOG': not KEY=VALUE"):
+        ft_overhead.run(quick=True, out_dir=tmp_path, before_env=["RUST_LOG"])
+    monkeypatch.delenv("FT_OVERHEAD_PROBE", raising=False)
+    seen: list[tuple[object, str | None]] = []
+
+    def fake_ft(work: Path, *args: object, src: Path | None = None, **kwargs: object) -> dict:
+        seen.append((src, os.environ.get("FT_OVERHEAD_PROBE")))  # what the launcher and lighthouse would see
+        rows = [{"t": 100.0 + 0.1 * s, "step": s, "committed": True} for s in range(1, 41)]
+        return {"returncode": 0, "wall_s": 1.0, "timelines": {0: rows}}
+
+    monkeypatch.setattr(ft_recovery, "_run_ft", fake_ft)
+    result = ft_overhead.run(quick=True, out_dir=tmp_path / "out", reps=2, contenders=["ft_nofault"],
+                             before_env=["FT_OVERHEAD_PROBE=old"])
+    assert result["config"]["contenders"] == ["ft_nofault", "ft_nofault_before"]
+    assert seen.count((None, "old")) == 2 and seen.count((None, None)) == 2, seen
+    assert "FT_OVERHEAD_PROBE" not in os.environ  # restored after the job
+    assert result["config"]["before_env"] == {"FT_OVERHEAD_PROBE": "old"}
+    assert "ft_nofault / ft_nofault_before step time (the change)" in result["ratios"]
+
+
 def test_cpu_sampler_counts_a_ranks_threads_by_name_and_only_inside_the_window() -> None:
     import subprocess
 

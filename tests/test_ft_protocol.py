@@ -25,9 +25,11 @@ from fsdp_strategies.ft.protocol import (
     REPLICA_GROUP_ENV,
     RESTART_COUNT_ENV,
     STANDBY_ENV,
+    TORCHFT_RUNTIME_DEFAULTS,
     EventLog,
     FTEnvironment,
     standby_ready_file,
+    torchft_runtime_env,
     wait_for_activation,
 )
 from support import processes
@@ -168,3 +170,63 @@ def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path:
     path.write_text("")  # a new job's file
     writer.write_step(0, 1, committed=True)
     assert reader.last_committed_step() == 1 and not reader.finished()
+
+
+def test_torchft_runtime_env_fills_only_what_the_environment_leaves_unset_and_removes_it_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKIO_WORKER_THREADS", raising=False)
+    monkeypatch.setenv("RUST_LOG", "debug")  # the user's choice wins
+    with torchft_runtime_env() as env:
+        assert env == {"RUST_LOG": "debug", "TOKIO_WORKER_THREADS": "1"}
+        assert os.environ["TOKIO_WORKER_THREADS"] == "1"
+    assert "TOKIO_WORKER_THREADS" not in os.environ  # nothing else in the process inherits the default
+    assert os.environ["RUST_LOG"] == "debug"
+
+
+#: a real lighthouse started under torchft_runtime_env in a fresh interpreter (torchft reads RUST_LOG when it
+#: is first imported), one quorum asked of it; prints the lighthouse runtime's threads
+_LIGHTHOUSE = """
+import os
+from datetime import timedelta
+from fsdp_strategies.ft.protocol import torchft_runtime_env
+with torchft_runtime_env():
+    from torchft.coordination import LighthouseClient, LighthouseServer
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+client = LighthouseClient(server.address(), connect_timeout=timedelta(seconds=10))
+assert client.quorum(replica_id="a", timeout=timedelta(seconds=10)).quorum_id == 1
+import time
+def workers():  # a new thread names itself once it first runs: wait until the count holds for a second
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    return names.count("torchft-lighths")
+seen, since, t0 = workers(), time.monotonic(), time.monotonic()
+while time.monotonic() - since < 1.0 and time.monotonic() - t0 < 20:
+    time.sleep(0.05)
+    if workers() != seen:
+        seen, since = workers(), time.monotonic()
+print("threads", seen)
+"""
+
+
+@pytest.mark.parametrize("user_env", [{}, {"RUST_LOG": "info", "TOKIO_WORKER_THREADS": "3"}],
+                         ids=["defaults", "user_set"])
+def test_torchft_started_under_the_runtime_env_logs_warnings_only_and_runs_one_thread(
+        user_env: dict[str, str]) -> None:
+    """torchft's default (``info``) logs every quorum and commit vote from a runtime thread, each runtime has
+    min(4, CPUs) workers: by default here ``warn`` and one worker; a user's RUST_LOG / TOKIO_WORKER_THREADS
+    win."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHFT_RUNTIME_DEFAULTS} | user_env
+    out = subprocess.run([sys.executable, "-c", _LIGHTHOUSE], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    threads = int(out.stdout.split("threads")[1])
+    info_lines = [line for line in out.stderr.splitlines() if "[INFO] [torchft::lighthouse]" in line]
+    if user_env:
+        assert threads == 3 and info_lines, (threads, out.stderr[-2000:])
+    else:
+        assert threads == 1, threads
+        assert not info_lines, info_lines[:3]

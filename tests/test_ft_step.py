@@ -58,6 +58,8 @@ class FakeManager:
         self.calls.append("allreduce")
         return SimpleNamespace(wait=lambda: None)
 
+    gradient_allreduce = allreduce  # CrossGroupReduce's (the same protocol step)
+
 
 class FakeRounds:
     """An ``OuterSync`` whose rounds are two inner steps and whose syncs commit."""

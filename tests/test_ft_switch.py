@@ -273,16 +273,17 @@ def test_slow_link_delays_only_its_groups_and_steps(monkeypatch: pytest.MonkeyPa
     injector = SlowLinkInjector()
     reduced: list[int] = []
 
-    def allreduce(tensor: torch.Tensor, reduce_op: object = None) -> str:
-        reduced.append(tensor.numel())
+    def allreduce(tensors: list[torch.Tensor], opts: object = None) -> str:
+        reduced.append(tensors[0].numel())
         return "work"
 
-    for group, hooked in ((0, False), (1, True)):
-        strategy = SimpleNamespace(replica_group_id=group, manager=SimpleNamespace(allreduce=allreduce))
+    for group, hooked in ((0, False), (1, True)):  # the process group every cross-group all-reduce runs on
+        pg = SimpleNamespace(allreduce=allreduce)
+        strategy = SimpleNamespace(replica_group_id=group, cross_group_pg=pg)
         injector.setup(SimpleNamespace(strategy=strategy, global_step=0), None, "fit")  # type: ignore[arg-type]
-        assert (strategy.manager.allreduce is not allreduce) == hooked
+        assert (strategy.cross_group_pg.allreduce is not allreduce) == hooked
     # 1 MB, then the real call
-    assert strategy.manager.allreduce(torch.zeros(250_000), reduce_op="avg") == "work"
+    assert strategy.cross_group_pg.allreduce([torch.zeros(250_000)], "opts") == "work"
     assert injector.delayed_s == pytest.approx(1e-6) and reduced == [250_000]
     with pytest.raises(ValueError, match=r"SlowLinkInjector needs ft_hsdp.*Fix"):
         injector.setup(

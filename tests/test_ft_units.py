@@ -323,3 +323,118 @@ def test_a_discarded_step_rolls_the_lr_scheduler_back_and_a_heal_inside_a_round_
     before = epoch_sched.last_epoch
     rollback.restep_after_heal()  # only the per-step schedulers
     assert (sched.last_epoch, epoch_sched.last_epoch) == (2, before)
+
+
+class _FakeGroupManager:
+    """torchft's Manager as CountedManager.gradient_allreduce uses it (2 groups take part unless told)."""
+
+    def __init__(self, participants: int = 2, participating: bool = True, errored: bool = False) -> None:
+        self.participants, self.participating, self._errored = participants, participating, errored
+        self.reported: list[Exception] = []
+        self.waited = 0
+
+    def errored(self) -> object:
+        return self._errored or None
+
+    def wait_quorum(self) -> None:
+        self.waited += 1
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def report_error(self, err: Exception) -> None:
+        self.reported.append(err)
+
+
+class _FakePG:
+    """A process group whose all-reduce adds ``other`` (the other group's contribution) when waited for, or
+    raises there (``fail``)."""
+
+    def __init__(self, other: float = 3.0, fail: bool = False) -> None:
+        self.other, self.fail, self.ops = other, fail, []
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> object:
+        self.ops.append(opts.reduceOp)  # type: ignore[attr-defined]
+        pg = self
+
+        class Work:
+            def wait(self) -> bool:
+                if pg.fail:
+                    raise RuntimeError("peer gone")
+                tensors[0].add_(pg.other)
+                return True
+        return Work()
+
+
+def test_gradient_allreduce_sums_then_divides_by_the_participating_groups_like_torchft() -> None:
+    from torch.distributed import ReduceOp
+
+    from fsdp_strategies.ft.manager import CountedManager
+
+    stats: dict[str, float] = {}
+    manager, pg = _FakeGroupManager(), _FakePG()
+    link = CountedManager(manager, stats, pg)
+    grad = torch.full((4,), 1.0)
+    work = link.gradient_allreduce(grad)  # AVG: a sum on the process group, divided after the wait
+    assert pg.ops == [ReduceOp.SUM] and grad.tolist() == [1.0] * 4 and manager.waited == 1
+    assert work.wait() is True and grad.tolist() == [2.0] * 4  # (1 + 3) / 2
+    assert stats == {"cross_group_allreduces": 1, "cross_group_bytes": 16}
+    summed = torch.ones(2)
+    assert link.gradient_allreduce(summed, reduce_op=ReduceOp.SUM).wait() and summed.tolist() == [4.0, 4.0]
+    # healing (not participating): zeros contributed, still divided by the participating groups
+    healing = torch.full((2,), 5.0)
+    link = CountedManager(_FakeGroupManager(participating=False), {}, _FakePG(other=4.0))
+    assert link.gradient_allreduce(healing).wait() and healing.tolist() == [2.0, 2.0]
+    # an error while waiting: recorded (no commit), not raised; the tensor is not divided
+    failing = _FakeGroupManager()
+    broken = torch.ones(2)
+    assert CountedManager(failing, {}, _FakePG(fail=True)).gradient_allreduce(broken).wait() is False
+    assert [str(e) for e in failing.reported] == ["peer gone"] and broken.tolist() == [1.0, 1.0]
+    # once the step errored: no traffic at all
+    pg = _FakePG()
+    errored = _FakeGroupManager(errored=True)
+    untouched = torch.ones(2)
+    assert CountedManager(errored, {}, pg).gradient_allreduce(untouched).wait() is True
+    assert pg.ops == [] and untouched.tolist() == [1.0, 1.0] and errored.waited == 0
+
+
+def test_gradient_allreduce_gives_torchfts_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real torchft Manager (one group of one rank, a real lighthouse): the same bytes as
+    ``Manager.allreduce`` for AVG and SUM."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    from fsdp_strategies.ft.manager import CountedManager, create_manager
+    from fsdp_strategies.ft.protocol import torchft_runtime_env
+
+    with torchft_runtime_env():
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setitem(os.environ, "MASTER_PORT", str(store.port))
+    manager, pg = create_manager(
+        device=torch.device("cpu"), rank=0, world_size=1, replica_group_id=0,
+        lighthouse_addr=lighthouse.address(), min_replica_size=1, checkpoint_transport="pg", timeout_s=30,
+        quorum_timeout_s=30, connect_timeout_s=10, init_sync=False, max_retries=None, hostname=None,
+        use_async_quorum=True, state_dict=lambda: {}, load_state_dict=lambda s: None)
+    try:
+        link = CountedManager(manager, {}, pg)
+        for op in (ReduceOp.AVG, ReduceOp.SUM):
+            manager.start_quorum()
+            ours = torch.randn(1000) * 7
+            theirs = ours.clone()
+            assert link.gradient_allreduce(ours, reduce_op=op).wait()
+            assert manager.allreduce(theirs, reduce_op=op).wait()
+            assert torch.equal(ours, theirs)
+            assert manager.should_commit(timeout=timedelta(seconds=30))
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()

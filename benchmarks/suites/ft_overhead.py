@@ -7,9 +7,12 @@ rounds, the order changing every round, an A/A twin), with nothing pinned and no
   ``sync: every_step``), no faults, ``--pin-cores none``;
 * ``hsdp_nofault`` -- ``hsdp`` 2 x R in one torchrun job (``configs/hsdp.yaml``);
 * ``hsdp_nofault_aa`` -- the same job again: the A/A pair, whose interval must hold 1.00;
-* ``ft_nofault_before`` (with ``--before-src DIR``) -- ``ft_nofault`` with its ranks importing the package
-  from another checkout's ``src`` (e.g. a worktree of an earlier commit), in the same rounds: a change's
-  effect measured side by side (the ratio ``ft_nofault / ft_nofault_before``), not across two runs.
+* ``ft_nofault_before`` (with ``--before-src DIR`` and/or ``--before-env KEY=VALUE ...``) -- ``ft_nofault``
+  with its ranks importing the package from another checkout's ``src`` (e.g. a worktree of an earlier
+  commit) and/or with these environment variables set for the whole job (launcher, lighthouse and ranks; e.g.
+  torchft's own runtime defaults ``RUST_LOG=info TOKIO_WORKER_THREADS=2``, which the environment lets win
+  over this package's), in the same rounds: a change's effect measured side by side (the ratio
+  ``ft_nofault / ft_nofault_before``), not across two runs.
 
 Per job: the median step time over its steady steps (from step ``--warmup`` on; step times are the gaps
 between rank 0's per-step records: ``ft_hsdp``'s events lines, ``hsdp``'s step log), and the CPU seconds per
@@ -25,14 +28,18 @@ Ratios (each with a 95 % interval over the rounds, ``timing_stats``): ``ft_nofau
     python benchmarks/suites/ft_overhead.py --reps 5 --steps 400
     python benchmarks/suites/ft_overhead.py --quick           # tiny, 2 x 1 rank, 2 rounds
     git worktree add /tmp/before <rev> && python benchmarks/suites/ft_overhead.py --before-src /tmp/before/src
+    python benchmarks/suites/ft_overhead.py --before-env RUST_LOG=info TOKIO_WORKER_THREADS=2
     python benchmarks/run.py ft_overhead
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,17 +91,45 @@ def cpu_per_step(sampler: CpuSampler, records: list[dict[str, Any]]) -> dict[str
     return None if spent is None or steps <= 0 else {k: v / steps for k, v in spent.items()}
 
 
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process while within (the launcher, the lighthouse; the ranks inherit it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict; ``ValueError`` naming the bad one."""
+    env: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--before-env {pair!r}: not KEY=VALUE. Fix: e.g. --before-env RUST_LOG=info")
+        env[key] = value
+    return env
+
+
 def _job(name: str, work: Path, size: str, steps: int, ranks: int, warmup: int, heartbeat_ms: int,
-         timeout: float, before_src: Path | None = None) -> dict[str, Any]:
+         timeout: float, before_src: Path | None = None,
+         before_env: dict[str, str] | None = None) -> dict[str, Any]:
     if work.exists():
         import shutil
 
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    with CpuSampler() as sampler:
+    before = name.endswith("_before")
+    with _environment((before_env or {}) if before else {}), CpuSampler() as sampler:
         if name.startswith("ft"):
             run = ft_recovery._run_ft(work, size, steps, GROUPS, ranks, None, heartbeat_ms, timeout,
-                                      pin_cores="none", src=before_src if name.endswith("_before") else None)
+                                      pin_cores="none", src=before_src if before else None)
         else:
             run = ft_recovery._run_hsdp_restart(work, size, steps, GROUPS, ranks, None, 0, timeout)
     if run["returncode"] != 0:
@@ -170,7 +205,7 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
         reps: int | None = None, steps: int | None = None, warmup: int | None = None,
         contenders: list[str] | None = None, heartbeat_ms: int = 1000, before_src: str | None = None,
-        **_: Any) -> dict[str, Any]:
+        before_env: list[str] | None = None, **_: Any) -> dict[str, Any]:
     size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
     rpg = common.pick(ranks, quick, [1], [2])[0]
     reps = common.pick(reps, quick, 2, 3)
@@ -178,18 +213,20 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     warmup = common.pick(warmup, quick, 10, 30)
     names = [n for n in CONTENDERS if not contenders or n in contenders]
     before = Path(before_src).resolve() if before_src else None
-    if before is not None:
-        if not (before / "fsdp_strategies" / "__init__.py").is_file():
-            raise ValueError(f"--before-src {before_src}: no fsdp_strategies package there. Fix: the src "
-                             "folder of another checkout (git worktree add /tmp/before <rev>; --before-src "
-                             "/tmp/before/src)")
+    if before is not None and not (before / "fsdp_strategies" / "__init__.py").is_file():
+        raise ValueError(f"--before-src {before_src}: no fsdp_strategies package there. Fix: the src "
+                         "folder of another checkout (git worktree add /tmp/before <rev>; --before-src "
+                         "/tmp/before/src)")
+    env_before = parse_env(before_env)
+    if before is not None or env_before:
         names.insert(names.index("ft_nofault") + 1 if "ft_nofault" in names else 0, "ft_nofault_before")
     work = Path(out_dir) / "ft_overhead-work"
     timeout = 600.0 if quick else 1800.0
     bar = common.progress(len(names) * reps, "ft_overhead")
     per = common.interleave(
         names, reps,
-        lambda name, rep: _job(name, work / name, size, steps, rpg, warmup, heartbeat_ms, timeout, before),
+        lambda name, rep: _job(name, work / name, size, steps, rpg, warmup, heartbeat_ms, timeout, before,
+                               env_before),
         bar, warm_up=not quick)
     bar.close()
     step_s = {n: [r["step_s"] if isinstance(r, dict) else None for r in per[n]] for n in names}
@@ -215,7 +252,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     config = {"size": size, "groups": GROUPS, "ranks_per_group": rpg, "reps": reps, "steps": steps,
               "warmup_steps": warmup, "quick": quick, "pin_cores": "none", "checkpointing": False,
               "heartbeat_timeout_ms": heartbeat_ms, "contenders": names,
-              "before_src": str(before) if before else None}
+              "before_src": str(before) if before else None, "before_env": env_before or None}
     clean = {n: [r if isinstance(r, dict) else {"error": str(r)} for r in per[n]] for n in names}
     result = {**common.header("ft_overhead", config), "orders": per.orders, "failures": per.failures,
               "per_round": clean, "medians_step_s": {n: timing_stats.median(step_s[n]) for n in names},
@@ -234,6 +271,9 @@ def _add_options(parser: Any) -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
     parser.add_argument("--before-src", default=None,
                         help="another checkout's src: adds ft_nofault_before, run from it in the same rounds")
+    parser.add_argument("--before-env", nargs="+", default=None, metavar="KEY=VALUE",
+                        help="environment of ft_nofault_before's whole job (adds it; with or without "
+                             "--before-src), e.g. RUST_LOG=info TOKIO_WORKER_THREADS=2")
 
 
 if __name__ == "__main__":

@@ -286,10 +286,11 @@ class SlowLinkInjector(Callback):
 
     ``link=None`` reads :data:`SLOW_LINK_ENV`; when that is unset too, it does nothing (off by default). At
     ``setup`` (after the strategy has built its ``torchft.Manager``, before the model is sharded) it wraps
-    that manager's ``allreduce`` on this process, which every cross-group all-reduce of the strategy goes
-    through (FSDP's gradient reductions, the outer sync's pseudo-gradients, the switch vote): the delay
-    happens on every rank of the group, before the all-reduce starts, so the other groups wait for it. Nothing
-    in the strategy knows about it. ``delayed_s`` sums this rank's delays.
+    ``allreduce`` of the strategy's cross-group process group (``cross_group_pg``) on this process, which
+    every cross-group all-reduce of the strategy runs on (FSDP's gradient reductions, the outer sync's
+    pseudo-gradients, the switch vote; through torchft's ``Manager.allreduce`` or not): the delay happens on
+    every rank of the group, before the all-reduce starts, so the other groups wait for it. Nothing in the
+    strategy knows about it. ``delayed_s`` sums this rank's delays.
     """
 
     def __init__(self, link: SlowLink | dict[str, Any] | None = None) -> None:
@@ -304,23 +305,24 @@ class SlowLinkInjector(Callback):
         strategy = trainer.strategy
         if self.link is None or getattr(strategy, "replica_group_id", None) not in self.link.groups:
             return
-        manager = getattr(strategy, "manager", None)
-        if manager is None or not callable(getattr(manager, "allreduce", None)):
+        pg = getattr(strategy, "cross_group_pg", None)
+        if pg is None or not callable(getattr(pg, "allreduce", None)):
             raise ValueError(
-                f"SlowLinkInjector needs ft_hsdp (a torchft manager whose cross-group all-reduces it "
+                f"SlowLinkInjector needs ft_hsdp (a torchft process group whose cross-group all-reduces it "
                 f"delays); the strategy is {type(strategy).__name__}. Fix: strategy: ft_hsdp, or remove "
                 "the callback."
             )
-        link, allreduce = self.link, manager.allreduce
+        link, allreduce = self.link, pg.allreduce
 
-        def slow_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            seconds = link.delay_s(tensor.numel() * tensor.element_size(), trainer.global_step)
+        def slow_allreduce(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            seconds = link.delay_s(nbytes, trainer.global_step)
             if seconds > 0:
                 self.delayed_s += seconds
                 time.sleep(seconds)
-            return allreduce(tensor, *args, **kwargs)
+            return allreduce(tensors, *args, **kwargs)
 
-        manager.allreduce = slow_allreduce
+        pg.allreduce = slow_allreduce
 
 
 # ---------------------------------------------------------------------------------------------- states

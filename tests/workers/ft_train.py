@@ -120,15 +120,15 @@ class FTProbe(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._break_write(trainer)
         strategy = trainer.strategy
-        if isinstance(strategy, FTHSDPStrategy):  # count the manager's cross-group all-reduces (any mode)
-            manager, counted = strategy.manager, strategy.manager.allreduce
+        if isinstance(strategy, FTHSDPStrategy):  # count the cross-group all-reduces (any mode, any path)
+            pg, counted = strategy.cross_group_pg, strategy.cross_group_pg.allreduce
             self.allreduces = 0
 
-            def counting_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            def counting_allreduce(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
                 self.allreduces += 1
-                return counted(tensor, *args, **kwargs)
+                return counted(tensors, *args, **kwargs)
 
-            manager.allreduce = counting_allreduce
+            pg.allreduce = counting_allreduce
         if not (self.kill and isinstance(strategy, FTHSDPStrategy) and self.incarnation == 0):
             return
         if strategy.sync != "every_step":

@@ -1,7 +1,8 @@
 """``ft_hsdp``'s cross-group gradient reduction: once per optimizer step, also under gradient accumulation.
 
-Inside a replica group FSDP2 reduce-scatters the gradients; across groups they are averaged by torchft's
-fault-tolerant all-reduce (``Manager.allreduce``), whose membership the step's quorum decides.
+Inside a replica group FSDP2 reduce-scatters the gradients; across groups they are averaged on torchft's
+cross-group process group with ``Manager.allreduce``'s rules (``CountedManager.gradient_allreduce`` in
+:mod:`fsdp_strategies.ft.manager`), whose membership the step's quorum decides.
 
 * **A step of one micro-batch** (no accumulation): :meth:`CrossGroupReduce.unit_hook` is each FSDP unit's
   all-reduce hook (``FSDPModule.set_all_reduce_hook``; :meth:`CrossGroupReduce.hook` the replicated 0-d
@@ -142,7 +143,7 @@ class CrossGroupReduce:
         with self.step.waiting_for_peers():
             self.wait_quorum()
             with self.step.timed("allreduce"):
-                work = self.link.allreduce(tensor, reduce_op=op)
+                work = self.link.gradient_allreduce(tensor, reduce_op=op)
                 if wait:
                     work.wait()  # an error -> no commit
                 else:

@@ -32,9 +32,9 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp
 
-from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV
+from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV, torchft_runtime_env
 
 __all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse",
            "create_manager", "exit_now", "lighthouse_host_port", "release_manager"]
@@ -81,47 +81,53 @@ def create_manager(*, device: torch.device, rank: int, world_size: int, replica_
                    quorum_timeout_s: float,
                    connect_timeout_s: float, init_sync: bool, max_retries: int | None, hostname: str | None,
                    use_async_quorum: bool, state_dict: Callable[[], dict[str, Any]],
-                   load_state_dict: Callable[[dict[str, Any]], None]) -> Any:
-    """This rank's ``torchft.Manager`` (named ``ft_hsdp_<replica_group_id>``; torchft appends a uuid).
+                   load_state_dict: Callable[[dict[str, Any]], None]) -> tuple[Any, Any]:
+    """This rank's ``torchft.Manager`` (named ``ft_hsdp_<replica_group_id>``; torchft appends a uuid) and the
+    cross-group process group it reconfigures at every quorum change (torchft's ``ProcessGroupGloo`` /
+    ``ProcessGroupNCCL``, for :meth:`CountedManager.gradient_allreduce`).
 
     ``state_dict`` is called on torchft's quorum thread when a peer heals from this group, ``load_state_dict``
     on the main thread (inside ``should_commit``, or ``start_quorum`` with the synchronous quorum) when this
     group heals. The rendezvous store is the group's own (``MASTER_ADDR``/``MASTER_PORT`` of its job).
+    torchft is imported and the manager's runtimes start under ``torchft_runtime_env``
+    (:mod:`fsdp_strategies.ft.protocol`: torchft's log level and threads).
     """
-    from torchft.checkpointing import HTTPTransport
-    from torchft.checkpointing.pg_transport import PGTransport
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    with torchft_runtime_env():  # torchft imported, its runtimes started: its log level and threads
+        from torchft.checkpointing import HTTPTransport
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if dist.is_initialized():  # a manager of an earlier Trainer run (fit, then validate) is released first
-        dist.barrier()  # ... by rank 0 (release_manager), before any rank reads the address
-    timeout = timedelta(seconds=timeout_s)
-    pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-    if checkpoint_transport == "pg":
-        transport: Any = PGTransport(pg, timeout=timeout, device=device)
-    else:
-        transport = HTTPTransport(timeout=timeout, num_chunks=0)
-    kwargs: dict[str, Any] = {"hostname": hostname} if hostname else {}
-    return Manager(
-        pg=pg,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=min_replica_size,
-        use_async_quorum=use_async_quorum,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout_s),
-        connect_timeout=timedelta(seconds=connect_timeout_s),
-        rank=rank,
-        world_size=world_size,
-        store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        store_port=int(os.environ["MASTER_PORT"]),
-        lighthouse_addr=lighthouse_addr,
-        replica_id=f"ft_hsdp_{replica_group_id}",
-        checkpoint_transport=transport,
-        init_sync=init_sync,
-        max_retries=max_retries,
-        **kwargs,
-    )
+        if dist.is_initialized():  # a manager of an earlier Trainer run (fit, then validate) is released
+            dist.barrier()  # first, by rank 0 (release_manager), before any rank reads the address
+        timeout = timedelta(seconds=timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        if checkpoint_transport == "pg":
+            transport: Any = PGTransport(pg, timeout=timeout, device=device)
+        else:
+            transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        kwargs: dict[str, Any] = {"hostname": hostname} if hostname else {}
+        manager = Manager(
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=min_replica_size,
+            use_async_quorum=use_async_quorum,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=connect_timeout_s),
+            rank=rank,
+            world_size=world_size,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse_addr,
+            replica_id=f"ft_hsdp_{replica_group_id}",
+            checkpoint_transport=transport,
+            init_sync=init_sync,
+            max_retries=max_retries,
+            **kwargs,
+        )
+        return manager, pg
 
 
 def release_manager(manager: Any, rank: int) -> None:
@@ -163,20 +169,79 @@ class CountedManager:
     torchft's ``DiLoCo`` is given this object as its manager, so its pseudo-gradient all-reduces are counted
     like the FSDP hook's. Errors of an all-reduce (a peer died) are recorded by the manager and make
     ``should_commit()`` return ``False``; they are not raised here.
+
+    ``pg``: the manager's cross-group process group (from :func:`create_manager`), for
+    :meth:`gradient_allreduce`; ``None``: that goes through ``Manager.allreduce``.
     """
 
-    def __init__(self, manager: Any, stats: dict[str, float]) -> None:
+    def __init__(self, manager: Any, stats: dict[str, float], pg: Any = None) -> None:
         self._manager = manager
         self._stats = stats
+        self._pg = pg
         stats.setdefault("cross_group_allreduces", 0)
         stats.setdefault("cross_group_bytes", 0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 
+    def _count(self, tensor: torch.Tensor) -> None:
+        self._stats["cross_group_allreduces"] += 1
+        self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
+
     def allreduce(
         self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG
     ) -> Any:
-        self._stats["cross_group_allreduces"] += 1
-        self._stats["cross_group_bytes"] += tensor.numel() * tensor.element_size()
+        self._count(tensor)
         return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
+
+    def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+        """Start the cross-group all-reduce of a gradient (in place); ``.wait()`` on the result ends it.
+
+        What ``Manager.allreduce`` does, in the same order, with the same process group and reduction: nothing
+        once the step has errored; the quorum waited for; zeros contributed while this group heals (not
+        participating); a sum, divided by the participating groups for ``AVG``; an error (a peer died, the
+        group's timeout) recorded with ``report_error`` -- ``should_commit()`` then returns ``False`` -- not
+        raised. Without torchft's Python future chain around each call (a profiler range per function, a
+        timeout registered with its event-loop thread, two ``then`` callbacks), which the rank's main thread
+        paid once per FSDP unit and step (``benchmarks/suites/ft_overhead.py`` measures the difference). The
+        timeout is the process group's own (created with the manager's ``timeout``).
+        """
+        self._count(tensor)
+        manager = self._manager
+        if self._pg is None:
+            return manager.allreduce(tensor, reduce_op=reduce_op)
+        if manager.errored():
+            return _GradientWork(manager, None, tensor, None)
+        manager.wait_quorum()
+        participants = int(manager.num_participants())
+        if not manager.is_participating():
+            tensor.zero_()
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
+        try:
+            work = self._pg.allreduce([tensor], opts)
+        except Exception as err:  # a process group already broken
+            manager.report_error(err)
+            return _GradientWork(manager, None, tensor, None)
+        return _GradientWork(manager, work, tensor, participants if reduce_op == ReduceOp.AVG else None)
+
+
+class _GradientWork:
+    """One started :meth:`CountedManager.gradient_allreduce`: :meth:`wait` ends it (``True``), or records its
+    error with the manager (``False``: the step will not commit)."""
+
+    def __init__(self, manager: Any, work: Any, tensor: torch.Tensor, divide_by: int | None) -> None:
+        self._manager, self._work, self._tensor, self._divide_by = manager, work, tensor, divide_by
+
+    def wait(self) -> bool:
+        if self._work is None:
+            return True
+        work, self._work = self._work, None
+        try:
+            work.wait()
+        except Exception as err:  # a peer died or timed out: the gradient is garbage, the step discarded
+            self._manager.report_error(err)
+            return False
+        if self._divide_by is not None:
+            self._tensor /= self._divide_by  # torchft's AVG: the sum over the participating groups, divided
+        return True

@@ -16,6 +16,10 @@ Written once, here, and used by both sides:
   again -- not restarted). Distinct so the launcher can tell them apart
   (:mod:`fsdp_strategies.ft.launch.group_exit`); it returns ``PREEMPT_EXIT_CODE`` itself after a forwarded
   SIGTERM.
+* **torchft's runtime** (:func:`torchft_runtime_env`): the environment torchft's Rust code reads when it
+  starts (its log level, ``RUST_LOG``; its threads per runtime, ``TOKIO_WORKER_THREADS``), with this
+  package's defaults where the environment sets neither; the launcher applies it to its lighthouse and
+  forkserver, the strategy to its manager.
 * **Events** (:class:`EventLog`): a JSON-lines file per group, appended by the group's rank 0 -- one
   ``step`` record per optimizer step, a ``left`` record before leaving, a ``finished`` record at the end
   of training -- and read by the launcher (fault injection at a committed step, "training finished",
@@ -30,6 +34,7 @@ import time
 import warnings
 from array import array
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,11 +51,13 @@ __all__ = [
     "REPLICA_GROUP_ENV",
     "RESTART_COUNT_ENV",
     "STANDBY_ENV",
+    "TORCHFT_RUNTIME_DEFAULTS",
     "UNFIXABLE_EXIT_CODE",
     "EventLog",
     "FTEnvironment",
     "resume_file",
     "standby_ready_file",
+    "torchft_runtime_env",
     "wait_for_activation",
 ]
 
@@ -77,6 +84,15 @@ LEAVE_EXIT_CODE = 79
 #: disk, a damaged or mismatched input file (:func:`fsdp_strategies.ft.leave.restart_cannot_fix`); the
 #: launcher does not restart it. 80: next after :data:`LEAVE_EXIT_CODE`, outside ``sysexits.h``'s range.
 UNFIXABLE_EXIT_CODE = 80
+#: torchft's Rust runtime where the environment does not say: ``RUST_LOG`` (read once, when torchft is first
+#: imported in a process) ``warn`` -- torchft's default ``info`` writes about nine lines per step per replica
+#: group (each rank's quorum and commit vote) and twelve from the lighthouse, each formatted, timestamped and
+#: written to stderr by a runtime thread; the events file has every step already -- and
+#: ``TOKIO_WORKER_THREADS`` (read when each runtime starts: a manager's server and client, the lighthouse)
+#: ``1`` instead of min(4, CPUs): two RPCs per rank and step need no thread pool, and each extra worker is
+#: woken to steal work (``benchmarks/suites/ft_overhead.py``: 40 % fewer context switches of torchft's
+#: threads on the fault-free pair).
+TORCHFT_RUNTIME_DEFAULTS = {"RUST_LOG": "warn", "TOKIO_WORKER_THREADS": "1"}
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -200,6 +216,27 @@ def restore_normal_scheduling() -> None:
                       "RLIMIT_NICE >= 20); this replica group trains "
                       "at idle CPU priority. Fix: `ulimit -e 20` in "
                       "the launcher's shell, or run without --warm-spares.", stacklevel=2)
+
+
+@contextmanager
+def torchft_runtime_env() -> Iterator[dict[str, str]]:
+    """Within: the variables of :data:`TORCHFT_RUNTIME_DEFAULTS` as torchft will read them -- the
+    environment's value where it sets one (a user's ``RUST_LOG=info`` wins), else the default; yields them.
+    The defaults are removed again on exit, so that nothing else in the process (another Rust library's
+    runtime) inherits them.
+
+    Import torchft and create its runtimes inside: the log level applies only if this is where torchft's
+    native module is first imported in the process (a forkserver's preload, a script's own ``import
+    torchft`` before the strategy's: then that import's environment decides).
+    """
+    added = {k: v for k, v in TORCHFT_RUNTIME_DEFAULTS.items() if not os.environ.get(k)}
+    os.environ.update(added)
+    try:
+        yield {k: os.environ[k] for k in TORCHFT_RUNTIME_DEFAULTS}
+    finally:
+        for k, v in added.items():
+            if os.environ.get(k) == v:
+                del os.environ[k]
 
 
 def _parse(lines: list[bytes]) -> Iterator[dict[str, Any]]:

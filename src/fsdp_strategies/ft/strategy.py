@@ -2,10 +2,10 @@
 
 Each replica group is an ordinary Lightning job (``devices`` = ranks in the group) that shards the model with
 FSDP2 over its own 1-D mesh. Across groups, the gradients are averaged by torchft's fault-tolerant all-reduce
-(``Manager.allreduce``; :mod:`~fsdp_strategies.ft.cross_group`: per FSDP unit in the backward pass, or once
-after the last micro-batch under gradient accumulation), whose membership is re-decided every step by a
-``torchft.Manager`` talking to a lighthouse. When a group dies the others go on; the restarted group heals
-from a live peer (the manager's checkpoint transport), not from a checkpoint.
+(``Manager.allreduce``'s rules on its process group; :mod:`~fsdp_strategies.ft.cross_group`: per FSDP unit in
+the backward pass, or once after the last micro-batch under gradient accumulation), whose membership is
+re-decided every step by a ``torchft.Manager`` talking to a lighthouse. When a group dies the others go on;
+the restarted group heals from a live peer (the manager's checkpoint transport), not from a checkpoint.
 
 Lightning's step, bridged to torchft's protocol (nothing in the LightningModule changes; the order is
 :class:`~fsdp_strategies.ft.step.FTStep`'s, each hook below one call into it):
@@ -210,6 +210,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._data: StepAlignedData | None = None
         self._saved_layout: dict[str, Any] | None = None  # the resumed checkpoint's data layout
         self._manager: Any = None
+        self._cross_pg: Any = None
         self._lighthouse_checked = False
 
     # ------------------------------------------------------------------ what callers read
@@ -217,6 +218,12 @@ class FTHSDPStrategy(FSDP2Strategy):
     def manager(self) -> Any:
         """The ``torchft.Manager`` of this replica group (``None`` before ``setup_environment``)."""
         return self._manager
+
+    @property
+    def cross_group_pg(self) -> Any:
+        """torchft's cross-group process group, which the manager reconfigures at each quorum change and every
+        cross-group all-reduce runs on (``None`` before ``setup_environment``)."""
+        return self._cross_pg
 
     @property
     def last_step_committed(self) -> bool | None:
@@ -256,7 +263,7 @@ class FTHSDPStrategy(FSDP2Strategy):
             rank_zero_info(f"ft_hsdp: warm spare of replica group {self.replica_group_id} activated after "
                            f"{waited:.1f} s on standby (incarnation {env.restart_count})")
         super().setup_environment()  # in-group process group + this group's 1-D mesh
-        self._manager = create_manager(
+        self._manager, self._cross_pg = create_manager(
             device=self.root_device, rank=self.global_rank, world_size=self.world_size,
             replica_group_id=self.replica_group_id, lighthouse_addr=self.lighthouse_addr,
             min_replica_size=self.min_replica_size, checkpoint_transport=self.checkpoint_transport,
@@ -266,8 +273,9 @@ class FTHSDPStrategy(FSDP2Strategy):
             # torchft's DiLoCo needs the synchronous quorum (straggler_sync builds it in every mode)
             use_async_quorum=self.sync == "every_step" and not self._semi.switchable,
             state_dict=self._heal.state_dict, load_state_dict=self._load_heal_state)
-        self._step.bind(self._manager, CountedManager(self._manager, self.ft_stats), device=self.root_device,
-                        world_size=self.data_parallel_size, writes_events=self.global_rank == 0)
+        self._step.bind(self._manager, CountedManager(self._manager, self.ft_stats, self._cross_pg),
+                        device=self.root_device, world_size=self.data_parallel_size,
+                        writes_events=self.global_rank == 0)
         rank_zero_info(
             f"ft_hsdp: replica group {self.replica_group_id}/{self.num_replica_groups} "
             f"({self.world_size} ranks), "
@@ -468,7 +476,7 @@ class FTHSDPStrategy(FSDP2Strategy):
         self._semi.outer = None  # bound to this fit's manager
         if self._manager is not None:
             release_manager(self._manager, self.global_rank)
-            self._manager = None
+            self._manager = self._cross_pg = None
             self._step.unbind()
 
     # ------------------------------------------------------------------ checkpoints: one group writes

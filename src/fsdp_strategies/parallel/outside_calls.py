@@ -22,15 +22,20 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["GatherOnOutsideCall", "root_owned_modules"]
+__all__ = ["GatherOnOutsideCall", "nested_unit_params", "root_owned_modules"]
+
+
+def nested_unit_params(unit: nn.Module) -> set[int]:
+    """The ids of the parameters held by the FSDP units nested below ``unit`` (not ``unit``'s own)."""
+    return {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+            for p in sub.parameters()}
 
 
 def root_owned_modules(root: nn.Module) -> list[nn.Module]:
     """The submodules of ``root`` (not ``root`` itself) that own a parameter of ``root``'s unit: a parameter
     set on them that no FSDP unit below ``root`` holds (0-d parameters left out of FSDP excluded: they are
     never sharded)."""
-    below = {id(p) for sub in root.modules() if sub is not root and isinstance(sub, FSDPModule)
-             for p in sub.parameters()}
+    below = nested_unit_params(root)
     owners = []
     for sub in root.modules():
         if sub is root or isinstance(sub, FSDPModule):

@@ -52,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_strategies.parallel.outside_calls import nested_unit_params
+
 __all__ = ["ReplicatedParams", "replicate_params", "replicated_params", "scalar_params",
            "set_all_reduce_hook"]
 
@@ -203,8 +205,7 @@ def set_all_reduce_hook(model: nn.Module, hook: GradHook,
         if unit_hook is None:
             unit.set_all_reduce_hook(hook)
             continue
-        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
-                  for p in sub.parameters()}
-        unit.set_all_reduce_hook(unit_hook([p for p in unit.parameters() if id(p) not in nested | skip]))
+        left_out = nested_unit_params(unit) | skip
+        unit.set_all_reduce_hook(unit_hook([p for p in unit.parameters() if id(p) not in left_out]))
     if replicated is not None:
         replicated.set_all_reduce_hook(hook)

@@ -28,6 +28,8 @@ import traceback
 import uuid
 from typing import Any
 
+from fsdp_strategies.ft.protocol import torchft_runtime_env
+
 __all__ = ["PRELOAD", "ForkServerGroup", "start_group"]
 
 #: imported once by the server; every group leader and rank is forked with them loaded
@@ -83,7 +85,8 @@ def start_group(*, command: list[str], ranks: int, env: dict[str, str], log_path
         target=_lead_group, args=(list(command), ranks, dict(env), log_path, cores), daemon=True,
         name="fsdp-strategies-ft-group",
     )
-    process.start()
+    with torchft_runtime_env():  # the server (started by the first group) imports torchft with its log level
+        process.start()
     return ForkServerGroup(process)
 
 

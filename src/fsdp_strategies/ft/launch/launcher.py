@@ -43,7 +43,13 @@ from fsdp_strategies.ft.launch.group_start import GroupProcess, GroupStarter
 from fsdp_strategies.ft.launch.handover import hand_checkpoints
 from fsdp_strategies.ft.launch.options import LaunchOptions, core_sets, parse_args, parse_kill_at
 from fsdp_strategies.ft.launch.process_tree import dump_stacks, kill_tree
-from fsdp_strategies.ft.protocol import PREEMPT_EXIT_CODE, EventLog, resume_file, standby_ready_file
+from fsdp_strategies.ft.protocol import (
+    PREEMPT_EXIT_CODE,
+    EventLog,
+    resume_file,
+    standby_ready_file,
+    torchft_runtime_env,
+)
 
 #: the supervision loop's period, and how old a group's events may be within one pass (less than the period,
 #: so every pass sees what was appended before it)
@@ -145,14 +151,15 @@ class FTLauncher:
 
     # ------------------------------------------------------------------ the lighthouse
     def start_lighthouse(self) -> None:
-        from torchft.coordination import LighthouseServer
-
         o = self.opts
-        self.lighthouse = LighthouseServer(
-            bind=f"{o.bind}:{o.lighthouse_port}" if ":" not in o.bind else f"[{o.bind}]:{o.lighthouse_port}",
-            min_replicas=o.min_replicas, join_timeout_ms=o.join_timeout_ms, quorum_tick_ms=o.quorum_tick_ms,
-            heartbeat_timeout_ms=o.heartbeat_timeout_ms,
-        )
+        bind = f"{o.bind}:{o.lighthouse_port}" if ":" not in o.bind else f"[{o.bind}]:{o.lighthouse_port}"
+        with torchft_runtime_env():  # torchft's log level and the lighthouse runtime's threads
+            from torchft.coordination import LighthouseServer
+
+            self.lighthouse = LighthouseServer(
+                bind=bind, min_replicas=o.min_replicas, join_timeout_ms=o.join_timeout_ms,
+                quorum_tick_ms=o.quorum_tick_ms, heartbeat_timeout_ms=o.heartbeat_timeout_ms,
+            )
         port = int(self.lighthouse.address().rsplit(":", 1)[1])
         host = o.bind if o.bind not in ("0.0.0.0", "::") else socket.gethostname()
         self.lighthouse_addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
