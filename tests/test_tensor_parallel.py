@@ -221,7 +221,7 @@ def test_plans_with_styles_this_package_does_not_apply_are_refused_by_style(fami
     import torch
     import transformers
 
-    from fsdp_strategies.parallel.tensor_parallel import apply_tensor_parallel
+    from fsdp_strategies.parallel.tensor_parallel import STYLES, apply_tensor_parallel, resolve_plan
 
     sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -231,6 +231,11 @@ def test_plans_with_styles_this_package_does_not_apply_are_refused_by_style(fami
         else:
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes))
     style = {"mixtral": "moe_tp_experts", "qwen3": "replicated_with_grad_allreduce"}[family]
+    if family == "mixtral" and style not in resolve_plan(model, "auto").values():
+        # transformers >= 5.25 dropped the experts from Mixtral's plan (they stay whole on every TP rank):
+        # what is left is attention, embedding and head, all styles this package applies
+        assert set(resolve_plan(model, "auto").values()) <= set(STYLES), resolve_plan(model, "auto")
+        return
     with pytest.raises(TensorParallelPlanError, match=rf"does not apply: .*'{style}'.*Fix: pass a dict plan"):
         apply_tensor_parallel(model, object(), "auto")
 
