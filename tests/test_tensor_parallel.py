@@ -232,7 +232,7 @@ def test_plans_with_styles_this_package_does_not_apply_are_refused_by_style(fami
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes))
     style = {"mixtral": "moe_tp_experts", "qwen3": "replicated_with_grad_allreduce"}[family]
     if family == "mixtral" and style not in resolve_plan(model, "auto").values():
-        # transformers >= 5.25 dropped the experts from Mixtral's plan (they stay whole on every TP rank):
+        # transformers 5.25's Mixtral plan has no experts (5.17's has; they stay whole on every TP rank):
         # what is left is attention, embedding and head, all styles this package applies
         assert set(resolve_plan(model, "auto").values()) <= set(STYLES), resolve_plan(model, "auto")
         return
