@@ -703,6 +703,44 @@ def test_ft_overhead_runs_the_before_contender_under_its_own_environment(monkeyp
     assert "ft_nofault / ft_nofault_before step time (the change)" in result["ratios"]
 
 
+def test_ft_overhead_pools_the_rounds_of_saved_runs_and_refuses_other_jobs(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """``--pool``: the rounds of two saved runs judged together (the interval over all of them), a failed
+    round kept as a failure; results of other jobs are refused naming the file."""
+    from suites import ft_overhead, ft_recovery
+
+    times = iter([0.105, 0.100, 0.100, 0.103, 0.100, 0.101,  # run 1, round by round (order as it runs)
+                  0.102, 0.100, 0.100, 0.104, 0.101, 0.100] * 2)
+
+    def timeline(*args: object, **kwargs: object) -> dict:
+        step_s = next(times)
+        rows = [{"t": 100.0 + step_s * s, "step": s, "committed": True, "commit_s": 0.001}
+                for s in range(1, 41)]
+        return {"returncode": 0, "wall_s": 1.0, "timelines": {0: rows}}
+
+    monkeypatch.setattr(ft_recovery, "_run_ft", timeline)
+    monkeypatch.setattr(ft_recovery, "_run_hsdp_restart", timeline)
+    runs = [ft_overhead.run(quick=True, out_dir=tmp_path / f"run{i}", reps=2) for i in (1, 2)]
+    saved = [r["json_path"] for r in runs]
+    broken = json.loads(Path(saved[1]).read_text())
+    broken["per_round"]["hsdp_nofault_aa"][0] = {"error": "RuntimeError('exited with 1')"}
+    Path(saved[1]).write_text(json.dumps(broken))
+    pooled = ft_overhead.run(quick=True, out_dir=tmp_path / "pooled", pool_files=saved)
+    assert pooled["pooled_from"] == saved and pooled["config"]["reps"] == 4
+    ft_hsdp = pooled["ratios"]["ft_nofault / hsdp_nofault step time"]
+    per_run = [r["ratios"]["ft_nofault / hsdp_nofault step time"]["per_round"] for r in runs]
+    assert ft_hsdp["per_round"] == pytest.approx(per_run[0] + per_run[1]) and ft_hsdp["rounds_paired"] == 4
+    assert pooled["ratios"]["A/A: hsdp_nofault / hsdp_nofault_aa step time"]["rounds_paired"] == 3
+    assert pooled["breakdown"]["ft_costs_per_step"]["commit_s"] == pytest.approx(0.001)
+    assert Path(pooled["json_path"]).name == "ft_overhead_pooled-cpu.json"
+    assert Path(pooled["png_path"]).exists()
+    other = json.loads(Path(saved[1]).read_text())
+    other["config"]["steps"] = 999
+    Path(saved[1]).write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"run2.*ran other jobs or on another host.*steps differ"):
+        ft_overhead.run(quick=True, out_dir=tmp_path / "pooled", pool_files=saved)
+
+
 def test_cpu_sampler_counts_a_ranks_threads_by_name_and_only_inside_the_window() -> None:
     import subprocess
 

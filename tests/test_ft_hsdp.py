@@ -610,7 +610,8 @@ def test_cross_group_reduction_is_deferred_to_one_call_per_dtype_under_accumulat
     calls: list[tuple[torch.dtype, int, ReduceOp]] = []
 
     class Link:
-        def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> object:
+        def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp,
+                               quorum: object = None) -> object:
             calls.append((tensor.dtype, tensor.numel(), reduce_op))
             tensor.mul_(3.0)
             return SimpleNamespace(wait=lambda: None)
@@ -682,7 +683,7 @@ def test_the_cross_group_all_reduce_runs_behind_the_backward_and_ends_with_it(ca
     overlapped: list[bool] = []  # per all-reduce: was the previous one still running when it started?
 
     class Link:
-        def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: object) -> Work:
+        def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: object, quorum: object = None) -> Work:
             overlapped.append(bool(works) and not works[-1].done)
             works.append(Work(tensor))
             return works[-1]

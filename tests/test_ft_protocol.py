@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +138,43 @@ def test_an_activated_spare_leaves_idle_scheduling_on_every_thread() -> None:
         assert set(seen["after"]) == {os.SCHED_OTHER} and not seen["warnings"], seen
     else:
         assert seen["warnings"] and "ulimit -e 20" in seen["warnings"][0], seen
+
+
+def test_a_writer_keeps_its_file_open_and_follows_a_removed_or_replaced_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One open per file, not per line (a step's events line cost most of its events time in opens); a
+    removed or replaced file is opened again, so no line goes to a file nobody reads; two writers of one
+    file (a group's next incarnation beside a dying one) append whole lines."""
+    opened: list[Path] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "a" in mode:  # the writer's opens (readers and the test's own files aside)
+            opened.append(self)
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    path = tmp_path / "run" / "group0.jsonl"  # its folder does not exist yet
+    writer = EventLog(path)
+    for step in range(1, 6):
+        writer.write_step(0, step, committed=True)
+    assert opened == [path] and [r["step"] for r in EventLog(path).records()] == [1, 2, 3, 4, 5]
+    path.unlink()  # removed (a test, an operator): the next line starts a new file
+    writer.write_step(0, 6, committed=True)
+    assert [r["step"] for r in EventLog(path).records()] == [6]
+    replacement = tmp_path / "new.jsonl"
+    replacement.write_text("")
+    replacement.replace(path)  # replaced by another file: followed
+    writer.write_step(0, 7, committed=True)
+    other = EventLog(path)
+    other.write_step(0, 8, committed=True)
+    writer.write_step(0, 9, committed=True)
+    assert [r["step"] for r in EventLog(path).records()] == [7, 8, 9] and len(opened) == 4
+    writer.close()
+    other.close()
+    writer.write_finished(0, 9)  # after close: opened again
+    assert EventLog(path).finished() and len(opened) == 5
 
 
 def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path: Path) -> None:

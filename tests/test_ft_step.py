@@ -52,6 +52,7 @@ class FakeManager:
         return self.step
 
     def num_participants(self) -> int:
+        self.calls.append("num_participants")
         return 2
 
     def allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
@@ -121,7 +122,8 @@ def test_a_step_of_several_micro_batches_has_one_quorum_one_wait_and_one_commit(
     step.wait_quorum()  # the all-reduce hook of each micro-batch: waits once per step
     step.wait_quorum()
     out = step.finish(lambda: "loss", lambda closure: stepped.append(closure()) or "stepped", fit.model)
-    assert manager.calls == ["start_quorum", "wait_quorum", "should_commit"]
+    # the quorum's groups read once, with the wait (the all-reduces and the accounting reuse them)
+    assert manager.calls == ["start_quorum", "wait_quorum", "num_participants", "should_commit"]
     assert out == "stepped" and stepped == ["loss"]  # the optimizer stepped once, with the step's loss
     assert step.accounting.stats["committed"] == 1 and step.accounting.last_step_committed is True
     assert fit.progress == [(1, 1)]  # Lightning's step = the quorum's
@@ -179,7 +181,7 @@ def test_calls_out_of_order_raise(tmp_path: Path) -> None:
     step.unbind()
     with pytest.raises(StepOrderError, match=r"begin\(\) before bind\(\)"):
         step.begin()
-    assert manager.calls == ["start_quorum", "wait_quorum", "should_commit"]
+    assert manager.calls == ["start_quorum", "wait_quorum", "num_participants", "should_commit"]
 
 
 def test_the_rounds_object_is_the_sync_mode_switch() -> None:

@@ -228,6 +228,45 @@ def _train(state: TrainingState, steps: int) -> None:
         state.lr_scheduler_configs[0].scheduler.step()
 
 
+def test_ft_metrics_reach_the_loggers_directly_and_callback_metrics_when_a_step_needs_attention() -> None:
+    """At a routine logging step the ``ft/*`` metrics are written straight to the Trainer's loggers (no
+    ``self.log``: ~0.3 ms a metric); a step that did not go as planned, the last step and an epoch's last
+    batch go through ``self.log`` (``trainer.callback_metrics``); a routine step between logging steps
+    costs nothing."""
+    routed: list[tuple[str, float]] = []
+
+    class Connector:
+        should_update_logs = False
+
+        def log_metrics(self, metrics: dict[str, float]) -> None:
+            routed.append(("loggers", metrics["ft/committed_steps"]))
+
+    trainer = SimpleNamespace(max_steps=100, is_last_batch=False, _logger_connector=Connector())
+    module = SimpleNamespace(_current_fx_name="optimizer_step", trainer=trainer,
+                             log_dict=lambda m, **kw: routed.append(("self.log", m["ft/committed_steps"])))
+    accounting = StepAccounting(0, 2, "skip", None)
+
+    def metrics(step: int, **changed: float) -> dict[str, float]:
+        return {"ft/committed_steps": float(step), "ft/participants": 2.0, "ft/committed": 1.0,
+                "ft/heal": 0.0, **changed}
+
+    accounting.log(module, metrics(1))  # routine, not a logging step: nothing
+    trainer._logger_connector.should_update_logs = True
+    accounting.log(module, metrics(10))  # routine logging step: the loggers only
+    accounting.log(module, metrics(11, **{"ft/participants": 1.0}))  # a group missing
+    accounting.log(module, metrics(12, **{"ft/committed": 0.0}))  # discarded
+    trainer._logger_connector.should_update_logs = False
+    accounting.log(module, metrics(13, **{"ft/heal": 1.0}))  # healed, not a logging step
+    trainer.is_last_batch = True
+    accounting.log(module, metrics(14))  # the epoch's last batch
+    trainer.is_last_batch = False
+    accounting.log(module, metrics(100))  # max_steps
+    module._current_fx_name = None
+    accounting.log(module, metrics(15, **{"ft/committed": 0.0}))  # outside a hook: nothing
+    assert routed == [("loggers", 10.0), ("self.log", 11.0), ("self.log", 12.0), ("self.log", 13.0),
+                      ("self.log", 14.0), ("self.log", 100.0)]
+
+
 def test_a_healed_group_gets_the_peers_weights_optimizer_moments_and_lr_schedule() -> None:
     peer, healing = _training(0), _training(1)
     _train(peer, 3)
@@ -252,17 +291,44 @@ def test_a_healed_group_gets_the_peers_weights_optimizer_moments_and_lr_schedule
     assert healing.optimizers[0].param_groups[0]["lr"] == peer.optimizers[0].param_groups[0]["lr"] == 0.025
 
 
+def test_a_capture_leaves_the_optimizer_and_schedulers_to_the_request() -> None:
+    """Issue 43: the step-start capture takes the model's references only; the optimizers' and LR schedulers'
+    state is read when a peer asks (torchft's quorum thread, during the step's forward/backward, which
+    change neither): no ``Optimizer.state_dict`` per step, the same state a peer receives."""
+    peer = _training(0)
+    _train(peer, 2)
+    asked: list[str] = []
+    optimizer, scheduler = peer.optimizers[0], peer.lr_scheduler_configs[0].scheduler
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+        real = obj.state_dict
+        obj.state_dict = (lambda real=real, name=name: asked.append(name) or real())  # type: ignore[method-assign]
+    sent = HealState(lambda: peer)
+    for _ in range(3):
+        sent.capture()
+    assert asked == []
+    state = sent.state_dict()
+    assert asked == ["optimizer", "scheduler"]
+    assert state["lr_schedulers"][0]["last_epoch"] == 2
+    assert set(state) == {"model", "optimizers", "lr_schedulers"}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, param in enumerate(params):  # the live moments, as references
+        assert state["optimizers"][0]["state"][index]["exp_avg"] is optimizer.state[param]["exp_avg"]
+
+
 def test_a_capture_reuses_the_models_references_until_a_tensor_is_replaced() -> None:
     """Issue 43: the model's ``state_dict`` (FSDP2's hooks on every unit) is taken at the first capture and
     again only when the model holds another tensor; what is sent is always the live values."""
     peer = _training(0)
     calls: list[int] = []
     peer.model.register_state_dict_pre_hook(lambda *_: calls.append(1))
+    walks: list[int] = []
+    walk = peer.model.parameters
+    peer.model.parameters = lambda *a, **k: walks.append(1) or walk(*a, **k)  # type: ignore[method-assign]
     sent = HealState(lambda: peer)
     for _ in range(3):
         sent.capture()
         _train(peer, 1)  # in place: the references see it
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(walks) == 1  # the model walked at the first capture only
     assert torch.equal(sent.state_dict()["model"]["0.weight"], peer.model[0].weight)
     peer.model[0].weight = nn.Parameter(torch.zeros(4, 3))  # replaced (a user's callback, a load)
     sent.capture()
@@ -270,6 +336,18 @@ def test_a_capture_reuses_the_models_references_until_a_tensor_is_replaced() -> 
     peer.model[1].register_buffer("count", torch.zeros(()))  # a new buffer: a new state_dict
     sent.capture()
     assert len(calls) == 3 and "1.count" in sent.state_dict()["model"]
+    sent.capture()
+    assert len(calls) == 3
+    peer.model[1].count = torch.ones(())  # a buffer assigned another tensor
+    sent.capture()
+    assert len(calls) == 4 and sent.state_dict()["model"]["1.count"] == 1.0
+    peer.model.add_module("2", nn.Linear(2, 2))  # a module added
+    sent.capture()
+    assert len(calls) == 5 and "2.weight" in sent.state_dict()["model"]
+    other = _training(1)  # another model (a new fit): its own references
+    sent = HealState(lambda: other)
+    sent.capture()
+    assert torch.equal(sent.state_dict()["model"]["0.weight"], other.model[0].weight)
 
     class Extra(nn.Linear):  # anything but parameters and buffers: taken every step
         def get_extra_state(self) -> dict:
@@ -399,6 +477,24 @@ def test_gradient_allreduce_sums_then_divides_by_the_participating_groups_like_t
     untouched = torch.ones(2)
     assert CountedManager(errored, {}, pg).gradient_allreduce(untouched).wait() is True
     assert pg.ops == [] and untouched.tolist() == [1.0, 1.0] and errored.waited == 0
+
+
+def test_gradient_allreduce_given_the_steps_quorum_does_not_ask_the_manager_again() -> None:
+    """The step's :class:`QuorumView` (read once per step) decides the division and the zeros; the manager's
+    quorum calls (a profiler range and a lock each) are not made per all-reduce."""
+    from fsdp_strategies.ft.manager import CountedManager, QuorumView
+
+    manager = _FakeGroupManager(participants=5, participating=True)
+    asked: list[str] = []
+    manager.num_participants = lambda: asked.append("num_participants") or 5  # type: ignore[method-assign]
+    link = CountedManager(manager, {}, _FakePG(other=3.0))
+    grad = torch.full((2,), 1.0)
+    assert link.gradient_allreduce(grad, quorum=QuorumView(participants=2, participating=True)).wait()
+    assert grad.tolist() == [2.0, 2.0] and manager.waited == 0 and asked == []  # (1 + 3) / 2: the view's 2
+    healing = torch.full((2,), 5.0)
+    assert link.gradient_allreduce(healing, quorum=QuorumView(participants=2, participating=False)).wait()
+    assert healing.tolist() == [1.5, 1.5] and manager.waited == 0  # zeros contributed: (0 + 3) / 2
+    assert QuorumView.of(manager) == (5, True) and manager.waited == 1 and asked == ["num_participants"]
 
 
 def test_gradient_allreduce_gives_torchfts_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:

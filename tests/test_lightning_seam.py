@@ -519,16 +519,21 @@ def test__current_fx_name(fitted: _Probe) -> None:
 
 def test__logger_connector() -> None:
     """``logs_this_step`` inside a training step is true exactly at the steps whose ``on_step`` metrics
-    reach the loggers (every ``log_every_n_steps``-th), as ``ft_hsdp`` relies on to log its metrics there."""
+    reach the loggers (every ``log_every_n_steps``-th), as ``ft_hsdp`` relies on to log its metrics there;
+    ``write_to_loggers`` there writes at the step value Lightning writes that step's logged metrics at."""
     from lightning.pytorch.loggers import Logger
 
     class Steps(Logger):
         name, version = "steps", 0
         written: list[int] = []
+        at: dict[str, list[int | None]] = {"m": [], "w": []}
 
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
             if "m" in metrics:
                 self.written.append(int(metrics["m"]))
+            for key in self.at:
+                if key in metrics:
+                    self.at[key].append(step)
 
         def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
             pass
@@ -539,6 +544,7 @@ def test__logger_connector() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             if seam.logs_this_step(self.trainer):
                 asked.append(batch_idx + 1)
+                seam.write_to_loggers(self.trainer, {"w": float(batch_idx + 1)})
             self.log("m", float(batch_idx + 1), on_step=True, on_epoch=False)
             return super().training_step(batch, batch_idx)
 
@@ -547,6 +553,8 @@ def test__logger_connector() -> None:
                          limit_val_batches=0)
     trainer.fit(Model())
     assert asked == Steps.written == [3, 6]
+    assert Steps.at["w"] == Steps.at["m"] and len(Steps.at["m"]) == 2
+    assert trainer.logged_metrics["w"] == 6.0
 
 
 def test__on_before_batch_transfer(fitted: _Probe) -> None:

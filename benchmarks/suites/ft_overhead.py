@@ -35,6 +35,7 @@ Ratios (each with a 95 % interval over the rounds, ``timing_stats``): ``ft_nofau
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -205,7 +206,10 @@ def _plot(result: dict[str, Any], path: Path) -> Path:
 def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[int] | None = None,
         reps: int | None = None, steps: int | None = None, warmup: int | None = None,
         contenders: list[str] | None = None, heartbeat_ms: int = 1000, before_src: str | None = None,
-        before_env: list[str] | None = None, **_: Any) -> dict[str, Any]:
+        before_env: list[str] | None = None, pool_files: list[str] | None = None,
+        **_: Any) -> dict[str, Any]:
+    if pool_files:
+        return pool(pool_files, out_dir)
     size = common.pick(sizes, quick, ["tiny"], ["small"])[0]
     rpg = common.pick(ranks, quick, [1], [2])[0]
     reps = common.pick(reps, quick, 2, 3)
@@ -229,6 +233,28 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                                env_before),
         bar, warm_up=not quick)
     bar.close()
+    ratios, withheld, summary = _ratios(per, names)
+    config = {"size": size, "groups": GROUPS, "ranks_per_group": rpg, "reps": reps, "steps": steps,
+              "warmup_steps": warmup, "quick": quick, "pin_cores": "none", "checkpointing": False,
+              "heartbeat_timeout_ms": heartbeat_ms, "contenders": names,
+              "before_src": str(before) if before else None, "before_env": env_before or None}
+    clean = {n: [r if isinstance(r, dict) else {"error": str(r)} for r in per[n]] for n in names}
+    result = {**common.header("ft_overhead", config), "orders": per.orders, "failures": per.failures,
+              "per_round": clean, "medians_step_s": _medians(per, names),
+              "ratios": ratios, "withheld": withheld, "summary": summary,
+              "breakdown": breakdown(per) if {"ft_nofault", "hsdp_nofault"} <= set(per) else None}
+    if result["breakdown"] is not None:
+        summary.extend(_breakdown_rows(result["breakdown"]))
+    result["json_path"] = str(common.write_result("ft_overhead", result, Path(out_dir)))  # before the plot
+    if result["breakdown"] is not None:
+        result["png_path"] = str(_plot(result, Path(out_dir) / f"ft_overhead-{common.device_slug()}.png"))
+        common.write_result("ft_overhead", result, Path(out_dir))
+    return result
+
+
+def _ratios(per: dict[str, list[Any]], names: list[str]) -> tuple[dict[str, Any], str | None, list[Any]]:
+    """The suite's ratios (each judged), the A/A withholding and the summary rows, from each contender's
+    per-round results (``per[name][round]``: a dict with ``step_s``, or an error)."""
     step_s = {n: [r["step_s"] if isinstance(r, dict) else None for r in per[n]] for n in names}
     ratios: dict[str, dict[str, Any]] = {}
     if "ft_nofault" in per and "hsdp_nofault" in per:
@@ -249,21 +275,54 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
                 "aa": r.get("aa"), "met": r.get("met"),
                 **({"verdict": r["verdict"]} if r.get("verdict") else {})}
                for name, r in ratios.items()]
-    config = {"size": size, "groups": GROUPS, "ranks_per_group": rpg, "reps": reps, "steps": steps,
-              "warmup_steps": warmup, "quick": quick, "pin_cores": "none", "checkpointing": False,
-              "heartbeat_timeout_ms": heartbeat_ms, "contenders": names,
-              "before_src": str(before) if before else None, "before_env": env_before or None}
-    clean = {n: [r if isinstance(r, dict) else {"error": str(r)} for r in per[n]] for n in names}
-    result = {**common.header("ft_overhead", config), "orders": per.orders, "failures": per.failures,
-              "per_round": clean, "medians_step_s": {n: timing_stats.median(step_s[n]) for n in names},
+    return ratios, withheld, summary
+
+
+def _medians(per: dict[str, list[Any]], names: list[str]) -> dict[str, float | None]:
+    return {n: timing_stats.median(r["step_s"] if isinstance(r, dict) else None for r in per[n])
+            for n in names}
+
+
+#: what must be equal in result files pooled together (the same jobs)
+POOLED_CONFIG = ("size", "groups", "ranks_per_group", "steps", "warmup_steps", "pin_cores", "checkpointing",
+                 "heartbeat_timeout_ms")
+
+
+def pool(files: list[str], out_dir: Path) -> dict[str, Any]:
+    """The rounds of several saved results of this suite (the same jobs: :data:`POOLED_CONFIG`, the same
+    host) judged together: every contender all of them ran, its rounds concatenated in file order, the
+    ratios, intervals and breakdown computed over all of them. Written as ``ft_overhead_pooled-<device>.json``
+    (+ PNG) in ``out_dir``; ``pooled_from`` names the files. ``ValueError`` naming a file that does not
+    match."""
+    results = [json.loads(Path(f).read_text()) for f in files]
+    if len(results) < 2 or any(r.get("suite") != "ft_overhead" for r in results):
+        raise ValueError(f"--pool {' '.join(files)}: give two or more ft_overhead result files")
+    first = results[0]
+    for f, r in zip(files[1:], results[1:]):
+        differs = [k for k in POOLED_CONFIG if r["config"].get(k) != first["config"].get(k)]
+        if differs or r.get("device_name") != first.get("device_name"):
+            raise ValueError(f"--pool: {f} ran other jobs or on another host than {files[0]} "
+                             f"({', '.join(differs) or 'device_name'} differ). Fix: pool results of the same "
+                             "command on the same machine")
+    names = [n for n in (*CONTENDERS, "ft_nofault_before") if all(n in r["per_round"] for r in results)]
+    per = {n: [x.get("error", x) for r in results for x in r["per_round"][n]]
+           for n in names}  # a failed round stays a failure (not a dict)
+    ratios, withheld, summary = _ratios(per, names)
+    config = {**first["config"], "reps": len(per[names[0]]) if names else 0, "contenders": names}
+    result = {**common.header("ft_overhead", config), "pooled_from": [str(f) for f in files],
+              "per_round": {n: [r if isinstance(r, dict) else {"error": r} for r in per[n]] for n in names},
+              "medians_step_s": _medians(per, names),
               "ratios": ratios, "withheld": withheld, "summary": summary,
               "breakdown": breakdown(per) if {"ft_nofault", "hsdp_nofault"} <= set(per) else None}
     if result["breakdown"] is not None:
         summary.extend(_breakdown_rows(result["breakdown"]))
-    result["json_path"] = str(common.write_result("ft_overhead", result, Path(out_dir)))  # before the plot
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"ft_overhead_pooled-{common.device_slug()}.json"
     if result["breakdown"] is not None:
-        result["png_path"] = str(_plot(result, Path(out_dir) / f"ft_overhead-{common.device_slug()}.png"))
-        common.write_result("ft_overhead", result, Path(out_dir))
+        result["png_path"] = str(_plot(result, path.with_suffix(".png")))
+    result["json_path"] = str(path)
+    path.write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
@@ -271,6 +330,8 @@ def _add_options(parser: Any) -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
     parser.add_argument("--before-src", default=None,
                         help="another checkout's src: adds ft_nofault_before, run from it in the same rounds")
+    parser.add_argument("--pool", dest="pool_files", nargs="+", default=None, metavar="RESULT_JSON",
+                        help="judge the rounds of saved results of this suite together (runs nothing)")
     parser.add_argument("--before-env", nargs="+", default=None, metavar="KEY=VALUE",
                         help="environment of ft_nofault_before's whole job (adds it; with or without "
                              "--before-src), e.g. RUST_LOG=info TOKIO_WORKER_THREADS=2")

@@ -81,6 +81,7 @@ __all__ = [
     "training_combined_loader",
     "unwrap_module_method",
     "wrap_module_method",
+    "write_to_loggers",
 ]
 
 #: A checkpoint path (what Lightning's private ``_PATH`` alias means; own spelling, no import).
@@ -242,6 +243,13 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     ``log_every_n_steps``-th step, or one after which training stops
     (``LoggerConnector.should_update_logs``)."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Write ``metrics`` to every logger of the Trainer as Lightning writes a step's logged metrics (at the
+    loop's logging step value, with ``epoch``; also in ``trainer.logged_metrics``), without
+    ``LightningModule.log`` (``LoggerConnector.log_metrics``)."""
+    trainer._logger_connector.log_metrics(dict(metrics))
 
 
 def before_batch_transfer(module: pl.LightningModule, batch: Any, dataloader_idx: int = 0) -> Any:

@@ -214,16 +214,17 @@ class StepAccounting:
     def close_step(self, step: StepInFlight, *, committed: bool, commit_s: float, manager: Any,
                    committed_step: int, data: StepAlignedData | None, round_of: OuterSync | None,
                    round_samples: int, world_size: int, write_event: bool,
-                   module: Any = None) -> dict[str, float]:
+                   module: Any = None, participants: int | None = None) -> dict[str, float]:
         """Account a committed / discarded step or outer sync (:meth:`data_record`, then :meth:`finish`) with
-        the quorum's view from ``manager``, :meth:`log` its ``ft/*`` metrics through ``module`` (unless
-        ``None``) and return them.
+        the quorum's view from ``manager`` (``participants``: its groups, when the caller read them already),
+        :meth:`log` its ``ft/*`` metrics through ``module`` (unless ``None``) and return them.
 
         ``step.costs`` (the parts of the step's fault-tolerance work) went into this step's events line; they
         are replaced by this accounting's own seconds, which go into the next step's line.
         """
         t0 = time.perf_counter()
-        participants = int(manager.num_participants())
+        if participants is None:
+            participants = int(manager.num_participants())
         record = self.data_record(step, committed=committed, participants=participants, data=data,
                                   round_of=round_of, round_samples=round_samples,
                                   quorum_step=committed_step - int(committed), world_size=world_size)
@@ -236,23 +237,34 @@ class StepAccounting:
         return metrics
 
     def log(self, module: Any, metrics: dict[str, float]) -> None:
-        """Hand ``metrics`` to ``module.log_dict`` when :meth:`log_due` and inside a Lightning hook."""
-        if seam.in_lightning_hook(module) and self.log_due(metrics, module.trainer):
-            try:
-                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
-            except Exception as err:  # never let logging break a committed step
-                rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+        """Hand ``metrics`` to the Trainer inside a Lightning hook: through ``module.log_dict`` where
+        :meth:`shown_now` (``trainer.callback_metrics`` shows them), else straight to the Trainer's loggers at
+        the steps they write (``log_every_n_steps``; Lightning's own step value and ``epoch``).
 
-    def log_due(self, metrics: dict[str, float], trainer: Any) -> bool:
-        """Whether to hand this step's ``ft/*`` metrics to Lightning's ``self.log``: at the steps the
-        Trainer's loggers write (every ``log_every_n_steps``-th, so the loggers see what they would if every
-        step were logged), at the last step (``max_steps``), and at every step that did not go as planned
-        (discarded, healed, a group missing or left out) so that ``trainer.callback_metrics`` shows it at
-        once. Logging all ten metrics every step cost more than the rest of a fault-free step's fault
-        tolerance (``benchmarks/suites/ft_overhead.py``); :attr:`stats` and :attr:`last_step_data` are
-        current every step.
+        Lightning's ``self.log`` costs ~0.3 ms of CPU per metric (it moves its metric object to the device on
+        every call): for all ten metrics every ``log_every_n_steps`` steps, more than the rest of the step's
+        accounting (``benchmarks/suites/ft_overhead.py``). Writing to the loggers is what the logging steps
+        need; :attr:`stats` and :attr:`last_step_data` are current every step.
         """
-        if seam.logs_this_step(trainer) or 0 < trainer.max_steps <= metrics["ft/committed_steps"]:
+        if not seam.in_lightning_hook(module):
+            return
+        trainer = module.trainer
+        try:
+            if self.shown_now(metrics, trainer):
+                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+            elif seam.logs_this_step(trainer):
+                seam.write_to_loggers(trainer, metrics)
+        except Exception as err:  # never let logging break a committed step
+            rank_zero_warn(f"ft_hsdp: could not log ft/* metrics ({err})")
+
+    def shown_now(self, metrics: dict[str, float], trainer: Any) -> bool:
+        """Whether this step's ``ft/*`` metrics go through Lightning's ``self.log`` (so that
+        ``trainer.callback_metrics`` -- callbacks, the progress bar, ``ModelCheckpoint(monitor=...)`` --
+        shows them at once, and the loggers receive them at a logging step): every step that did not go as
+        planned (discarded, healed, a group missing or left out), the last step (``max_steps``) and the last
+        batch of an epoch (so that they are there when ``fit`` returns).
+        """
+        if 0 < trainer.max_steps <= metrics["ft/committed_steps"] or trainer.is_last_batch:
             return True
         missing = metrics["ft/participants"] < self.num_replica_groups
         return not metrics["ft/committed"] or bool(metrics["ft/heal"]) or missing \

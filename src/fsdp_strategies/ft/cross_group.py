@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategies import _torch_seam
 from fsdp_strategies.ft.accounting import StepInFlight
+from fsdp_strategies.ft.manager import QuorumView
 from fsdp_strategies.parallel.replicated_params import replicated_params
 
 __all__ = ["CrossGroupReduce"]
@@ -49,12 +50,13 @@ class CrossGroupReduce:
 
     Args:
         step: the step in flight (its weights, timers and peer-wait mark).
-        wait_quorum: waits for this step's quorum (once per step).
+        wait_quorum: waits for this step's quorum (once per step) and returns it
+            (:class:`~fsdp_strategies.ft.manager.QuorumView`).
         paused: ``True`` while the groups train alone (a ``straggler_sync`` semi-synchronous phase).
     """
 
     def __init__(
-        self, step: StepInFlight, wait_quorum: Callable[[], None], paused: Callable[[], bool]
+        self, step: StepInFlight, wait_quorum: Callable[[], QuorumView], paused: Callable[[], bool]
     ) -> None:
         self.step = step
         self.wait_quorum = wait_quorum
@@ -141,9 +143,9 @@ class CrossGroupReduce:
         assert self.link is not None
         t0 = time.perf_counter()
         with self.step.waiting_for_peers():
-            self.wait_quorum()
+            quorum = self.wait_quorum()
             with self.step.timed("allreduce"):
-                work = self.link.gradient_allreduce(tensor, reduce_op=op)
+                work = self.link.gradient_allreduce(tensor, reduce_op=op, quorum=quorum)
                 if wait:
                     work.wait()  # an error -> no commit
                 else:

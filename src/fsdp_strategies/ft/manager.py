@@ -27,7 +27,7 @@ import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 from urllib.parse import urlparse
 
 import torch
@@ -36,7 +36,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 
 from fsdp_strategies.ft.protocol import LIGHTHOUSE_ENV, torchft_runtime_env
 
-__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "check_lighthouse",
+__all__ = ["HOW_TO_START", "CountedManager", "LighthouseUnreachableError", "QuorumView", "check_lighthouse",
            "create_manager", "exit_now", "lighthouse_host_port", "release_manager"]
 
 #: the end of every error about a missing or unreachable lighthouse
@@ -162,6 +162,23 @@ def exit_now(manager: Any, code: int) -> NoReturn:
     os._exit(code)
 
 
+class QuorumView(NamedTuple):
+    """What a step's cross-group all-reduces need of its quorum, read once after waiting for it (each of
+    torchft's ``num_participants()`` / ``wait_quorum()`` calls opens a profiler range and takes the quorum
+    future's lock: read per all-reduce, that was a third of the step's all-reduce CPU on the main thread)."""
+
+    #: groups in the quorum (torchft's ``num_participants()``: ``AVG`` divides by it)
+    participants: int
+    #: this group's gradients count (torchft's ``is_participating()``; ``False`` while it heals)
+    participating: bool
+
+    @classmethod
+    def of(cls, manager: Any) -> QuorumView:
+        """The manager's quorum, waited for."""
+        manager.wait_quorum()
+        return cls(int(manager.num_participants()), bool(manager.is_participating()))
+
+
 class CountedManager:
     """The manager with every ``allreduce`` counted in ``stats`` (calls and bytes); everything else passes
     through.
@@ -194,7 +211,8 @@ class CountedManager:
         self._count(tensor)
         return self._manager.allreduce(tensor, should_quantize=should_quantize, reduce_op=reduce_op)
 
-    def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+    def gradient_allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG,
+                           quorum: QuorumView | None = None) -> Any:
         """Start the cross-group all-reduce of a gradient (in place); ``.wait()`` on the result ends it.
 
         What ``Manager.allreduce`` does, in the same order, with the same process group and reduction: nothing
@@ -205,6 +223,9 @@ class CountedManager:
         timeout registered with its event-loop thread, two ``then`` callbacks), which the rank's main thread
         paid once per FSDP unit and step (``benchmarks/suites/ft_overhead.py`` measures the difference). The
         timeout is the process group's own (created with the manager's ``timeout``).
+
+        ``quorum``: the step's quorum, already waited for (:class:`QuorumView`, read once per step by the
+        caller); ``None``: waited for and read here.
         """
         self._count(tensor)
         manager = self._manager
@@ -212,9 +233,9 @@ class CountedManager:
             return manager.allreduce(tensor, reduce_op=reduce_op)
         if manager.errored():
             return _GradientWork(manager, None, tensor, None)
-        manager.wait_quorum()
-        participants = int(manager.num_participants())
-        if not manager.is_participating():
+        if quorum is None:
+            quorum = QuorumView.of(manager)
+        if not quorum.participating:
             tensor.zero_()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op
@@ -223,7 +244,8 @@ class CountedManager:
         except Exception as err:  # a process group already broken
             manager.report_error(err)
             return _GradientWork(manager, None, tensor, None)
-        return _GradientWork(manager, work, tensor, participants if reduce_op == ReduceOp.AVG else None)
+        divide_by = quorum.participants if reduce_op == ReduceOp.AVG else None
+        return _GradientWork(manager, work, tensor, divide_by)
 
 
 class _GradientWork:

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fsdp_strategies.runtime.clean_exit import PREEMPT_EXIT_CODE
 
@@ -240,6 +240,16 @@ def torchft_runtime_env() -> Iterator[dict[str, str]]:
                 del os.environ[k]
 
 
+def _names(path: Path, fh: TextIO) -> bool:
+    """Whether ``path`` still names the file open as ``fh``."""
+    try:
+        here = path.stat()
+    except OSError:
+        return False
+    there = os.fstat(fh.fileno())
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _parse(lines: list[bytes]) -> Iterator[dict[str, Any]]:
     """The JSON objects of ``lines``; a line cut short by a kill (and whatever the next writer appended to it)
     is skipped."""
@@ -274,6 +284,7 @@ class EventLog:
         #: group's reader several times per pass of its 50 ms loop; one look per pass is enough). 0: look
         #: every time.
         self.max_age_s = max_age_s
+        self._writer: TextIO | None = None  # the file this process appends to (kept open)
         self._reset()
 
     def _reset(self) -> None:
@@ -293,9 +304,23 @@ class EventLog:
 
     # ------------------------------------------------------------------ writing (the group's rank 0)
     def _append(self, record: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as fh:
-            fh.write(json.dumps({"t": time.time(), **record}) + "\n")
+        """One line, in one ``write`` (``O_APPEND``: whole lines however many processes append). The file
+        stays open between lines (opening, creating the folder and closing it again per line was most of a
+        step's events cost); it is opened again when the path no longer names it (removed or replaced)."""
+        line = json.dumps({"t": time.time(), **record}) + "\n"
+        fh = self._writer
+        if fh is None or not _names(self.path, fh):
+            self.close()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = self._writer = self.path.open("a")
+        fh.write(line)
+        fh.flush()
+
+    def close(self) -> None:
+        """Close the file this process appends to (it is opened again by the next line)."""
+        fh, self._writer = self._writer, None
+        if fh is not None:
+            fh.close()
 
     def write_step(self, group: int, step: int, committed: bool, **fields: Any) -> None:
         """One optimizer step of this group (``fields``: see the class docstring)."""

@@ -40,6 +40,7 @@ from fsdp_strategies.ft.accounting import StepAccounting, StepInFlight
 from fsdp_strategies.ft.cross_group import CrossGroupReduce
 from fsdp_strategies.ft.data import StepAlignedData
 from fsdp_strategies.ft.heal_state import HealState, SchedulerRollback
+from fsdp_strategies.ft.manager import QuorumView
 from fsdp_strategies.ft.nonfinite import leave_step_if_nonfinite
 from fsdp_strategies.ft.semi_sync import SemiSync
 
@@ -88,7 +89,7 @@ class FTStep:
         self._begun = False  # begin() ran in this step and finish() has not
         self._rounds = False  # the step in flight is an inner step of a round
         self._quorum_started = False  # its every-step quorum is started ...
-        self._quorum_waited = False  # ... and waited for
+        self._quorum: QuorumView | None = None  # ... and waited for (None: not yet)
 
     # ------------------------------------------------------------------ set-up
     def bind(self, manager: Any, link: Any, *, device: torch.device, world_size: int,
@@ -103,7 +104,8 @@ class FTStep:
     def unbind(self) -> None:
         """The manager is released (teardown): no step may begin until the next :meth:`bind`."""
         self.manager = self.link = self.cross.link = None
-        self._begun = self._quorum_started = self._quorum_waited = False
+        self._begun = self._quorum_started = False
+        self._quorum = None
 
     def committed_step(self) -> int:
         """The step every group agrees on: the quorum's (every step; plus the inner steps of earlier
@@ -142,7 +144,7 @@ class FTStep:
         step.begin()
         with step.timed("capture"):
             self.heal.capture()
-        self._quorum_waited = False
+        self._quorum = None
         with step.timed("quorum_start"):  # synchronous with straggler_sync (heals here)
             self.manager.start_quorum()
         self._quorum_started = True
@@ -150,8 +152,9 @@ class FTStep:
             step.cross_s += time.perf_counter() - step.t0
 
     # ------------------------------------------------------------------ 2. the quorum
-    def wait_quorum(self) -> None:
-        """Wait for this step's quorum (once per step, timed); call before the step's first cross-group byte.
+    def wait_quorum(self) -> QuorumView:
+        """Wait for this step's quorum (once per step, timed) and return it; call before the step's first
+        cross-group byte.
 
         Raises :class:`StepOrderError` unless :meth:`begin` started an every-step quorum for this step (rounds
         have none: nothing crosses the groups in an inner step).
@@ -159,12 +162,12 @@ class FTStep:
         if not self._quorum_started:
             raise StepOrderError("ft_hsdp step protocol: wait_quorum() with no quorum started in this step "
                                  "(call begin() first; an inner step of a round has no quorum)")
-        if self._quorum_waited:
-            return
+        if self._quorum is not None:
+            return self._quorum
         t0 = time.perf_counter()
-        self.manager.wait_quorum()
+        self._quorum = QuorumView.of(self.manager)
         self.inflight.quorum_wait_s += time.perf_counter() - t0
-        self._quorum_waited = True
+        return self._quorum
 
     def record_nonfinite(self, loss_nonfinite: bool) -> None:
         """``NonFiniteGuard``'s verdict on this rank's loss, before each backward (see ``ft/nonfinite.py``):
@@ -212,8 +215,8 @@ class FTStep:
             if step.nonfinite is not None:  # NonFiniteGuard's verdict over the step's micro-batches
                 self._agree_nonfinite(step.nonfinite)
             self.cross.reduce_accumulated(model)
-        self.wait_quorum()
-        step.participating = bool(manager.is_participating())  # False while healing: zeros contributed
+        quorum = self.wait_quorum()
+        step.participating = quorum.participating  # False while healing: zeros contributed
         if self.semi.vote_due(self.committed_step()):  # between the quorum and should_commit: commits with it
             t0 = time.perf_counter()
             self.semi.vote()
@@ -228,7 +231,7 @@ class FTStep:
         else:
             self.schedulers.discard_step()
             out = loss
-        self._close(committed, commit_s)
+        self._close(committed, commit_s, participants=quorum.participants)
         self.semi.synchronous_step_ended(committed, step.cross_s + commit_s)
         return out
 
@@ -253,11 +256,14 @@ class FTStep:
         self.semi.inner_step_ended(committed, sync_s)
         return out
 
-    def _close(self, committed: bool, commit_s: float, log: bool = True) -> None:
-        """Account a committed / discarded step or outer sync (``log``: its ``ft/*`` metrics, in a step)."""
+    def _close(self, committed: bool, commit_s: float, log: bool = True,
+               participants: int | None = None) -> None:
+        """Account a committed / discarded step or outer sync (``log``: its ``ft/*`` metrics, in a step;
+        ``participants``: the step's quorum's, else the manager's)."""
         self.cross.end_step()  # the next step starts undeferred
         self.accounting.close_step(
             self.inflight, committed=committed, commit_s=commit_s, manager=self.manager,
+            participants=participants,
             committed_step=self.committed_step(), data=self.data, world_size=self._world_size,
             round_of=self.semi.outer if self.semi.active else None, round_samples=self.semi.round_samples,
             write_event=self._writes_events, module=self._module() if log else None)
@@ -274,7 +280,7 @@ class FTStep:
     def _join_outer_sync(self) -> None:
         """Healed, in the every-step quorum, from groups in a semi-synchronous phase: join their outer sync,
         then continue in rounds (or every step, if that sync switched back)."""
-        self._quorum_started = self._quorum_waited = False
+        self._quorum_started, self._quorum = False, None
         committed = self._outer_sync_between_steps(join=True)
         rank_zero_info(f"ft_hsdp: replica group {self.group_id} healed into a {self.semi.mode} phase and "
                        f"joined its outer sync ({'committed' if committed else 'discarded'}); continuing at "

@@ -474,6 +474,8 @@ class FTHSDPStrategy(FSDP2Strategy):
     def teardown(self) -> None:
         super().teardown()
         self._semi.outer = None  # bound to this fit's manager
+        if self._events is not None:
+            self._events.close()
         if self._manager is not None:
             release_manager(self._manager, self.global_rank)
             self._manager = self._cross_pg = None
