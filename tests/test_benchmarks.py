@@ -870,6 +870,37 @@ def test_ft_recovery_pool_combines_rounds_of_one_configuration(tmp_path: Path) -
         _pool([str(tmp_path / "missing")], tmp_path / "out")
 
 
+def test_ft_recovery_pool_judges_the_aa_twin_and_withholds_the_verdicts_when_it_fails(tmp_path: Path) -> None:
+    """Issue 43: ``ft_nofault_fork_aa`` is the suite's A/A pair; pooled over the rounds that ran both, its
+    ratio's interval must hold 1.00, or the goodput verdicts of those rounds are withheld."""
+    from suites.ft_recovery import _pool
+
+    config = {"size": "small", "groups": 2, "ranks_per_group": 2, "steps": 600, "kill_every_s": 45.0,
+              "heartbeat_timeout_ms": 300, "hsdp_ckpt_every": 50, "quick": False, "pin_cores": "auto"}
+
+    def round_dir(name: str, nofault: float, twin: float, ratio: float | None = None) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        figures = {"ft_nofault_fork": {"goodput": {"samples_per_s": nofault}},
+                   "ft_nofault_fork_aa": {"goodput": {"samples_per_s": twin}}}
+        if ratio is not None:
+            figures["ft_faults_fork"] = {"goodput_vs_nofault": ratio, "local_loss": {"per_fault": []}}
+        common.result_path("ft_recovery", d).write_text(json.dumps({"config": config, "figures": figures}))
+        return str(d)
+
+    held = _pool([round_dir("a", 100.0, 99.0), round_dir("b", 100.0, 101.0), round_dir("c", 99.5, 100.0)],
+                 tmp_path / "out")  # the twin alone: an A/A-only pool is a result of its own
+    (row,) = [r for r in held["summary"] if r["ratio"].startswith("A/A")]
+    assert row["met"] is True and row["ci95"][0] <= 1.0 <= row["ci95"][1] and held["aa"]["rounds_paired"] == 3
+    failed = _pool([round_dir("d", 100.0, 90.0, ratio=0.97), round_dir("e", 100.0, 91.0, ratio=0.96)],
+                   tmp_path / "out")  # the twin ran 10 % slower both times: the host moved
+    rows = {r["ratio"]: r for r in failed["summary"]}
+    assert rows["A/A: ft_nofault_fork / ft_nofault_fork_aa (committed samples/s), 2 rounds"]["met"] is False
+    verdict = rows["ft_faults_fork goodput / fault-free, median of 2 rounds"]
+    assert verdict["met"] is None
+    assert verdict["verdict"].startswith("withheld: the A/A pair came out at 1.105")
+
+
 # ----------------------------------------------------------------------------------------------
 # benchmarks/gpu.py
 

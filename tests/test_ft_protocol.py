@@ -3,6 +3,7 @@ one class reads and writes the environment (fast, no processes)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -175,6 +176,9 @@ def test_a_writer_keeps_its_file_open_and_follows_a_removed_or_replaced_file(
     other.close()
     writer.write_finished(0, 9)  # after close: opened again
     assert EventLog(path).finished() and len(opened) == 5
+    copied = copy.deepcopy(writer)  # a copy (a pickled strategy) does not share the open file
+    copied.write_left(0, "test")
+    assert len(opened) == 6 and [r.get("left") for r in EventLog(path).records()][-1] == "test"
 
 
 def test_a_kept_reader_sees_only_complete_records_as_they_are_appended(tmp_path: Path) -> None:

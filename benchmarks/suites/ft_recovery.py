@@ -12,6 +12,9 @@ Runs of the example model, one after another, each for the same number of commit
   (and nothing runs between faults). Compared with each other only: forked ranks share their group's session,
   torchrun starts each rank in its own, and with Linux's autogroup scheduling two ranks sharing a core then
   step at different speeds (see docs/strategies/ft_launcher.md);
+* ``ft_nofault_fork_aa`` -- ``ft_nofault_fork`` again: the A/A pair. Its ratio (committed samples/s) must hold
+  1.00 over the rounds ``--pool`` judges together, or the rounds' separate-run goodput ratios lose their
+  verdict (a host whose speed moves between runs by more than a fault costs cannot tell them);
 * ``diloco_nofault`` / ``diloco_faults`` / ``diloco_faults_warm`` / ``diloco_nofault_fork`` /
   ``diloco_faults_fork`` -- the same with
   ``sync: diloco`` (``sync_every`` 8);
@@ -46,7 +49,7 @@ committed steps x the global batch.
     python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork --keep-other-runs
     python benchmarks/suites/ft_recovery.py --reanalyse     # figures from the stored runs, nothing rerun
     for r in 1 2 3; do python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork \
-        --heartbeat-ms 300 --out-dir /tmp/hb300/$r; done
+        ft_nofault_fork_aa --heartbeat-ms 300 --out-dir /tmp/hb300/$r; done
     python benchmarks/suites/ft_recovery.py --pool /tmp/hb300/1 /tmp/hb300/2 /tmp/hb300/3 \
         --out-dir benchmarks/results
     python benchmarks/run.py ft_recovery
@@ -66,13 +69,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
+import timing_stats
 
 ROOT = common.ROOT
 THIS = Path(__file__).resolve()
 STEP_LOG_ENV = "FT_RECOVERY_STEP_LOG"
 #: a folder: every worker rank writes a cProfile of its run there (``<group>_<rank>_<pid>.prof``)
 PROFILE_ENV = "FT_RECOVERY_PROFILE_DIR"
-CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_faults_fork",
+CONTENDERS = ("ft_nofault", "ft_faults", "ft_faults_warm", "ft_nofault_fork", "ft_nofault_fork_aa",
+              "ft_faults_fork",
               "diloco_nofault",
               "diloco_faults", "diloco_faults_warm", "diloco_nofault_fork", "diloco_faults_fork",
               "hsdp_nofault", "hsdp_restart")
@@ -83,6 +88,9 @@ REFERENCE = {"ft_faults": "ft_nofault", "ft_faults_warm": "ft_nofault", "ft_faul
              "diloco_faults": "diloco_nofault", "diloco_faults_warm": "diloco_nofault",
              "diloco_faults_fork": "diloco_nofault_fork", "hsdp_restart": "hsdp_nofault"}
 FAULTY = tuple(REFERENCE)
+#: the A/A pair: the same fault-free job twice (each round), whose ratio must hold 1.00 for the separate-run
+#: ratios of the rounds to mean anything
+AA = ("ft_nofault_fork", "ft_nofault_fork_aa")
 #: the contenders the >= 0.95 goodput target applies to (ft_hsdp every-step training)
 TARGETED = ("ft_faults", "ft_faults_warm", "ft_faults_fork")
 GOODPUT_TARGET = 0.95
@@ -497,7 +505,7 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             runs[name] = _run_ft(wdir, size, steps, groups, rpg, faults, heartbeat_ms, timeout,
                                  sync="diloco" if name.startswith("diloco") else "every_step",
                                  pin_cores=pin_cores, warm_spares=name.endswith("_warm"),
-                                 runner="forkserver" if name.endswith("_fork") else "torchrun")
+                                 runner="forkserver" if "_fork" in name else "torchrun")
         runs[name]["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     runs = {n: runs[n] for n in CONTENDERS if n in runs}
     global_batch = _global_batch(size, groups, rpg)
@@ -579,6 +587,10 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             summary.append(
                 {"ratio": f"{name} survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0}
             )
+    aa_sps = [figures.get(n, {}).get("goodput", {}).get("samples_per_s") for n in AA]
+    if all(aa_sps):  # one round: no interval, so no verdict (the rounds pooled give one)
+        summary.append({"ratio": f"A/A: {AA[0]} / {AA[1]} (committed samples/s)",
+                        "value": aa_sps[0] / aa_sps[1], "aa": True, "target": 1.0, "met": None})
     config = {**config, "global_batch": global_batch, "contenders": list(runs), "measured_now": names}
     result = {**common.header("ft_recovery", config), "figures": figures, "summary": summary,
               "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()}}
@@ -661,14 +673,40 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
                             "value": 1 - median_lost / kill_every,
                             **_target(1 - median_lost / kill_every, targeted)})
         figures[name] = fig_out
-    if not figures:
-        raise SystemExit(f"--pool: none of {dirs} holds a faulty contender's figures")
+    aa = _pooled_aa(rounds)
+    if aa is not None:
+        summary.append({"ratio": f"A/A: {AA[0]} / {AA[1]} (committed samples/s), "
+                                 f"{aa['rounds_paired']} rounds", "value": aa["value"], "ci95": aa["ci95"],
+                        "aa": True, "target": 1.0, "met": aa["met"]})
+        if not aa["met"]:  # the rounds' separate-run ratios cannot be trusted: no verdict on them
+            ci = aa["ci95"]
+            shown = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else " (no interval: < 2 rounds)"
+            for row in summary:
+                if row.get("target_min") is not None:
+                    row["met"] = None
+                    row["verdict"] = (f"withheld: the A/A pair came out at {aa['value']:.3f}{shown}, not an "
+                                      "interval holding 1.00; rerun more rounds on a quiet machine")
+    if not figures and aa is None:
+        raise SystemExit(f"--pool: none of {dirs} holds a faulty contender's figures or the A/A pair {AA}")
     config = {**{k: first.get(k) for k in POOL_KEYS}, "pooled": [str(p) for p, _ in rounds]}
-    result = {**common.header("ft_recovery_pooled", config), "figures": figures, "summary": summary}
+    result = {**common.header("ft_recovery_pooled", config), "figures": figures, "summary": summary,
+              "aa": aa}
     result["png_path"] = str(_plot_pool(figures, kill_every,
                                         Path(out_dir) / f"ft_recovery_pooled-{common.device_slug()}.png"))
     result["json_path"] = str(common.write_result("ft_recovery_pooled", result, Path(out_dir)))
     return result
+
+
+def _pooled_aa(rounds: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any] | None:
+    """The A/A pair over the rounds that ran both (:data:`AA`): per-round ratio of committed samples/s, its
+    interval, and whether that holds 1.00 (``timing_stats``); ``None`` when no round ran both."""
+    pairs = [[r.get("figures", {}).get(n, {}).get("goodput", {}).get("samples_per_s") for n in AA]
+             for _, r in rounds]
+    pairs = [p for p in pairs if all(p)]
+    if not pairs:
+        return None
+    return timing_stats.judge(timing_stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs]),
+                              None, aa=True)
 
 
 def _plot_pool(figures: dict[str, Any], kill_every: float | None, path: Path) -> Path:

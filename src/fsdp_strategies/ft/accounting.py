@@ -259,8 +259,8 @@ class StepAccounting:
 
     def shown_now(self, metrics: dict[str, float], trainer: Any) -> bool:
         """Whether this step's ``ft/*`` metrics go through Lightning's ``self.log`` (so that
-        ``trainer.callback_metrics`` -- callbacks, the progress bar, ``ModelCheckpoint(monitor=...)`` --
-        shows them at once, and the loggers receive them at a logging step): every step that did not go as
+        ``trainer.callback_metrics`` -- what callbacks and the progress bar read -- shows them at once, and
+        the loggers receive them at a logging step): every step that did not go as
         planned (discarded, healed, a group missing or left out), the last step (``max_steps``) and the last
         batch of an epoch (so that they are there when ``fit`` returns).
         """

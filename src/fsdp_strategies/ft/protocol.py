@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from array import array
@@ -240,6 +241,10 @@ def torchft_runtime_env() -> Iterator[dict[str, str]]:
                 del os.environ[k]
 
 
+#: one writer at a time in this process (a thread leaving the quorum writes its line beside the step's)
+_WRITING = threading.Lock()
+
+
 def _names(path: Path, fh: TextIO) -> bool:
     """Whether ``path`` still names the file open as ``fh``."""
     try:
@@ -308,16 +313,25 @@ class EventLog:
         stays open between lines (opening, creating the folder and closing it again per line was most of a
         step's events cost); it is opened again when the path no longer names it (removed or replaced)."""
         line = json.dumps({"t": time.time(), **record}) + "\n"
-        fh = self._writer
-        if fh is None or not _names(self.path, fh):
-            self.close()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fh = self._writer = self.path.open("a")
-        fh.write(line)
-        fh.flush()
+        with _WRITING:  # a leaving thread's line and the step's never share a write
+            fh = self._writer
+            if fh is None or not _names(self.path, fh):
+                self._close()
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fh = self._writer = self.path.open("a")
+            fh.write(line)
+            fh.flush()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickled, deep-copied) opens the file itself when it writes."""
+        return {**self.__dict__, "_writer": None}
 
     def close(self) -> None:
         """Close the file this process appends to (it is opened again by the next line)."""
+        with _WRITING:
+            self._close()
+
+    def _close(self) -> None:
         fh, self._writer = self._writer, None
         if fh is not None:
             fh.close()
