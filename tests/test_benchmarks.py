@@ -870,6 +870,29 @@ def test_ft_recovery_pool_combines_rounds_of_one_configuration(tmp_path: Path) -
         _pool([str(tmp_path / "missing")], tmp_path / "out")
 
 
+def test_ft_recovery_runs_the_contenders_in_the_order_given_and_reports_the_aa_ratio(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An A/A pair's order alternates between rounds (``--contenders`` in the order given); one round's A/A
+    ratio is reported without a verdict (no interval)."""
+    from suites import ft_recovery
+
+    ran: list[tuple[str, str]] = []
+
+    def fake_ft(work: Path, *args: object, runner: str = "torchrun", **kwargs: object) -> dict:
+        ran.append((work.name, runner))
+        rows = [{"t": 100.0 + 0.1 * s, "step": s, "committed": True, "participants": 2, "data_samples": 16}
+                for s in range(1, 41)]
+        return {"returncode": 0, "wall_s": 4.0, "timelines": {0: rows, 1: rows}, "kills": [], "restarts": []}
+
+    monkeypatch.setattr(ft_recovery, "_run_ft", fake_ft)
+    monkeypatch.setattr(ft_recovery, "_plot", lambda runs, path: path)
+    result = ft_recovery.run(quick=True, out_dir=tmp_path,
+                             contenders=["ft_nofault_fork_aa", "ft_nofault_fork"])
+    assert ran == [("ft_nofault_fork_aa", "forkserver"), ("ft_nofault_fork", "forkserver")]
+    (aa,) = [r for r in result["summary"] if r["ratio"].startswith("A/A")]
+    assert aa["value"] == pytest.approx(1.0) and aa["met"] is None and aa["aa"] is True
+
+
 def test_ft_recovery_pool_judges_the_aa_twin_and_withholds_the_verdicts_when_it_fails(tmp_path: Path) -> None:
     """Issue 43: ``ft_nofault_fork_aa`` is the suite's A/A pair; pooled over the rounds that ran both, its
     ratio's interval must hold 1.00, or the goodput verdicts of those rounds are withheld."""

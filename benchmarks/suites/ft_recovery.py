@@ -49,9 +49,14 @@ committed steps x the global batch.
     python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork --keep-other-runs
     python benchmarks/suites/ft_recovery.py --reanalyse     # figures from the stored runs, nothing rerun
     for r in 1 2 3; do python benchmarks/suites/ft_recovery.py --contenders ft_nofault_fork ft_faults_fork \
-        ft_nofault_fork_aa --heartbeat-ms 300 --out-dir /tmp/hb300/$r; done
+        --heartbeat-ms 300 --out-dir /tmp/hb300/$r; done
     python benchmarks/suites/ft_recovery.py --pool /tmp/hb300/1 /tmp/hb300/2 /tmp/hb300/3 \
         --out-dir benchmarks/results
+    for r in 1 2 3; do  # the A/A pair alone, its order alternating (contenders run in the order given)
+        if [ $((r % 2)) = 1 ]; then aa="ft_nofault_fork ft_nofault_fork_aa"; \
+        else aa="ft_nofault_fork_aa ft_nofault_fork"; fi
+        python benchmarks/suites/ft_recovery.py --contenders $aa --heartbeat-ms 300 --out-dir /tmp/aa/$r; done
+    python benchmarks/suites/ft_recovery.py --pool /tmp/aa/1 /tmp/aa/2 /tmp/aa/3 --out-dir /tmp/aa/pooled
     python benchmarks/run.py ft_recovery
 """
 
@@ -482,7 +487,9 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
     heartbeat_ms = common.pick(heartbeat_ms, quick, 1000, 1000)
     ckpt_every = common.pick(ckpt_every, quick, 20, 50)
     timeout = 900.0 if quick else 3600.0
-    names = [] if reanalyse else [n for n in CONTENDERS if not contenders or n in contenders]
+    # in the order given (an A/A pair's order alternates between rounds: the first job of a round meets a
+    # colder page cache), else the suite's
+    names = [] if reanalyse else [n for n in (contenders or CONTENDERS) if n in CONTENDERS]
     work = Path(out_dir) / "ft_recovery-work"
     config = {"size": size, "groups": groups, "ranks_per_group": rpg, "steps": steps,
               "kill_every_s": kill_every,
