@@ -698,8 +698,8 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
     config = {**{k: first.get(k) for k in POOL_KEYS}, "pooled": [str(p) for p, _ in rounds]}
     result = {**common.header("ft_recovery_pooled", config), "figures": figures, "summary": summary,
               "aa": aa}
-    result["png_path"] = str(_plot_pool(figures, kill_every,
-                                        Path(out_dir) / f"ft_recovery_pooled-{common.device_slug()}.png"))
+    png = Path(out_dir) / f"ft_recovery_pooled-{common.device_slug()}.png"
+    result["png_path"] = str(_plot_pool(figures, kill_every, png)) if figures else None  # A/A only: none
     result["json_path"] = str(common.write_result("ft_recovery_pooled", result, Path(out_dir)))
     return result
 

@@ -126,7 +126,9 @@ class HealState:
         and ~0.35 ms for a 16-layer model): the tensors of the last walk still have the same local tensors,
         and no parameter, buffer or module was registered or assigned anywhere since
         (:class:`_Registrations`; FSDP2's own swaps between a unit's sharded and unsharded parameters do
-        not register anything).
+        not register anything). Not seen: a parameter deleted from its module, or one replaced by
+        ``model.to(...)`` under ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` --
+        neither fires a registration hook, and neither FSDP2 nor Lightning does either between steps.
         """
         tensors = self._held_tensors
         if (self._model_held is not None and self._held_model is model
