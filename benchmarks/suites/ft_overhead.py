@@ -299,7 +299,7 @@ def pool(files: list[str], out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"--pool {' '.join(files)}: give two or more ft_overhead result files")
     first = results[0]
     for f, r in zip(files[1:], results[1:]):
-        differs = [k for k in POOLED_CONFIG if r["config"].get(k) != first["config"].get(k)]
+        differs = ft_recovery._config_differences(first["config"], r["config"], POOLED_CONFIG)
         if differs or r.get("device_name") != first.get("device_name"):
             raise ValueError(f"--pool: {f} ran other jobs or on another host than {files[0]} "
                              f"({', '.join(differs) or 'device_name'} differ). Fix: pool results of the same "

@@ -594,10 +594,9 @@ def run(quick: bool, out_dir: Path, sizes: list[str] | None = None, ranks: list[
             summary.append(
                 {"ratio": f"{name} survivors' max stall per fault [s]", "value": worst, "met": worst < 5.0}
             )
-    aa_sps = [figures.get(n, {}).get("goodput", {}).get("samples_per_s") for n in AA]
-    if all(aa_sps):  # one round: no interval, so no verdict (the rounds pooled give one)
-        summary.append({"ratio": f"A/A: {AA[0]} / {AA[1]} (committed samples/s)",
-                        "value": aa_sps[0] / aa_sps[1], "aa": True, "target": 1.0, "met": None})
+    aa = _pooled_aa([(Path(out_dir), {"figures": figures})])
+    if aa is not None:  # one round: no interval, so no verdict (the rounds pooled give one)
+        summary.append(_aa_row(aa, ""))
     config = {**config, "global_batch": global_batch, "contenders": list(runs), "measured_now": names}
     result = {**common.header("ft_recovery", config), "figures": figures, "summary": summary,
               "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()}}
@@ -682,9 +681,7 @@ def _pool(dirs: list[str], out_dir: Path) -> dict[str, Any]:
         figures[name] = fig_out
     aa = _pooled_aa(rounds)
     if aa is not None:
-        summary.append({"ratio": f"A/A: {AA[0]} / {AA[1]} (committed samples/s), "
-                                 f"{aa['rounds_paired']} rounds", "value": aa["value"], "ci95": aa["ci95"],
-                        "aa": True, "target": 1.0, "met": aa["met"]})
+        summary.append(_aa_row(aa, f", {aa['rounds_paired']} rounds"))
         if not aa["met"]:  # the rounds' separate-run ratios cannot be trusted: no verdict on them
             ci = aa["ci95"]
             shown = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else " (no interval: < 2 rounds)"
@@ -714,6 +711,12 @@ def _pooled_aa(rounds: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any] | No
         return None
     return timing_stats.judge(timing_stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs]),
                               None, aa=True)
+
+
+def _aa_row(aa: dict[str, Any], rounds: str) -> dict[str, Any]:
+    """The summary row of :func:`_pooled_aa`'s result (``rounds``: how many, in the label)."""
+    return {"ratio": f"A/A: {AA[0]} / {AA[1]} (committed samples/s){rounds}", "value": aa["value"],
+            "ci95": aa["ci95"], "aa": True, "target": 1.0, "met": aa["met"]}
 
 
 def _plot_pool(figures: dict[str, Any], kill_every: float | None, path: Path) -> Path:

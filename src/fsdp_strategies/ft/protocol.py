@@ -241,7 +241,8 @@ def torchft_runtime_env() -> Iterator[dict[str, str]]:
                 del os.environ[k]
 
 
-#: one writer at a time in this process (a thread leaving the quorum writes its line beside the step's)
+#: one writer at a time in this process: the open file is shared by every line, and ``leave_quorum`` (public)
+#: may be called from a thread of the user's beside the step's line
 _WRITING = threading.Lock()
 
 
@@ -313,7 +314,7 @@ class EventLog:
         stays open between lines (opening, creating the folder and closing it again per line was most of a
         step's events cost); it is opened again when the path no longer names it (removed or replaced)."""
         line = json.dumps({"t": time.time(), **record}) + "\n"
-        with _WRITING:  # a leaving thread's line and the step's never share a write
+        with _WRITING:
             fh = self._writer
             if fh is None or not _names(self.path, fh):
                 self._close()
